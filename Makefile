@@ -1,0 +1,32 @@
+# A new user's commands: `make test` and `make run` do all the set-up themselves.
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-stamp
+
+.PHONY: setup lint typecheck test run bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy sched_core flows deployments controller
+
+test: lint typecheck
+	$(VENV)/bin/pytest
+
+run: setup
+	$(VENV)/bin/sched preview --schedules examples/schedules.json
+
+bench: setup
+	$(PY) bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,236 @@
+"""The wire format: schedule rows and the cache file, byte-for-byte the Go kit's JSON.
+
+Rule: ``model_dump_json()`` of every model here is what Go's ``encoding/json``
+writes for the same value: the same field order, ``omitempty`` fields left out
+when empty, map keys sorted, ``<``, ``>`` and ``&`` escaped, times in RFC 3339
+with trailing fractional zeros trimmed and ``0001-01-01T00:00:00Z`` for "never".
+Parsing accepts what Go writes (up to 9 fractional digits, any UTC offset,
+fields it does not know).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+DAY_NAMES: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+"""Go's three-letter lowercase weekday names, indexed like ``datetime.weekday()``."""
+
+GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+"""How Go writes a ``time.Time`` that was never set."""
+
+_DIGITS = re.compile(r"[0-9]{1,2}")
+_GO_ESCAPES = {
+    "<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029",
+}
+_GO_ESCAPE_RE = re.compile("[<>&\u2028\u2029]")
+
+
+def format_go_time(value: datetime | None) -> str:
+    """Return value as Go's RFC 3339 (nano) text in UTC; the zero time for None."""
+    if value is None:
+        return GO_ZERO_TIME
+    value = value.astimezone(UTC)
+    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    if value.microsecond:
+        text += ("." + f"{value.microsecond:06d}").rstrip("0")
+    return text + "Z"
+
+
+def parse_go_time(value: object) -> datetime | None:
+    """Return an aware UTC datetime from Go's RFC 3339 text; None for the zero time."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        parsed = value
+    elif isinstance(value, str):
+        parsed = datetime.fromisoformat(value)
+    else:
+        raise ValueError(f"expected an RFC 3339 time string, got {type(value).__name__}")
+    if parsed.tzinfo is None:
+        raise ValueError(f"time {value!r} has no UTC offset")
+    parsed = parsed.astimezone(UTC)
+    if parsed.year == 1 and parsed.month == 1 and parsed.day == 1 and parsed.hour == 0:
+        return None
+    return parsed
+
+
+def _go_escape(text: str) -> str:
+    return _GO_ESCAPE_RE.sub(lambda m: _GO_ESCAPES[m.group(0)], text)
+
+
+class _WireModel(BaseModel):
+    """A model whose JSON escapes HTML characters as Go's encoder does."""
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        return _go_escape(super().model_dump_json(**kwargs))
+
+
+class MissPolicy(StrEnum):
+    """What to do about windows that passed while the agent was down."""
+
+    SKIP = "skip"
+    RUN_ONCE_WITHIN_24H = "run-once-within-24h"
+    RUN_ALL = "run-all"
+
+
+def _check_number(value: str, low: int, high: int, what: str) -> None:
+    if not _DIGITS.fullmatch(value) or not low <= int(value) <= high:
+        raise ValueError(f"{what} {value!r} is not a number from {low} to {high}")
+
+
+class Schedule(_WireModel):
+    """The cron-like shape of a schedule: days, hours and minute, an interval, or an event."""
+
+    model_config = ConfigDict(extra="ignore", frozen=False)
+
+    days: list[str] | None = None
+    hours: list[str] | None = None
+    minute: str = ""
+    interval_minutes: int | None = None
+    on: str = ""
+
+    @property
+    def is_event(self) -> bool:
+        """True when the schedule never fires on the clock (``on`` is set)."""
+        return self.on != ""
+
+    @property
+    def is_interval(self) -> bool:
+        """True when ``interval_minutes`` overrides days, hours and minute."""
+        return not self.is_event and self.interval_minutes is not None
+
+    @property
+    def has_wildcard_hours(self) -> bool:
+        """True when hours contains ``*``: it fires in both copies of a repeated hour."""
+        return self.hours is not None and "*" in self.hours
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> Self:
+        if self.is_event:
+            return self
+        if self.interval_minutes is not None:
+            if self.interval_minutes < 1:
+                raise ValueError(f"interval_minutes {self.interval_minutes} is below 1")
+            return self
+        if not self.days:
+            raise ValueError("days is empty or null on a clock schedule")
+        if not self.hours:
+            raise ValueError("hours is empty or null on a clock schedule")
+        for day in self.days:
+            if day != "*" and day not in DAY_NAMES:
+                raise ValueError(f"unknown day name {day!r} (expected mon..sun or *)")
+        for hour in self.hours:
+            if hour != "*":
+                _check_number(hour, 0, 23, "hour")
+        _check_number(self.minute, 0, 59, "minute")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            if self.interval_minutes is None:
+                data.pop("interval_minutes", None)
+            if not self.on:
+                data.pop("on", None)
+        return data
+
+
+class LocalSchedule(_WireModel):
+    """One schedule row as the controller serves it and the cache stores it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = Field(min_length=1)
+    name: str
+    repo_id: str = ""
+    action: str = Field(min_length=1)
+    storage: str = ""
+    schedule: Schedule
+    miss_policy: MissPolicy
+    enabled: bool
+    params: dict[str, Any] | None = None
+    version: int = 0
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            if not self.storage:
+                data.pop("storage", None)
+            if not self.params:
+                data.pop("params", None)
+        return data
+
+
+class Cache(_WireModel):
+    """The on-disk cache: the Go kit's three fields plus ones Go ignores.
+
+    ``first_seen_at`` records when this agent first saw each schedule (no
+    window before that minute ever fires); ``last_tick_at`` is the logical time
+    of the last completed tick. Rows are kept as validated models; invalid rows
+    in a cache file are dropped on load by :mod:`sched_core.cache`.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    schedules: list[LocalSchedule] = Field(default_factory=list)
+    last_fired_at: dict[str, datetime] = Field(default_factory=dict)
+    last_fetched_at: datetime | None = None
+    first_seen_at: dict[str, datetime] = Field(default_factory=dict)
+    last_tick_at: datetime | None = None
+
+    @field_validator("schedules", mode="before")
+    @classmethod
+    def _null_schedules(cls, value: object) -> object:
+        return [] if value is None else value
+
+    @field_validator("last_fired_at", "first_seen_at", mode="before")
+    @classmethod
+    def _parse_time_map(cls, value: object) -> dict[str, datetime]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ValueError("expected an object of schedule id to time")
+        parsed = {str(key): parse_go_time(item) for key, item in value.items()}
+        return {key: item for key, item in parsed.items() if item is not None}
+
+    @field_validator("last_fetched_at", "last_tick_at", mode="before")
+    @classmethod
+    def _parse_time(cls, value: object) -> datetime | None:
+        return parse_go_time(value)
+
+    @field_serializer("last_fired_at", "first_seen_at")
+    def _dump_time_map(self, value: dict[str, datetime]) -> dict[str, str]:
+        return {key: format_go_time(value[key]) for key in sorted(value)}
+
+    @field_serializer("last_fetched_at", "last_tick_at")
+    def _dump_time(self, value: datetime | None) -> str:
+        return format_go_time(value)
+
+    @model_serializer(mode="wrap")
+    def _omit_ours_when_empty(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            if not self.first_seen_at:
+                data.pop("first_seen_at", None)
+            if self.last_tick_at is None:
+                data.pop("last_tick_at", None)
+        return data
