@@ -1,0 +1,1 @@
+"""Fixtures for a real Prefect server (a session-scoped test harness)."""
