@@ -1,0 +1,352 @@
+"""The controller's HTTP API: the schedules agents pull, CRUD for schedules and tasks.
+
+Rule: authentication runs before anything reads the request body, and every
+answer about schedules is built from ``LocalSchedule.model_dump_json()``, so the
+bytes on the wire are the Go kit's JSON.
+
+Endpoints (every ``/api`` one needs ``Authorization: Bearer <token>``):
+
+====== ================================== =============== ===========================
+method path                               who             answer
+====== ================================== =============== ===========================
+GET    /healthz                           anyone          ``{"status": "ok"}`` or 503
+GET    /api/schedules?node=N              admin, node N   ``{"schedules": [...]}`` + ETag
+GET    /api/nodes                         admin           ``{"nodes": [...]}``
+GET    /api/nodes/{node}/schedules        admin, node     as ``/api/schedules?node=``
+GET    /api/nodes/{node}/schedules/{id}   admin, node     one row, or 404
+PUT    /api/nodes/{node}/schedules/{id}   admin           the stored row (version bumped)
+DELETE /api/nodes/{node}/schedules/{id}   admin           204, or 404
+GET    /api/tasks                         admin           ``{"tasks": [...]}``
+GET    /api/tasks/{name}                  admin           one task, or 404
+PUT    /api/tasks/{name}                  admin           the stored task
+DELETE /api/tasks/{name}                  admin           204, or 404
+====== ================================== =============== ===========================
+
+A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
+token outside its node, or on a write, gets 403. An invalid body gets 422 with
+``{"detail": [{"field": "schedule", "loc": [...], "msg": "...", "type": "..."}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from controller import schedules as schedule_store
+from controller import store as task_store
+from controller.auth import Principal, Tokens, bearer_token
+from controller.models import TaskIn
+from sched_core.model import LocalSchedule
+
+log = logging.getLogger("controller.api")
+access_log = logging.getLogger("controller.access")
+
+MAX_BODY_BYTES = 1 << 20
+"""A schedule or task body larger than this is refused with 413."""
+
+T = TypeVar("T")
+
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
+def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
+    """Return the dotted field name of a validation error location, without its source."""
+    parts = [str(part) for part in loc]
+    if parts and parts[0] in _LOCATIONS:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _error_entry(
+    loc: tuple[Any, ...] | list[Any], msg: str, kind: str, value: Any = None
+) -> dict[str, Any]:
+    entry = {
+        "field": _field_name(loc),
+        "loc": list(loc),
+        "msg": msg.removeprefix("Value error, "),
+        "type": kind,
+    }
+    # Echo a bad scalar so the answer names the value too; never a whole object.
+    if isinstance(value, str | int | float | bool) and len(str(value)) <= 200:
+        entry["input"] = value
+    return entry
+
+
+def _body_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Return a pydantic error as 422 entries located in the body (no input echoed)."""
+    return [
+        _error_entry(("body", *err["loc"]), err["msg"], err["type"], err.get("input"))
+        for err in exc.errors(include_url=False, include_context=False)
+    ]
+
+
+def _unprocessable(loc: tuple[str, ...], msg: str, kind: str = "value_error") -> JSONResponse:
+    return JSONResponse({"detail": [_error_entry(loc, msg, kind)]}, status_code=422)
+
+
+def schedules_body(rows: list[LocalSchedule]) -> bytes:
+    """Return the pull answer ``{"schedules":[...]}`` exactly as the Go controller writes it."""
+    return b'{"schedules":[' + ",".join(row.model_dump_json() for row in rows).encode() + b"]}"
+
+
+def etag_header(value: str) -> str:
+    """Return a store's ETag value as a quoted entity tag (already-quoted values kept)."""
+    if value.startswith(('"', 'W/"')):
+        return value
+    return f'"{value}"'
+
+
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """Return whether an ``If-None-Match`` header matches etag (weak comparison, RFC 9110)."""
+    if not if_none_match:
+        return False
+    if if_none_match.strip() == "*":
+        return True
+    wanted = etag.removeprefix("W/")
+    return any(part.strip().removeprefix("W/") == wanted for part in if_none_match.split(","))
+
+
+class AccessLogMiddleware:
+    """Log one line per request: method, path, node, principal, status, duration.
+
+    Headers are never logged, so neither is the ``Authorization`` header.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+        state: dict[str, Any] = scope.setdefault("state", {})
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            principal = state.get("principal")
+            node = state.get("node", "-")
+            who = principal.label if isinstance(principal, Principal) else "-"
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            access_log.info(
+                "%s %s node=%s principal=%s status=%d %.1fms",
+                scope["method"], scope["path"], node, who, status, elapsed_ms,
+                extra={
+                    "method": scope["method"], "path": scope["path"], "node": node,
+                    "principal": who, "status": status, "duration_ms": round(elapsed_ms, 3),
+                },
+            )
+
+
+def create_app(
+    engine: Engine,
+    tokens: Tokens,
+    *,
+    on_task_saved: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """Return the API app over engine, authenticating with tokens.
+
+    ``on_task_saved(name)`` is called after a task is saved, so an in-process
+    central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
+    """
+    app = FastAPI(title="sched controller", version="1", docs_url="/docs", redoc_url=None)
+    app.add_middleware(AccessLogMiddleware)
+
+    def in_session(work: Callable[[Session], T]) -> T:
+        with Session(engine) as session:
+            result = work(session)
+            session.commit()
+            return result
+
+    def authenticate(request: Request) -> Principal:
+        token = bearer_token(request.headers.get("authorization"))
+        principal = tokens.authenticate(token)
+        if principal is None:
+            detail = "missing bearer token" if token is None else "invalid bearer token"
+            challenge = "Bearer" if token is None else 'Bearer error="invalid_token"'
+            raise HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
+        request.state.principal = principal
+        return principal
+
+    def require_admin(request: Request) -> Principal:
+        principal = authenticate(request)
+        if not principal.is_admin:
+            raise HTTPException(403, "this endpoint needs the admin token")
+        return principal
+
+    def require_node(request: Request, node: str) -> Principal:
+        request.state.node = node
+        principal = authenticate(request)
+        if not principal.may_read_node(node):
+            raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
+        return principal
+
+    async def read_object(request: Request, key: str, value: str) -> dict[str, Any] | Response:
+        """Return the JSON object body with key defaulted to value, or a 413/422 answer."""
+        body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            return JSONResponse({"detail": f"body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _unprocessable(("body",), f"invalid JSON: {exc}", "json_invalid")
+        if not isinstance(data, dict):
+            return _unprocessable(("body",), "expected a JSON object", "model_type")
+        data.setdefault(key, value)
+        if data[key] != value:
+            return _unprocessable(
+                ("body", key), f"{key} {data[key]!r} differs from the path's {value!r}"
+            )
+        return data
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            _error_entry(tuple(err.get("loc", ())), str(err.get("msg", "")), str(err.get("type")))
+            for err in exc.errors()
+        ]
+        return JSONResponse({"detail": errors}, status_code=422)
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        try:
+            in_session(lambda session: session.execute(text("SELECT 1")).scalar_one())
+        except Exception as exc:
+            # The message may carry a connection string: log its type, answer generically.
+            log.warning("health check failed", extra={"error": type(exc).__name__})
+            return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
+        return JSONResponse({"status": "ok", "database": "ok"})
+
+    def pull_answer(request: Request, node: str) -> Response:
+        require_node(request, node)
+        rows, value = in_session(lambda session: schedule_store.list_schedules(session, node))
+        etag = etag_header(value)
+        headers = {"ETag": etag, "Cache-Control": "private, no-cache", "Vary": "Authorization"}
+        if etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        return Response(schedules_body(rows), media_type="application/json", headers=headers)
+
+    @app.get("/api/schedules")
+    def list_schedules(request: Request, node: str | None = None) -> Response:
+        # node is checked here, not by FastAPI, so that a missing token is a 401 first.
+        authenticate(request)
+        if not node:
+            return _unprocessable(("query", "node"), "node is required (?node=NAME)", "missing")
+        return pull_answer(request, node)
+
+    @app.get("/api/nodes")
+    def list_nodes(request: Request) -> JSONResponse:
+        require_admin(request)
+        return JSONResponse({"nodes": in_session(schedule_store.list_nodes)})
+
+    @app.get("/api/nodes/{node}/schedules")
+    def list_node_schedules(request: Request, node: str) -> Response:
+        return pull_answer(request, node)
+
+    @app.get("/api/nodes/{node}/schedules/{schedule_id}")
+    def get_schedule(request: Request, node: str, schedule_id: str) -> Response:
+        require_node(request, node)
+        row = in_session(lambda s: schedule_store.get_schedule(s, node, schedule_id))
+        if row is None:
+            raise HTTPException(404, f"no schedule {schedule_id!r} on node {node!r}")
+        return Response(row.model_dump_json(), media_type="application/json")
+
+    @app.put("/api/nodes/{node}/schedules/{schedule_id}")
+    async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
+        request.state.node = node
+        require_admin(request)
+        data = await read_object(request, "id", schedule_id)
+        if isinstance(data, Response):
+            return data
+        try:
+            row = LocalSchedule.model_validate(data)
+        except ValidationError as exc:
+            return JSONResponse({"detail": _body_errors(exc)}, status_code=422)
+        stored = await run_in_threadpool(
+            in_session, lambda s: schedule_store.put_schedule(s, node, row)
+        )
+        log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
+                                           "version": stored.version})
+        return Response(stored.model_dump_json(), media_type="application/json")
+
+    @app.delete("/api/nodes/{node}/schedules/{schedule_id}", status_code=204)
+    def delete_schedule(request: Request, node: str, schedule_id: str) -> Response:
+        request.state.node = node
+        require_admin(request)
+        if not in_session(lambda s: schedule_store.delete_schedule(s, node, schedule_id)):
+            raise HTTPException(404, f"no schedule {schedule_id!r} on node {node!r}")
+        log.info("schedule deleted", extra={"node": node, "schedule_id": schedule_id})
+        return Response(status_code=204)
+
+    @app.get("/api/tasks")
+    def list_tasks(request: Request) -> JSONResponse:
+        require_admin(request)
+        tasks = in_session(lambda s: [_task_json(t) for t in task_store.list_tasks(s)])
+        return JSONResponse({"tasks": tasks})
+
+    @app.get("/api/tasks/{name}")
+    def get_task(request: Request, name: str) -> JSONResponse:
+        require_admin(request)
+        found = in_session(lambda s: _optional_task_json(task_store.get_task(s, name)))
+        if found is None:
+            raise HTTPException(404, f"no task {name!r}")
+        return JSONResponse(found)
+
+    @app.put("/api/tasks/{name}")
+    async def put_task(request: Request, name: str) -> Response:
+        require_admin(request)
+        data = await read_object(request, "name", name)
+        if isinstance(data, Response):
+            return data
+        try:
+            task = TaskIn.model_validate(data)
+        except ValidationError as exc:
+            return JSONResponse({"detail": _body_errors(exc)}, status_code=422)
+        stored = await run_in_threadpool(
+            in_session, lambda s: _task_json(task_store.save_task(s, task))
+        )
+        log.info("task saved", extra={"task": name})
+        if on_task_saved is not None:
+            on_task_saved(name)
+        return JSONResponse(stored)
+
+    @app.delete("/api/tasks/{name}", status_code=204)
+    def delete_task(request: Request, name: str) -> Response:
+        require_admin(request)
+        if not in_session(lambda s: task_store.delete_task(s, name)):
+            raise HTTPException(404, f"no task {name!r}")
+        log.info("task deleted", extra={"task": name})
+        return Response(status_code=204)
+
+    return app
+
+
+def _task_json(task: Any) -> dict[str, Any]:
+    """Return a stored task as JSON-ready data (called inside its session)."""
+    data: dict[str, Any] = task.model_dump(mode="json")
+    return data
+
+
+def _optional_task_json(task: Any) -> dict[str, Any] | None:
+    return None if task is None else _task_json(task)

@@ -1,0 +1,108 @@
+"""``sched controller``: serve the API and the central scheduler, run the migrations.
+
+Configuration comes from the environment (see :mod:`controller.auth` for tokens,
+:mod:`controller.db` for ``SCHED_DATABASE_URL``); flags override the URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+from controller.auth import Tokens
+from sched_core.errors import ConfigError
+
+app = typer.Typer(
+    help="The controller: the schedule API agents pull from, and the central scheduler.",
+    no_args_is_help=True,
+)
+
+_URL_HELP = "Database URL (default: SCHED_DATABASE_URL, else the embedded SQLite file)."
+
+
+def _setup_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(
+            level=level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8080, help="Port to listen on."),
+    api_only: bool = typer.Option(False, "--api-only", help="Run the HTTP API only."),
+    scheduler_only: bool = typer.Option(
+        False, "--scheduler-only", help="Run the central scheduler only (no HTTP)."
+    ),
+    insecure_no_auth: bool = typer.Option(
+        False,
+        "--insecure-no-auth",
+        help="Serve without tokens: every caller is the admin. Never on a shared network.",
+    ),
+    database_url: str | None = typer.Option(None, "--database-url", help=_URL_HELP),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Run the API and the central scheduler in one process (or either alone, to scale)."""
+    from controller.server import run
+
+    if api_only and scheduler_only:
+        raise typer.BadParameter("--api-only and --scheduler-only exclude each other")
+    _setup_logging(log_level)
+    tokens: Tokens | None = None
+    if not scheduler_only:
+        try:
+            tokens = Tokens.from_env()
+        except ConfigError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        if insecure_no_auth:
+            logging.getLogger("controller.cli").warning(
+                "serving WITHOUT authentication (--insecure-no-auth): every caller is the admin"
+            )
+            tokens = Tokens(insecure=True)
+        elif not tokens.has_admin:
+            typer.echo(
+                "error: no admin token: set SCHED_ADMIN_TOKEN (or `admin` in the file named "
+                "by SCHED_TOKENS_FILE), or pass --insecure-no-auth to serve without tokens",
+                err=True,
+            )
+            raise typer.Exit(2)
+    run(
+        url=database_url,
+        tokens=tokens,
+        host=host,
+        port=port,
+        api=not scheduler_only,
+        scheduler=not api_only,
+        log_level=log_level,
+    )
+
+
+@app.command()
+def migrate(
+    revision: str | None = typer.Option(
+        None, help="Target revision (default: head; required with --downgrade, e.g. -1 or base)."
+    ),
+    downgrade: bool = typer.Option(False, "--downgrade", help="Go down to --revision."),
+    database_url: str | None = typer.Option(None, "--database-url", help=_URL_HELP),
+) -> None:
+    """Upgrade the database to the latest schema (or --downgrade to a revision)."""
+    from controller import db
+
+    url = db.database_url(database_url)
+    if downgrade:
+        if revision is None:
+            typer.echo("error: --downgrade needs --revision (e.g. -1 or base)", err=True)
+            raise typer.Exit(2)
+        db.downgrade(url, revision)
+        typer.echo(f"downgraded {db.safe_url(url)} to {revision}")
+        return
+    target = revision or "head"
+    db.migrate(url, target)
+    typer.echo(f"migrated {db.safe_url(url)} to {target}")

@@ -1,0 +1,139 @@
+"""The controller process: the HTTP API under uvicorn, the central scheduler, or both.
+
+Rule: this is the imperative shell. It opens the one engine of the process,
+starts what was asked for, waits for SIGINT/SIGTERM (uvicorn's, or ours when
+there is no API), then stops the scheduler and disposes the engine, in that
+order, whatever failed in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import uvicorn
+from sqlalchemy.engine import Engine
+
+from controller.api import create_app
+from controller.auth import Tokens
+from controller.db import make_engine, safe_url
+
+log = logging.getLogger("controller.server")
+
+
+def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    """Return the uvicorn settings the controller runs with.
+
+    uvicorn's own access log is off: :class:`controller.api.AccessLogMiddleware`
+    logs each request with its node and principal and never a header.
+    """
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        access_log=False,
+        ws="none",
+        lifespan="off",
+        log_level=log_level,
+        server_header=False,
+    )
+
+
+@contextmanager
+def central_scheduler(engine: Engine, enabled: bool) -> Iterator[object | None]:
+    """Run the central scheduler while the block runs (or nothing when not enabled)."""
+    if not enabled:
+        yield None
+        return
+    from controller.central import CentralScheduler
+
+    scheduler = CentralScheduler(engine)
+    scheduler.start()
+    log.info("central scheduler started")
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
+        log.info("central scheduler stopped")
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        log.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(
+    *,
+    url: str | None,
+    tokens: Tokens | None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api: bool = True,
+    scheduler: bool = True,
+    log_level: str = "info",
+) -> None:
+    """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
+    engine = make_engine(url)
+    log.info("controller starting", extra={"database": safe_url(engine), "api": api,
+                                            "scheduler": scheduler})
+    try:
+        with central_scheduler(engine, scheduler) as central:
+            if not api:
+                _wait_for_signal()
+                return
+            if tokens is None:
+                raise ValueError("the API needs a token configuration")
+            wake = getattr(central, "wake", None)
+            app = create_app(
+                engine, tokens, on_task_saved=(lambda _name: wake()) if wake else None
+            )
+            uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+    finally:
+        engine.dispose()
+        log.info("controller stopped")
+
+
+@contextmanager
+def serve_in_thread(app: object, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve app with uvicorn in a thread while the block runs; yield its base URL.
+
+    For tests and benchmarks: the socket is bound first (port 0 picks a free
+    one), so the URL is known before the server starts.
+    """
+    import socket
+    import time
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+            time.sleep(0.01)  # polling for the server to come up
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
