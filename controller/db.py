@@ -1,0 +1,137 @@
+"""Engines, URLs and migrations for the controller's database.
+
+Rule: every engine the controller opens is made here, by :func:`make_engine`,
+so every connection carries an ``application_name`` (Postgres) and SQLite gets
+the same settings (WAL, a busy timeout, foreign keys) in every process.
+
+The embedded default is a SQLite file, ``<project>/.data/controller.db``;
+``SCHED_DATABASE_URL`` selects another database, e.g.
+``postgresql+psycopg://user:pw@host:5432/sched``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlmodel import create_engine
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+"""The checkout (or install) root: the parent of the ``controller`` package."""
+
+DATA_DIR = PROJECT_ROOT / ".data"
+"""The project's data folder (git-ignored)."""
+
+DEFAULT_SQLITE_PATH = DATA_DIR / "controller.db"
+"""Where the embedded default database lives."""
+
+DATABASE_URL_ENV = "SCHED_DATABASE_URL"
+"""The environment variable naming the database URL."""
+
+APPLICATION_NAME = "sched-controller"
+"""The default Postgres ``application_name`` for controller connections."""
+
+_MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def database_url(url: str | URL | None = None) -> URL:
+    """Return the database URL: url, else ``SCHED_DATABASE_URL``, else the SQLite default.
+
+    A ``postgresql://`` or ``postgres://`` URL is given the psycopg 3 driver.
+    """
+    text = url if url is not None else os.environ.get(DATABASE_URL_ENV) or ""
+    if not text:
+        return make_url(f"sqlite:///{DEFAULT_SQLITE_PATH}")
+    parsed = make_url(text)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def is_postgres(url: str | URL | Engine) -> bool:
+    """Return True when url (or the engine's URL) is a PostgreSQL one."""
+    if isinstance(url, Engine):
+        return url.dialect.name == "postgresql"
+    return make_url(url).get_backend_name() == "postgresql"
+
+
+def safe_url(url: str | URL | Engine) -> str:
+    """Return url as text with any password masked, fit for logs and errors."""
+    if isinstance(url, Engine):
+        url = url.url
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def libpq_conninfo(url: str | URL) -> str:
+    """Return a libpq URI for a SQLAlchemy Postgres URL (for a raw psycopg connection)."""
+    parsed = database_url(url)
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets readers run beside the one writer; several scheduler processes share the file.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def make_engine(
+    url: str | URL | None = None,
+    *,
+    application_name: str = APPLICATION_NAME,
+    pool_size: int = 5,
+    **kwargs: Any,
+) -> Engine:
+    """Return a new engine for url (see :func:`database_url`); the caller disposes it.
+
+    On SQLite the file's folder is created, and every connection gets WAL mode,
+    foreign keys and a 30 s busy timeout. On Postgres every connection carries
+    ``application_name`` so ``pg_stat_activity`` can count them.
+    """
+    parsed = database_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(
+            parsed,
+            connect_args={"timeout": 30, "check_same_thread": False},
+            **kwargs,
+        )
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if parsed.get_backend_name() == "postgresql":
+        return create_engine(
+            parsed,
+            connect_args={"application_name": application_name},
+            pool_size=pool_size,
+            max_overflow=kwargs.pop("max_overflow", 5),
+            pool_pre_ping=True,
+            **kwargs,
+        )
+    return create_engine(parsed, **kwargs)
+
+
+def alembic_config(url: str | URL | None = None) -> Config:
+    """Return an Alembic config for the controller's migrations, programmatically built."""
+    config = Config()
+    config.set_main_option("script_location", str(_MIGRATIONS))
+    config.attributes["url"] = database_url(url)
+    return config
+
+
+def migrate(url: str | URL | None = None, revision: str = "head") -> None:
+    """Upgrade the database at url (default: see :func:`database_url`) to revision."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str | URL | None = None, revision: str = "base") -> None:
+    """Downgrade the database at url to revision (default: drop everything we made)."""
+    command.downgrade(alembic_config(url), revision)

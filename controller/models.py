@@ -1,0 +1,249 @@
+"""The controller's tables (SQLModel) and the task input model.
+
+Rule: every time column is a :class:`UtcDateTime`: it stores UTC (naive text
+on SQLite, ``timestamptz`` on Postgres) and always gives back an aware UTC
+datetime, so code never compares naive and aware times.
+
+Tables:
+
+- ``agent_schedule``: the agents' wire-format rows (:class:`sched_core.LocalSchedule`)
+  per node, with a version that increases on every change.
+- ``node_revision``: one row per node whose schedule list ever changed; its
+  revision (and a random epoch) make the list's ETag.
+- ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
+  schedule shape, target, payload, ``next_run_at``, status, lease columns).
+- ``task_dispatch``: one row per (task name, scheduled time) ever dispatched;
+  its unique key is what makes a dispatch happen exactly once.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import field_validator, model_validator
+from sqlalchemy import JSON, Column, DateTime, Index, Text, UniqueConstraint
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Field, SQLModel
+
+from sched_core.model import Schedule
+
+DEFAULT_TIMEZONE = "America/New_York"
+"""The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
+
+TASK_EVENT_PREFIX = "sched.task."
+"""Every event a task emits is in this domain."""
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware datetime stored as UTC; naive values are refused."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r} given for a UTC column")
+        value = value.astimezone(UTC)
+        if dialect.name == "sqlite":
+            return value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def utc_now() -> datetime:
+    """Return the wall clock as an aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+class TaskStatus(StrEnum):
+    """Whether the central scheduler fires a task."""
+
+    ACTIVE = "active"
+    DISABLED = "disabled"
+    DONE = "done"
+
+
+class DispatchStatus(StrEnum):
+    """Where one (task, scheduled time) dispatch stands."""
+
+    DISPATCHING = "dispatching"
+    DISPATCHED = "dispatched"
+    FAILED = "failed"
+
+
+class AgentSchedule(SQLModel, table=True):
+    """One wire-format schedule row of one node; (node, id) is the key."""
+
+    __tablename__ = "agent_schedule"
+
+    node: str = Field(primary_key=True, max_length=200)
+    id: str = Field(primary_key=True, max_length=200)
+    name: str = Field(sa_type=Text)
+    repo_id: str = Field(default="", sa_type=Text)
+    action: str = Field(sa_type=Text)
+    storage: str = Field(default="", sa_type=Text)
+    schedule: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    miss_policy: str = Field(max_length=40)
+    enabled: bool = True
+    params: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    version: int = 1
+    updated_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
+    )
+
+
+class NodeRevision(SQLModel, table=True):
+    """A node's schedule-list revision: bumped in the same transaction as any change."""
+
+    __tablename__ = "node_revision"
+
+    node: str = Field(primary_key=True, max_length=200)
+    epoch: str = Field(max_length=40)
+    revision: int = 1
+
+
+class ScheduledTask(SQLModel, table=True):
+    """A centrally fired task: exactly one of cron, schedule (shape) or run_at says when."""
+
+    __tablename__ = "scheduled_task"
+    __table_args__ = (Index("ix_scheduled_task_due", "status", "next_run_at"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    name: str = Field(max_length=200, unique=True)
+    cron: str | None = Field(default=None, sa_type=Text)
+    schedule: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    timezone: str = Field(default=DEFAULT_TIMEZONE, max_length=64)
+    run_at: datetime | None = Field(default=None, sa_column=Column(UtcDateTime, nullable=True))
+    event: str | None = Field(default=None, sa_type=Text)
+    deployment: str | None = Field(default=None, sa_type=Text)
+    payload: dict[str, Any] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False)
+    )
+    status: str = Field(default=TaskStatus.ACTIVE.value, max_length=16)
+    next_run_at: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True)
+    )
+    locked_by: str | None = Field(default=None, max_length=200)
+    locked_until: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True)
+    )
+    last_run_at: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True)
+    )
+    attempts: int = 0
+    last_error: str | None = Field(default=None, sa_type=Text)
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
+    )
+    updated_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
+    )
+
+
+class TaskDispatch(SQLModel, table=True):
+    """One (task name, scheduled time) handed to the dispatcher; the pair is unique."""
+
+    __tablename__ = "task_dispatch"
+    __table_args__ = (
+        UniqueConstraint("task_name", "scheduled_at", name="uq_task_dispatch_task_time"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    task_name: str = Field(max_length=200)
+    scheduled_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    worker_id: str = Field(max_length=200)
+    status: str = Field(default=DispatchStatus.DISPATCHING.value, max_length=16)
+    started_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
+    )
+    finished_at: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True)
+    )
+    error: str | None = Field(default=None, sa_type=Text)
+
+
+class TaskIn(SQLModel):
+    """What a client sends to create or replace a task (validated, never stored as is).
+
+    - ``name``: unique; saving an existing name replaces that task.
+    - When: exactly one of ``cron`` (five fields, e.g. ``"30 2 * * mon-fri"``),
+      ``schedule`` (a :class:`sched_core.Schedule` shape; not an event one) or
+      ``run_at`` (a one-shot time with a UTC offset). ``cron`` and ``schedule``
+      are matched in ``timezone`` (an IANA name, default America/New_York).
+    - Target: exactly one of ``event`` (a name in the ``sched.task.*`` domain;
+      ``"backup.done"`` is read as ``"sched.task.backup.done"``) or
+      ``deployment`` (``"flow-name/deployment-name"``).
+    - ``payload``: a JSON object sent with the event, or the deployment's parameters.
+    - ``status``: ``active`` (default), ``disabled`` or ``done``.
+    """
+
+    name: str = Field(min_length=1, max_length=200)
+    cron: str | None = None
+    schedule: Schedule | None = None
+    timezone: str = DEFAULT_TIMEZONE
+    run_at: datetime | None = None
+    event: str | None = None
+    deployment: str | None = None
+    payload: dict[str, Any] = Field(default_factory=dict)
+    status: TaskStatus = TaskStatus.ACTIVE
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown timezone {value!r}") from exc
+        return value
+
+    @field_validator("run_at")
+    @classmethod
+    def _aware_run_at(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("run_at has no UTC offset")
+        return value.astimezone(UTC) if value is not None else None
+
+    @field_validator("event")
+    @classmethod
+    def _event_domain(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        if not value or value == TASK_EVENT_PREFIX.rstrip("."):
+            raise ValueError("event name is empty")
+        if not value.startswith(TASK_EVENT_PREFIX):
+            if value.startswith("sched."):
+                raise ValueError(f"event {value!r} is outside the sched.task.* domain")
+            value = TASK_EVENT_PREFIX + value
+        return value
+
+    @model_validator(mode="after")
+    def _one_when_one_target(self) -> TaskIn:
+        whens = [n for n in ("cron", "schedule", "run_at") if getattr(self, n) is not None]
+        if len(whens) != 1:
+            raise ValueError(
+                "exactly one of cron, schedule or run_at is required"
+                + (f" (got {', '.join(whens)})" if whens else "")
+            )
+        targets = [n for n in ("event", "deployment") if getattr(self, n)]
+        if len(targets) != 1:
+            raise ValueError("exactly one of event or deployment is required")
+        if self.schedule is not None and self.schedule.is_event:
+            raise ValueError("schedule.on marks an event schedule; a task needs a clock one")
+        if self.cron is not None:
+            from controller.timing import check_cron
+
+            check_cron(self.cron)
+        return self

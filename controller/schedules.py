@@ -1,0 +1,170 @@
+"""The agents' schedule rows, per node: the store behind ``GET /api/schedules?node=N``.
+
+Rule: every change to a node's list (add, update, delete) bumps that node's
+``node_revision`` row in the same transaction, so the ETag of the list changes
+exactly when the list does. Every write commits its own
+transaction; reads do not commit.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import Table, delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlmodel import Session
+
+from controller.models import AgentSchedule, NodeRevision, utc_now
+from sched_core.model import LocalSchedule
+
+_SCHEDULE_TABLE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
+_REVISION_TABLE: Table = NodeRevision.__table__  # type: ignore[attr-defined]
+_COLUMNS = _SCHEDULE_TABLE.c
+_REVISIONS = _REVISION_TABLE.c
+
+
+def _insert(session: Session, table: Any) -> Any:
+    """Return a dialect insert (both dialects have ON CONFLICT) for table."""
+    if session.get_bind().dialect.name == "postgresql":
+        return pg_insert(table)
+    return sqlite_insert(table)
+
+
+def _to_wire(row: Any) -> LocalSchedule:
+    return LocalSchedule.model_validate(
+        {
+            "id": row.id,
+            "name": row.name,
+            "repo_id": row.repo_id,
+            "action": row.action,
+            "storage": row.storage,
+            "schedule": row.schedule,
+            "miss_policy": row.miss_policy,
+            "enabled": row.enabled,
+            "params": row.params,
+            "version": row.version,
+        }
+    )
+
+
+def _etag(epoch: str, revision: int) -> str:
+    return f'"{epoch}-{revision}"'
+
+
+def _bump_revision(session: Session, node: str) -> None:
+    """Bump node's list revision (creating it with a fresh epoch) in the open transaction."""
+    stmt = _insert(session, _REVISION_TABLE).values(
+        node=node, epoch=uuid.uuid4().hex[:16], revision=1
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[_REVISIONS.node],
+        set_={"revision": _REVISIONS.revision + 1},
+    )
+    session.execute(stmt)
+
+
+def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], str]:
+    """Return node's rows sorted by id, and the list's ETag (a quoted string).
+
+    The ETag (e.g. ``'"3f2a9c0b1d4e5f60-12"'``, ready for an ``ETag`` header)
+    changes on any add, update or delete for that node and is stable
+    otherwise; a node that never had rows gets ``'"empty"'``. Rows and ETag
+    are read in one statement, so they agree. Reads do not commit.
+    """
+    # One statement is one snapshot, so the rows and the revision agree.
+    rows = session.execute(
+        select(_REVISIONS.epoch, _REVISIONS.revision, _SCHEDULE_TABLE)
+        .select_from(_REVISION_TABLE)
+        .outerjoin(_SCHEDULE_TABLE, _COLUMNS.node == _REVISIONS.node)
+        .where(_REVISIONS.node == node)
+        .order_by(_COLUMNS.id)
+    ).all()
+    if not rows:
+        return [], '"empty"'
+    etag = _etag(rows[0].epoch, rows[0].revision)
+    return [_to_wire(row) for row in rows if row.id is not None], etag
+
+
+def get_schedule(session: Session, node: str, schedule_id: str) -> LocalSchedule | None:
+    """Return node's row schedule_id, or None."""
+    row = session.execute(
+        select(_SCHEDULE_TABLE).where(
+            _COLUMNS.node == node, _COLUMNS.id == schedule_id
+        )
+    ).first()
+    return _to_wire(row) if row else None
+
+
+def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedule:
+    """Insert or replace node's row ``row.id`` and return the stored row; commits.
+
+    The stored version is the previous one plus 1 (1 for a new row), whatever
+    ``row.version`` says. The node's ETag changes in the same transaction.
+    """
+    values = {
+        "node": node,
+        "id": row.id,
+        "name": row.name,
+        "repo_id": row.repo_id,
+        "action": row.action,
+        "storage": row.storage,
+        "schedule": row.schedule.model_dump(mode="json"),
+        "miss_policy": row.miss_policy.value,
+        "enabled": row.enabled,
+        "params": row.params or None,
+        "updated_at": utc_now(),
+    }
+    stmt = _insert(session, _SCHEDULE_TABLE).values(
+        version=1, **values
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[_COLUMNS.node, _COLUMNS.id],
+        set_={
+            **{k: stmt.excluded[k] for k in values if k not in ("node", "id")},
+            "version": _COLUMNS.version + 1,
+        },
+    ).returning(*_COLUMNS)
+    try:
+        stored = session.execute(stmt).one()
+        _bump_revision(session, node)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return _to_wire(stored)
+
+
+def delete_schedule(session: Session, node: str, schedule_id: str) -> bool:
+    """Delete node's row schedule_id; return False when there was none. Commits."""
+    try:
+        result = session.execute(
+            delete(_SCHEDULE_TABLE)
+            .where(_COLUMNS.node == node, _COLUMNS.id == schedule_id)
+            .returning(_COLUMNS.id)
+        ).first()
+        if result is not None:
+            _bump_revision(session, node)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return result is not None
+
+
+def list_nodes(session: Session) -> list[str]:
+    """Return the nodes that have at least one schedule row, sorted."""
+    nodes = session.execute(
+        select(_COLUMNS.node).group_by(_COLUMNS.node).order_by(_COLUMNS.node)
+    ).scalars().all()
+    return list(nodes)
+
+
+def count_schedules(session: Session, node: str) -> int:
+    """Return how many rows node has."""
+    count = session.execute(
+        select(func.count()).select_from(_SCHEDULE_TABLE)
+        .where(_COLUMNS.node == node)
+    ).scalar_one()
+    return int(count)

@@ -1,0 +1,527 @@
+"""The central tasks' repository: task CRUD, and the claim protocol the scheduler runs.
+
+Rule: on Postgres the database's clock is the time authority. Every function
+that takes ``now`` reads ``now()`` in the database when it is None (SQLite has
+no separate server, so it reads this host's clock). Every write commits its
+own transaction; reads do not commit.
+
+The claim protocol, for one (task, scheduled time) and any number of instances:
+
+1. :func:`claim_due` leases due tasks to one worker: ``FOR UPDATE SKIP LOCKED``
+   on Postgres, a single compare-and-set ``UPDATE`` on SQLite. A lease is held
+   while ``now <= locked_until``; it can be claimed again once
+   ``now > locked_until``. Losing the race returns ``[]``.
+2. :func:`begin_dispatch` inserts the dispatch record, unique per (task name,
+   scheduled time). Only the worker whose insert wins dispatches, so an
+   expired lease (a second worker claiming the same row) cannot dispatch twice.
+3. The worker dispatches, then :func:`complete` moves a recurring task to its
+   next run (from the later of the database's now and the scheduled time) or
+   marks a one-shot task done; or :func:`fail` records the error and holds the
+   task until a retry delay has passed. Both are fenced on ``next_run_at``
+   still being the scheduled time, so a late worker changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import (
+    Interval,
+    Table,
+    and_,
+    case,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    text,
+    type_coerce,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller.models import (
+    DispatchStatus,
+    ScheduledTask,
+    TaskDispatch,
+    TaskIn,
+    TaskStatus,
+    UtcDateTime,
+    utc_now,
+)
+from controller.timing import next_run
+from sched_core.model import Schedule
+
+log = logging.getLogger(__name__)
+
+NOTIFY_CHANNEL = "sched_task"
+"""The Postgres channel a task save notifies (payload: the task name)."""
+
+_TASKS: Table = ScheduledTask.__table__  # type: ignore[attr-defined]
+_DISPATCHES: Table = TaskDispatch.__table__  # type: ignore[attr-defined]
+_T = _TASKS.c
+_D = _DISPATCHES.c
+
+# In-process wake-ups: a save wakes the schedulers of this process on the same
+# database at once (SQLite has no NOTIFY). Keyed by the full URL, never logged.
+_local_wakers: dict[str, set[threading.Event]] = {}
+_wakers_lock = threading.Lock()
+
+
+def _url_key(engine: Engine) -> str:
+    return engine.url.render_as_string(hide_password=False)
+
+
+def subscribe_saves(engine: Engine, waker: threading.Event) -> None:
+    """Set waker whenever a task is saved through any engine of this process on that database."""
+    with _wakers_lock:
+        _local_wakers.setdefault(_url_key(engine), set()).add(waker)
+
+
+def unsubscribe_saves(engine: Engine, waker: threading.Event) -> None:
+    """Undo :func:`subscribe_saves`."""
+    with _wakers_lock:
+        wakers = _local_wakers.get(_url_key(engine))
+        if wakers is not None:
+            wakers.discard(waker)
+            if not wakers:
+                del _local_wakers[_url_key(engine)]
+
+
+def _wake_local(session: Session) -> None:
+    bind = session.get_bind()
+    engine = bind if isinstance(bind, Engine) else bind.engine
+    with _wakers_lock:
+        wakers = list(_local_wakers.get(_url_key(engine), ()))
+    for waker in wakers:
+        waker.set()
+
+
+def _is_postgres(session: Session) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+def _insert(session: Session, table: Table) -> Any:
+    return pg_insert(table) if _is_postgres(session) else sqlite_insert(table)
+
+
+def _seconds(value: timedelta | float) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def db_now(session: Session) -> datetime:
+    """Return the time authority's now: Postgres ``now()``, or this host's clock on SQLite."""
+    if _is_postgres(session):
+        value = session.execute(select(type_coerce(func.now(), UtcDateTime))).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+    return utc_now()
+
+
+# ---------------------------------------------------------------- task CRUD
+
+
+def _task_from_row(row: Any) -> ScheduledTask:
+    return ScheduledTask.model_validate(dict(row._mapping))
+
+
+def first_run_at(task: TaskIn, *, now: datetime) -> datetime | None:
+    """Return when task first runs, given the time authority's now; None if never."""
+    if task.status == TaskStatus.DONE:
+        return None
+    if task.run_at is not None:
+        return task.run_at
+    return next_run(cron=task.cron, schedule=task.schedule, timezone=task.timezone, after=now)
+
+
+def save_task(session: Session, task: TaskIn, *, now: datetime | None = None) -> ScheduledTask:
+    """Insert or replace the task named ``task.name`` and return the stored row; commits.
+
+    ``next_run_at`` is computed from the database's now (or ``now``): a one-shot
+    task runs at ``run_at`` (at once if that has passed); a cron or schedule task
+    at its first time after now. Saving clears the lease, attempts and last error.
+    On Postgres the same transaction sends ``NOTIFY sched_task, '<name>'``; after
+    the commit the schedulers of this process on this database are woken too.
+    Raises ValueError (from :class:`TaskIn`) for an invalid task.
+    """
+    try:
+        current = now or db_now(session)
+        values: dict[str, Any] = {
+            "name": task.name,
+            "cron": task.cron,
+            "schedule": task.schedule.model_dump(mode="json") if task.schedule else None,
+            "timezone": task.timezone,
+            "run_at": task.run_at,
+            "event": task.event,
+            "deployment": task.deployment,
+            "payload": task.payload,
+            "status": task.status.value,
+            "next_run_at": first_run_at(task, now=current),
+            "locked_by": None,
+            "locked_until": None,
+            "attempts": 0,
+            "last_error": None,
+            "updated_at": current,
+        }
+        stmt = _insert(session, _TASKS).values(created_at=current, **values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[_T.name],
+            set_={key: stmt.excluded[key] for key in values if key != "name"},
+        ).returning(*_T)
+        row = session.execute(stmt).one()
+        if _is_postgres(session):
+            session.execute(select(func.pg_notify(NOTIFY_CHANNEL, task.name)))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    _wake_local(session)
+    log.info("saved task", extra={"task_name": task.name, "next_run_at": row.next_run_at})
+    return _task_from_row(row)
+
+
+def get_task(session: Session, name: str) -> ScheduledTask | None:
+    """Return the task called name, or None."""
+    row = session.execute(select(_TASKS).where(_T.name == name)).first()
+    return _task_from_row(row) if row else None
+
+
+def list_tasks(session: Session) -> list[ScheduledTask]:
+    """Return every task, sorted by name."""
+    return [_task_from_row(row) for row in session.execute(select(_TASKS).order_by(_T.name))]
+
+
+def delete_task(session: Session, name: str) -> bool:
+    """Delete the task called name; False when there was none. Commits.
+
+    Its dispatch records stay: they are the history of what was dispatched,
+    and they keep a re-created task of the same name from re-dispatching a
+    (name, scheduled time) that already went out.
+    """
+    try:
+        deleted = session.execute(
+            delete(_TASKS).where(_T.name == name).returning(_T.id)
+        ).first()
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return deleted is not None
+
+
+# ---------------------------------------------------------------- claim protocol
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One due (task, scheduled time) leased to one worker."""
+
+    task_id: int
+    name: str
+    scheduled_at: datetime
+    worker_id: str
+    locked_until: datetime
+    event: str | None
+    deployment: str | None
+    payload: dict[str, Any] = field(default_factory=dict)
+    cron: str | None = None
+    schedule: dict[str, Any] | None = None
+    timezone: str = "UTC"
+    attempts: int = 0
+
+    @property
+    def is_recurring(self) -> bool:
+        """True for a cron or schedule-shape task; False for a one-shot one."""
+        return self.cron is not None or self.schedule is not None
+
+    @property
+    def idempotency_key(self) -> str:
+        """Return the key of this dispatch: ``"<task>:<scheduled time, ISO UTC>"``."""
+        return f"{self.name}:{self.scheduled_at.isoformat()}"
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """Return this task's next run after ``after``; None for a one-shot task."""
+        shape = Schedule.model_validate(self.schedule) if self.schedule is not None else None
+        return next_run(cron=self.cron, schedule=shape, timezone=self.timezone, after=after)
+
+
+def _claim_from_row(row: Any) -> Claim:
+    return Claim(
+        task_id=row.id,
+        name=row.name,
+        scheduled_at=row.next_run_at,
+        worker_id=row.locked_by,
+        locked_until=row.locked_until,
+        event=row.event,
+        deployment=row.deployment,
+        payload=row.payload or {},
+        cron=row.cron,
+        schedule=row.schedule,
+        timezone=row.timezone,
+        attempts=row.attempts,
+    )
+
+
+def _due_time() -> Any:
+    """Return the SQL time an active task becomes claimable: next_run_at or its hold's end."""
+    return case(
+        (and_(_T.locked_until.is_not(None), _T.locked_until > _T.next_run_at), _T.locked_until),
+        else_=_T.next_run_at,
+    )
+
+
+def earliest_next_run_at(session: Session) -> datetime | None:
+    """Return the earliest time an active task becomes claimable; None when none will.
+
+    That is its ``next_run_at``, or the end of its lease or retry hold when later.
+    """
+    value = session.execute(
+        select(type_coerce(func.min(_due_time()), UtcDateTime)).where(
+            _T.status == TaskStatus.ACTIVE.value, _T.next_run_at.is_not(None)
+        )
+    ).scalar_one_or_none()
+    return value if isinstance(value, datetime) else None
+
+
+_CLAIM_COLUMNS = (
+    _T.id, _T.name, _T.next_run_at, _T.locked_by, _T.locked_until, _T.event,
+    _T.deployment, _T.payload, _T.cron, _T.schedule, _T.timezone, _T.attempts,
+)
+
+
+def claim_due(
+    session: Session,
+    *,
+    worker_id: str,
+    now: datetime | None = None,
+    lease: timedelta | float = 30.0,
+    limit: int = 100,
+) -> list[Claim]:
+    """Lease up to limit due active tasks to worker_id and return them; commits.
+
+    Due means ``next_run_at <= now`` and no live lease (``locked_until`` is null
+    or ``< now``). The lease runs to ``now + lease`` (seconds or a timedelta).
+    ``now=None`` means the database's ``now()`` on Postgres. Claims of
+    concurrent workers are disjoint; a worker that finds nothing gets ``[]``.
+    Ordered by scheduled time, then name.
+    """
+    lease_for = timedelta(seconds=_seconds(lease))
+    if _is_postgres(session):
+        at: Any = type_coerce(func.now(), UtcDateTime) if now is None else literal(
+            now, UtcDateTime
+        )
+        until: Any = at + literal(lease_for, Interval())
+    else:
+        at = literal(now or utc_now(), UtcDateTime)
+        until = literal((now or utc_now()) + lease_for, UtcDateTime)
+    due = and_(
+        _T.status == TaskStatus.ACTIVE.value,
+        _T.next_run_at <= at,
+        or_(_T.locked_until.is_(None), _T.locked_until < at),
+    )
+    pick = select(_T.id).where(due).order_by(_T.next_run_at, _T.id).limit(limit)
+    if _is_postgres(session):
+        pick = pick.with_for_update(skip_locked=True)
+        stmt = update(_TASKS).where(_T.id.in_(pick.scalar_subquery()))
+    else:
+        # One UPDATE statement runs under SQLite's write lock: the re-checked
+        # condition makes it a compare-and-set against a concurrent claimer.
+        stmt = update(_TASKS).where(_T.id.in_(pick.scalar_subquery()), due)
+    stmt = stmt.values(locked_by=worker_id, locked_until=until).returning(*_CLAIM_COLUMNS)
+    try:
+        rows = session.execute(stmt).all()
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    claims = sorted((_claim_from_row(r) for r in rows), key=lambda c: (c.scheduled_at, c.name))
+    if claims:
+        log.debug("claimed tasks", extra={"worker_id": worker_id, "count": len(claims)})
+    return claims
+
+
+class DispatchOutcome(StrEnum):
+    """What :func:`begin_dispatch` found for a claim."""
+
+    OWNED = "owned"
+    """This worker holds the dispatch record: dispatch, then complete or fail."""
+    DONE = "done"
+    """Another worker already dispatched it: complete the task, do not dispatch."""
+    BUSY = "busy"
+    """Another worker is dispatching it right now: leave it alone."""
+
+
+def begin_dispatch(
+    session: Session,
+    claim: Claim,
+    *,
+    now: datetime | None = None,
+    stale_after: timedelta | float = 600.0,
+) -> DispatchOutcome:
+    """Record that claim's worker is dispatching (task, scheduled time); commits.
+
+    1. Insert the record, unique per (task name, scheduled time).
+    2. On conflict, take the record over only if its dispatch failed, or if it
+       has been "dispatching" for longer than stale_after (its worker died
+       between recording and finishing; the dispatch carries the same
+       idempotency key, so Prefect drops a repeat).
+    3. If neither, report DONE (already dispatched) or BUSY (in flight elsewhere).
+    """
+    current = now or db_now(session)
+    stale_before = current - timedelta(seconds=_seconds(stale_after))
+    stmt = _insert(session, _DISPATCHES).values(
+        task_name=claim.name,
+        scheduled_at=claim.scheduled_at,
+        worker_id=claim.worker_id,
+        status=DispatchStatus.DISPATCHING.value,
+        started_at=current,
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[_D.task_name, _D.scheduled_at],
+        set_={
+            "worker_id": stmt.excluded.worker_id,
+            "status": DispatchStatus.DISPATCHING.value,
+            "started_at": stmt.excluded.started_at,
+            "finished_at": None,
+            "error": None,
+        },
+        where=or_(
+            _D.status == DispatchStatus.FAILED.value,
+            and_(
+                _D.status == DispatchStatus.DISPATCHING.value,
+                _D.started_at < literal(stale_before, UtcDateTime),
+            ),
+        ),
+    ).returning(_D.id)
+    try:
+        owned = session.execute(stmt).first()
+        status = None
+        if owned is None:
+            status = session.execute(
+                select(_D.status).where(
+                    _D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at
+                )
+            ).scalar_one_or_none()
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    if owned is not None:
+        return DispatchOutcome.OWNED
+    if status == DispatchStatus.DISPATCHED.value:
+        return DispatchOutcome.DONE
+    return DispatchOutcome.BUSY
+
+
+def complete(session: Session, claim: Claim, *, now: datetime | None = None) -> bool:
+    """Finish claim after its dispatch; commits. False when the task moved on meanwhile.
+
+    A recurring task's next run is its first time after the later of the
+    database's now and the scheduled time (a late dispatch never replays
+    the times it missed); a one-shot task becomes ``done``. The dispatch
+    record is marked dispatched. Fenced on ``next_run_at`` still being the
+    scheduled time, so a slow worker whose lease expired changes nothing.
+    """
+    current = now or db_now(session)
+    if claim.is_recurring:
+        following = claim.next_after(max(current, claim.scheduled_at))
+        status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
+    else:
+        following, status = None, TaskStatus.DONE
+    try:
+        moved = session.execute(
+            update(_TASKS)
+            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
+            .values(
+                next_run_at=following,
+                status=status.value,
+                locked_by=None,
+                locked_until=None,
+                last_run_at=claim.scheduled_at,
+                attempts=0,
+                last_error=None,
+                updated_at=current,
+            )
+            .returning(_T.id)
+        ).first()
+        session.execute(
+            update(_DISPATCHES)
+            .where(_D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at)
+            .values(status=DispatchStatus.DISPATCHED.value, finished_at=current, error=None)
+        )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return moved is not None
+
+
+def fail(
+    session: Session,
+    claim: Claim,
+    error: str,
+    *,
+    retry_delay: timedelta | float,
+    now: datetime | None = None,
+) -> bool:
+    """Record that claim's dispatch failed and hold the task for retry_delay; commits.
+
+    ``attempts`` goes up by one and ``last_error`` keeps the message; the task
+    keeps its scheduled time (so the retry has the same idempotency key) and is
+    claimable again once ``now + retry_delay`` has passed. The dispatch record
+    is marked failed, so the retry may take it over. Fenced like :func:`complete`.
+    """
+    current = now or db_now(session)
+    hold = current + timedelta(seconds=_seconds(retry_delay))
+    message = error[:2000]
+    try:
+        held = session.execute(
+            update(_TASKS)
+            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
+            .values(
+                locked_by=None,
+                locked_until=hold,
+                attempts=_T.attempts + 1,
+                last_error=message,
+                updated_at=current,
+            )
+            .returning(_T.id)
+        ).first()
+        session.execute(
+            update(_DISPATCHES)
+            .where(
+                _D.task_name == claim.name,
+                _D.scheduled_at == claim.scheduled_at,
+                _D.status == DispatchStatus.DISPATCHING.value,
+            )
+            .values(status=DispatchStatus.FAILED.value, finished_at=current, error=message)
+        )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return held is not None
+
+
+def list_dispatches(session: Session, name: str | None = None) -> list[TaskDispatch]:
+    """Return the dispatch records (of task name, if given), by scheduled time."""
+    query = select(_DISPATCHES).order_by(_D.scheduled_at, _D.task_name)
+    if name is not None:
+        query = query.where(_D.task_name == name)
+    return [TaskDispatch.model_validate(dict(r._mapping)) for r in session.execute(query)]
+
+
+def server_version(session: Session) -> str:
+    """Return the database server's version text (for logs and benchmarks)."""
+    if _is_postgres(session):
+        return str(session.execute(text("SHOW server_version")).scalar_one())
+    return "sqlite " + str(session.execute(text("select sqlite_version()")).scalar_one())
