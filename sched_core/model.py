@@ -179,12 +179,11 @@ class LocalSchedule(_WireModel):
 
 
 class Cache(_WireModel):
-    """The on-disk cache: the Go kit's three fields plus ones Go ignores.
+    """The on-disk cache: the Go kit's three fields plus one Go ignores.
 
     ``first_seen_at`` records when this agent first saw each schedule (no
-    window before that minute ever fires); ``last_tick_at`` is the logical time
-    of the last completed tick. Rows are kept as validated models; invalid rows
-    in a cache file are dropped on load by :mod:`sched_core.cache`.
+    window before that minute ever fires). Invalid rows in a cache file are
+    dropped on load by :mod:`sched_core.cache`.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -193,7 +192,6 @@ class Cache(_WireModel):
     last_fired_at: dict[str, datetime] = Field(default_factory=dict)
     last_fetched_at: datetime | None = None
     first_seen_at: dict[str, datetime] = Field(default_factory=dict)
-    last_tick_at: datetime | None = None
 
     @field_validator("schedules", mode="before")
     @classmethod
@@ -210,7 +208,7 @@ class Cache(_WireModel):
         parsed = {str(key): parse_go_time(item) for key, item in value.items()}
         return {key: item for key, item in parsed.items() if item is not None}
 
-    @field_validator("last_fetched_at", "last_tick_at", mode="before")
+    @field_validator("last_fetched_at", mode="before")
     @classmethod
     def _parse_time(cls, value: object) -> datetime | None:
         return parse_go_time(value)
@@ -219,18 +217,16 @@ class Cache(_WireModel):
     def _dump_time_map(self, value: dict[str, datetime]) -> dict[str, str]:
         return {key: format_go_time(value[key]) for key in sorted(value)}
 
-    @field_serializer("last_fetched_at", "last_tick_at")
+    @field_serializer("last_fetched_at")
     def _dump_time(self, value: datetime | None) -> str:
         return format_go_time(value)
 
     @model_serializer(mode="wrap")
-    def _omit_ours_when_empty(
+    def _omit_first_seen_when_empty(
         self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
     ) -> Any:
         data = handler(self)
         if isinstance(data, dict):
             if not self.first_seen_at:
                 data.pop("first_seen_at", None)
-            if self.last_tick_at is None:
-                data.pop("last_tick_at", None)
         return data

@@ -1,0 +1,171 @@
+"""State files on disk: atomic, locked, and never lost to a bad byte.
+
+Rules:
+1. Every write goes to a temporary file in the same folder, is fsynced, then
+   ``os.replace``d over the target (and the folder fsynced), with mode 0600,
+   so a crash leaves either the old file or the new one, never half of one.
+2. Every read-modify-write happens under an exclusive ``flock`` on a sibling
+   ``.lock`` file, so several processes (several Prefect flow runs) can share
+   one state file without losing an update.
+3. A file that cannot be read or parsed is moved aside (``.corrupt-<time>``),
+   never deleted, and the caller starts empty.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sched_core.model import Cache, LocalSchedule
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock for the state file at path (on ``path.lock``)."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace path with data: temporary file, fsync, rename, folder fsync; mode 0600."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def move_aside(path: Path, now: datetime, reason: str) -> Path:
+    """Rename a bad state file out of the way and return its new path."""
+    target = path.with_name(f"{path.name}.corrupt-{now.strftime('%Y%m%dT%H%M%S%f')}")
+    os.replace(path, target)
+    log.error(
+        "moved unreadable state file aside",
+        extra={"path": str(path), "moved_to": str(target), "reason": reason},
+    )
+    return target
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What tells one version of a file from another without reading it."""
+
+    inode: int
+    mtime_ns: int
+    size: int
+
+
+def stamp_of(path: Path) -> FileStamp | None:
+    """Return the file's stamp, or None when it does not exist."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def read_json_file(path: Path, *, now: datetime) -> Any | None:
+    """Return the parsed JSON at path; None when missing; a bad file is moved aside (None)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        move_aside(path, now, f"unreadable: {exc}")
+        return None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        move_aside(path, now, f"invalid JSON: {exc}")
+        return None
+
+
+def validate_rows(
+    rows: list[Any], *, source: str
+) -> tuple[list[LocalSchedule], list[tuple[str, str]]]:
+    """Validate schedule rows one by one; return the good ones and (id, reason) for each bad one."""
+    good: list[LocalSchedule] = []
+    bad: list[tuple[str, str]] = []
+    for position, row in enumerate(rows):
+        row_id = row.get("id") if isinstance(row, dict) else None
+        label = row_id if isinstance(row_id, str) and row_id else f"row {position}"
+        try:
+            good.append(LocalSchedule.model_validate(row))
+        except ValidationError as exc:
+            reason = describe_validation_error(exc)
+            bad.append((label, reason))
+            log.warning(
+                "dropped invalid schedule",
+                extra={"schedule_id": label, "reason": reason, "source": source},
+            )
+    return good, bad
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """Return a one-line reason naming each bad field."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "row"
+        message = error["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}")
+    return "; ".join(parts)
+
+
+def load_cache(path: Path, *, now: datetime) -> Cache:
+    """Load the cache file; missing means empty; corrupt is moved aside and means empty.
+
+    Invalid rows inside an otherwise good file are dropped with a warning, and
+    the rest is kept.
+    """
+    data = read_json_file(path, now=now)
+    if data is None:
+        return Cache()
+    if not isinstance(data, dict):
+        move_aside(path, now, f"expected a JSON object, got {type(data).__name__}")
+        return Cache()
+    rows = data.get("schedules") or []
+    if not isinstance(rows, list):
+        move_aside(path, now, "schedules is not a list")
+        return Cache()
+    good, _ = validate_rows(rows, source=str(path))
+    try:
+        cache = Cache.model_validate({**data, "schedules": []})
+    except ValidationError as exc:
+        move_aside(path, now, describe_validation_error(exc))
+        return Cache()
+    cache.schedules = good
+    return cache
+
+
+def save_cache(path: Path, cache: Cache) -> None:
+    """Write the cache atomically (the caller holds the lock)."""
+    write_atomic(path, cache.model_dump_json().encode())

@@ -1,0 +1,602 @@
+"""The per-node scheduler: pull the list, fire due windows, recover missed ones.
+
+The controller is not in the firing path: schedules keep firing from the
+on-disk cache while it is down. Every public method takes ``now`` (default:
+the wall clock, read in one place, :func:`utcnow`) and works under the cache
+file's lock, reloading the file first when another process changed it, so
+several processes can share one cache.
+
+A window fires at most once: the cache stamps each schedule's last fired
+window, stamps happen only after ``fire`` returned, and ``Fire.key`` is a
+stable idempotency key for the window, so a crash between the fire and its
+stamp is deduplicated downstream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import httpx
+
+from sched_core.cache import (
+    FileStamp,
+    load_cache,
+    locked,
+    save_cache,
+    stamp_of,
+    validate_rows,
+)
+from sched_core.errors import ConfigError, PullError
+from sched_core.index import DueIndex
+from sched_core.matcher import DEFAULT_TZ, window_key
+from sched_core.misses import eligible_after, floor_minute, plan_recovery
+from sched_core.model import Cache, LocalSchedule
+
+log = logging.getLogger(__name__)
+
+MAX_PAYLOAD = 16 * 1024 * 1024
+"""The largest schedule list a pull accepts, in bytes."""
+
+TRIGGER_SCHEDULE = "schedule"
+TRIGGER_RECOVERY = "schedule-recovery"
+
+
+def utcnow() -> datetime:
+    """Return the wall clock as an aware UTC datetime: the one clock read of the kit."""
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Fire:
+    """One fire handed to the agent's callback."""
+
+    schedule: LocalSchedule
+    trigger_key: str
+    missed_recovery: bool
+    window: datetime | None
+    key: str
+
+
+FireFunc = Callable[[Fire], object]
+
+
+@dataclass
+class Config:
+    """How a scheduler pulls, where it keeps its cache and what it calls to fire.
+
+    ``pull_url``, ``node_name``, ``cache_path`` and ``fire`` are required; a
+    missing or invalid field raises :class:`ConfigError` naming it.
+    """
+
+    pull_url: str = ""
+    node_name: str = ""
+    cache_path: str | Path = ""
+    fire: FireFunc | None = None
+    http_client: httpx.Client | None = None
+    timezone: ZoneInfo | str = field(default_factory=lambda: DEFAULT_TZ)
+    fire_interval: timedelta = timedelta(seconds=60)
+    pull_interval: timedelta = timedelta(seconds=300)
+    fire_grace: timedelta = timedelta(minutes=5)
+
+    def __post_init__(self) -> None:
+        for name in ("pull_url", "node_name", "cache_path"):
+            if not getattr(self, name):
+                raise ConfigError(f"Config.{name} is required")
+        if self.fire is None or not callable(self.fire):
+            raise ConfigError("Config.fire is required and must be callable")
+        scheme = urlsplit(self.pull_url).scheme
+        if scheme not in ("http", "https", "file"):
+            raise ConfigError(
+                f"Config.pull_url {redact_url(self.pull_url)!r} must be http(s):// or file://"
+            )
+        if isinstance(self.timezone, str):
+            try:
+                self.timezone = ZoneInfo(self.timezone)
+            except (ZoneInfoNotFoundError, ValueError) as exc:
+                raise ConfigError(f"Config.timezone {self.timezone!r} is unknown") from exc
+        for name in ("fire_interval", "pull_interval", "fire_grace"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ConfigError(f"Config.{name} must be a positive timedelta, got {value!r}")
+        self.cache_path = Path(self.cache_path)
+        if not self.cache_path.parent.is_dir():
+            raise ConfigError(f"Config.cache_path folder {self.cache_path.parent} does not exist")
+
+    @property
+    def tz(self) -> ZoneInfo:
+        """The timezone as a ZoneInfo."""
+        assert isinstance(self.timezone, ZoneInfo)
+        return self.timezone
+
+    @property
+    def path(self) -> Path:
+        """The cache path as a Path."""
+        return Path(self.cache_path)
+
+
+def redact_url(url: str) -> str:
+    """Return url without any user or password in it, for logs."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What a pull changed: ids added, removed and changed, and rows rejected with reasons."""
+
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    rejected: list[tuple[str, str]]
+    kept_last_good: list[str]
+
+    @property
+    def changed_anything(self) -> bool:
+        """True when the schedule list is different after the pull."""
+        return bool(self.added or self.removed or self.changed)
+
+
+@dataclass(frozen=True)
+class TickReport:
+    """What one tick fired, coalesced and failed, for logs and artifacts."""
+
+    fired: list[Fire]
+    failed: list[tuple[Fire, str]]
+    coalesced: dict[str, int]
+
+
+class Scheduler:
+    """The per-node scheduler (see the module docstring)."""
+
+    def __init__(self, config: Config, *, now: datetime | None = None) -> None:
+        self._config = config
+        self._tz = config.tz
+        self._path = config.path
+        self._mutex = threading.RLock()
+        self._cache = Cache()
+        self._stamp: FileStamp | None = None
+        self._index = DueIndex.build([], self._tz)
+        self._indexed: list[LocalSchedule] | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._client = config.http_client
+        self._owns_client = False
+        with self._locked():
+            self._reload(now or utcnow())
+
+    # -- state -------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the in-process mutex and the cache file's lock."""
+        with self._mutex, locked(self._path):
+            yield
+
+    def _reload(self, now: datetime) -> None:
+        """Reload the cache file if another process (or nobody yet) wrote a new version."""
+        stamp = stamp_of(self._path)
+        if stamp is not None and stamp == self._stamp:
+            return
+        cache = load_cache(self._path, now=now)
+        # A cache the Go kit wrote has no first-seen times: count its schedules
+        # as first seen when it last fetched them, or now if it never did.
+        seen_at = cache.last_fetched_at or now
+        for row in cache.schedules:
+            cache.first_seen_at.setdefault(row.id, seen_at)
+        self._cache = cache
+        self._stamp = stamp_of(self._path)
+        self._reindex()
+
+    def _reindex(self) -> None:
+        if self._indexed != self._cache.schedules:
+            self._index = DueIndex.build(self._cache.schedules, self._tz)
+            self._indexed = list(self._cache.schedules)
+
+    def _save(self) -> None:
+        save_cache(self._path, self._cache)
+        self._stamp = stamp_of(self._path)
+        self._reindex()
+
+    @property
+    def timezone(self) -> ZoneInfo:
+        """The timezone schedules are matched in."""
+        return self._tz
+
+    @property
+    def node_name(self) -> str:
+        """The node this scheduler runs for."""
+        return self._config.node_name
+
+    def schedules(self) -> list[LocalSchedule]:
+        """Return deep copies of the cached schedules, sorted by name."""
+        with self._mutex:
+            rows = [row.model_copy(deep=True) for row in self._cache.schedules]
+        return sorted(rows, key=lambda row: (row.name, row.id))
+
+    def cache(self) -> Cache:
+        """Return a deep copy of the whole cache, last fired times included."""
+        with self._mutex:
+            return self._cache.model_copy(deep=True)
+
+    # -- firing ------------------------------------------------------------
+
+    def _fire(self, fire: Fire) -> str | None:
+        """Call the agent's fire; return None on success or the error text."""
+        assert self._config.fire is not None
+        try:
+            self._config.fire(fire)
+        except Exception as exc:
+            log.error(
+                "fire failed; the window stays unfired and will be retried",
+                extra={
+                    "schedule_id": fire.schedule.id,
+                    "trigger_key": fire.trigger_key,
+                    "window": fire.window.isoformat() if fire.window else None,
+                    "node": self._config.node_name,
+                    "error": repr(exc),
+                },
+            )
+            return repr(exc)
+        log.info(
+            "fired",
+            extra={
+                "schedule_id": fire.schedule.id,
+                "action": fire.schedule.action,
+                "trigger_key": fire.trigger_key,
+                "window": fire.window.isoformat() if fire.window else None,
+                "key": fire.key,
+                "node": self._config.node_name,
+            },
+        )
+        return None
+
+    def _window_fire(self, row: LocalSchedule, window: datetime, *, recovery: bool) -> Fire:
+        return Fire(
+            schedule=row.model_copy(deep=True),
+            trigger_key=TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE,
+            missed_recovery=recovery,
+            window=window,
+            key=window_key(row.id, window, self._tz),
+        )
+
+    def due(self, now: datetime) -> list[tuple[LocalSchedule, datetime, int]]:
+        """Return (schedule, window, older windows coalesced) for each schedule due at now.
+
+        Pure over the loaded cache: the latest eligible window in
+        ``[now - grace, now]`` per enabled clock schedule.
+        """
+        grace = self._config.fire_grace
+        latest: dict[str, tuple[LocalSchedule, datetime, int]] = {}
+        minute = floor_minute(now)
+        while minute >= now - grace:
+            for row in self._index.due_at(minute):
+                floor = eligible_after(
+                    self._cache.last_fired_at.get(row.id), self._cache.first_seen_at.get(row.id)
+                )
+                if floor is not None and minute < floor:
+                    continue
+                if row.id in latest:
+                    first, window, older = latest[row.id]
+                    latest[row.id] = (first, window, older + 1)
+                else:
+                    latest[row.id] = (row, minute, 0)
+            minute -= timedelta(minutes=1)
+        return sorted(latest.values(), key=lambda item: (item[1], item[0].id))
+
+    def tick(self, now: datetime | None = None) -> int:
+        """Fire each enabled schedule's latest unfired window in the grace; return the count."""
+        return len(self.tick_report(now).fired)
+
+    def tick_report(self, now: datetime | None = None) -> TickReport:
+        """Run one tick and return what it fired, coalesced and failed."""
+        now = now or utcnow()
+        fired: list[Fire] = []
+        failed: list[tuple[Fire, str]] = []
+        coalesced: dict[str, int] = {}
+        with self._locked():
+            self._reload(now)
+            for row, window, older in self.due(now):
+                fire = self._window_fire(row, window, recovery=False)
+                if older:
+                    coalesced[row.id] = older
+                    log.warning(
+                        "coalesced older pending windows into the latest",
+                        extra={"schedule_id": row.id, "coalesced": older, "window": str(window)},
+                    )
+                error = self._fire(fire)
+                if error is not None:
+                    failed.append((fire, error))
+                    continue
+                self._cache.last_fired_at[row.id] = window
+                fired.append(fire)
+            if fired:
+                self._save()
+        return TickReport(fired=fired, failed=failed, coalesced=coalesced)
+
+    def missed_run_check(self, now: datetime | None = None) -> int:
+        """Apply each schedule's miss policy to its latest missed window; return fires."""
+        return len(self.missed_run_report(now).fired)
+
+    def missed_run_report(self, now: datetime | None = None) -> TickReport:
+        """Run the missed-run check and return what it fired and failed."""
+        now = now or utcnow()
+        fired: list[Fire] = []
+        failed: list[tuple[Fire, str]] = []
+        truncated: dict[str, int] = {}
+        with self._locked():
+            self._reload(now)
+            for row in self._cache.schedules:
+                if not row.enabled or row.schedule.is_event:
+                    continue
+                recovery = plan_recovery(
+                    row.schedule,
+                    row.miss_policy,
+                    last_fired=self._cache.last_fired_at.get(row.id),
+                    first_seen=self._cache.first_seen_at.get(row.id),
+                    now=now,
+                    grace=self._config.fire_grace,
+                    tz=self._tz,
+                )
+                if recovery is None:
+                    continue
+                if recovery.truncated and row.miss_policy == "run-all":
+                    truncated[row.id] = recovery.truncated
+                    log.warning(
+                        "run-all truncated to the latest missed window",
+                        extra={"schedule_id": row.id, "truncated": recovery.truncated},
+                    )
+                fire = self._window_fire(row, recovery.window, recovery=True)
+                error = self._fire(fire)
+                if error is not None:
+                    failed.append((fire, error))
+                    continue
+                self._cache.last_fired_at[row.id] = recovery.window
+                fired.append(fire)
+            if fired:
+                self._save()
+        return TickReport(fired=fired, failed=failed, coalesced=truncated)
+
+    def fire_matching(
+        self,
+        trigger_key: str,
+        pred: Callable[[LocalSchedule], bool],
+        *,
+        now: datetime | None = None,
+        key: str | None = None,
+    ) -> int:
+        """Fire every enabled schedule pred selects, on demand; return how many fired."""
+        fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
+        return len(fired)
+
+    def fire_matching_report(
+        self,
+        trigger_key: str,
+        pred: Callable[[LocalSchedule], bool],
+        *,
+        now: datetime | None = None,
+        key: str | None = None,
+        skip_ids: frozenset[str] = frozenset(),
+    ) -> tuple[list[Fire], list[tuple[Fire, str]]]:
+        """Fire on demand and return (fired, failed).
+
+        The idempotency key is ``<id>@<key>`` when key is given (a chain passes
+        its stage and day), else ``<id>@<trigger_key>@<UTC minute>``. Each
+        success stamps the schedule's last fire with now, as the Go kit does.
+        """
+        now = now or utcnow()
+        suffix = key or f"{trigger_key}@{floor_minute(now).strftime('%Y-%m-%dT%H:%MZ')}"
+        fired: list[Fire] = []
+        failed: list[tuple[Fire, str]] = []
+        with self._locked():
+            self._reload(now)
+            for row in self._cache.schedules:
+                if not row.enabled or row.id in skip_ids or not pred(row):
+                    continue
+                fire = Fire(
+                    schedule=row.model_copy(deep=True),
+                    trigger_key=trigger_key,
+                    missed_recovery=False,
+                    window=None,
+                    key=f"{row.id}@{suffix}",
+                )
+                error = self._fire(fire)
+                if error is not None:
+                    failed.append((fire, error))
+                    continue
+                self._cache.last_fired_at[row.id] = now
+                fired.append(fire)
+            if fired:
+                self._save()
+        return fired, failed
+
+    # -- pulling -----------------------------------------------------------
+
+    def _fetch(self) -> bytes:
+        """Return the raw schedule list from the pull URL, at most MAX_PAYLOAD bytes."""
+        url = self._config.pull_url
+        shown = redact_url(url)
+        parts = urlsplit(url)
+        if parts.scheme == "file":
+            path = Path(unquote(parts.path))
+            try:
+                with path.open("rb") as handle:
+                    body = handle.read(MAX_PAYLOAD + 1)
+            except OSError as exc:
+                raise PullError(f"cannot read schedule file {path}: {exc}") from exc
+        else:
+            if self._client is None:
+                self._client = httpx.Client(timeout=httpx.Timeout(30.0))
+                self._owns_client = True
+            try:
+                with self._client.stream("GET", url) as response:
+                    if not 200 <= response.status_code < 300:
+                        raise PullError(f"pull from {shown} answered HTTP {response.status_code}")
+                    chunks: list[bytes] = []
+                    size = 0
+                    for chunk in response.iter_bytes():
+                        size += len(chunk)
+                        if size > MAX_PAYLOAD:
+                            break
+                        chunks.append(chunk)
+                    body = b"".join(chunks) if size <= MAX_PAYLOAD else b"x" * (MAX_PAYLOAD + 1)
+            except httpx.HTTPError as exc:
+                raise PullError(f"pull from {shown} failed: {exc!r}") from exc
+        if len(body) > MAX_PAYLOAD:
+            raise PullError(f"schedule list from {shown} is larger than {MAX_PAYLOAD} bytes")
+        return body
+
+    def _parse(self, body: bytes) -> list[Any]:
+        """Return the raw rows of a pull answer, or raise PullError for a bad payload."""
+        shown = redact_url(self._config.pull_url)
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PullError(f"schedule list from {shown} is not valid JSON: {exc}") from exc
+        if isinstance(data, dict):
+            if "schedules" not in data:
+                raise PullError(f"schedule list from {shown} has no 'schedules' field")
+            data = data["schedules"]
+        if not isinstance(data, list):
+            raise PullError(
+                f"schedules from {shown} must be a JSON list, got {type(data).__name__}"
+            )
+        seen: set[str] = set()
+        for row in data:
+            row_id = row.get("id") if isinstance(row, dict) else None
+            if isinstance(row_id, str):
+                if row_id in seen:
+                    raise PullError(f"schedule list from {shown} repeats id {row_id!r}")
+                seen.add(row_id)
+        return data
+
+    def pull(self, now: datetime | None = None) -> PullResult:
+        """Replace the schedule list from the pull URL, or raise PullError and change nothing.
+
+        Surviving ids keep their last fire; a new id is first seen now; an
+        invalid row is dropped with a warning, and if its id was cached before
+        its last good version is kept.
+        """
+        now = now or utcnow()
+        try:
+            rows = self._parse(self._fetch())
+        except PullError as exc:
+            log.error(
+                "pull rejected; keeping the last good schedule list",
+                extra={
+                    "url": redact_url(self._config.pull_url),
+                    "node": self._config.node_name,
+                    "error": str(exc),
+                },
+            )
+            raise
+        good, rejected = validate_rows(rows, source=redact_url(self._config.pull_url))
+        with self._locked():
+            self._reload(now)
+            old = {row.id: row for row in self._cache.schedules}
+            new = {row.id: row for row in good}
+            kept = [rid for rid, _ in rejected if rid in old and rid not in new]
+            for rid in kept:
+                new[rid] = old[rid]
+                log.warning(
+                    "kept the last good version of an invalid schedule",
+                    extra={"schedule_id": rid, "version": old[rid].version},
+                )
+            ordered = [new[row.id] for row in good] + [new[rid] for rid in kept]
+            result = PullResult(
+                added=sorted(set(new) - set(old)),
+                removed=sorted(set(old) - set(new)),
+                changed=sorted(rid for rid in set(new) & set(old) if new[rid] != old[rid]),
+                rejected=rejected,
+                kept_last_good=kept,
+            )
+            cache = self._cache
+            cache.schedules = ordered
+            cache.last_fired_at = {k: v for k, v in cache.last_fired_at.items() if k in new}
+            cache.first_seen_at = {
+                rid: cache.first_seen_at.get(rid, now) for rid in new
+            }
+            cache.last_fetched_at = now
+            self._save()
+        log.info(
+            "pulled schedules",
+            extra={
+                "node": self._config.node_name,
+                "count": len(ordered),
+                "added": len(result.added),
+                "removed": len(result.removed),
+                "changed": len(result.changed),
+                "rejected": len(result.rejected),
+            },
+        )
+        return result
+
+    # -- loops -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the fire loop, the pull loop and an initial pull plus missed-run check."""
+        if self._threads:
+            return
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._fire_loop, name="sched-fire", daemon=True),
+            threading.Thread(target=self._pull_loop, name="sched-pull", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Stop the loops and wait for them; safe to call more than once."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None
+            self._owns_client = False
+
+    def _fire_loop(self) -> None:
+        interval = self._config.fire_interval.total_seconds()
+        while not self._stop.is_set():
+            now = utcnow()
+            if interval == 60:
+                # Tick just after each minute boundary, so a window is never late by a minute.
+                wait = 60 - (now.second + now.microsecond / 1e6) + 0.05
+            else:
+                wait = interval
+            if self._stop.wait(wait):
+                return
+            try:
+                self.tick()
+            except Exception:
+                log.exception("tick failed", extra={"node": self._config.node_name})
+
+    def _pull_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.pull()
+            except PullError:
+                pass  # logged by pull; the cache keeps firing
+            except Exception:
+                log.exception("pull failed", extra={"node": self._config.node_name})
+            try:
+                self.missed_run_check()
+            except Exception:
+                log.exception("missed-run check failed", extra={"node": self._config.node_name})
+            if self._stop.wait(self._config.pull_interval.total_seconds()):
+                return

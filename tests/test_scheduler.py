@@ -1,0 +1,497 @@
+"""The per-node Scheduler: pull, tick, missed-run check, cache sharing.
+
+Times are explicit: the New York spring-forward day 2026-03-08 jumps from
+02:00 EST (07:00Z) to 03:00 EDT; the fall-back day 2026-11-01 repeats 01:00-01:59
+(05:00Z-05:59Z as EDT, 06:00Z-06:59Z as EST).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import stat
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sched_core import Cache, ConfigError, PullError
+from sched_core.scheduler import MAX_PAYLOAD, Config, Fire, Scheduler
+
+T0 = datetime(2026, 11, 30, 15, 0, tzinfo=UTC)  # Monday 10:00 EST
+
+
+def row(sid: str, **overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "id": sid,
+        "name": f"job {sid}",
+        "repo_id": "r-1",
+        "action": "backup",
+        "schedule": {"days": ["*"], "hours": ["*"], "minute": "0"},
+        "miss_policy": "run-once-within-24h",
+        "enabled": True,
+        "version": 1,
+    }
+    base.update(overrides)
+    return base
+
+
+def every(minutes: int) -> dict[str, Any]:
+    return {"days": None, "hours": None, "minute": "", "interval_minutes": minutes}
+
+
+def clock(days: list[str], hours: list[str], minute: str) -> dict[str, Any]:
+    return {"days": days, "hours": hours, "minute": minute}
+
+
+class Agent:
+    """A scheduler on a file:// schedule list, recording every fire."""
+
+    def __init__(self, tmp: Path, rows: list[dict[str, Any]] | Any, *, now: datetime = T0,
+                 fail: set[str] | None = None, **config: Any) -> None:
+        self.list_path = tmp / "schedules.json"
+        self.cache_path = tmp / "cache.json"
+        self.fired: list[Fire] = []
+        self.fail = fail if fail is not None else set()
+        self.write(rows)
+        self.config = Config(
+            pull_url=self.list_path.as_uri(), node_name="node-a", cache_path=self.cache_path,
+            fire=self._fire, **config,
+        )
+        self.scheduler = Scheduler(self.config, now=now)
+
+    def write(self, rows: Any) -> None:
+        body = rows if isinstance(rows, (str, bytes)) else json.dumps({"schedules": rows})
+        self.list_path.write_bytes(body.encode() if isinstance(body, str) else body)
+
+    def _fire(self, fire: Fire) -> None:
+        if fire.schedule.id in self.fail:
+            raise RuntimeError(f"cannot start {fire.schedule.id}")
+        self.fired.append(fire)
+
+    def restart(self, now: datetime) -> None:
+        self.scheduler = Scheduler(self.config, now=now)
+
+    def windows(self) -> list[tuple[str, str]]:
+        return [(f.schedule.id, f.window.isoformat() if f.window else "-") for f in self.fired]
+
+
+# -- configuration ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["pull_url", "node_name", "cache_path", "fire"])
+def test_missing_required_config_names_the_field(tmp_path: Path, missing: str) -> None:
+    fields: dict[str, Any] = {
+        "pull_url": "file:///x.json", "node_name": "n", "cache_path": tmp_path / "c.json",
+        "fire": print,
+    }
+    del fields[missing]
+    with pytest.raises(ConfigError, match=f"Config.{missing} is required"):
+        Config(**fields)
+
+
+def test_bad_config_values_are_config_errors(tmp_path: Path) -> None:
+    good: dict[str, Any] = {"pull_url": "file:///x", "node_name": "n",
+                            "cache_path": tmp_path / "c.json", "fire": print}
+    with pytest.raises(ConfigError, match="timezone 'Mars/Olympus' is unknown"):
+        Config(**good, timezone="Mars/Olympus")
+    with pytest.raises(ConfigError, match="must be http"):
+        Config(**{**good, "pull_url": "ftp://host/x"})
+    with pytest.raises(ConfigError, match="fire_grace must be a positive timedelta"):
+        Config(**good, fire_grace=timedelta(0))
+    with pytest.raises(ConfigError, match="does not exist"):
+        Config(**{**good, "cache_path": tmp_path / "no" / "c.json"})
+    assert Config(**good, timezone="Europe/Berlin").tz.key == "Europe/Berlin"
+
+
+# -- pull ------------------------------------------------------------------------
+
+
+def test_pull_replaces_the_list_and_writes_a_private_cache(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    result = agent.scheduler.pull(now=T0)
+    assert result.added == ["a", "b"] and not result.removed and not result.rejected
+    assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
+    assert stat.S_IMODE(os.stat(agent.cache_path).st_mode) == 0o600
+    on_disk = Cache.model_validate_json(agent.cache_path.read_text())
+    assert on_disk.last_fetched_at == T0 and set(on_disk.first_seen_at) == {"a", "b"}
+
+    agent.write([row("b", name="renamed", version=2)])
+    result = agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert result.removed == ["a"] and result.changed == ["b"]
+    assert [s.name for s in agent.scheduler.schedules()] == ["renamed"]
+    assert agent.scheduler.cache().first_seen_at == {"b": T0}
+
+
+def test_pull_keeps_last_fired_for_surviving_ids(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    agent.scheduler.pull(now=T0)
+    assert agent.scheduler.tick(now=T0) == 2
+    agent.write([row("a", version=2)])
+    agent.scheduler.pull(now=T0 + timedelta(seconds=20))
+    assert agent.scheduler.cache().last_fired_at == {"a": T0}
+    assert agent.scheduler.tick(now=T0 + timedelta(seconds=30)) == 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"rows": []}', "has no 'schedules' field"),
+        ('{"schedules": {"a": 1}}', "must be a JSON list"),
+        ('"text"', "must be a JSON list"),
+        (json.dumps([row("a"), row("a")]), "repeats id 'a'"),
+    ],
+)
+def test_bad_payload_rejects_the_whole_pull(tmp_path: Path, payload: str, reason: str,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    agent.scheduler.pull(now=T0)
+    before = agent.cache_path.read_bytes()
+    agent.write(payload)
+    with pytest.raises(PullError, match=reason):
+        agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert agent.cache_path.read_bytes() == before
+    assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
+    assert any(agent.list_path.as_uri() == getattr(r, "url", None) for r in caplog.records)
+    assert agent.scheduler.tick(now=T0) == 2  # still firing from the last good list
+
+
+def test_oversized_file_is_rejected(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0)
+    agent.write(b"[" + b" " * MAX_PAYLOAD + b"]")
+    with pytest.raises(PullError, match="larger than 16777216 bytes"):
+        agent.scheduler.pull(now=T0)
+    assert [s.id for s in agent.scheduler.schedules()] == ["a"]
+
+
+def test_empty_list_empties_the_schedules(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0)
+    agent.write("[]")
+    assert agent.scheduler.pull(now=T0).removed == ["a"]
+    assert agent.scheduler.schedules() == []
+
+
+def test_invalid_row_is_dropped_and_its_last_good_version_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b", version=1)])
+    agent.scheduler.pull(now=T0)
+    bad_b = row("b", version=2, schedule=clock(["Mon"], ["2"], "0"))
+    bad_c = row("c", schedule=clock(["mon"], ["24"], "0"))
+    no_action = {k: v for k, v in row("d").items() if k != "action"}
+    agent.write([row("a"), bad_b, bad_c, no_action, row("e", schedule=every(0))])
+    with caplog.at_level(logging.WARNING):
+        result = agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    reasons = dict(result.rejected)
+    assert "unknown day name 'Mon'" in reasons["b"]
+    assert "hour '24'" in reasons["c"]
+    assert reasons["d"].startswith("action:")
+    assert "interval_minutes 0 is below 1" in reasons["e"]
+    assert result.kept_last_good == ["b"]
+    kept = {s.id: s for s in agent.scheduler.schedules()}
+    assert set(kept) == {"a", "b"} and kept["b"].version == 1
+    dropped = {getattr(r, "schedule_id", None) for r in caplog.records if "dropped" in r.msg}
+    assert dropped == {"b", "c", "d", "e"}
+
+
+def _http_agent(tmp_path: Path, transport: httpx.BaseTransport) -> Agent:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0)
+    http = Config(
+        pull_url="https://user:secret@controller.test/api/schedules?node=node-a",
+        node_name="node-a", cache_path=agent.cache_path, fire=agent._fire,
+        http_client=httpx.Client(transport=transport),
+    )
+    agent.scheduler = Scheduler(http, now=T0)
+    return agent
+
+
+@pytest.mark.parametrize(
+    ("handler", "reason"),
+    [
+        (lambda r: httpx.Response(503, text="down"), "answered HTTP 503"),
+        (lambda r: httpx.Response(200, text="<html>"), "not valid JSON"),
+    ],
+)
+def test_http_failures_keep_the_cache(tmp_path: Path, handler: Any, reason: str,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    agent = _http_agent(tmp_path, httpx.MockTransport(handler))
+    with pytest.raises(PullError, match=reason) as info:
+        agent.scheduler.pull(now=T0)
+    assert "secret" not in str(info.value)
+    assert all("secret" not in str(getattr(r, "url", "")) for r in caplog.records)
+    assert [s.id for s in agent.scheduler.schedules()] == ["a"]
+
+
+def test_http_timeout_is_a_pull_error(tmp_path: Path) -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    agent = _http_agent(tmp_path, httpx.MockTransport(slow))
+    with pytest.raises(PullError, match="ReadTimeout"):
+        agent.scheduler.pull(now=T0)
+    assert [s.id for s in agent.scheduler.schedules()] == ["a"]
+
+
+# -- tick ------------------------------------------------------------------------
+
+
+def test_due_window_fires_once_even_across_restarts(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0 + timedelta(seconds=1)) == 1
+    assert agent.scheduler.tick(now=T0 + timedelta(seconds=2)) == 0
+    agent.restart(now=T0 + timedelta(seconds=3))
+    assert agent.scheduler.tick(now=T0 + timedelta(seconds=4)) == 0
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=30)) == 0
+    (fire,) = agent.fired
+    assert fire.trigger_key == "schedule" and not fire.missed_recovery
+    assert fire.window == T0 and fire.key == "a@2026-11-30T10:00-05:00"
+
+
+def test_tick_fires_late_and_early_windows_inside_the_grace_only(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    # A worker may start the tick half a second early: the window is not due yet.
+    assert agent.scheduler.tick(now=T0 - timedelta(seconds=0.5)) == 0
+    assert agent.scheduler.tick(now=T0 + timedelta(minutes=5)) == 1  # the grace is inclusive
+    (tmp_path / "late").mkdir()
+    agent2 = Agent(tmp_path / "late", [row("a")])
+    agent2.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent2.scheduler.tick(now=T0 + timedelta(minutes=5, seconds=1)) == 0
+
+
+def test_older_pending_windows_are_coalesced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = Agent(tmp_path, [row("a", schedule=every(1))])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 1
+    report = agent.scheduler.tick_report(now=T0 + timedelta(minutes=4, seconds=10))
+    assert [f.window for f in report.fired] == [T0 + timedelta(minutes=4)]
+    assert report.coalesced == {"a": 3}
+    assert any(getattr(r, "coalesced", None) == 3 for r in caplog.records)
+
+
+def test_failed_fire_is_not_stamped_and_is_retried(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b")], fail={"a"})
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    report = agent.scheduler.tick_report(now=T0)
+    assert [f.schedule.id for f in report.fired] == ["b"]
+    assert [f.schedule.id for f, _ in report.failed] == ["a"]
+    assert "a" not in agent.scheduler.cache().last_fired_at
+    agent.fail.clear()
+    assert agent.windows() == [("b", T0.isoformat())]
+    assert agent.scheduler.tick(now=T0 + timedelta(minutes=2)) == 1
+    assert agent.windows()[-1] == ("a", T0.isoformat())
+
+
+def test_failed_fire_older_than_grace_goes_to_the_miss_policy(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")], fail={"a"})
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 0
+    agent.fail.clear()
+    assert agent.scheduler.tick(now=T0 + timedelta(minutes=6)) == 0
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=6)) == 1
+    (fire,) = agent.fired
+    assert fire.trigger_key == "schedule-recovery" and fire.missed_recovery
+    assert fire.key == "a@2026-11-30T10:00-05:00"  # the same key as the normal fire
+
+
+def test_disabled_and_event_schedules_never_tick(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("off", enabled=False),
+                             row("ev", schedule={"on": "after_wave"}, action="prune")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 0
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2)) == 0
+
+
+def test_fresh_agent_fires_the_window_of_the_minute_it_first_saw_the_schedule(
+    tmp_path: Path,
+) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 + timedelta(seconds=30))
+    assert agent.scheduler.tick(now=T0 + timedelta(seconds=40)) == 1
+
+    late = tmp_path / "late"
+    late.mkdir()
+    agent = Agent(late, [row("a")])
+    agent.scheduler.pull(now=T0 + timedelta(minutes=1))
+    assert agent.scheduler.tick(now=T0 + timedelta(minutes=1, seconds=5)) == 0
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=2)) == 0
+
+
+# -- DST -------------------------------------------------------------------------
+
+SPRING = datetime(2026, 3, 8, 7, 0, tzinfo=UTC)  # 02:00 EST -> 03:00 EDT
+FALL_EDT = datetime(2026, 11, 1, 5, 30, tzinfo=UTC)  # 01:30 EDT, first copy
+FALL_EST = datetime(2026, 11, 1, 6, 30, tzinfo=UTC)  # 01:30 EST, second copy
+
+
+def test_spring_forward_gap_window_fires_at_three(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a", schedule=clock(["*"], ["2"], "30"))])
+    agent.scheduler.pull(now=SPRING - timedelta(days=1))
+    assert agent.scheduler.tick(now=SPRING - timedelta(seconds=1)) == 0
+    assert agent.scheduler.tick(now=SPRING + timedelta(seconds=1)) == 1
+    assert agent.fired[0].window == SPRING
+    assert agent.fired[0].key == "a@2026-03-08T03:00-04:00"
+    assert agent.scheduler.tick(now=SPRING + timedelta(minutes=30)) == 0
+
+
+def test_fall_back_fixed_hour_fires_once_wildcard_twice(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("fixed", schedule=clock(["*"], ["1"], "30")),
+                             row("wild", schedule=clock(["*"], ["*"], "30"))])
+    agent.scheduler.pull(now=FALL_EDT - timedelta(days=1))
+    assert agent.scheduler.tick(now=FALL_EDT) == 2
+    assert agent.scheduler.tick(now=FALL_EST) == 1
+    assert agent.windows() == [
+        ("fixed", FALL_EDT.isoformat()), ("wild", FALL_EDT.isoformat()),
+        ("wild", FALL_EST.isoformat()),
+    ]
+    keys = [f.key for f in agent.fired]
+    assert keys[1] == "wild@2026-11-01T01:30-04:00" and keys[2] == "wild@2026-11-01T01:30-05:00"
+    assert agent.scheduler.missed_run_check(now=FALL_EST + timedelta(hours=1)) == 0
+
+
+# -- miss policy -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("skip", []), ("run-once-within-24h", [T0 + timedelta(hours=3)]),
+     ("run-all", [T0 + timedelta(hours=3)])],
+)
+def test_miss_policy_after_downtime(tmp_path: Path, policy: str, expected: list[datetime],
+                                    caplog: pytest.LogCaptureFixture) -> None:
+    agent = Agent(tmp_path, [row("a", miss_policy=policy)])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 1
+    # Down from 10:01 to 13:30: the 11:00, 12:00 and 13:00 windows were missed.
+    agent.restart(now=T0 + timedelta(hours=3, minutes=30))
+    with caplog.at_level(logging.WARNING):
+        assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=3, minutes=30)) == len(
+            expected
+        )
+    assert [f.window for f in agent.fired[1:]] == expected
+    truncated = [getattr(r, "truncated", None) for r in caplog.records]
+    assert (2 in truncated) == (policy == "run-all")
+    # Recovery happens once.
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=3, minutes=40)) == 0
+
+
+def test_missed_check_leaves_a_window_inside_the_grace_to_the_tick(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=5))
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=2)) == 0
+    assert agent.scheduler.tick(now=T0 + timedelta(minutes=2)) == 1
+    assert agent.fired[0].trigger_key == "schedule"
+
+
+def test_recovery_looks_back_24_hours_only(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a", schedule=clock(["mon"], ["10"], "0"))])
+    agent.scheduler.pull(now=T0 - timedelta(days=2))
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=23, minutes=59)) == 1
+    agent2_dir = tmp_path / "b"
+    agent2_dir.mkdir()
+    agent2 = Agent(agent2_dir, [row("a", schedule=clock(["mon"], ["10"], "0"))])
+    agent2.scheduler.pull(now=T0 - timedelta(days=2))
+    assert agent2.scheduler.missed_run_check(now=T0 + timedelta(hours=24)) == 0
+
+
+# -- the cache on disk -----------------------------------------------------------
+
+
+def test_corrupt_cache_is_moved_aside_and_agent_starts_empty(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.json"
+    cache.write_text('{"schedules": [')
+    agent = Agent(tmp_path, [row("a")])
+    assert agent.scheduler.schedules() == []
+    aside = list(tmp_path.glob("cache.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text() == '{"schedules": ['
+    agent.scheduler.pull(now=T0)
+    assert [s.id for s in agent.scheduler.schedules()] == ["a"]
+
+
+def test_cache_written_by_the_go_kit_is_used(tmp_path: Path) -> None:
+    go_cache = {
+        "schedules": [row("a"), row("bad", schedule=clock(["funday"], ["1"], "0"))],
+        "last_fired_at": {"a": "2026-11-30T13:00:00.000000001Z"},
+        "last_fetched_at": "2026-11-30T14:30:00.123456789Z",
+        "debug": True,
+    }
+    (tmp_path / "cache.json").write_text(json.dumps(go_cache))
+    agent = Agent(tmp_path, [row("a")], now=T0 + timedelta(hours=5))
+    cache = agent.scheduler.cache()
+    assert [s.id for s in cache.schedules] == ["a"]
+    assert cache.first_seen_at == {"a": datetime(2026, 11, 30, 14, 30, 0, 123456, tzinfo=UTC)}
+    # 15:00Z to 17:00Z were missed after the Go kit's last fetch: the latest is recovered.
+    fired = agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30))
+    assert fired == 1 and agent.fired[0].window == T0 + timedelta(hours=2)
+
+
+def _tick_forever(cache_path: str, list_uri: str, ids: list[str], rounds: int) -> None:
+    fired: list[str] = []
+    config = Config(pull_url=list_uri, node_name="p", cache_path=cache_path,
+                    fire=lambda f: fired.append(f.schedule.id))
+    for i in range(rounds):
+        scheduler = Scheduler(config, now=T0)
+        now = T0 + timedelta(minutes=i)
+        scheduler.fire_matching("manual", lambda s: s.id in ids, now=now)
+
+
+def test_processes_sharing_one_cache_lose_no_update(tmp_path: Path) -> None:
+    rows = [row(f"s{i}") for i in range(8)]
+    agent = Agent(tmp_path, rows)
+    agent.scheduler.pull(now=T0)
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_tick_forever,
+                    args=(str(agent.cache_path), agent.list_path.as_uri(), [f"s{i}"], 20))
+        for i in range(8)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    stamps = Cache.model_validate_json(agent.cache_path.read_text()).last_fired_at
+    assert stamps == {f"s{i}": T0 + timedelta(minutes=19) for i in range(8)}
+
+
+# -- on demand and loops ---------------------------------------------------------
+
+
+def test_fire_matching_uses_the_given_key_and_stamps(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("p", action="prune", schedule={"on": "after_wave"}),
+                             row("b"), row("off", action="prune", enabled=False)])
+    agent.scheduler.pull(now=T0)
+    count = agent.scheduler.fire_matching(
+        "chain-prune", lambda s: s.action == "prune", now=T0, key="prune@2026-11-30"
+    )
+    assert count == 1
+    (fire,) = agent.fired
+    assert (fire.trigger_key, fire.window, fire.key) == ("chain-prune", None, "p@prune@2026-11-30")
+    assert agent.scheduler.cache().last_fired_at["p"] == T0
+
+
+def test_start_pulls_and_stop_is_idempotent(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b", name="aaa")],
+                  fire_interval=timedelta(milliseconds=20), pull_interval=timedelta(seconds=30))
+    agent.scheduler.start()
+    try:
+        for _ in range(500):
+            if agent.scheduler.schedules():
+                break
+            agent.scheduler._stop.wait(0.01)
+    finally:
+        agent.scheduler.stop()
+    agent.scheduler.stop()
+    assert [s.id for s in agent.scheduler.schedules()] == ["b", "a"]  # sorted by name
+    assert all(not t.is_alive() for t in agent.scheduler._threads)
