@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -53,7 +54,7 @@ def _wall_matches(schedule: Schedule, wall: datetime) -> bool:
 def _gap_notes(schedule: Schedule, start: datetime, end: datetime, tz: ZoneInfo) -> list[str]:
     """Describe the schedule's wall times that fall in DST gaps between start and end."""
     notes = []
-    minute = start.replace(second=0, microsecond=0)
+    minute = start.astimezone(UTC).replace(second=0, microsecond=0)
     while minute < end:
         before, after = minute.astimezone(tz), (minute + timedelta(minutes=1)).astimezone(tz)
         jump = after.utcoffset() - before.utcoffset()  # type: ignore[operator]
@@ -86,6 +87,7 @@ def preview_lines(
     rows: list[LocalSchedule], *, at: datetime, days: int, tz: ZoneInfo, limit: int
 ) -> list[str]:
     """Return the preview of each schedule's next fires, DST moves and suppressions marked."""
+    at = at.astimezone(UTC)  # step in UTC: aware arithmetic in a local zone is wall-clock
     end = at + timedelta(days=days)
     lines: list[str] = []
     for row in sorted(rows, key=lambda r: (r.name, r.id)):
@@ -137,6 +139,7 @@ def preview(
     rows = data.get("schedules") if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise typer.BadParameter(f"{schedules} holds no schedule list")
+    logging.getLogger("sched_core.cache").setLevel(logging.ERROR)  # reasons are echoed below
     good, bad = validate_rows(rows, source=str(schedules))
     for row_id, reason in bad:
         typer.echo(f"invalid schedule {row_id}: {reason}", err=True)
