@@ -1,0 +1,374 @@
+"""One contract suite for the controller's store, run on a SQLite file and on a real Postgres.
+
+Time is pinned: every call gets ``now`` (T0 = 2026-12-02 12:00 UTC, no DST nearby),
+except the tests that check the database clock is the authority.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller import db, schedules, store
+from controller.models import TaskIn, TaskStatus
+from controller.store import DispatchOutcome
+from sched_core.model import LocalSchedule
+
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+US = timedelta(microseconds=1)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = db.make_engine(database_url, application_name="sched-test-store")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def session(engine: Engine) -> Iterator[Session]:
+    with Session(engine) as session:
+        yield session
+
+
+def _row(schedule_id: str, **changes: object) -> LocalSchedule:
+    data: dict[str, object] = {
+        "id": schedule_id,
+        "name": f"nightly {schedule_id}",
+        "repo_id": "r-9",
+        "action": "backup",
+        "schedule": {"days": ["mon", "tue"], "hours": ["2"], "minute": "30"},
+        "miss_policy": "run-once-within-24h",
+        "enabled": True,
+        "params": {"threads": 4},
+        "version": 99,
+    }
+    data.update(changes)
+    return LocalSchedule.model_validate(data)
+
+
+def _one_shot(name: str, at: datetime = T0, **kw: object) -> TaskIn:
+    return TaskIn.model_validate({"name": name, "run_at": at, "event": "job.run", **kw})
+
+
+def _cron(name: str, cron: str = "*/5 * * * *", **kw: object) -> TaskIn:
+    return TaskIn.model_validate(
+        {"name": name, "cron": cron, "timezone": "UTC", "event": "job.run", **kw}
+    )
+
+
+# ---------------------------------------------------------------- agent schedules
+
+
+def test_put_schedule_versions_from_one_and_ignores_the_sent_version(session: Session) -> None:
+    first = schedules.put_schedule(session, "node-a", _row("s-1"))
+    second = schedules.put_schedule(session, "node-a", _row("s-1", name="renamed", version=1))
+    assert (first.version, second.version) == (1, 2)
+    stored = schedules.get_schedule(session, "node-a", "s-1")
+    assert stored == second
+    assert stored is not None and stored.name == "renamed" and stored.params == {"threads": 4}
+    assert schedules.get_schedule(session, "node-b", "s-1") is None
+
+
+def test_list_schedules_is_per_node_sorted_in_wire_format(session: Session) -> None:
+    for schedule_id in ("s-2", "s-10", "s-1"):
+        schedules.put_schedule(session, "node-a", _row(schedule_id, storage="", params=None))
+    schedules.put_schedule(session, "node-b", _row("s-9"))
+    rows, _ = schedules.list_schedules(session, "node-a")
+    assert [r.id for r in rows] == ["s-1", "s-10", "s-2"]
+    assert '"storage"' not in rows[0].model_dump_json()
+    assert schedules.list_nodes(session) == ["node-a", "node-b"]
+
+
+def test_etag_changes_on_every_change_and_only_then(session: Session) -> None:
+    assert schedules.list_schedules(session, "node-a") == ([], '"empty"')
+    seen = []
+    schedules.put_schedule(session, "node-a", _row("s-1"))
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]  # stable
+    schedules.put_schedule(session, "node-b", _row("s-1"))  # another node's change
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]
+    schedules.put_schedule(session, "node-a", _row("s-2"))  # add
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    schedules.put_schedule(session, "node-a", _row("s-2"))  # identical update still counts
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.delete_schedule(session, "node-a", "s-2") is True  # delete
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.delete_schedule(session, "node-a", "s-2") is False  # nothing changed
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]
+    assert len(set(seen)) == len(seen)
+    assert all(tag.startswith('"') and tag.endswith('"') for tag in seen)
+
+
+def test_deleting_the_last_row_drops_the_node_but_keeps_a_new_etag(session: Session) -> None:
+    schedules.put_schedule(session, "node-a", _row("s-1"))
+    _, before = schedules.list_schedules(session, "node-a")
+    schedules.delete_schedule(session, "node-a", "s-1")
+    rows, after = schedules.list_schedules(session, "node-a")
+    assert rows == [] and after not in (before, '"empty"')
+    assert schedules.list_nodes(session) == []
+
+
+# ---------------------------------------------------------------- task CRUD
+
+
+def test_save_task_upserts_by_name_and_computes_next_run(session: Session) -> None:
+    first = store.save_task(session, _cron("t"), now=T0 + timedelta(seconds=30))
+    assert first.next_run_at == T0 + timedelta(minutes=5)
+    assert first.event == "sched.task.job.run"
+    second = store.save_task(session, _cron("t", cron="0 * * * *"), now=T0)
+    assert second.id == first.id and second.cron == "0 * * * *"
+    assert second.next_run_at == T0 + timedelta(hours=1)
+    assert [t.name for t in store.list_tasks(session)] == ["t"]
+    got = store.get_task(session, "t")
+    assert got is not None and got.next_run_at == second.next_run_at
+    assert store.delete_task(session, "t") is True
+    assert store.delete_task(session, "t") is False
+    assert store.get_task(session, "t") is None
+
+
+def test_save_task_with_a_schedule_shape_uses_its_timezone(session: Session) -> None:
+    task = TaskIn.model_validate(
+        {
+            "name": "shape",
+            "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+            "timezone": "America/New_York",
+            "deployment": "backup/nightly",
+            "payload": {"agent": "node-a"},
+        }
+    )
+    saved = store.save_task(session, task, now=T0)  # 07:00 EST
+    assert saved.next_run_at == datetime(2026, 12, 3, 7, 30, tzinfo=UTC)
+    assert saved.deployment == "backup/nightly" and saved.payload == {"agent": "node-a"}
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"name": "x", "event": "e"}, "exactly one of cron, schedule or run_at"),
+        ({"name": "x", "cron": "* * * * *", "run_at": T0, "event": "e"}, "got cron, run_at"),
+        ({"name": "x", "cron": "61 * * * *", "event": "e"}, "invalid cron"),
+        ({"name": "x", "cron": "* * * * *"}, "exactly one of event or deployment"),
+        ({"name": "x", "cron": "* * * * *", "event": "sched.job.x"}, "outside the sched.task"),
+        ({"name": "x", "cron": "* * * * *", "event": "e", "timezone": "Mars/Base"}, "Mars"),
+        ({"name": "x", "run_at": "2026-12-02T12:00:00", "event": "e"}, "no UTC offset"),
+        ({"name": "x", "schedule": {"on": "after_wave"}, "event": "e"}, "event schedule"),
+    ],
+)
+def test_task_in_rejects_bad_input_naming_what_is_wrong(
+    body: dict[str, object], needle: str
+) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        TaskIn.model_validate(body)
+
+
+# ---------------------------------------------------------------- next run, claims, leases
+
+
+def test_earliest_next_run_skips_inactive_tasks_and_honours_holds(session: Session) -> None:
+    assert store.earliest_next_run_at(session) is None
+    store.save_task(session, _one_shot("later", T0 + timedelta(minutes=9)), now=T0)
+    store.save_task(session, _one_shot("off", T0, status="disabled"), now=T0)
+    store.save_task(session, _one_shot("soon", T0 + timedelta(minutes=2)), now=T0)
+    assert store.earliest_next_run_at(session) == T0 + timedelta(minutes=2)
+    [claim] = store.claim_due(session, worker_id="w", now=T0 + timedelta(minutes=2), lease=600)
+    # A leased task becomes claimable again when its lease ends.
+    assert store.earliest_next_run_at(session) == T0 + timedelta(minutes=9)
+    store.fail(session, claim, "boom", retry_delay=60, now=T0 + timedelta(minutes=3))
+    assert store.earliest_next_run_at(session) == T0 + timedelta(minutes=4)
+
+
+def test_claim_takes_only_due_active_tasks_in_time_order(session: Session) -> None:
+    store.save_task(session, _one_shot("b", T0), now=T0)
+    store.save_task(session, _one_shot("a", T0), now=T0)
+    store.save_task(session, _one_shot("early", T0 - timedelta(minutes=1)), now=T0)
+    store.save_task(session, _one_shot("future", T0 + US), now=T0)
+    store.save_task(session, _one_shot("off", T0, status="disabled"), now=T0)
+    claims = store.claim_due(session, worker_id="w1", now=T0, lease=30)
+    assert [c.name for c in claims] == ["early", "a", "b"]
+    assert all(c.worker_id == "w1" and c.locked_until == T0 + timedelta(seconds=30) for c in claims)
+    assert claims[1].idempotency_key == "a:2026-12-02T12:00:00+00:00"
+    assert store.claim_due(session, worker_id="w2", now=T0, lease=30) == []
+
+
+def test_claim_respects_limit(session: Session) -> None:
+    for i in range(5):
+        store.save_task(session, _one_shot(f"t{i}"), now=T0)
+    assert len(store.claim_due(session, worker_id="w", now=T0, limit=2)) == 2
+    assert len(store.claim_due(session, worker_id="w", now=T0, limit=10)) == 3
+
+
+def test_lease_boundary_held_at_expiry_free_just_after(session: Session) -> None:
+    store.save_task(session, _one_shot("t"), now=T0)
+    [first] = store.claim_due(session, worker_id="w1", now=T0, lease=timedelta(seconds=30))
+    expiry = T0 + timedelta(seconds=30)
+    assert first.locked_until == expiry
+    assert store.claim_due(session, worker_id="w2", now=expiry - US, lease=30) == []
+    assert store.claim_due(session, worker_id="w2", now=expiry, lease=30) == []
+    [second] = store.claim_due(session, worker_id="w2", now=expiry + US, lease=30)
+    assert second.worker_id == "w2" and second.scheduled_at == first.scheduled_at
+
+
+def test_claims_of_several_workers_are_disjoint(session: Session) -> None:
+    for i in range(30):
+        store.save_task(session, _one_shot(f"t{i:02d}"), now=T0)
+    seen: list[set[str]] = []
+    for worker in ("w1", "w2", "w3", "w4"):
+        seen.append({c.name for c in store.claim_due(session, worker_id=worker, now=T0, limit=8)})
+    assert [len(s) for s in seen] == [8, 8, 8, 6]
+    assert set().union(*seen) == {f"t{i:02d}" for i in range(30)}
+
+
+def test_concurrent_claimers_in_threads_are_disjoint(engine: Engine) -> None:
+    with Session(engine) as session:
+        for i in range(200):
+            store.save_task(session, _one_shot(f"t{i:03d}"), now=T0)
+    claimed: dict[str, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def claimer(worker: str) -> None:
+        mine = claimed.setdefault(worker, [])
+        try:
+            with Session(engine) as session:
+                while batch := store.claim_due(session, worker_id=worker, now=T0, limit=7):
+                    mine.extend(c.name for c in batch)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(f"w{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    names = [name for mine in claimed.values() for name in mine]
+    assert len(names) == len(set(names)) == 200
+
+
+# ---------------------------------------------------------------- complete, fail, dispatch records
+
+
+def test_complete_reschedules_cron_from_the_later_of_now_and_scheduled(session: Session) -> None:
+    store.save_task(session, _cron("t"), now=T0 - timedelta(minutes=1))  # next: T0
+    [claim] = store.claim_due(session, worker_id="w", now=T0, lease=30)
+    assert claim.scheduled_at == T0
+    assert store.begin_dispatch(session, claim, now=T0) is DispatchOutcome.OWNED
+    # Completed 12 minutes late: the next run is after now, missed ones are not replayed.
+    assert store.complete(session, claim, now=T0 + timedelta(minutes=12)) is True
+    task = store.get_task(session, "t")
+    assert task is not None and task.status == TaskStatus.ACTIVE
+    assert task.next_run_at == T0 + timedelta(minutes=15)
+    assert task.last_run_at == T0 and task.locked_by is None and task.locked_until is None
+    [record] = store.list_dispatches(session, "t")
+    assert (record.scheduled_at, record.status) == (T0, "dispatched")
+
+
+def test_complete_on_time_moves_past_the_scheduled_time(session: Session) -> None:
+    store.save_task(session, _cron("t"), now=T0 - timedelta(minutes=1))
+    [claim] = store.claim_due(session, worker_id="w", now=T0, lease=30)
+    # The database clock reads a bit before the scheduled time (clock skew): still T0 + 5.
+    assert store.complete(session, claim, now=T0 - timedelta(seconds=2)) is True
+    task = store.get_task(session, "t")
+    assert task is not None and task.next_run_at == T0 + timedelta(minutes=5)
+
+
+def test_complete_stops_a_one_shot_task(session: Session) -> None:
+    store.save_task(session, _one_shot("t"), now=T0)
+    [claim] = store.claim_due(session, worker_id="w", now=T0, lease=30)
+    assert store.complete(session, claim, now=T0) is True
+    task = store.get_task(session, "t")
+    assert task is not None and task.status == TaskStatus.DONE and task.next_run_at is None
+    assert store.claim_due(session, worker_id="w", now=T0 + timedelta(days=1)) == []
+    assert store.earliest_next_run_at(session) is None
+
+
+def test_fail_records_the_error_and_retries_after_the_delay(session: Session) -> None:
+    store.save_task(session, _one_shot("t"), now=T0)
+    [claim] = store.claim_due(session, worker_id="w", now=T0, lease=30)
+    assert store.begin_dispatch(session, claim, now=T0) is DispatchOutcome.OWNED
+    assert store.fail(session, claim, "prefect unreachable", retry_delay=60, now=T0) is True
+    task = store.get_task(session, "t")
+    assert task is not None
+    assert (task.attempts, task.last_error, task.next_run_at) == (1, "prefect unreachable", T0)
+    hold = T0 + timedelta(seconds=60)
+    assert store.claim_due(session, worker_id="w2", now=hold, lease=30) == []
+    [retry] = store.claim_due(session, worker_id="w2", now=hold + US, lease=30)
+    assert retry.idempotency_key == claim.idempotency_key and retry.attempts == 1
+    # The failed record is taken over by the retry.
+    assert store.begin_dispatch(session, retry, now=hold) is DispatchOutcome.OWNED
+    assert store.complete(session, retry, now=hold) is True
+    task = store.get_task(session, "t")
+    assert task is not None and task.attempts == 0 and task.last_error is None
+
+
+def test_an_expired_lease_mid_dispatch_does_not_dispatch_twice(session: Session) -> None:
+    store.save_task(session, _cron("t"), now=T0 - timedelta(minutes=1))
+    [slow] = store.claim_due(session, worker_id="slow", now=T0, lease=10)
+    assert store.begin_dispatch(session, slow, now=T0) is DispatchOutcome.OWNED
+    # slow's lease runs out while it is still dispatching; fast claims the same time.
+    [fast] = store.claim_due(session, worker_id="fast", now=T0 + timedelta(seconds=11), lease=10)
+    assert fast.scheduled_at == slow.scheduled_at
+    assert store.begin_dispatch(session, fast, now=T0 + timedelta(seconds=11)) is (
+        DispatchOutcome.BUSY
+    )
+    assert store.complete(session, slow, now=T0 + timedelta(seconds=12)) is True
+    # fast's own completion is fenced out: the task already moved on.
+    assert store.complete(session, fast, now=T0 + timedelta(seconds=12)) is False
+    task = store.get_task(session, "t")
+    assert task is not None and task.next_run_at == T0 + timedelta(minutes=5)
+    assert len(store.list_dispatches(session, "t")) == 1
+
+
+def test_a_dispatched_record_tells_a_late_claimer_to_complete_only(session: Session) -> None:
+    store.save_task(session, _one_shot("t"), now=T0)
+    [first] = store.claim_due(session, worker_id="w1", now=T0, lease=10)
+    assert store.begin_dispatch(session, first, now=T0) is DispatchOutcome.OWNED
+    store.complete(session, first, now=T0)
+    # The same (task, time) saved again (say, an identical re-save) is never re-dispatched.
+    store.save_task(session, _one_shot("t"), now=T0)
+    [again] = store.claim_due(session, worker_id="w2", now=T0, lease=10)
+    assert store.begin_dispatch(session, again, now=T0) is DispatchOutcome.DONE
+    assert store.complete(session, again, now=T0) is True
+
+
+def test_a_stale_dispatching_record_is_taken_over(session: Session) -> None:
+    store.save_task(session, _one_shot("t"), now=T0)
+    [dead] = store.claim_due(session, worker_id="dead", now=T0, lease=10)
+    assert store.begin_dispatch(session, dead, now=T0) is DispatchOutcome.OWNED
+    later = T0 + timedelta(seconds=11)
+    [alive] = store.claim_due(session, worker_id="alive", now=later, lease=10)
+    assert store.begin_dispatch(session, alive, now=later, stale_after=11) is DispatchOutcome.BUSY
+    assert store.begin_dispatch(session, alive, now=later + US, stale_after=11) is (
+        DispatchOutcome.OWNED
+    )
+
+
+def test_saving_a_claimed_task_fences_out_the_old_claim(session: Session) -> None:
+    store.save_task(session, _cron("t"), now=T0 - timedelta(minutes=1))
+    [claim] = store.claim_due(session, worker_id="w", now=T0, lease=30)
+    store.save_task(session, _cron("t", cron="0 * * * *"), now=T0 + timedelta(seconds=1))
+    assert store.complete(session, claim, now=T0 + timedelta(seconds=2)) is False
+    task = store.get_task(session, "t")
+    assert task is not None and task.next_run_at == T0 + timedelta(hours=1)
+
+
+# ---------------------------------------------------------------- the database clock
+
+
+def test_claim_with_no_now_uses_the_database_clock(session: Session) -> None:
+    wall = datetime.now(UTC)
+    store.save_task(session, _one_shot("past", wall - timedelta(hours=1)))
+    store.save_task(session, _one_shot("future", wall + timedelta(hours=1)))
+    [claim] = store.claim_due(session, worker_id="w", lease=30)
+    assert claim.name == "past"
+    assert abs(claim.locked_until - (store.db_now(session) + timedelta(seconds=30))) < timedelta(
+        minutes=5
+    )
