@@ -73,7 +73,7 @@ def _field_name(loc: tuple[Any, ...] | list[Any]) -> str:
 def _error_entry(
     loc: tuple[Any, ...] | list[Any], msg: str, kind: str, value: Any = None
 ) -> dict[str, Any]:
-    entry = {
+    entry: dict[str, Any] = {
         "field": _field_name(loc),
         "loc": list(loc),
         "msg": msg.removeprefix("Value error, "),

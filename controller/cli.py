@@ -49,8 +49,6 @@ def serve(
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Run the API and the central scheduler in one process (or either alone, to scale)."""
-    from controller.server import run
-
     if api_only and scheduler_only:
         raise typer.BadParameter("--api-only and --scheduler-only exclude each other")
     _setup_logging(log_level)
@@ -73,6 +71,8 @@ def serve(
                 err=True,
             )
             raise typer.Exit(2)
+    from controller.server import run
+
     run(
         url=database_url,
         tokens=tokens,

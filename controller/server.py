@@ -61,16 +61,26 @@ def central_scheduler(engine: Engine, enabled: bool) -> Iterator[object | None]:
         log.info("central scheduler stopped")
 
 
-def _wait_for_signal() -> None:
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """Yield an event set by SIGINT or SIGTERM, with our handlers installed meanwhile.
+
+    uvicorn restores the handlers it found and re-raises the signal it caught
+    once it has shut down; finding ours, it sets the event instead of killing
+    the process, so the scheduler is stopped and the engine disposed after it.
+    """
     stop = threading.Event()
 
     def handle(signum: int, _frame: FrameType | None) -> None:
         log.info("stopping on signal", extra={"signal": signal.Signals(signum).name})
         stop.set()
 
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        stop.wait()
+        yield stop
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -91,9 +101,9 @@ def run(
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
                                             "scheduler": scheduler})
     try:
-        with central_scheduler(engine, scheduler) as central:
+        with stop_on_signals() as stop, central_scheduler(engine, scheduler) as central:
             if not api:
-                _wait_for_signal()
+                stop.wait()
                 return
             if tokens is None:
                 raise ValueError("the API needs a token configuration")
@@ -101,7 +111,8 @@ def run(
             app = create_app(
                 engine, tokens, on_task_saved=(lambda _name: wake()) if wake else None
             )
-            uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+            if not stop.is_set():  # a signal during start-up
+                uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
     finally:
         engine.dispose()
         log.info("controller stopped")

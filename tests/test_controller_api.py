@@ -1,0 +1,659 @@
+"""The controller API over real HTTP on loopback: auth, validation, wire format, ETag.
+
+One uvicorn server per module, in a thread, on a free port, over a temporary
+SQLite file migrated with the real migrations. Tests that look at ETags or
+stored rows use their own node names, so they do not depend on each other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.api import create_app, etag_matches, schedules_body
+from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
+from controller.db import make_engine, migrate
+from controller.server import serve_in_thread
+from sched_core.errors import ConfigError
+from sched_core.model import LocalSchedule
+
+ADMIN_TOKEN = "admin-secret-token-0123456789"
+NODE_A_TOKEN = "node-a-secret-token-abcdef"
+NODE_B_TOKEN = "node-b-secret-token-fedcba"
+AGENT_TOKEN = "agent-1-secret-token-777"
+ALL_TOKENS = (ADMIN_TOKEN, NODE_A_TOKEN, NODE_B_TOKEN, AGENT_TOKEN)
+
+
+def row(schedule_id: str, **changes: Any) -> dict[str, Any]:
+    """Return a valid wire-format row as a JSON object, with changes applied."""
+    data: dict[str, Any] = {
+        "id": schedule_id,
+        "name": f"nightly {schedule_id}",
+        "repo_id": "r-9",
+        "action": "backup",
+        "storage": "b2",
+        "schedule": {"days": ["mon", "tue"], "hours": ["2"], "minute": "30"},
+        "miss_policy": "run-once-within-24h",
+        "enabled": True,
+        "params": {"threads": 4},
+    }
+    data.update(changes)
+    return data
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+ADMIN = bearer(ADMIN_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('api') / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    tokens = Tokens(
+        admin=[ADMIN_TOKEN],
+        nodes={"node-a": [NODE_A_TOKEN], "node-b": [NODE_B_TOKEN], "agent-1": [AGENT_TOKEN]},
+    )
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as url_:
+            yield url_
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture()
+def client(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=30) as c:
+        yield c
+
+
+def put(client: httpx.Client, node: str, data: dict[str, Any]) -> httpx.Response:
+    return client.put(f"/api/nodes/{node}/schedules/{data['id']}", json=data, headers=ADMIN)
+
+
+# --- auth matrix ----------------------------------------------------------------------
+
+CALLERS = {
+    "admin": bearer(ADMIN_TOKEN),
+    "own-node": bearer(NODE_A_TOKEN),
+    "other-node": bearer(NODE_B_TOKEN),
+    "unknown": bearer("not-a-configured-token"),
+    "missing": {},
+    "wrong-scheme": {"Authorization": f"Basic {ADMIN_TOKEN}"},
+}
+
+# (operation, expected status per caller); the target is always node-a's data.
+MATRIX: dict[str, dict[str, int]] = {
+    "pull": {"admin": 200, "own-node": 200, "other-node": 403},
+    "list-node": {"admin": 200, "own-node": 200, "other-node": 403},
+    "get-one": {"admin": 200, "own-node": 200, "other-node": 403},
+    "put": {"admin": 200, "own-node": 403, "other-node": 403},
+    "delete": {"admin": 204, "own-node": 403, "other-node": 403},
+    "nodes": {"admin": 200, "own-node": 403, "other-node": 403},
+    "tasks-list": {"admin": 200, "own-node": 403, "other-node": 403},
+    "task-get": {"admin": 200, "own-node": 403, "other-node": 403},
+    "task-put": {"admin": 200, "own-node": 403, "other-node": 403},
+    "task-delete": {"admin": 204, "own-node": 403, "other-node": 403},
+}
+for _expected in MATRIX.values():
+    _expected.update({"unknown": 401, "missing": 401, "wrong-scheme": 401})
+
+TASK = {"cron": "30 2 * * *", "event": "backup.nightly", "payload": {"repo": "r-9"}}
+
+
+def call(
+    client: httpx.Client, operation: str, headers: dict[str, str], key: str
+) -> httpx.Response:
+    """Perform operation on node-a's data (rows and tasks named after key)."""
+    if operation == "pull":
+        return client.get("/api/schedules", params={"node": "node-a"}, headers=headers)
+    if operation == "list-node":
+        return client.get("/api/nodes/node-a/schedules", headers=headers)
+    if operation == "get-one":
+        return client.get(f"/api/nodes/node-a/schedules/{key}", headers=headers)
+    if operation == "put":
+        return client.put(f"/api/nodes/node-a/schedules/{key}", json=row(key), headers=headers)
+    if operation == "delete":
+        return client.delete(f"/api/nodes/node-a/schedules/{key}", headers=headers)
+    if operation == "nodes":
+        return client.get("/api/nodes", headers=headers)
+    if operation == "tasks-list":
+        return client.get("/api/tasks", headers=headers)
+    if operation == "task-get":
+        return client.get(f"/api/tasks/{key}", headers=headers)
+    if operation == "task-put":
+        return client.put(f"/api/tasks/{key}", json=TASK, headers=headers)
+    if operation == "task-delete":
+        return client.delete(f"/api/tasks/{key}", headers=headers)
+    raise AssertionError(operation)
+
+
+@pytest.mark.parametrize("caller", list(CALLERS))
+@pytest.mark.parametrize("operation", list(MATRIX))
+def test_auth_matrix(client: httpx.Client, operation: str, caller: str) -> None:
+    key = f"m-{operation}-{caller}"
+    # The target exists, so the admin's answer is the success code, not a 404.
+    assert put(client, "node-a", row(key)).status_code == 200
+    assert client.put(f"/api/tasks/{key}", json=TASK, headers=ADMIN).status_code == 200
+
+    response = call(client, operation, CALLERS[caller], key)
+
+    assert response.status_code == MATRIX[operation][caller], response.text
+    if response.status_code == 401:
+        assert response.headers["www-authenticate"].startswith("Bearer")
+    for token in ALL_TOKENS:
+        assert token not in response.text
+
+
+def test_refused_write_changes_nothing(client: httpx.Client) -> None:
+    assert put(client, "node-a", row("keep-me", name="original")).status_code == 200
+    changed = row("keep-me", name="changed by a node")
+    for headers in (bearer(NODE_A_TOKEN), bearer(NODE_B_TOKEN), {}):
+        answer = client.put("/api/nodes/node-a/schedules/keep-me", json=changed, headers=headers)
+        assert answer.status_code in (401, 403)
+        deleted = client.delete("/api/nodes/node-a/schedules/keep-me", headers=headers)
+        assert deleted.status_code in (401, 403)
+    stored = client.get("/api/nodes/node-a/schedules/keep-me", headers=ADMIN).json()
+    assert stored["name"] == "original"
+    assert stored["version"] == 1
+
+
+def test_node_token_reads_only_its_node_on_every_read_path(client: httpx.Client) -> None:
+    assert put(client, "node-b", row("b-only")).status_code == 200
+    headers = bearer(NODE_A_TOKEN)
+    assert client.get("/api/schedules?node=node-b", headers=headers).status_code == 403
+    assert client.get("/api/nodes/node-b/schedules", headers=headers).status_code == 403
+    assert client.get("/api/nodes/node-b/schedules/b-only", headers=headers).status_code == 403
+    own = client.get("/api/schedules?node=node-b", headers=bearer(NODE_B_TOKEN))
+    assert own.status_code == 200
+    assert "b-only" in [s["id"] for s in own.json()["schedules"]]
+
+
+def test_authentication_is_checked_before_the_body(client: httpx.Client) -> None:
+    response = client.put(
+        "/api/nodes/node-a/schedules/x", content=b"{not json", headers={"X-Other": "1"}
+    )
+    assert response.status_code == 401
+    assert client.get("/api/schedules").status_code == 401  # no node, no token: 401 first
+
+
+def test_healthz_needs_no_token_and_checks_the_database(client: httpx.Client) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "database": "ok"}
+
+
+def test_healthz_reports_an_unreachable_database(tmp_path: Path) -> None:
+    # A SQLite file inside a folder that is really a file cannot be opened.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    engine = make_engine(f"sqlite:///{tmp_path}/missing/controller.db")
+    (tmp_path / "missing").rmdir()
+    (tmp_path / "missing").symlink_to(blocker)
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as url:
+            response = httpx.get(f"{url}/healthz", timeout=30)
+    finally:
+        engine.dispose()
+    assert response.status_code == 503
+    assert response.json()["status"] == "unavailable"
+
+
+# --- wire format and CRUD -------------------------------------------------------------
+
+
+def test_pull_answer_is_byte_for_byte_the_go_json(client: httpx.Client) -> None:
+    first = row("w-1", name="a <b> & c", params={"z": 1, "a": [True, None]})
+    second = row("w-2", storage="", params=None,
+                 schedule={"days": ["*"], "hours": ["*"], "minute": "0", "interval_minutes": 15})
+    assert put(client, "wire", second).status_code == 200
+    assert put(client, "wire", first).status_code == 200
+
+    response = client.get("/api/schedules", params={"node": "wire"}, headers=ADMIN)
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    expected = [
+        LocalSchedule.model_validate({**first, "version": 1}),
+        LocalSchedule.model_validate({**second, "version": 1}),
+    ]
+    assert response.content == schedules_body(expected)
+    raw = response.content.decode()
+    assert '"name":"a \\u003cb\\u003e \\u0026 c"' in raw  # Go escapes <, > and &
+    assert '"storage"' not in raw.split('"id":"w-2"')[1]  # omitempty
+    assert '"params"' not in raw.split('"id":"w-2"')[1]
+    assert response.content.startswith(b'{"schedules":[{"id":"w-1","name":')
+    # The answer parses back to the same rows.
+    parsed = [LocalSchedule.model_validate(s) for s in response.json()["schedules"]]
+    assert parsed == expected
+
+
+def test_path_and_query_forms_of_the_pull_agree(client: httpx.Client) -> None:
+    assert put(client, "forms", row("f-1")).status_code == 200
+    by_query = client.get("/api/schedules?node=forms", headers=ADMIN)
+    by_path = client.get("/api/nodes/forms/schedules", headers=ADMIN)
+    assert by_query.content == by_path.content
+    assert by_query.headers["etag"] == by_path.headers["etag"]
+
+
+def test_empty_node_answers_an_empty_list(client: httpx.Client) -> None:
+    response = client.get("/api/schedules?node=never-seen", headers=ADMIN)
+    assert response.status_code == 200
+    assert response.content == b'{"schedules":[]}'
+    assert response.headers["etag"]
+
+
+def test_put_bumps_version_and_ignores_the_body_version(client: httpx.Client) -> None:
+    first = put(client, "crud", row("c-1", version=99))
+    assert first.status_code == 200
+    assert first.json()["version"] == 1
+    second = put(client, "crud", row("c-1", name="renamed"))
+    assert second.json()["version"] == 2
+    assert second.json()["name"] == "renamed"
+    got = client.get("/api/nodes/crud/schedules/c-1", headers=ADMIN)
+    assert got.content == second.content
+
+
+def test_put_takes_the_id_from_the_path_when_the_body_has_none(client: httpx.Client) -> None:
+    data = row("unused")
+    del data["id"]
+    response = client.put("/api/nodes/crud/schedules/from-path", json=data, headers=ADMIN)
+    assert response.status_code == 200
+    assert response.json()["id"] == "from-path"
+
+
+def test_delete_then_get_is_404_and_second_delete_is_404(client: httpx.Client) -> None:
+    assert put(client, "crud", row("d-1")).status_code == 200
+    assert client.delete("/api/nodes/crud/schedules/d-1", headers=ADMIN).status_code == 204
+    assert client.get("/api/nodes/crud/schedules/d-1", headers=ADMIN).status_code == 404
+    assert client.delete("/api/nodes/crud/schedules/d-1", headers=ADMIN).status_code == 404
+
+
+def test_nodes_lists_nodes_with_rows(client: httpx.Client) -> None:
+    assert put(client, "listed-node", row("n-1")).status_code == 200
+    nodes = client.get("/api/nodes", headers=ADMIN).json()["nodes"]
+    assert "listed-node" in nodes
+    assert nodes == sorted(nodes)
+
+
+def test_task_crud(client: httpx.Client) -> None:
+    saved = client.put("/api/tasks/t-crud", json=TASK, headers=ADMIN)
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["name"] == "t-crud"
+    assert saved.json()["event"] == "sched.task.backup.nightly"
+    assert saved.json()["next_run_at"]
+    got = client.get("/api/tasks/t-crud", headers=ADMIN)
+    assert got.json()["cron"] == "30 2 * * *"
+    names = [t["name"] for t in client.get("/api/tasks", headers=ADMIN).json()["tasks"]]
+    assert "t-crud" in names
+    assert client.delete("/api/tasks/t-crud", headers=ADMIN).status_code == 204
+    assert client.get("/api/tasks/t-crud", headers=ADMIN).status_code == 404
+    assert client.delete("/api/tasks/t-crud", headers=ADMIN).status_code == 404
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+def only_error(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert len(detail) == 1, detail
+    error: dict[str, Any] = detail[0]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"schedule": {"days": ["Mon"], "hours": ["2"], "minute": "30"}},
+         "schedule", "unknown day name 'Mon'"),
+        ({"schedule": {"days": ["mon"], "hours": ["24"], "minute": "30"}},
+         "schedule", "hour '24'"),
+        ({"schedule": {"days": ["mon"], "hours": ["2"], "minute": "60"}},
+         "schedule", "minute '60'"),
+        ({"schedule": {"days": [], "hours": ["2"], "minute": "1"}}, "schedule", "days is empty"),
+        ({"schedule": {"interval_minutes": 0}}, "schedule", "interval_minutes 0 is below 1"),
+        ({"miss_policy": "sometimes"}, "miss_policy", "'skip', 'run-once-within-24h' or"),
+        ({"enabled": "perhaps"}, "enabled", "boolean"),
+        ({"action": ""}, "action", "at least 1"),
+        ({"schedule": "nightly"}, "schedule", "dictionary"),
+    ],
+)
+def test_invalid_schedule_is_422_naming_the_field(
+    client: httpx.Client, changes: dict[str, Any], field: str, words: str
+) -> None:
+    key = f"bad-{abs(hash(json.dumps(changes, sort_keys=True)))}"
+    error = only_error(put(client, "valid", row(key, **changes)))
+    assert error["field"] == field
+    assert error["loc"][0] == "body"
+    assert words in error["msg"]
+    if field == "miss_policy":
+        assert error["input"] == "sometimes"
+    assert client.get(f"/api/nodes/valid/schedules/{key}", headers=ADMIN).status_code == 404
+
+
+def test_missing_field_is_named(client: httpx.Client) -> None:
+    data = row("no-action")
+    del data["action"]
+    error = only_error(put(client, "valid", data))
+    assert error["field"] == "action"
+    assert error["type"] == "missing"
+
+
+def test_body_id_differing_from_path_is_422(client: httpx.Client) -> None:
+    response = client.put("/api/nodes/valid/schedules/path-id", json=row("body-id"),
+                          headers=ADMIN)
+    error = only_error(response)
+    assert error["field"] == "id"
+    assert "'body-id'" in error["msg"] and "'path-id'" in error["msg"]
+    assert client.get("/api/nodes/valid/schedules/path-id", headers=ADMIN).status_code == 404
+    assert client.get("/api/nodes/valid/schedules/body-id", headers=ADMIN).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("content", "words"), [(b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object")]
+)
+def test_malformed_body_is_422(client: httpx.Client, content: bytes, words: str) -> None:
+    response = client.put("/api/nodes/valid/schedules/x", content=content, headers=ADMIN)
+    error = only_error(response)
+    assert error["loc"] == ["body"]
+    assert words in error["msg"]
+
+
+def test_oversized_body_is_413(client: httpx.Client) -> None:
+    data = row("huge", params={"blob": "x" * (1 << 20)})
+    assert put(client, "valid", data).status_code == 413
+
+
+def test_pull_without_node_is_422_naming_node(client: httpx.Client) -> None:
+    error = only_error(client.get("/api/schedules", headers=ADMIN))
+    assert error["field"] == "node"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({**TASK, "timezone": "Mars/Olympus"}, "timezone", "unknown timezone 'Mars/Olympus'"),
+        ({**TASK, "cron": "61 * * * *"}, "", "invalid cron expression '61 * * * *'"),
+        ({"cron": "* * * * *", "payload": {}}, "", "exactly one of event or deployment"),
+        ({**TASK, "name": "other-name"}, "name", "differs"),
+        ({**TASK, "payload": [1]}, "payload", "dictionary"),
+    ],
+)
+def test_invalid_task_is_422_naming_the_problem(
+    client: httpx.Client, body: dict[str, Any], field: str, words: str
+) -> None:
+    error = only_error(client.put("/api/tasks/t-invalid", json=body, headers=ADMIN))
+    assert error["field"] == field
+    assert words in error["msg"]
+    assert client.get("/api/tasks/t-invalid", headers=ADMIN).status_code == 404
+
+
+# --- ETag ---------------------------------------------------------------------------------
+
+
+def pull(client: httpx.Client, node: str, etag: str | None = None) -> httpx.Response:
+    headers = dict(ADMIN)
+    if etag is not None:
+        headers["If-None-Match"] = etag
+    return client.get("/api/schedules", params={"node": node}, headers=headers)
+
+
+def test_etag_gives_304_until_a_write_and_again_after_a_delete(client: httpx.Client) -> None:
+    assert put(client, "etag", row("e-1")).status_code == 200
+    first = pull(client, "etag")
+    etag = first.headers["etag"]
+    assert etag.startswith('"') and etag.endswith('"')
+
+    unchanged = pull(client, "etag", etag)
+    assert unchanged.status_code == 304
+    assert unchanged.content == b""
+    assert unchanged.headers["etag"] == etag
+
+    assert put(client, "etag", row("e-2")).status_code == 200
+    after_write = pull(client, "etag", etag)
+    assert after_write.status_code == 200
+    assert after_write.headers["etag"] != etag
+    assert [s["id"] for s in after_write.json()["schedules"]] == ["e-1", "e-2"]
+    written_etag = after_write.headers["etag"]
+    assert pull(client, "etag", written_etag).status_code == 304
+
+    assert client.delete("/api/nodes/etag/schedules/e-1", headers=ADMIN).status_code == 204
+    after_delete = pull(client, "etag", written_etag)
+    assert after_delete.status_code == 200
+    assert after_delete.headers["etag"] not in (etag, written_etag)
+    assert [s["id"] for s in after_delete.json()["schedules"]] == ["e-2"]
+    assert pull(client, "etag", after_delete.headers["etag"]).status_code == 304
+
+
+def test_etag_changes_when_a_row_is_replaced_with_identical_content(
+    client: httpx.Client,
+) -> None:
+    assert put(client, "etag-same", row("s-1")).status_code == 200
+    before = pull(client, "etag-same").headers["etag"]
+    assert put(client, "etag-same", row("s-1")).status_code == 200  # the version is bumped
+    assert pull(client, "etag-same", before).status_code == 200
+
+
+def test_failed_and_refused_writes_keep_the_etag(client: httpx.Client) -> None:
+    assert put(client, "etag-keep", row("k-1")).status_code == 200
+    etag = pull(client, "etag-keep").headers["etag"]
+    bad = row("k-1", schedule={"days": ["Mon"], "hours": ["2"], "minute": "3"})
+    assert put(client, "etag-keep", bad).status_code == 422
+    refused = client.put("/api/nodes/etag-keep/schedules/k-1", json=row("k-1"),
+                         headers=bearer(NODE_A_TOKEN))
+    assert refused.status_code == 403
+    assert client.delete("/api/nodes/etag-keep/schedules/nope", headers=ADMIN).status_code == 404
+    assert pull(client, "etag-keep", etag).status_code == 304
+
+
+def test_etag_of_one_node_ignores_writes_to_another(client: httpx.Client) -> None:
+    assert put(client, "etag-x", row("x-1")).status_code == 200
+    etag = pull(client, "etag-x").headers["etag"]
+    assert put(client, "etag-y", row("y-1")).status_code == 200
+    assert pull(client, "etag-x", etag).status_code == 304
+
+
+@pytest.mark.parametrize(
+    ("header", "matches"),
+    [('"a-1"', True), ('W/"a-1"', True), ('"b", "a-1"', True), ("*", True),
+     ('"a-2"', False), ("", False), ('"a-1-"', False)],
+)
+def test_if_none_match_parsing(header: str, matches: bool) -> None:
+    assert etag_matches(header, '"a-1"') is matches
+
+
+def test_if_none_match_star_and_list_over_http(client: httpx.Client) -> None:
+    assert put(client, "etag-star", row("st-1")).status_code == 200
+    etag = pull(client, "etag-star").headers["etag"]
+    assert pull(client, "etag-star", "*").status_code == 304
+    assert pull(client, "etag-star", f'"nope", W/{etag}').status_code == 304
+    assert pull(client, "etag-star", '"nope"').status_code == 200
+
+
+def test_304_needs_authorization_too(client: httpx.Client) -> None:
+    assert put(client, "node-a", row("auth-etag")).status_code == 200
+    etag = pull(client, "node-a").headers["etag"]
+    response = client.get("/api/schedules?node=node-a",
+                          headers={**bearer(NODE_B_TOKEN), "If-None-Match": etag})
+    assert response.status_code == 403
+    assert client.get("/api/schedules?node=node-a",
+                      headers={"If-None-Match": etag}).status_code == 401
+
+
+# --- logging --------------------------------------------------------------------------------
+
+
+def test_access_log_has_node_and_status_and_never_a_token(
+    client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    client.get("/api/schedules?node=node-a", headers=bearer(NODE_A_TOKEN))
+    client.get("/api/schedules?node=node-a", headers=bearer(NODE_B_TOKEN))
+    client.get("/api/schedules?node=node-a", headers=bearer("wrong-token-xyz"))
+    put(client, "node-a", row("logged"))
+
+    access = [r for r in caplog.records if r.name == "controller.access"]
+    lines = [r.getMessage() for r in access]
+    assert any("node=node-a" in line and "principal=node:node-a" in line
+               and "status=200" in line for line in lines), lines
+    assert any("principal=node:node-b" in line and "status=403" in line for line in lines)
+    assert any("status=401" in line for line in lines)
+    assert any(line.startswith("PUT /api/nodes/node-a/schedules/logged") and
+               "principal=admin" in line for line in lines)
+    everything = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
+    for token in (*ALL_TOKENS, "wrong-token-xyz"):
+        assert token not in everything
+
+
+# --- auth configuration (no HTTP) ------------------------------------------------------------
+
+
+def test_tokens_authenticate_each_principal() -> None:
+    tokens = Tokens(admin=["adm"], nodes={"node-a": ["ta", "ta-next"], "node-b": ["tb"]})
+    assert tokens.authenticate("adm") == Principal(node=None)
+    assert tokens.authenticate("ta") == Principal(node="node-a")
+    assert tokens.authenticate("ta-next") == Principal(node="node-a")
+    assert tokens.authenticate("tb") == Principal(node="node-b")
+    for bad in ("", None, "ta ", "TA", "adm2", "tb\x00"):
+        assert tokens.authenticate(bad) is None
+    assert tokens.has_admin and tokens.nodes == ["node-a", "node-b"]
+    assert not Tokens(nodes={"n": ["t"]}).has_admin
+    assert Tokens(insecure=True).authenticate(None) == Principal(node=None)
+
+
+def test_one_token_for_two_principals_is_refused_without_echoing_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        Tokens(admin=["shared-secret"], nodes={"node-a": ["shared-secret"]})
+    assert "shared-secret" not in str(info.value)
+    with pytest.raises(ConfigError):
+        Tokens(admin=[" "])
+
+
+def test_tokens_from_env_and_files(tmp_path: Path) -> None:
+    toml_file = tmp_path / "tokens.toml"
+    toml_file.write_text('admin = "file-admin"\n[nodes]\nnode-c = ["tc1", "tc2"]\n')
+    tokens = Tokens.from_env({
+        "SCHED_ADMIN_TOKEN": "env-admin",
+        "SCHED_NODE_TOKENS": " node-a=ta , node-b=tb ,",
+        "SCHED_TOKENS_FILE": str(toml_file),
+    })
+    assert tokens.authenticate("env-admin") == tokens.authenticate("file-admin") == Principal(None)
+    assert tokens.authenticate("ta") == Principal("node-a")
+    assert tokens.authenticate("tc2") == Principal("node-c")
+
+    json_file = tmp_path / "tokens.json"
+    json_file.write_text(json.dumps({"admin": ["j-admin"], "nodes": {"node-j": "tj"}}))
+    tokens = Tokens.from_env({"SCHED_TOKENS_FILE": str(json_file)})
+    assert tokens.authenticate("tj") == Principal("node-j")
+    assert tokens.authenticate("j-admin") == Principal(None)
+    assert not Tokens.from_env({}).has_admin
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['admin = "x"\nextra = 1\n', 'admin = 3\n', 'admin = "secret-in-a-bad-line\n',
+     '[nodes]\nnode-a = 5\n'],
+)
+def test_bad_tokens_file_is_a_config_error_without_its_text(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "tokens.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as info:
+        Tokens.from_env({"SCHED_TOKENS_FILE": str(path)})
+    assert "secret-in-a-bad-line" not in str(info.value)
+
+
+def test_node_tokens_syntax_errors_do_not_echo_the_token() -> None:
+    assert parse_node_tokens("a=1,b=2") == [("a", "1"), ("b", "2")]
+    assert parse_node_tokens("a=x=y") == [("a", "x=y")]
+    with pytest.raises(ConfigError) as info:
+        parse_node_tokens("node-a=ok,just-a-secret")
+    assert "just-a-secret" not in str(info.value)
+    assert "item 2" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("Basic abc", None), ("Bearer", None),
+     ("", None), (None, None)],
+)
+def test_bearer_token_parsing(header: str | None, token: str | None) -> None:
+    assert bearer_token(header) == token
+
+
+# --- an agent pulling from the API -----------------------------------------------------------
+
+
+def test_agent_scheduler_pulls_fires_and_follows_deletes(
+    client: httpx.Client, base_url: str, tmp_path: Path
+) -> None:
+    from sched_core.scheduler import Config, Fire, Scheduler
+
+    hourly = row("a-hourly", schedule={"days": ["*"], "hours": ["*"], "minute": "30"})
+    weekly = row("a-weekly", schedule={"days": ["sun"], "hours": ["4"], "minute": "0"})
+    assert put(client, "agent-1", hourly).status_code == 200
+    assert put(client, "agent-1", weekly).status_code == 200
+    fires: list[Fire] = []
+    # 2026-11-30 is a Monday; 07:30Z is 02:30 EST, a window of a-hourly.
+    pulled_at = datetime(2026, 11, 30, 7, 29, 30, tzinfo=UTC)
+
+    with httpx.Client(headers=bearer(AGENT_TOKEN), timeout=30) as http:
+        scheduler = Scheduler(Config(
+            pull_url=f"{base_url}/api/schedules?node=agent-1",
+            node_name="agent-1",
+            cache_path=tmp_path / "cache.json",
+            fire=fires.append,
+            http_client=http,
+        ), now=pulled_at)
+        try:
+            result = scheduler.pull(now=pulled_at)
+            assert result.added == ["a-hourly", "a-weekly"]
+            assert result.rejected == []
+            served = client.get("/api/schedules?node=agent-1", headers=ADMIN).json()
+            assert [s.model_dump(mode="json") for s in scheduler.schedules()] == sorted(
+                served["schedules"], key=lambda s: s["name"]
+            )
+
+            assert scheduler.tick(now=datetime(2026, 11, 30, 7, 30, 5, tzinfo=UTC)) == 1
+            assert [f.schedule.id for f in fires] == ["a-hourly"]
+            assert fires[0].window == datetime(2026, 11, 30, 7, 30, tzinfo=UTC)
+
+            assert client.delete("/api/nodes/agent-1/schedules/a-weekly",
+                                 headers=ADMIN).status_code == 204
+            again = scheduler.pull(now=datetime(2026, 11, 30, 7, 31, tzinfo=UTC))
+            assert again.removed == ["a-weekly"]
+            assert [s.id for s in scheduler.schedules()] == ["a-hourly"]
+        finally:
+            scheduler.stop()
+
+
+def test_agent_with_another_nodes_token_keeps_its_last_good_list(
+    client: httpx.Client, base_url: str, tmp_path: Path
+) -> None:
+    from sched_core.errors import PullError
+    from sched_core.scheduler import Config, Scheduler
+
+    assert put(client, "agent-1", row("a-kept")).status_code == 200
+    now = datetime(2026, 11, 30, 7, 0, tzinfo=UTC)
+    config = {"node_name": "agent-1", "cache_path": tmp_path / "cache.json",
+              "fire": lambda _fire: None}
+    with httpx.Client(headers=bearer(AGENT_TOKEN), timeout=30) as http:
+        Scheduler(Config(pull_url=f"{base_url}/api/schedules?node=agent-1",
+                         http_client=http, **config), now=now).pull(now=now)
+    for headers in (bearer(NODE_B_TOKEN), {}):
+        with httpx.Client(headers=headers, timeout=30) as http:
+            scheduler = Scheduler(Config(pull_url=f"{base_url}/api/schedules?node=agent-1",
+                                         http_client=http, **config), now=now)
+            with pytest.raises(PullError, match=r"HTTP 40[13]"):
+                scheduler.pull(now=now)
+            assert "a-kept" in [s.id for s in scheduler.schedules()]
