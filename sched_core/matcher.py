@@ -142,6 +142,7 @@ def _compile(
 # --- zone transitions ----------------------------------------------------------------
 
 
+@lru_cache(maxsize=1024)
 def _year_start(year: int) -> int:
     return (date(year, 1, 1) - _EPOCH_DATE).days * DAY
 
