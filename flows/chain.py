@@ -1,0 +1,100 @@
+"""The ``advance-chain`` flow: feed one job completion to ``sched_core.Chain``.
+
+Triggered by the deployment trigger on ``sched.job.completed`` and
+``sched.job.failed``. The Prefect API is the job registry:
+
+- a stage is active while ``run-job`` runs of its action on this node are
+  scheduled, pending, running or cancelling;
+- the wave is complete when no wave job (``wave`` actions) is, and at least
+  one finished within ``wave_lookback``.
+
+The run that triggered this one is left out of the active counts (its event is
+emitted once its terminal state is recorded, so this only guards replays).
+Stage fires go through the same dispatcher as the tick, keyed per schedule,
+stage and chain day, so a replayed event cannot start a stage twice.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.agent import (
+    ACTIVE_STATES,
+    ADVANCE_CHAIN,
+    FINISHED_STATES,
+    Dispatcher,
+    agent_settings,
+    build_scheduler,
+    count_jobs,
+    deployment_name,
+    logical_now,
+    slug,
+)
+from flows.settings import AgentSettings, StageSpec
+from sched_core import Chain, LocalSchedule, Spec, Stage
+
+
+def build_spec(settings: AgentSettings, *, now: datetime, exclude: tuple[str, ...]) -> Spec:
+    """Return the chain spec of this node: stages, wave and registry callbacks."""
+    node = settings.node_name
+
+    def stage(spec: StageSpec) -> Stage:
+        def match(row: LocalSchedule) -> bool:
+            return row.schedule.on == spec.on and row.action == spec.action
+
+        def active() -> bool:
+            return count_jobs(node, [spec.action], ACTIVE_STATES, exclude=exclude) > 0
+
+        return Stage(name=spec.name, trigger_key=spec.key(), match=match, active=active)
+
+    def wave_complete() -> bool:
+        if count_jobs(node, settings.wave, ACTIVE_STATES, exclude=exclude):
+            return False
+        since = now - settings.wave_lookback
+        return count_jobs(node, settings.wave, FINISHED_STATES, ended_after=since) > 0
+
+    return Spec(
+        stages=[stage(item) for item in settings.stages],
+        is_wave_job=lambda action: action in settings.wave,
+        wave_complete=wave_complete,
+        marker_path=settings.marker_path,
+        timezone=settings.tz,
+    )
+
+
+@flow(name=ADVANCE_CHAIN)
+def advance_chain(
+    action: str,
+    node: str = "",
+    completed_run: str = "",
+    now: datetime | None = None,
+) -> list[str]:
+    """Feed the completion of a job of action to the chain; return the stages it fired."""
+    logger = get_run_logger()
+    settings = agent_settings()
+    if node and node != settings.node_name:
+        logger.info("completion on node %s is not ours (%s); ignored", node, settings.node_name)
+        return []
+    at = logical_now(now)
+    dispatcher = Dispatcher(node=settings.node_name, deployment=deployment_name(settings))
+    scheduler = build_scheduler(settings, dispatcher, now=at)
+    exclude = (completed_run,) if completed_run else ()
+    chain = Chain(scheduler, build_spec(settings, now=at, exclude=exclude))
+    fired = chain.on_job_complete(action, now=at)
+    logger.info("job of %s completed; chain fired stages %s", action, fired or "none")
+    if fired:
+        lines = [f"### Chain on {settings.node_name}: fired {', '.join(fired)}", ""]
+        lines += [
+            f"- `{item.fire.schedule.id}` ({item.fire.schedule.action}, "
+            f"{item.fire.trigger_key}): run `{item.flow_run_name}`"
+            for item in dispatcher.dispatched
+        ]
+        create_markdown_artifact(
+            key=f"advance-chain-{slug(settings.node_name)}",
+            markdown="\n".join(lines),
+            description=f"Chain stages fired after a {action} job",
+        )
+    return fired

@@ -1,0 +1,260 @@
+"""The agent's configuration: one settings object from the environment and a TOML file.
+
+Rule: every knob of the agent lives here, read once per flow run by
+:func:`load_settings`. Sources, strongest first: keyword arguments, ``SCHED_*``
+environment variables (nested with ``__``, e.g. ``SCHED_ACTIONS__BACKUP__TIMEOUT``),
+the TOML file named by ``SCHED_CONFIG``, then the defaults below. Relative paths
+(``state_dir``, a ``pull_url`` that is a plain path, an action's ``cwd``) are
+resolved against the TOML file's folder, or the working directory without one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import string
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from sched_core import ConfigError
+
+CONFIG_ENV = "SCHED_CONFIG"
+"""The environment variable naming the TOML configuration file."""
+
+TEMPLATE_FIELDS = frozenset(
+    {"repo_id", "storage", "param", "state_dir", "node", "schedule_id", "action", "window",
+     "trigger_key"}
+)
+"""Names an argv template may use: ``{repo_id}``, ``{param:NAME}``, ``{window}``, ..."""
+
+
+def template_fields(template: str) -> list[tuple[str, str]]:
+    """Return the (field, spec) pairs of a template; ``{param:threads}`` gives ("param", "threads").
+
+    Raises ConfigError on a malformed template or an unknown field. ``{{`` and
+    ``}}`` are literal braces (``find ... -exec gzip -t {{}} +``).
+    """
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(f"argv template {template!r} is malformed: {exc}") from exc
+    fields: list[tuple[str, str]] = []
+    for _literal, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if conversion or name not in TEMPLATE_FIELDS:
+            raise ConfigError(
+                f"argv template {template!r} names unknown field {{{name}}} "
+                f"(known: {', '.join(sorted(TEMPLATE_FIELDS - {'param'}))}, param:NAME)"
+            )
+        if name == "param" and not spec:
+            raise ConfigError(f"argv template {template!r}: {{param}} needs a name, {{param:NAME}}")
+        if name != "param" and spec:
+            raise ConfigError(f"argv template {template!r}: {{{name}:{spec}}} takes no spec")
+        fields.append((name, spec or ""))
+    return fields
+
+
+def _seconds(value: object) -> object:
+    """Accept a number of seconds, also as text (environment variables are text)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+Seconds = Annotated[timedelta, BeforeValidator(_seconds)]
+"""A duration given as seconds (``300``, ``"0.5"``) or ISO 8601 (``"PT5M"``)."""
+
+
+class ActionSpec(BaseModel):
+    """How to run one action: an argv template, executed without a shell."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    argv: list[str] = Field(min_length=1)
+    timeout: Seconds = timedelta(hours=6)
+    retries: int = Field(default=0, ge=0)
+    retry_delay: Seconds = timedelta(seconds=30)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: Path | None = None
+
+    @field_validator("argv")
+    @classmethod
+    def _check_templates(cls, argv: list[str]) -> list[str]:
+        for item in argv:
+            template_fields(item)
+        return argv
+
+
+class StageSpec(BaseModel):
+    """One chain stage: fires the ``on`` schedules of its action after the previous stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    action: str = Field(min_length=1)
+    on: str = "after_wave"
+    trigger_key: str = ""
+
+    def key(self) -> str:
+        """Return the trigger key the stage's fires carry (default ``chain-<name>``)."""
+        return self.trigger_key or f"chain-{self.name}"
+
+
+def _default_stages() -> list[StageSpec]:
+    return [StageSpec(name="prune", action="prune"), StageSpec(name="check", action="check")]
+
+
+class AgentSettings(BaseSettings):
+    """Everything one agent node needs: where to pull, where to keep state, what to run."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SCHED_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+    _toml_file: ClassVar[Path | None] = None
+
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1)
+    pull_url: str = Field(min_length=1)
+    token: SecretStr | None = None
+    token_secret_block: str | None = None
+    state_dir: Path = Path(".state")
+    timezone: str = "America/New_York"
+    grace: Seconds = timedelta(minutes=5)
+    pull_timeout: Seconds = timedelta(seconds=10)
+    pull_retries: int = Field(default=3, ge=0)
+    pull_retry_delay: Seconds = timedelta(seconds=2)
+    actions: dict[str, ActionSpec] = Field(default_factory=dict)
+    wave: list[str] = Field(default_factory=lambda: ["backup", "copy"])
+    stages: list[StageSpec] = Field(default_factory=_default_stages)
+    wave_lookback: Seconds = timedelta(hours=12)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if cls._toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
+        return tuple(sources)
+
+    @field_validator("timezone")
+    @classmethod
+    def _check_timezone(cls, value: str) -> str:
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"unknown timezone {value!r}") from exc
+        return value
+
+    @field_validator("node_name")
+    @classmethod
+    def _check_node(cls, value: str) -> str:
+        if "/" in value or value.strip() != value:
+            raise ValueError(f"node_name {value!r} must not contain '/' or surrounding spaces")
+        return value
+
+    @property
+    def tz(self) -> ZoneInfo:
+        """Return the timezone all matching happens in."""
+        return ZoneInfo(self.timezone)
+
+    @property
+    def cache_path(self) -> Path:
+        """Return the schedule cache file inside the state folder."""
+        return self.state_dir / "cache.json"
+
+    @property
+    def marker_path(self) -> Path:
+        """Return the chain's per-day marker file inside the state folder."""
+        return self.state_dir / "chain.json"
+
+    @property
+    def lock_path(self) -> Path:
+        """Return the lock file that keeps ticks and reconciles of this node apart."""
+        return self.state_dir / "agent.lock"
+
+    def action(self, name: str) -> ActionSpec:
+        """Return the action table entry for name, or raise ConfigError."""
+        try:
+            return self.actions[name]
+        except KeyError:
+            known = ", ".join(sorted(self.actions)) or "none"
+            raise ConfigError(f"no action {name!r} in the action table (known: {known})") from None
+
+    def bearer_token(self) -> str | None:
+        """Return the controller's bearer token: the environment's, else the Secret block's."""
+        if self.token is not None:
+            return self.token.get_secret_value()
+        if self.token_secret_block:
+            from prefect.blocks.system import Secret
+
+            value: Any = Secret.load(self.token_secret_block).get()  # type: ignore[union-attr]
+            return str(value)
+        return None
+
+
+def _resolve(base: Path, path: Path) -> Path:
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _resolve_pull_url(base: Path, url: str) -> str:
+    if "://" in url:
+        return url
+    return _resolve(base, Path(url)).as_uri()
+
+
+def load_settings(config: str | Path | None = None, **overrides: Any) -> AgentSettings:
+    """Return the agent settings from config (default: ``$SCHED_CONFIG``), env and overrides.
+
+    Raises ConfigError naming every invalid field; creates the state folder.
+    """
+    path_text = str(config) if config is not None else os.environ.get(CONFIG_ENV, "")
+    path = Path(path_text).expanduser().resolve() if path_text else None
+    if path is not None and not path.is_file():
+        raise ConfigError(f"configuration file {path} ({CONFIG_ENV}) does not exist")
+    base = path.parent if path is not None else Path.cwd()
+    settings_cls = type("AgentSettingsFromFile", (AgentSettings,), {"_toml_file": path})
+    try:
+        settings: AgentSettings = settings_cls(**overrides)
+    except ValidationError as exc:
+        where = f" in {path}" if path else ""
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid agent settings{where}: {problems}") from exc
+    except Exception as exc:  # a TOML syntax error surfaces here
+        raise ConfigError(f"cannot read agent settings from {path}: {exc}") from exc
+    settings.state_dir = _resolve(base, settings.state_dir)
+    settings.pull_url = _resolve_pull_url(base, settings.pull_url)
+    for spec in settings.actions.values():
+        if spec.cwd is not None:
+            spec.cwd = _resolve(base, spec.cwd)
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    return settings
