@@ -87,13 +87,16 @@ def make_engine(
     *,
     application_name: str = APPLICATION_NAME,
     pool_size: int = 5,
+    max_overflow: int = 5,
+    pool_pre_ping: bool = True,
     **kwargs: Any,
 ) -> Engine:
     """Return a new engine for url (see :func:`database_url`); the caller disposes it.
 
     On SQLite the file's folder is created, and every connection gets WAL mode,
     foreign keys and a 30 s busy timeout. On Postgres every connection carries
-    ``application_name`` so ``pg_stat_activity`` can count them.
+    ``application_name`` so ``pg_stat_activity`` can count them, and the pool
+    holds at most ``pool_size + max_overflow`` connections.
     """
     parsed = database_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -112,8 +115,8 @@ def make_engine(
             parsed,
             connect_args={"application_name": application_name},
             pool_size=pool_size,
-            max_overflow=kwargs.pop("max_overflow", 5),
-            pool_pre_ping=True,
+            max_overflow=max_overflow,
+            pool_pre_ping=pool_pre_ping,
             **kwargs,
         )
     return create_engine(parsed, **kwargs)

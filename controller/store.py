@@ -512,6 +512,33 @@ def fail(
     return held is not None
 
 
+def release(session: Session, claims: list[Claim]) -> int:
+    """Give back claims this worker will not process (e.g. on shutdown); commits.
+
+    Only leases still held by the claim's worker on the claim's scheduled time
+    are cleared; returns how many were.
+    """
+    released = 0
+    try:
+        for claim in claims:
+            result = session.execute(
+                update(_TASKS)
+                .where(
+                    _T.id == claim.task_id,
+                    _T.next_run_at == claim.scheduled_at,
+                    _T.locked_by == claim.worker_id,
+                )
+                .values(locked_by=None, locked_until=None)
+                .returning(_T.id)
+            ).first()
+            released += result is not None
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return released
+
+
 def list_dispatches(session: Session, name: str | None = None) -> list[TaskDispatch]:
     """Return the dispatch records (of task name, if given), by scheduled time."""
     query = select(_DISPATCHES).order_by(_D.scheduled_at, _D.task_name)

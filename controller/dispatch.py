@@ -1,0 +1,134 @@
+"""Dispatchers: how the central scheduler hands one claimed (task, scheduled time) on.
+
+A dispatcher is any callable taking a :class:`controller.store.Claim`; it
+returns normally when the hand-over succeeded and raises on failure (the
+scheduler then records the error and retries after a delay). Every dispatch
+carries the claim's idempotency key, ``"<task>:<scheduled time>"``, so a
+retry after a crash cannot start the same job twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from controller.store import Claim
+
+log = logging.getLogger(__name__)
+
+_EVENT_ID_NAMESPACE = uuid.UUID("6f1c1a52-1d0e-4f7e-9a43-5b0d1c7e2f10")
+
+
+class Dispatcher(Protocol):
+    """Hand one claim on; raise on failure."""
+
+    def __call__(self, claim: Claim) -> None: ...
+
+
+def event_id(claim: Claim) -> uuid.UUID:
+    """Return the Prefect event id of claim: a UUID derived from its idempotency key."""
+    return uuid.uuid5(_EVENT_ID_NAMESPACE, claim.idempotency_key)
+
+
+class PrefectDispatcher:
+    """Emit a ``sched.task.*`` Prefect event, or create a deployment run.
+
+    An event task emits ``claim.event`` with resource ``sched.task.<name>``, the
+    payload plus ``scheduled_at`` and ``idempotency_key``, ``occurred`` set to
+    the scheduled time and an event id derived from the idempotency key. A
+    deployment task calls ``run_deployment(name, parameters=payload, timeout=0,
+    idempotency_key=...)``: a repeated key returns the same flow run.
+    """
+
+    def __call__(self, claim: Claim) -> None:
+        if claim.event:
+            self._emit(claim)
+        elif claim.deployment:
+            self._run_deployment(claim)
+        else:
+            raise ValueError(f"task {claim.name!r} has neither an event nor a deployment")
+
+    def _emit(self, claim: Claim) -> None:
+        from prefect.events import emit_event
+
+        emit_event(
+            event=claim.event or "",
+            resource={
+                "prefect.resource.id": f"sched.task.{claim.name}",
+                "prefect.resource.name": claim.name,
+            },
+            occurred=claim.scheduled_at,
+            payload={
+                **claim.payload,
+                "scheduled_at": claim.scheduled_at.isoformat(),
+                "idempotency_key": claim.idempotency_key,
+            },
+            id=event_id(claim),
+        )
+
+    def _run_deployment(self, claim: Claim) -> None:
+        from prefect.deployments import run_deployment
+
+        run_deployment(
+            claim.deployment or "",
+            parameters=dict(claim.payload),
+            timeout=0,
+            idempotency_key=claim.idempotency_key,
+            as_subflow=False,
+        )
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """One recorded dispatch: the claim, and when (monotonic clock) the dispatch began."""
+
+    name: str
+    scheduled_at: datetime
+    worker_id: str
+    started: float
+
+
+class RecordingDispatcher:
+    """Record every claim it is given and do nothing else (tests and benchmarks).
+
+    ``fail_names`` makes the dispatch of those task names raise; ``on_dispatch``
+    is called with each record (e.g. to wake a waiting test).
+    """
+
+    def __init__(
+        self,
+        *,
+        fail_names: set[str] | None = None,
+        on_dispatch: Callable[[Dispatched], Any] | None = None,
+    ) -> None:
+        self.records: list[Dispatched] = []
+        self.fail_names = set(fail_names or ())
+        self.on_dispatch = on_dispatch
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)
+
+    def __call__(self, claim: Claim) -> None:
+        record = Dispatched(claim.name, claim.scheduled_at, claim.worker_id, time.perf_counter())
+        if self.on_dispatch is not None:
+            self.on_dispatch(record)
+        if claim.name in self.fail_names:
+            raise RuntimeError(f"dispatch of {claim.name} failed (as asked)")
+        with self.changed:
+            self.records.append(record)
+            self.changed.notify_all()
+
+    def keys(self) -> list[tuple[str, datetime]]:
+        """Return the (task, scheduled time) of every recorded dispatch, in order."""
+        with self._lock:
+            return [(r.name, r.scheduled_at) for r in self.records]
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Wait until at least count dispatches are recorded; False on timeout."""
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self.records) >= count, timeout)

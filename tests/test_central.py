@@ -1,0 +1,238 @@
+"""The central scheduler on SQLite and Postgres: passes with pinned time, then the live loop.
+
+T0 = 2026-12-02 12:00 UTC (no DST nearby). Live-loop tests wait on events with
+generous deadlines and assert what happened, never how long it took.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller import db, store
+from controller.central import CentralScheduler, backoff, retry_delay_from_env
+from controller.dispatch import PrefectDispatcher, RecordingDispatcher, event_id
+from controller.models import TaskIn, TaskStatus
+from sched_core.errors import ConfigError
+
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+DEADLINE = 30.0  # seconds; only ever reached when something is broken
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = db.make_engine(database_url, application_name="sched-test-central")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _save(engine: Engine, body: dict[str, Any], now: datetime | None = None) -> None:
+    with Session(engine) as session:
+        store.save_task(session, TaskIn.model_validate(body), now=now)
+
+
+def _task(engine: Engine, name: str) -> Any:
+    with Session(engine) as session:
+        return store.get_task(session, name)
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def test_backoff_doubles_from_the_base_up_to_the_cap() -> None:
+    assert [backoff(n, base=0.5, cap=3.0) for n in range(6)] == [0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
+    assert backoff(10_000, base=1.0, cap=30.0) == 30.0
+
+
+def test_retry_delay_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SCHED_RETRY_DELAY", raising=False)
+    assert retry_delay_from_env() == 1.0
+    monkeypatch.setenv("SCHED_RETRY_DELAY", "0.25")
+    assert retry_delay_from_env() == 0.25
+    assert CentralScheduler("sqlite:///unused.db").retry_delay == 0.25
+    for bad in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv("SCHED_RETRY_DELAY", bad)
+        with pytest.raises(ConfigError, match="SCHED_RETRY_DELAY"):
+            retry_delay_from_env()
+
+
+# ---------------------------------------------------------------- one pass, pinned time
+
+
+def test_a_pass_dispatches_due_tasks_then_reschedules_or_stops(engine: Engine) -> None:
+    _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0)
+    _save(engine, {"name": "cron", "cron": "*/5 * * * *", "timezone": "UTC",
+                   "deployment": "f/d"}, now=T0 - timedelta(minutes=1))
+    _save(engine, {"name": "later", "run_at": T0 + timedelta(hours=1), "event": "x"}, now=T0)
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, worker_id="w1", dispatcher=recorder)
+    try:
+        assert scheduler.run_once(now=T0) == 2
+        assert scheduler.run_once(now=T0) == 0
+    finally:
+        scheduler.stop()
+    assert sorted(recorder.keys()) == [("cron", T0), ("once", T0)]
+    assert _task(engine, "once").status == TaskStatus.DONE
+    assert _task(engine, "cron").next_run_at == T0 + timedelta(minutes=5)
+    assert _task(engine, "later").next_run_at == T0 + timedelta(hours=1)
+
+
+def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(engine: Engine) -> None:
+    _save(engine, {"name": "flaky", "run_at": T0, "event": "x"}, now=T0)
+    failing = RecordingDispatcher(fail_names={"flaky"})
+    scheduler = CentralScheduler(
+        engine, worker_id="w1", dispatcher=failing, dispatch_retry_delay=10
+    )
+    try:
+        assert scheduler.run_once(now=T0) == 1
+        task = _task(engine, "flaky")
+        assert (task.attempts, task.status) == (1, TaskStatus.ACTIVE)
+        assert "failed (as asked)" in task.last_error
+        assert scheduler.run_once(now=T0 + timedelta(seconds=10)) == 0  # held
+        assert scheduler.run_once(now=T0 + timedelta(seconds=11)) == 1  # 2nd failure
+        assert _task(engine, "flaky").attempts == 2
+        scheduler.dispatcher = recorder = RecordingDispatcher()
+        # The second hold is twice as long: 20 s from T0 + 11 s.
+        assert scheduler.run_once(now=T0 + timedelta(seconds=31)) == 0
+        assert scheduler.run_once(now=T0 + timedelta(seconds=32)) == 1
+    finally:
+        scheduler.stop()
+    assert recorder.keys() == [("flaky", T0)]
+    task = _task(engine, "flaky")
+    assert (task.status, task.attempts, task.last_error) == (TaskStatus.DONE, 0, None)
+
+
+def test_stopping_mid_batch_releases_the_rest(engine: Engine) -> None:
+    for i in range(5):
+        _save(engine, {"name": f"t{i}", "run_at": T0, "event": "x"}, now=T0)
+    scheduler = CentralScheduler(engine, worker_id="w1")
+
+    def stop_after_two(claim: store.Claim) -> None:
+        if claim.name == "t1":
+            scheduler._stopping.set()
+
+    scheduler.dispatcher = stop_after_two
+    try:
+        assert scheduler.run_once(now=T0) == 5
+    finally:
+        scheduler.stop()
+    with Session(engine) as session:
+        left = store.claim_due(session, worker_id="w2", now=T0)
+    assert [c.name for c in left] == ["t2", "t3", "t4"]
+
+
+# ---------------------------------------------------------------- the live loop
+
+
+def test_a_save_in_the_same_process_wakes_the_loop(engine: Engine) -> None:
+    recorder = RecordingDispatcher()
+    with CentralScheduler(engine, worker_id="w1", dispatcher=recorder, poll_interval=120):
+        time.sleep(0.05)  # let it settle into its long wait
+        _save(engine, {"name": "now", "run_at": datetime.now(UTC), "event": "x"})
+        assert recorder.wait_for(1, DEADLINE)
+    assert [name for name, _ in recorder.keys()] == ["now"]
+
+
+def test_the_loop_wakes_for_the_earliest_next_run(engine: Engine) -> None:
+    recorder = RecordingDispatcher()
+    soon = datetime.now(UTC) + timedelta(milliseconds=300)
+    _save(engine, {"name": "soon", "run_at": soon, "event": "x"})
+    with CentralScheduler(
+        engine, worker_id="w1", dispatcher=recorder, poll_interval=120,
+        wake_on_local_saves=False,
+    ):
+        assert recorder.wait_for(1, DEADLINE)
+    assert recorder.keys() == [("soon", soon)]
+
+
+@pytest.mark.postgres
+def test_a_notify_from_another_process_wakes_the_loop(postgres_url: str) -> None:
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(
+        postgres_url, worker_id="w-notify", dispatcher=recorder, poll_interval=120,
+        wake_on_local_saves=False,
+    )
+    other = db.make_engine(postgres_url, application_name="sched-test-other")
+    try:
+        scheduler.start()
+        assert scheduler.listening.wait(DEADLINE)
+        time.sleep(0.05)
+        _save(other, {"name": "remote", "run_at": datetime.now(UTC), "event": "x"})
+        assert recorder.wait_for(1, DEADLINE)
+    finally:
+        scheduler.stop()
+        other.dispose()
+    assert [name for name, _ in recorder.keys()] == ["remote"]
+
+
+@pytest.mark.postgres
+def test_stop_closes_every_connection_it_opened(postgres_url: str, pg_admin_url: str) -> None:
+    scheduler = CentralScheduler(postgres_url, worker_id="w-close", poll_interval=0.05,
+                                 dispatcher=RecordingDispatcher())
+    scheduler.start()
+    assert scheduler.listening.wait(DEADLINE)
+    time.sleep(0.2)  # a few passes
+    assert _connections(pg_admin_url, "w-close") >= 2
+    scheduler.stop()
+    assert _wait_until(lambda: _connections(pg_admin_url, "w-close") == 0)
+
+
+def _connections(admin_url: str, worker_id: str) -> int:
+    with psycopg.connect(db.libpq_conninfo(admin_url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+            (f"sched-%:{worker_id}",),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _wait_until(check: Any, deadline: float = DEADLINE) -> bool:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if check():
+            return True
+        time.sleep(0.02)
+    return bool(check())
+
+
+# ---------------------------------------------------------------- the Prefect dispatcher
+
+
+def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import prefect.deployments
+    import prefect.events
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: calls.append(("event", kw)))
+    monkeypatch.setattr(
+        prefect.deployments, "run_deployment", lambda name, **kw: calls.append((name, kw))
+    )
+    claim = store.Claim(task_id=1, name="nightly", scheduled_at=T0, worker_id="w",
+                        locked_until=T0, event="sched.task.backup", deployment=None,
+                        payload={"agent": "node-a"})
+    PrefectDispatcher()(claim)
+    run = store.Claim(task_id=2, name="prune", scheduled_at=T0, worker_id="w",
+                      locked_until=T0, event=None, deployment="prune/nightly",
+                      payload={"agent": "node-b"})
+    PrefectDispatcher()(run)
+    (_, event), (name, deployment) = calls
+    assert event["event"] == "sched.task.backup"
+    assert event["resource"]["prefect.resource.id"] == "sched.task.nightly"
+    assert event["payload"] == {"agent": "node-a", "scheduled_at": "2026-12-02T12:00:00+00:00",
+                                "idempotency_key": "nightly:2026-12-02T12:00:00+00:00"}
+    assert event["id"] == event_id(claim) and event["occurred"] == T0
+    assert name == "prune/nightly"
+    assert deployment == {"parameters": {"agent": "node-b"}, "timeout": 0,
+                          "idempotency_key": "prune:2026-12-02T12:00:00+00:00",
+                          "as_subflow": False}
