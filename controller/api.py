@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -48,7 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from controller import schedules as schedule_store
 from controller import store as task_store
 from controller.auth import Principal, Tokens, bearer_token
-from controller.models import TaskIn
+from controller.models import NodeRevision, TaskIn
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -56,6 +58,9 @@ access_log = logging.getLogger("controller.access")
 
 MAX_BODY_BYTES = 1 << 20
 """A schedule or task body larger than this is refused with 413."""
+
+PULL_CACHE_BYTES = 64 << 20
+"""The default size of the in-process cache of pull answers (0 turns it off)."""
 
 T = TypeVar("T")
 
@@ -119,6 +124,56 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
     return any(part.strip().removeprefix("W/") == wanted for part in if_none_match.split(","))
 
 
+def current_etag(session: Session, node: str) -> str:
+    """Return node's list ETag from its revision row alone, without reading the rows.
+
+    It must equal what :func:`controller.schedules.list_schedules` returns for
+    the same state (``tests/test_controller_api.py`` checks that it does).
+    """
+    revision = session.get(NodeRevision, node)
+    if revision is None:
+        return '"empty"'
+    return f'"{revision.epoch}-{revision.revision}"'
+
+
+class PullCache:
+    """The latest pull answer per node, keyed by its ETag; least recently used first out.
+
+    An entry is only ever served for the ETag it was built under, and the ETag
+    changes in the transaction of any change to the node's list, so a stale
+    body cannot be served, whichever API instance made the change.
+    """
+
+    def __init__(self, max_bytes: int = PULL_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, node: str, etag: str) -> bytes | None:
+        """Return the body cached for node under etag, or None."""
+        with self._lock:
+            entry = self._entries.get(node)
+            if entry is None or entry[0] != etag:
+                return None
+            self._entries.move_to_end(node)
+            return entry[1]
+
+    def put(self, node: str, etag: str, body: bytes) -> None:
+        """Remember body as node's answer under etag, evicting the least recently used."""
+        if len(body) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(node, None)
+            if old is not None:
+                self._size -= len(old[1])
+            self._entries[node] = (etag, body)
+            self._size += len(body)
+            while self._size > self.max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._size -= len(evicted)
+
+
 class AccessLogMiddleware:
     """Log one line per request: method, path, node, principal, status, duration.
 
@@ -164,14 +219,20 @@ def create_app(
     tokens: Tokens,
     *,
     on_task_saved: Callable[[str], None] | None = None,
+    pull_cache_bytes: int = PULL_CACHE_BYTES,
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
+
+    A pull first reads only the node's ETag: a matching ``If-None-Match`` gets
+    304, and an unchanged list is answered from an in-process cache of up to
+    ``pull_cache_bytes``; only a changed list reads and serializes its rows.
 
     ``on_task_saved(name)`` is called after a task is saved, so an in-process
     central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
     """
     app = FastAPI(title="sched controller", version="1", docs_url="/docs", redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
+    pull_cache = PullCache(pull_cache_bytes)
 
     def in_session(work: Callable[[Session], T]) -> T:
         with Session(engine) as session:
@@ -240,12 +301,19 @@ def create_app(
 
     def pull_answer(request: Request, node: str) -> Response:
         require_node(request, node)
-        rows, value = in_session(lambda session: schedule_store.list_schedules(session, node))
-        etag = etag_header(value)
+        if_none_match = request.headers.get("if-none-match")
+        etag = in_session(lambda session: current_etag(session, node))
+        body = pull_cache.get(node, etag)
+        if body is None and not etag_matches(if_none_match, etag):
+            rows, value = in_session(lambda s: schedule_store.list_schedules(s, node))
+            # The list may have changed since the ETag read: answer with its own ETag.
+            etag = etag_header(value)
+            body = schedules_body(rows)
+            pull_cache.put(node, etag, body)
         headers = {"ETag": etag, "Cache-Control": "private, no-cache", "Vary": "Authorization"}
-        if etag_matches(request.headers.get("if-none-match"), etag):
+        if etag_matches(if_none_match, etag):
             return Response(status_code=304, headers=headers)
-        return Response(schedules_body(rows), media_type="application/json", headers=headers)
+        return Response(body, media_type="application/json", headers=headers)
 
     @app.get("/api/schedules")
     def list_schedules(request: Request, node: str | None = None) -> Response:

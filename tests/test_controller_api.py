@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.api import create_app, etag_matches, schedules_body
+from controller import schedules as schedule_store
+from controller.api import PullCache, create_app, current_etag, etag_matches, schedules_body
 from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
 from controller.db import make_engine, migrate
 from controller.server import serve_in_thread
@@ -489,6 +490,89 @@ def test_304_needs_authorization_too(client: httpx.Client) -> None:
     assert response.status_code == 403
     assert client.get("/api/schedules?node=node-a",
                       headers={"If-None-Match": etag}).status_code == 401
+
+
+def test_current_etag_agrees_with_the_stores_list_etag(tmp_path: Path) -> None:
+    from sqlmodel import Session
+
+    url = f"sqlite:///{tmp_path / 'etag.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        with Session(engine) as session:
+
+            def agree() -> str:
+                _, listed = schedule_store.list_schedules(session, "n")
+                assert current_etag(session, "n") == listed
+                return listed
+
+            seen = {agree()}  # never had rows
+            schedule_store.put_schedule(session, "n", LocalSchedule.model_validate(row("a")))
+            seen.add(agree())
+            schedule_store.put_schedule(session, "other", LocalSchedule.model_validate(row("a")))
+            assert agree() in seen
+            schedule_store.put_schedule(session, "n", LocalSchedule.model_validate(row("b")))
+            seen.add(agree())
+            assert schedule_store.delete_schedule(session, "n", "a")
+            assert schedule_store.delete_schedule(session, "n", "b")
+            seen.add(agree())  # emptied, but not "never had rows"
+            assert len(seen) == 4
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("cache_bytes", [64 << 20, 0])
+def test_two_api_instances_never_serve_a_stale_list(tmp_path: Path, cache_bytes: int) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    migrate(url)
+    engine_a, engine_b = make_engine(url), make_engine(url)
+    tokens = Tokens(admin=[ADMIN_TOKEN])
+    try:
+        with serve_in_thread(create_app(engine_a, tokens, pull_cache_bytes=cache_bytes)) as a, \
+                serve_in_thread(create_app(engine_b, tokens, pull_cache_bytes=cache_bytes)) as b:
+            with httpx.Client(base_url=a, headers=ADMIN) as via_a, \
+                    httpx.Client(base_url=b, headers=ADMIN) as via_b:
+                assert put(via_a, "n", row("s-1")).status_code == 200
+                first = via_b.get("/api/schedules?node=n")
+                assert [s["id"] for s in first.json()["schedules"]] == ["s-1"]
+                assert via_b.get("/api/schedules?node=n").content == first.content  # cached
+
+                assert put(via_a, "n", row("s-1", name="renamed")).status_code == 200
+                second = via_b.get("/api/schedules?node=n")
+                assert second.json()["schedules"][0]["name"] == "renamed"
+                assert second.headers["etag"] != first.headers["etag"]
+                stale = via_b.get("/api/schedules?node=n",
+                                  headers={"If-None-Match": first.headers["etag"]})
+                assert stale.status_code == 200
+
+                assert via_a.delete("/api/nodes/n/schedules/s-1").status_code == 204
+                third = via_b.get("/api/schedules?node=n")
+                assert third.content == b'{"schedules":[]}'
+                assert third.headers["etag"] not in (first.headers["etag"],
+                                                     second.headers["etag"])
+    finally:
+        engine_a.dispose()
+        engine_b.dispose()
+
+
+def test_pull_cache_serves_only_the_matching_etag_and_evicts_by_size() -> None:
+    cache = PullCache(max_bytes=10)
+    cache.put("a", '"1"', b"aaaa")
+    assert cache.get("a", '"1"') == b"aaaa"
+    assert cache.get("a", '"2"') is None
+    assert cache.get("b", '"1"') is None
+    cache.put("b", '"1"', b"bbbb")
+    cache.get("a", '"1"')  # a is now the most recently used
+    cache.put("c", '"1"', b"cccc")  # over 10 bytes: b goes
+    assert cache.get("b", '"1"') is None
+    assert cache.get("a", '"1"') == b"aaaa"
+    assert cache.get("c", '"1"') == b"cccc"
+    cache.put("a", '"2"', b"a2")  # a new version replaces the old one
+    assert cache.get("a", '"1"') is None
+    assert cache.get("a", '"2"') == b"a2"
+    cache.put("huge", '"1"', b"x" * 11)  # larger than the whole cache: not kept
+    assert cache.get("huge", '"1"') is None
+    assert cache.get("c", '"1"') == b"cccc"
 
 
 # --- logging --------------------------------------------------------------------------------
