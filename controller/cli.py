@@ -46,6 +46,9 @@ def serve(
         help="Serve without tokens: every caller is the admin. Never on a shared network.",
     ),
     database_url: str | None = typer.Option(None, "--database-url", help=_URL_HELP),
+    pull_cache_mb: int = typer.Option(
+        64, min=0, help="MiB of pull answers cached per process, keyed by ETag (0: off)."
+    ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Run the API and the central scheduler in one process (or either alone, to scale)."""
@@ -81,6 +84,7 @@ def serve(
         api=not scheduler_only,
         scheduler=not api_only,
         log_level=log_level,
+        pull_cache_bytes=pull_cache_mb << 20,
     )
 
 

@@ -18,7 +18,7 @@ from types import FrameType
 import uvicorn
 from sqlalchemy.engine import Engine
 
-from controller.api import create_app
+from controller.api import PULL_CACHE_BYTES, create_app
 from controller.auth import Tokens
 from controller.db import make_engine, safe_url
 
@@ -95,6 +95,7 @@ def run(
     api: bool = True,
     scheduler: bool = True,
     log_level: str = "info",
+    pull_cache_bytes: int = PULL_CACHE_BYTES,
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
     engine = make_engine(url)
@@ -109,7 +110,10 @@ def run(
                 raise ValueError("the API needs a token configuration")
             wake = getattr(central, "wake", None)
             app = create_app(
-                engine, tokens, on_task_saved=(lambda _name: wake()) if wake else None
+                engine,
+                tokens,
+                on_task_saved=(lambda _name: wake()) if wake else None,
+                pull_cache_bytes=pull_cache_bytes,
             )
             if not stop.is_set():  # a signal during start-up
                 uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
