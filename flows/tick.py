@@ -23,7 +23,7 @@ from flows.agent import (
     node_lock,
     slug,
 )
-from sched_core import MissPolicy, Scheduler, TickReport
+from sched_core import MissPolicy, PullError, Scheduler, TickReport
 from sched_core.misses import floor_minute, plan_recovery
 
 
@@ -111,6 +111,13 @@ def fire_tick(now: datetime | None = None) -> int:
     dispatcher = Dispatcher(node=settings.node_name, deployment=deployment_name(settings))
     with node_lock(settings):
         scheduler = build_scheduler(settings, dispatcher, now=at)
+        if scheduler.cache().last_fetched_at is None:
+            # A node that never pulled (fresh state folder) pulls once here
+            # instead of idling until the first reconcile.
+            try:
+                scheduler.pull(at)
+            except PullError as exc:
+                logger.warning("first pull failed; the reconcile flow retries it: %s", exc)
         report = scheduler.tick_report(at)
         rows = report_rows(report, dispatcher, scheduler, now=at, grace=settings.grace)
     logger.info(

@@ -1,0 +1,388 @@
+"""The agent's flows against a real Prefect server (the session's test harness).
+
+Time is passed in as a parameter (freezegun breaks flow runs). Each test uses
+its own node name, so the job registry (run-job runs tagged ``node:<name>``)
+of one test never sees another's runs.
+
+Pinned instants: 2026-12-02 is a Wednesday; New York is on EST (UTC-5), so
+15:30Z is 10:30 local.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_server")]
+
+T0 = datetime(2026, 12, 2, 15, 29, 5, tzinfo=UTC)  # 10:29:05 EST
+WINDOW = datetime(2026, 12, 2, 15, 30, tzinfo=UTC)  # 10:30 EST
+
+EVERY_HOUR_AT_30 = {"days": ["*"], "hours": ["*"], "minute": "30"}
+
+
+def row(sid: str, action: str, shape: dict[str, Any], **params: Any) -> dict[str, Any]:
+    return {
+        "id": sid, "name": f"{action} {sid}", "repo_id": "r-1", "action": action,
+        "schedule": shape, "miss_policy": "run-once-within-24h", "enabled": True,
+        "params": params or None, "version": 1,
+    }
+
+
+class Agent:
+    """One test node: a config file, a schedule file, a state folder, registered deployments."""
+
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.node = f"n-{uuid.uuid4().hex[:8]}"
+        self.tmp = tmp
+        self.schedules = tmp / "schedules.json"
+        self.config = tmp / "agent.toml"
+        self.monkeypatch = monkeypatch
+        self.write_config()
+        monkeypatch.setenv("SCHED_CONFIG", str(self.config))
+        for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
+            monkeypatch.delenv(name, raising=False)
+
+    def write_config(self, pull_url: str = "schedules.json", extra: str = "") -> None:
+        py = json.dumps(sys.executable)
+        self.config.write_text(f"""
+node_name = "{self.node}"
+pull_url = "{pull_url}"
+state_dir = "state"
+pull_retries = 3
+pull_retry_delay = 0.05
+{extra}
+[actions.backup]
+argv = [{py}, "-c", "print('backing up', '{{repo_id}}')"]
+[actions.copy]
+argv = [{py}, "-c", "print('copying')"]
+[actions.prune]
+argv = [{py}, "-c", "print('pruning')"]
+[actions.check]
+argv = [{py}, "-c", "print('checking')"]
+[actions.fail]
+argv = [{py}, "-c", "import sys; print('about to fail'); sys.exit(3)"]
+retries = 2
+retry_delay = 0
+[actions.needs]
+argv = ["echo", "{{param:missing}}"]
+""")
+
+    def write_schedules(self, rows: list[dict[str, Any]]) -> None:
+        self.schedules.write_text(json.dumps({"schedules": rows}))
+
+    def register(self) -> None:
+        from flows.job import run_job
+
+        run_job.to_deployment(name=self.node).apply()
+
+    def cache(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.tmp / "state" / "cache.json").read_text())
+        return data
+
+    def runs(self, action: str | None = None) -> list[Any]:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+        tags = [f"node:{self.node}"] + ([f"action:{action}"] if action else [])
+        with get_client(sync_client=True) as client:
+            return list(client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags))
+            ))
+
+
+@pytest.fixture
+def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Agent:
+    return Agent(tmp_path, monkeypatch)
+
+
+def set_state(run_id: Any, state: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Failed, Running
+
+    new = {"completed": Completed(), "failed": Failed(), "running": Running()}[state]
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, new, force=True)
+
+
+# -- fire-tick ------------------------------------------------------------------------
+
+
+def test_due_schedule_gives_one_run_even_when_ticked_twice_or_retried(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
+    agent.register()
+    assert reconcile(now=T0)["added"] == 1
+    assert fire_tick(now=WINDOW + timedelta(seconds=2)) == 1
+    # The same minute again (a second tick, a worker starting the run early/late).
+    assert fire_tick(now=WINDOW + timedelta(seconds=40)) == 0
+    # A retried or restarted tick that crashed after the fire but before the stamp:
+    # the cache says unfired, the scheduler fires again, the idempotency key dedupes.
+    cache = agent.cache()
+    cache["last_fired_at"] = {}
+    (agent.tmp / "state" / "cache.json").write_text(json.dumps(cache))
+    assert fire_tick(now=WINDOW + timedelta(seconds=50)) == 1
+    runs = agent.runs("backup")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.name == "backup-s-1-20261202T1530Z"
+    assert {f"node:{agent.node}", "action:backup", "schedule:s-1", "trigger:schedule"} <= set(
+        run.tags
+    )
+    assert run.parameters["window"] == WINDOW.isoformat()
+    assert run.state.is_scheduled()
+
+
+def test_tick_artifact_shows_fired_late_and_missed(agent: Agent) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    late = {"days": ["*"], "hours": ["*"], "minute": "28"}
+    agent.write_schedules([
+        row("on-time", "backup", EVERY_HOUR_AT_30),
+        row("late", "copy", late),
+        row("missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "10"}),
+    ])
+    agent.register()
+    reconcile(now=T0 - timedelta(hours=1))
+    # The missed-run check at T0 - 1 h recovered 'missed' (14:10); nothing since.
+    assert fire_tick(now=WINDOW + timedelta(seconds=3)) == 2
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"fire-tick-{agent.node}"]))
+        )
+    table = artifacts[-1].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    outcomes = {item["schedule"]: item["outcome"] for item in rows}
+    assert outcomes["on-time"] == "fired"
+    assert outcomes["late"] == "fired late"
+    assert outcomes["missed"] == "missed: run-once-within-24h"
+
+
+# -- reconcile ------------------------------------------------------------------------
+
+
+class FlakyController:
+    """A real HTTP server that answers the first `fail` pulls with 503, then `body`."""
+
+    def __init__(self) -> None:
+        self.fail = 0
+        self.body = b""
+        self.hits = 0
+        self.auth: list[str | None] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.hits += 1
+                outer.auth.append(self.headers.get("Authorization"))
+                if outer.fail > 0:
+                    outer.fail -= 1
+                    self.send_response(503)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(outer.body)))
+                self.end_headers()
+                self.wfile.write(outer.body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/api/schedules?node=x"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def controller() -> Iterator[FlakyController]:
+    server = FlakyController()
+    yield server
+    server.close()
+
+
+def test_pull_that_fails_503_twice_then_succeeds_updates_the_cache(
+    agent: Agent, controller: FlakyController, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.reconcile import reconcile
+
+    monkeypatch.setenv("SCHED_TOKEN", "t0ken")
+    agent.write_config(pull_url=controller.url)
+    agent.register()
+    controller.fail = 2
+    controller.body = json.dumps([row("s-1", "backup", EVERY_HOUR_AT_30)]).encode()
+    counts = reconcile(now=T0)
+    assert controller.hits == 3
+    assert controller.auth == ["Bearer t0ken"] * 3
+    assert counts["added"] == 1 and counts["schedules"] == 1
+    assert [item["id"] for item in agent.cache()["schedules"]] == ["s-1"]
+
+
+def test_garbage_pull_keeps_the_cache_and_the_schedules_firing(
+    agent: Agent, controller: FlakyController
+) -> None:
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    agent.write_config(pull_url=controller.url)
+    agent.register()
+    controller.body = json.dumps({"schedules": [row("s-1", "backup", EVERY_HOUR_AT_30)]}).encode()
+    reconcile(now=T0)
+    before = agent.cache()["schedules"]
+    controller.body = b"<html>502 Bad Gateway</html>"
+    state = reconcile(now=T0 + timedelta(seconds=20), return_state=True)
+    assert state.is_failed()
+    assert "not valid JSON" in str(state.message) or "not valid JSON" in repr(
+        state.result(raise_on_failure=False)
+    )
+    assert controller.hits == 1 + 4  # the first pull, then 1 + 3 retries of the garbage
+    assert agent.cache()["schedules"] == before
+    assert fire_tick(now=WINDOW + timedelta(seconds=1)) == 1
+    assert len(agent.runs("backup")) == 1
+
+
+# -- run-job --------------------------------------------------------------------------
+
+
+def _logs(run_id: Any, expect: str) -> list[str]:
+    """Return the run's log lines once one contains expect (logs are shipped in batches)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+            )
+            lines = [log.message for log in logs]
+            if any(expect in line for line in lines) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.2)
+
+
+def test_job_runs_its_command_and_logs_the_output(agent: Agent) -> None:
+    from flows.job import run_job
+
+    agent.write_schedules([])
+    schedule = row("s-1", "backup", EVERY_HOUR_AT_30)
+    state = run_job(schedule=schedule, trigger_key="schedule", window=WINDOW,
+                    key="s-1@x", return_state=True)
+    assert state.is_completed()
+    summary = state.result()
+    assert summary["exit_code"] == 0 and summary["attempts"] == 1
+    assert "backing up r-1" in _logs(state.state_details.flow_run_id, "backing up")
+
+
+def test_failing_job_is_retried_as_configured_and_shows_failed(agent: Agent) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.job import run_job
+
+    state = run_job(schedule=row("s-f", "fail", EVERY_HOUR_AT_30), return_state=True)
+    assert state.is_failed()
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        )
+    assert run.state is not None and run.state.is_failed()
+    assert run.name == "fail-s-f-" + run.name.rsplit("-", 1)[1]
+    assert [task.run_count for task in tasks] == [3]  # 1 try + 2 retries
+    assert _logs(run_id, "Finished").count("about to fail") == 3
+    assert f"node:{agent.node}" in run.tags  # tags added to an ad hoc run
+
+
+def test_missing_template_parameter_fails_before_anything_runs(agent: Agent) -> None:
+    from flows.job import run_job
+
+    state = run_job(schedule=row("s-n", "needs", EVERY_HOUR_AT_30), return_state=True)
+    assert state.is_failed()
+    assert "no parameter 'missing'" in str(state.message)
+
+
+# -- advance-chain --------------------------------------------------------------------
+
+
+def test_wave_runs_prune_then_check_once_a_day_never_before_it_drains(agent: Agent) -> None:
+    from flows.chain import advance_chain
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    agent.write_schedules([
+        row("b-1", "backup", EVERY_HOUR_AT_30),
+        row("c-1", "copy", EVERY_HOUR_AT_30),
+        row("p-1", "prune", {"on": "after_wave"}),
+        row("k-1", "check", {"on": "after_wave"}),
+        row("k-2", "check", {"on": "something_else"}),
+    ])
+    agent.register()
+    now = datetime.now(UTC).replace(second=5, microsecond=0)
+    reconcile(now=now - timedelta(minutes=1))
+    minute = now.replace(second=0)
+    agent.write_schedules([
+        row("b-1", "backup", {"days": ["*"], "hours": ["*"], "minute": str(minute.minute)}),
+        row("c-1", "copy", {"days": ["*"], "hours": ["*"], "minute": str(minute.minute)}),
+        row("p-1", "prune", {"on": "after_wave"}),
+        row("k-1", "check", {"on": "after_wave"}),
+        row("k-2", "check", {"on": "something_else"}),
+    ])
+    reconcile(now=now - timedelta(seconds=30))
+    assert fire_tick(now=now) == 2
+    backup, = agent.runs("backup")
+    copy, = agent.runs("copy")
+
+    # The backup finishes, the copy is still scheduled: the wave has not drained.
+    set_state(backup.id, "completed")
+    assert advance_chain(action="backup", node=agent.node, completed_run=str(backup.id)) == []
+    assert agent.runs("prune") == []
+    # A completion on another node is not ours.
+    assert advance_chain(action="copy", node="elsewhere") == []
+
+    set_state(copy.id, "running")
+    assert advance_chain(action="backup") == []
+    set_state(copy.id, "failed")  # a failed wave job still ends the wave
+    assert advance_chain(action="copy", completed_run=str(copy.id)) == ["prune"]
+    prune, = agent.runs("prune")
+    assert prune.name.startswith("prune-p-1-")
+    assert "trigger:chain-prune" in prune.tags
+
+    # Check waits for the prune to drain.
+    assert advance_chain(action="copy") == []
+    assert agent.runs("check") == []
+    set_state(prune.id, "completed")
+    assert advance_chain(action="prune", completed_run=str(prune.id)) == ["check"]
+    check, = agent.runs("check")
+    assert "k-1" in check.name
+
+    # Once per day: more completions fire nothing again.
+    set_state(check.id, "completed")
+    assert advance_chain(action="backup") == []
+    assert advance_chain(action="check") == []
+    assert len(agent.runs("prune")) == 1 and len(agent.runs("check")) == 1
+    marks = json.loads((agent.tmp / "state" / "chain.json").read_text())["stages"]
+    assert set(marks) == {"prune", "check"}
