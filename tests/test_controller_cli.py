@@ -190,3 +190,40 @@ def test_serve_insecure_no_auth_makes_every_caller_admin(tmp_path: Path) -> None
         assert response.status_code == 200
         assert response.json() == {"schedules": []}
     assert "WITHOUT authentication" in log_path.read_text()
+
+
+def test_serve_runs_api_and_central_scheduler_and_stops_both(tmp_path: Path) -> None:
+    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (base, log_path):
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert httpx.get(f"{base}/api/tasks", headers=admin).json() == {"tasks": []}
+        assert "central scheduler started" in log_path.read_text()
+    log = log_path.read_text()
+    assert "central scheduler stopped" in log
+    assert log.index("central scheduler stopped") > log.index("Shutting down")
+    assert "controller stopped" in log
+
+
+def test_serve_scheduler_only_needs_no_token_and_stops_on_sigterm(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "--scheduler-only"], cwd=ROOT,
+            env=clean_env(SCHED_DATABASE_URL=url), stdout=log_file, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "central scheduler started" not in log_path.read_text():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)  # polling for the process to come up
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    assert "central scheduler stopped" in log
+    assert "Uvicorn running" not in log
