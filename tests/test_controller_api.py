@@ -575,6 +575,43 @@ def test_pull_cache_serves_only_the_matching_etag_and_evicts_by_size() -> None:
     assert cache.get("c", '"1"') == b"cccc"
 
 
+def test_round_trip_on_each_database(database_url: str) -> None:
+    """Write, pull, 304, delete and a task through two instances, on SQLite and Postgres."""
+    engines = [make_engine(database_url), make_engine(database_url)]
+    tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_A_TOKEN]})
+    try:
+        with serve_in_thread(create_app(engines[0], tokens)) as a, \
+                serve_in_thread(create_app(engines[1], tokens)) as b, \
+                httpx.Client(base_url=a, headers=ADMIN, timeout=30) as writer, \
+                httpx.Client(base_url=b, headers=bearer(NODE_A_TOKEN), timeout=30) as agent:
+            empty = agent.get("/api/schedules?node=node-a")
+            assert empty.content == b'{"schedules":[]}'
+            for key in ("r-2", "r-1"):
+                assert put(writer, "node-a", row(key, params={"k": key})).status_code == 200
+            pulled = agent.get("/api/schedules?node=node-a")
+            expected = [LocalSchedule.model_validate({**row(k, params={"k": k}), "version": 1})
+                        for k in ("r-1", "r-2")]
+            assert pulled.content == schedules_body(expected)
+            etag = pulled.headers["etag"]
+            assert etag != empty.headers["etag"]
+            assert agent.get("/api/schedules?node=node-a",
+                             headers={"If-None-Match": etag}).status_code == 304
+
+            assert writer.delete("/api/nodes/node-a/schedules/r-1").status_code == 204
+            after = agent.get("/api/schedules?node=node-a", headers={"If-None-Match": etag})
+            assert after.status_code == 200
+            assert [s["id"] for s in after.json()["schedules"]] == ["r-2"]
+            assert agent.put("/api/nodes/node-a/schedules/r-2", json=row("r-2")).status_code == 403
+
+            saved = writer.put("/api/tasks/t-1", json=TASK)
+            assert saved.status_code == 200, saved.text
+            assert writer.get("/api/tasks/t-1").json()["cron"] == TASK["cron"]
+            assert a != b
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
 # --- logging --------------------------------------------------------------------------------
 
 
