@@ -41,9 +41,8 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sqlalchemy import text
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,6 +57,8 @@ access_log = logging.getLogger("controller.access")
 
 MAX_BODY_BYTES = 1 << 20
 """A schedule or task body larger than this is refused with 413."""
+
+_DRAIN_LIMIT = 16 * MAX_BODY_BYTES
 
 PULL_CACHE_BYTES = 64 << 20
 """The default size of the in-process cache of pull answers (0 turns it off)."""
@@ -100,6 +101,10 @@ def _body_errors(exc: ValidationError) -> list[dict[str, Any]]:
 
 def _unprocessable(loc: tuple[str, ...], msg: str, kind: str = "value_error") -> JSONResponse:
     return JSONResponse({"detail": [_error_entry(loc, msg, kind)]}, status_code=422)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (Go's encoding/json refuses it too)")
 
 
 def schedules_body(rows: list[LocalSchedule]) -> bytes:
@@ -265,11 +270,20 @@ def create_app(
 
     async def read_object(request: Request, key: str, value: str) -> dict[str, Any] | Response:
         """Return the JSON object body with key defaulted to value, or a 413/422 answer."""
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= MAX_BODY_BYTES:
+                chunks.append(chunk)
+            elif size > _DRAIN_LIMIT:
+                break
+            # Past the limit the rest is read and dropped (never buffered), so the
+            # client gets its 413 instead of a reset connection.
+        if size > MAX_BODY_BYTES:
             return JSONResponse({"detail": f"body over {MAX_BODY_BYTES} bytes"}, status_code=413)
         try:
-            data = json.loads(body)
+            data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:
             return _unprocessable(("body",), f"invalid JSON: {exc}", "json_invalid")
         if not isinstance(data, dict):
@@ -292,7 +306,8 @@ def create_app(
     @app.get("/healthz")
     def healthz() -> JSONResponse:
         try:
-            in_session(lambda session: session.execute(text("SELECT 1")).scalar_one())
+            # Reading a controller table also proves the migrations have run.
+            in_session(lambda session: session.execute(select(NodeRevision.node).limit(1)).all())
         except Exception as exc:
             # The message may carry a connection string: log its type, answer generically.
             log.warning("health check failed", extra={"error": type(exc).__name__})

@@ -362,7 +362,9 @@ def test_body_id_differing_from_path_is_422(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(
-    ("content", "words"), [(b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object")]
+    ("content", "words"),
+    [(b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object"),
+     (b'{"name": "n", "params": {"x": NaN}}', "NaN is not JSON"), (b"\xff", "invalid JSON")],
 )
 def test_malformed_body_is_422(client: httpx.Client, content: bytes, words: str) -> None:
     response = client.put("/api/nodes/valid/schedules/x", content=content, headers=ADMIN)
@@ -374,6 +376,26 @@ def test_malformed_body_is_422(client: httpx.Client, content: bytes, words: str)
 def test_oversized_body_is_413(client: httpx.Client) -> None:
     data = row("huge", params={"blob": "x" * (1 << 20)})
     assert put(client, "valid", data).status_code == 413
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
+        yield b'{"blob": "'
+        for _ in range(300):
+            yield b"x" * 4096
+        yield b'"}'
+
+    response = client.put("/api/nodes/valid/schedules/huge", content=chunked(), headers=ADMIN)
+    assert response.status_code == 413
+    assert client.get("/api/nodes/valid/schedules/huge", headers=ADMIN).status_code == 404
+
+
+def test_healthz_fails_on_an_unmigrated_database(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as url:
+            response = httpx.get(f"{url}/healthz", timeout=30)
+    finally:
+        engine.dispose()
+    assert response.status_code == 503
 
 
 def test_pull_without_node_is_422_naming_node(client: httpx.Client) -> None:
