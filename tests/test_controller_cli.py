@@ -227,3 +227,14 @@ def test_serve_scheduler_only_needs_no_token_and_stops_on_sigterm(tmp_path: Path
     log = log_path.read_text()
     assert "central scheduler stopped" in log
     assert "Uvicorn running" not in log
+
+
+def test_sched_console_script_has_the_controller_commands(tmp_path: Path) -> None:
+    sched = Path(sys.executable).parent / "sched"
+    path = tmp_path / "controller.db"
+    result = subprocess.run(
+        [str(sched), "controller", "migrate", "--database-url", f"sqlite:///{path}"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "agent_schedule" in tables(path)
