@@ -1,0 +1,158 @@
+"""``make run``: a local Prefect server on SQLite, and the example agent served against it.
+
+1. Start ``prefect server start`` with ``PREFECT_HOME`` under the project
+   (``.prefect/``, git-ignored), its log in ``.prefect/server.log``, and the
+   database vacuum on so per-minute ticks do not grow it without bound.
+2. Wait until ``/api/health`` answers.
+3. Serve the four deployments (``deployments.serve``) with ``SCHED_CONFIG``
+   (default: ``examples/agent.toml``) and print the UI address.
+4. On Ctrl-C (or SIGTERM, or either child dying) stop the serve process first
+   (it cancels in-flight runs and pauses its deployments), then the server;
+   each gets a grace period, then its whole process group is killed.
+
+Environment: ``SCHED_PREFECT_PORT`` (default 4200), ``SCHED_CONFIG``,
+``SCHED_VACUUM_RETENTION`` (seconds of flow-run history kept, default 7 days).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def server_env(home: Path, port: int) -> dict[str, str]:
+    """Return the environment of the server, the serve process and its flow runs."""
+    env = dict(os.environ)
+    env.update({
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": env.get(
+            "SCHED_VACUUM_RETENTION", str(7 * 24 * 3600)
+        ),
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,flows",
+    })
+    env.setdefault("SCHED_CONFIG", str(ROOT / "examples" / "agent.toml"))
+    return env
+
+
+def port_free(port: int) -> bool:
+    """Return True when nothing listens on 127.0.0.1:port."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Poll url/health until it answers 200, the process exits, or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> None:
+    """SIGTERM proc's process group, wait up to grace_s, then SIGKILL the group."""
+    if proc is None or proc.poll() is not None:
+        return
+    print(f"stopping {name} (pid {proc.pid})...", flush=True)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        break
+    # The group may still hold children of the leader (flow-run subprocesses).
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def main() -> int:
+    """Run the server and the agent until interrupted; return the exit status."""
+    port = int(os.environ.get("SCHED_PREFECT_PORT", "4200"))
+    home = ROOT / ".prefect"
+    home.mkdir(exist_ok=True)
+    env = server_env(home, port)
+    api = env["PREFECT_API_URL"]
+    if not port_free(port):
+        print(f"port {port} is in use (another Prefect server?); stop it or set "
+              "SCHED_PREFECT_PORT", file=sys.stderr)
+        return 2
+    prefect_cli = str(Path(sys.executable).parent / "prefect")
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    server: subprocess.Popen[bytes] | None = None
+    agent: subprocess.Popen[bytes] | None = None
+    status = 0
+    try:
+        print(f"starting a Prefect server on 127.0.0.1:{port} (PREFECT_HOME={home}, "
+              f"log {home / 'server.log'})...", flush=True)
+        with (home / "server.log").open("ab") as log:
+            server = subprocess.Popen(
+                [prefect_cli, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        if not wait_healthy(api, server, timeout_s=120):
+            print(f"the Prefect server did not become healthy; see {home / 'server.log'}",
+                  file=sys.stderr)
+            return 1
+        print(f"serving the agent with SCHED_CONFIG={env['SCHED_CONFIG']}...", flush=True)
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "deployments.serve"],
+            env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        print(
+            f"\n  Prefect UI: http://127.0.0.1:{port}/\n"
+            "  Runs appear under Runs within a minute (fire-tick every minute, run-job per\n"
+            "  fire, advance-chain after the wave); artifacts under Artifacts.\n"
+            "  Press Ctrl-C to stop everything.\n",
+            flush=True,
+        )
+        while not stopping:
+            if server.poll() is not None or agent.poll() is not None:
+                which = "server" if server.poll() is not None else "agent"
+                print(f"the {which} exited unexpectedly; stopping", file=sys.stderr)
+                status = 1
+                break
+            time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop(agent, "the agent (serve)", grace_s=30)
+        stop(server, "the Prefect server", grace_s=20)
+        print("stopped.", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Serve the agent's four deployments from one process: the embedded default.
+
+The same deployments as ``prefect.yaml`` (names, schedules, trigger,
+concurrency limits), registered and run by ``prefect.serve`` against the
+server in ``PREFECT_API_URL``; no work pool or worker needed. Each flow run
+executes in a subprocess of this one. Needs a real server: in ephemeral mode
+Prefect never creates scheduled runs.
+
+    SCHED_CONFIG=examples/agent.toml PREFECT_API_URL=http://127.0.0.1:4200/api \\
+        python -m deployments.serve
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
+from prefect.schedules import Cron, Interval
+
+from flows.agent import EVENT_JOB_COMPLETED, EVENT_JOB_FAILED
+from flows.chain import advance_chain
+from flows.job import run_job
+from flows.reconcile import reconcile
+from flows.settings import AgentSettings, load_settings
+from flows.tick import fire_tick
+from sched_core import SchedError
+
+ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+DROP_OVERLAP = ConcurrencyLimitConfig(
+    limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
+)
+
+
+def chain_trigger(node: str) -> DeploymentEventTrigger:
+    """Return the trigger that runs advance-chain on each of node's job events."""
+    return DeploymentEventTrigger(
+        enabled=True,
+        match={"prefect.resource.id": f"sched.agent.{node}"},
+        expect={EVENT_JOB_COMPLETED, EVENT_JOB_FAILED},
+        parameters={
+            "action": "{{ event.payload.action }}",
+            "node": "{{ event.payload.node }}",
+            "completed_run": "{{ event.payload.flow_run_id }}",
+        },
+    )
+
+
+def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
+    """Return fire-tick, reconcile, run-job and advance-chain, named after the node."""
+    node = settings.node_name
+    tags = ["sched-agent"]
+    built: list[object] = [
+        fire_tick.to_deployment(
+            name=node,
+            schedules=[Cron("* * * * *", timezone="UTC")],
+            concurrency_limit=ONE_AT_A_TIME,
+            tags=tags,
+            description="Fire every schedule due this minute: one run-job run per window.",
+        ),
+        reconcile.to_deployment(
+            name=node,
+            schedules=[Interval(300)],
+            concurrency_limit=DROP_OVERLAP,
+            tags=tags,
+            description="Pull the schedule list, apply the miss policy, report what changed.",
+        ),
+        run_job.to_deployment(
+            name=node,
+            tags=tags,
+            description="Run one action of one schedule and window.",
+        ),
+        advance_chain.to_deployment(
+            name=node,
+            triggers=[chain_trigger(node)],
+            concurrency_limit=ONE_AT_A_TIME,
+            tags=tags,
+            description="Feed a job completion to the chain: prune after the wave, then check.",
+        ),
+    ]
+    # to_deployment dispatches sync or async by context; here it is always sync.
+    assert all(isinstance(item, RunnerDeployment) for item in built)
+    return [item for item in built if isinstance(item, RunnerDeployment)]
+
+
+def main() -> int:
+    """Load the settings, then serve until interrupted (SIGINT or SIGTERM)."""
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "sched_core,flows")
+    try:
+        settings = load_settings()
+    except SchedError as exc:
+        print(f"sched-agent: {exc}", file=sys.stderr)
+        return 2
+    serve(*build_deployments(settings), limit=int(os.environ.get("SCHED_SERVE_LIMIT", "8")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
