@@ -23,7 +23,7 @@ test: lint typecheck
 	$(VENV)/bin/pytest
 
 run: setup
-	$(VENV)/bin/sched preview --schedules examples/schedules.json
+	$(PY) -m deployments.run_local
 
 bench: setup
 	$(PY) bench/bench_core.py
