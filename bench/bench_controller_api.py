@@ -4,7 +4,7 @@ In one run, against ``sched controller serve --api-only`` subprocesses on
 loopback (a temporary SQLite file unless ``--database-url`` is given), it times
 sequential keep-alive requests for a few seconds each:
 
-- the baseline: ``GET /healthz`` (auth-free, one ``SELECT 1``);
+- the baseline: ``GET /healthz`` (auth-free, one single-row read);
 - the full pull with the pull cache off (``--pull-cache-mb 0``): what every
   pull costs right after the list changed: read 10,000 rows, build the body;
 - the full pull of an unchanged list: ``200``, the body from the ETag-keyed cache;
@@ -224,39 +224,81 @@ def run(url: str, *, count: int, seconds: float) -> tuple[list[Measurement], flo
     return results, populate_seconds
 
 
-def render(results: list[Measurement], *, count: int, database: str, populate_s: float) -> str:
+@dataclass(frozen=True)
+class Run:
+    """The measurements of one database."""
+
+    database: str
+    results: list[Measurement]
+    populate_s: float
+
+
+def render(runs: list[Run], *, count: int) -> str:
     """Return the markdown section for docs/benchmarks.md."""
-    base = results[0]
     lines = [
         "### GET /api/schedules",
         "",
-        f"`bench/bench_controller_api.py`: one node with {count:,} schedules in {database}, "
-        "one `sched controller serve --api-only` subprocess on loopback, one keep-alive client "
+        f"`bench/bench_controller_api.py`: one node with {count:,} schedules, a "
+        "`sched controller serve --api-only` subprocess on loopback, one keep-alive client "
         "sending sequential requests for a few seconds per row, all in one run. Baseline: "
-        "`GET /healthz` (no auth, one `SELECT 1`).",
+        "`GET /healthz` on the same server (no auth, one single-row read).",
         "",
-        "| request | requests | req/s | p50 ms | p99 ms | body bytes | req/s vs baseline "
-        "| p99 vs baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| database | request | requests | req/s | p50 ms | p99 ms | body bytes "
+        "| req/s vs baseline | p99 vs baseline |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for m in results:
+    for run_ in runs:
+        base = run_.results[0]
+        for m in run_.results:
+            lines.append(
+                f"| {run_.database} | {m.name} | {m.requests} | {m.rps:,.1f} | {m.p50_ms:.2f} "
+                f"| {m.p99_ms:.2f} | {m.body_bytes:,} | {m.rps / base.rps:.3f} "
+                f"| {m.p99_ms / base.p99_ms:.1f}x |"
+            )
+    lines.append("")
+    for run_ in runs:
+        cold, cached, cond = run_.results[1], run_.results[2], run_.results[3]
         lines.append(
-            f"| {m.name} | {m.requests} | {m.rps:,.1f} | {m.p50_ms:.2f} | {m.p99_ms:.2f} "
-            f"| {m.body_bytes:,} | {m.rps / base.rps:.3f} | {m.p99_ms / base.p99_ms:.1f}x |"
+            f"- {run_.database}: a 304 answers {cond.rps / cold.rps:,.0f}x and an unchanged "
+            f"list's 200 {cached.rps / cold.rps:,.0f}x as many requests per second as a pull "
+            f"right after a change (p99 {cond.p99_ms:.1f} ms and {cached.p99_ms:.1f} ms against "
+            f"{cold.p99_ms:.1f} ms). Storing the rows took {run_.populate_s:.1f} s (bulk insert)."
         )
-    cold, cached, cond = results[1], results[2], results[3]
     lines += [
         "",
-        f"A pull first reads only the node's ETag (one primary-key lookup). A 304 answers "
-        f"{cond.rps / cold.rps:,.0f}x and an unchanged list's 200 {cached.rps / cold.rps:,.0f}x "
-        f"as many requests per second as a pull right after a change, which reads and "
-        f"serializes every row (p99 {cond.p99_ms:.1f} ms and {cached.p99_ms:.1f} ms against "
-        f"{cold.p99_ms:.1f} ms); the agents' `Scheduler` does not send `If-None-Match`, so the "
-        f"cached 200 is its usual case. Storing the rows took {populate_s:.1f} s (bulk insert). "
+        "A pull first reads only the node's ETag (one primary-key lookup): a matching "
+        "`If-None-Match` gets 304 and an unchanged list is answered from a per-process cache "
+        "keyed by that ETag; only a changed list reads and serializes every row. The agents' "
+        "`Scheduler` does not send `If-None-Match`, so the cached 200 is its usual case. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work, "
         f"Python {platform.python_version()}.",
     ]
     return "\n".join(lines)
+
+
+@contextmanager
+def temporary_postgres() -> Iterator[str]:
+    """Start a throwaway PostgreSQL with pgserver (a test extra); yield its URL."""
+    import shutil
+    import warnings
+
+    from controller.db import database_url
+
+    folder = tempfile.mkdtemp(prefix="bench-pg-")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+        import pgserver
+
+        server = pgserver.get_server(  # type: ignore[attr-defined]
+            Path(folder) / "data", cleanup_mode="delete"
+        )
+    try:
+        yield database_url(server.get_uri("postgres")).render_as_string(hide_password=False)
+    finally:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR")
+            server._cleanup()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_docs(section: str, path: Path = DOCS) -> None:
@@ -273,27 +315,47 @@ def write_docs(section: str, path: Path = DOCS) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> list[Measurement]:
+def main(argv: list[str] | None = None) -> list[Run]:
     """Run the benchmark, print the table and ratios; argv defaults to no flags (not sys.argv)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--schedules", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument(
+        "--databases", default="sqlite",
+        help="comma-separated: sqlite (a temporary file), postgres (a throwaway pgserver)",
+    )
     parser.add_argument("--database-url", default=None,
-                        help="an empty database to use (default: a temporary SQLite file)")
+                        help="an empty database to use instead of --databases")
     parser.add_argument("--write-docs", action="store_true",
                         help=f"write the table into {DOCS.relative_to(ROOT)}")
     args = parser.parse_args([] if argv is None else argv)
 
+    runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="bench-api-") as folder:
-        url = args.database_url or f"sqlite:///{Path(folder) / 'controller.db'}"
-        database = "Postgres" if url.startswith("postgres") else "SQLite"
-        results, populate_s = run(url, count=args.schedules, seconds=args.seconds)
-    section = render(results, count=args.schedules, database=database, populate_s=populate_s)
+        if args.database_url:
+            targets = [("Postgres" if "postgres" in args.database_url else "SQLite",
+                        args.database_url)]
+        else:
+            targets = [(name.strip(), "") for name in args.databases.split(",") if name.strip()]
+        for name, given in targets:
+            if given:
+                results, populate_s = run(given, count=args.schedules, seconds=args.seconds)
+            elif name.lower() == "sqlite":
+                url = f"sqlite:///{Path(folder) / 'controller.db'}"
+                results, populate_s = run(url, count=args.schedules, seconds=args.seconds)
+            elif name.lower() == "postgres":
+                with temporary_postgres() as url:
+                    results, populate_s = run(url, count=args.schedules, seconds=args.seconds)
+            else:
+                parser.error(f"unknown database {name!r} (expected sqlite or postgres)")
+            label = {"sqlite": "SQLite", "postgres": "Postgres"}.get(name.lower(), name)
+            runs.append(Run(label, results, populate_s))
+    section = render(runs, count=args.schedules)
     print(section)
     if args.write_docs:
         write_docs(section)
         print(f"\nwrote {DOCS.relative_to(ROOT)}")
-    return results
+    return runs
 
 
 if __name__ == "__main__":
