@@ -4,16 +4,18 @@ Rule: pure, like :mod:`sched_core.matcher`, and exactly its DST rules: a schedul
 due at an instant if and only if ``fire_times`` yields that instant for it.
 
 Built once per schedule list (a pull), queried every tick.  Slots are keyed by wall
-clock so a query costs a few list lookups plus the size of its answer:
+clock, and each slot keeps its schedules beside their weekdays as a 7-bit mask, so a
+query tests the masks of one slot (a fleet's size / 1440 on average) and a build
+appends each schedule once per hour rather than once per (day, hour):
 
-- fixed-hour schedules by ``(weekday, hour, minute)``;
-- wildcard-hour schedules by ``(weekday, minute)``;
+- fixed-hour schedules by minute of the day;
+- wildcard-hour schedules by minute of the hour;
 - interval schedules by interval, with the intervals dividing each minute of the day.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
@@ -22,11 +24,31 @@ from sched_core.model import DAY_NAMES, LocalSchedule
 
 __all__ = ["DueIndex"]
 
-_DAY_INDEX = {name: index for index, name in enumerate(DAY_NAMES)}
-_ALL_DAYS = tuple(range(7))
+_DAY_BIT = {name: 1 << index for index, name in enumerate(DAY_NAMES)}
+_ALL_DAYS = 0b111_1111
 _MINUTES_PER_DAY = 1440
+_MINUTE = {text: int(text) for value in range(60) for text in (str(value), f"{value:02d}")}
 # Instants this long after a transition are ordinary (no shift is this large).
 _SETTLE = 3 * 3600
+
+_Slot = tuple[list[int], list[LocalSchedule]]
+"""Weekday masks (bit 0 is Monday) and, at the same positions, their schedules."""
+
+
+def _day_mask(days: tuple[str, ...]) -> int:
+    if "*" in days:
+        return _ALL_DAYS
+    mask = 0
+    for day in days:
+        mask |= _DAY_BIT[day]
+    return mask
+
+
+def _hour_walls(hours: tuple[str, ...]) -> tuple[int, ...] | None:
+    """Return the distinct hours as minutes of the day, None for wildcard hours."""
+    if "*" in hours:
+        return None
+    return tuple(sorted({int(hour) * 60 for hour in hours}))
 
 
 class DueIndex:
@@ -37,8 +59,8 @@ class DueIndex:
     def __init__(self, tz: ZoneInfo) -> None:
         self.tz = tz
         self._zone: ZoneTable = zone_table(tz)
-        self._fixed: list[list[LocalSchedule] | None] = [None] * (7 * _MINUTES_PER_DAY)
-        self._wild: list[list[LocalSchedule] | None] = [None] * (7 * 60)
+        self._fixed: list[_Slot] = [([], []) for _ in range(_MINUTES_PER_DAY)]
+        self._wild: list[_Slot] = [([], []) for _ in range(60)]
         self._intervals: dict[int, list[LocalSchedule]] = {}
         self._divisors: list[tuple[int, ...]] = []
         self._size = 0
@@ -48,44 +70,42 @@ class DueIndex:
         """Return an index of the enabled, non-event schedules in ``schedules``."""
         index = cls(tz or DEFAULT_TZ)
         fixed, wild, intervals = index._fixed, index._wild, index._intervals
-        day_index = _DAY_INDEX
+        # Fleets share few day lists and hour lists: parse each once.
+        masks: dict[tuple[str, ...], int] = {}
+        walls_of: dict[tuple[str, ...], tuple[int, ...] | None] = {}
         size = 0
         for row in schedules:
             schedule = row.schedule
             if not row.enabled or schedule.on:
                 continue
             size += 1
-            if schedule.interval_minutes is not None:
-                bucket = intervals.get(schedule.interval_minutes)
+            interval = schedule.interval_minutes
+            if interval is not None:
+                bucket = intervals.get(interval)
                 if bucket is None:
-                    intervals[schedule.interval_minutes] = [row]
+                    intervals[interval] = [row]
                 else:
                     bucket.append(row)
                 continue
-            days = schedule.days or ()
-            weekdays: Collection[int] = (
-                _ALL_DAYS if "*" in days else {day_index[day] for day in days}
-            )
-            minute = int(schedule.minute)
-            hours = schedule.hours or ()
-            if "*" in hours:
-                for weekday in weekdays:
-                    slot = weekday * 60 + minute
-                    bucket = wild[slot]
-                    if bucket is None:
-                        wild[slot] = [row]
-                    else:
-                        bucket.append(row)
-                continue
-            walls = {int(hour) * 60 + minute for hour in hours}
-            for weekday in weekdays:
-                base = weekday * _MINUTES_PER_DAY
+            days = tuple(schedule.days or ())
+            mask = masks.get(days)
+            if mask is None:
+                mask = masks[days] = _day_mask(days)
+            hours = tuple(schedule.hours or ())
+            if hours in walls_of:
+                walls = walls_of[hours]
+            else:
+                walls = walls_of[hours] = _hour_walls(hours)
+            minute = _MINUTE[schedule.minute]
+            if walls is None:
+                slot_masks, slot_rows = wild[minute]
+                slot_masks.append(mask)
+                slot_rows.append(row)
+            else:
                 for wall in walls:
-                    bucket = fixed[base + wall]
-                    if bucket is None:
-                        fixed[base + wall] = [row]
-                    else:
-                        bucket.append(row)
+                    slot_masks, slot_rows = fixed[wall + minute]
+                    slot_masks.append(mask)
+                    slot_rows.append(row)
         index._size = size
         every: list[list[int]] = [[] for _ in range(_MINUTES_PER_DAY)]
         for interval in sorted(intervals):
@@ -101,15 +121,13 @@ class DueIndex:
         """Return the schedules whose wall time is ``local`` (local seconds, a whole minute)."""
         day, second = divmod(local, DAY)
         minute_of_day = second // 60
-        weekday = (day + 3) % 7
+        bit = 1 << ((day + 3) % 7)
         found: list[LocalSchedule] = []
         if fixed:
-            bucket = self._fixed[weekday * _MINUTES_PER_DAY + minute_of_day]
-            if bucket:
-                found.extend(bucket)
-        bucket = self._wild[weekday * 60 + minute_of_day % 60]
-        if bucket:
-            found.extend(bucket)
+            masks, rows = self._fixed[minute_of_day]
+            found.extend([row for mask, row in zip(masks, rows, strict=True) if mask & bit])
+        masks, rows = self._wild[minute_of_day % 60]
+        found.extend([row for mask, row in zip(masks, rows, strict=True) if mask & bit])
         intervals = self._intervals
         for interval in self._divisors[minute_of_day]:
             found.extend(intervals[interval])
@@ -145,9 +163,10 @@ class DueIndex:
             seen = {id(row) for row in found}
             for wall in range(local - (after - before), local, 60):
                 day, second = divmod(wall, DAY)
-                bucket = self._fixed[((day + 3) % 7) * _MINUTES_PER_DAY + second // 60]
-                for row in bucket or ():
-                    if id(row) not in seen:
+                bit = 1 << ((day + 3) % 7)
+                masks, rows = self._fixed[second // 60]
+                for mask, row in zip(masks, rows, strict=True):
+                    if mask & bit and id(row) not in seen:
                         seen.add(id(row))
                         found.append(row)
             return found
