@@ -179,6 +179,11 @@ class PullCache:
                 self._size -= len(evicted)
 
 
+def _printable(text: str) -> str:
+    """Return text with control characters escaped, so a request cannot forge log lines."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 class AccessLogMiddleware:
     """Log one line per request: method, path, node, principal, status, duration.
 
@@ -206,14 +211,15 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             principal = state.get("principal")
-            node = state.get("node", "-")
+            node = _printable(str(state.get("node", "-")))
+            path = _printable(scope["path"])
             who = principal.label if isinstance(principal, Principal) else "-"
             elapsed_ms = (time.perf_counter() - started) * 1000
             access_log.info(
                 "%s %s node=%s principal=%s status=%d %.1fms",
-                scope["method"], scope["path"], node, who, status, elapsed_ms,
+                scope["method"], path, node, who, status, elapsed_ms,
                 extra={
-                    "method": scope["method"], "path": scope["path"], "node": node,
+                    "method": scope["method"], "path": path, "node": node,
                     "principal": who, "status": status, "duration_ms": round(elapsed_ms, 3),
                 },
             )

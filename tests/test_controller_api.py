@@ -654,6 +654,9 @@ def test_access_log_has_node_and_status_and_never_a_token(
     assert any("status=401" in line for line in lines)
     assert any(line.startswith("PUT /api/nodes/node-a/schedules/logged") and
                "principal=admin" in line for line in lines)
+    client.get("/api/schedules", params={"node": "x\nGET /forged status=200"}, headers=ADMIN)
+    forged = [r.getMessage() for r in caplog.records if r.name == "controller.access"][-1]
+    assert "\n" not in forged and "node=x\\nGET /forged" in forged
     everything = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)
     for token in (*ALL_TOKENS, "wrong-token-xyz"):
         assert token not in everything
