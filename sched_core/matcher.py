@@ -65,7 +65,8 @@ KIND_REPEAT = 2
 
 
 def _require_aware(value: datetime, name: str) -> None:
-    if value.tzinfo is None or value.utcoffset() is None:
+    zone = value.tzinfo
+    if zone is not UTC and (zone is None or value.utcoffset() is None):
         raise ValueError(
             f"{name} {value.isoformat()} is a naive datetime; pass a timezone-aware one "
             "(e.g. datetime(..., tzinfo=UTC))"
@@ -151,14 +152,18 @@ class ZoneTable:
     """A zone's UTC offset transitions, found once per UTC year by probing ``zoneinfo``.
 
     A year's chunk holds the transitions ``T`` with ``start < T <= end`` (``T`` is the
-    first second of the new offset) and the offsets in force between them.
+    first second of the new offset) and the offsets in force between them.  Queries
+    read ``_flat``: the chunks of a few consecutive years joined, replaced whole (so
+    concurrent readers see one consistent version) when a query falls outside it.
     """
 
-    __slots__ = ("_chunks", "tz")
+    __slots__ = ("_chunks", "_flat", "tz")
 
     def __init__(self, tz: ZoneInfo) -> None:
         self.tz = tz
         self._chunks: dict[int, tuple[list[int], list[int]]] = {}
+        self._flat: tuple[int, int, int, int, list[int], list[int]] = (0, -1, 0, 0, [], [])
+        """First year, last year, covered [low, high) seconds, transitions, offsets."""
 
     def _probe(self, instant: int) -> int:
         offset = datetime.fromtimestamp(instant, self.tz).utcoffset()
@@ -168,8 +173,7 @@ class ZoneTable:
     def _chunk(self, year: int) -> tuple[list[int], list[int]]:
         chunk = self._chunks.get(year)
         if chunk is None:
-            chunk = self._scan(year)
-            self._chunks[year] = chunk
+            chunk = self._chunks.setdefault(year, self._scan(year))
         return chunk
 
     def _scan(self, year: int) -> tuple[list[int], list[int]]:
@@ -205,30 +209,47 @@ class ZoneTable:
             year += 1
         return year
 
+    def _cover(self, low: int, high: int) -> tuple[list[int], list[int]]:
+        """Return transitions and offsets covering at least ``[low, high]``."""
+        first, last, covered_low, covered_high, starts, offsets = self._flat
+        if covered_low <= low and high < covered_high:
+            return starts, offsets
+        want_first, want_last = self._year_of(low), self._year_of(high)
+        if first <= last and max(last, want_last) - min(first, want_first) < 4:
+            want_first, want_last = min(first, want_first), max(last, want_last)
+        chunks = [self._chunk(year) for year in range(want_first, want_last + 1)]
+        starts = [instant for chunk in chunks for instant in chunk[0]]
+        offsets = chunks[0][1][:1] + [offset for chunk in chunks for offset in chunk[1][1:]]
+        self._flat = (
+            want_first,
+            want_last,
+            _year_start(want_first),
+            _year_start(want_last + 1),
+            starts,
+            offsets,
+        )
+        return starts, offsets
+
     def offset_at(self, instant: int) -> int:
         """Return the UTC offset in seconds in force at ``instant``."""
-        starts, offsets = self._chunk(self._year_of(instant))
+        starts, offsets = self._cover(instant, instant)
         return offsets[bisect_right(starts, instant)]
 
     def transitions(self, low: int, high: int) -> list[tuple[int, int, int]]:
         """Return ``(instant, offset_before, offset_after)`` for transitions in ``(low, high]``."""
+        starts, offsets = self._cover(low, high)
         found: list[tuple[int, int, int]] = []
-        for year in range(self._year_of(low), self._year_of(high) + 1):
-            starts, offsets = self._chunk(year)
-            index = bisect_right(starts, low)
-            while index < len(starts) and starts[index] <= high:
-                found.append((starts[index], offsets[index], offsets[index + 1]))
-                index += 1
+        index = bisect_right(starts, low)
+        while index < len(starts) and starts[index] <= high:
+            found.append((starts[index], offsets[index], offsets[index + 1]))
+            index += 1
         return found
 
     def has_transition(self, low: int, high: int) -> bool:
         """Return True if a transition falls in ``(low, high]``."""
-        year_low, year_high = self._year_of(low), self._year_of(high)
-        if year_low == year_high:
-            starts = self._chunk(year_low)[0]
-            index = bisect_right(starts, low)
-            return index < len(starts) and starts[index] <= high
-        return bool(self.transitions(low, high))
+        starts, _ = self._cover(low, high)
+        index = bisect_right(starts, low)
+        return index < len(starts) and starts[index] <= high
 
     def segments(self, low: int, high: int) -> list[tuple[int, int, int]]:
         """Return ``(start, end, offset)`` pieces of constant offset covering ``[low, high)``."""
