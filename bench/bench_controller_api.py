@@ -271,7 +271,8 @@ def render(runs: list[Run], *, count: int) -> str:
         "keyed by that ETag; only a changed list reads and serializes every row. The agents' "
         "`Scheduler` does not send `If-None-Match`, so the cached 200 is its usual case. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work, "
-        f"Python {platform.python_version()}.",
+        f"Python {platform.python_version()}; on a shared machine the figures vary between "
+        "runs by up to 2x, the ratios within a run much less.",
     ]
     return "\n".join(lines)
 
