@@ -22,8 +22,9 @@ from controller.api import PullCache, create_app, current_etag, etag_matches, sc
 from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
 from controller.db import make_engine, migrate
 from controller.server import serve_in_thread
-from sched_core.errors import ConfigError
+from sched_core.errors import ConfigError, PullError
 from sched_core.model import LocalSchedule
+from sched_core.scheduler import Config, Fire, Scheduler
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
 NODE_A_TOKEN = "node-a-secret-token-abcdef"
@@ -743,8 +744,6 @@ def test_bearer_token_parsing(header: str | None, token: str | None) -> None:
 def test_agent_scheduler_pulls_fires_and_follows_deletes(
     client: httpx.Client, base_url: str, tmp_path: Path
 ) -> None:
-    from sched_core.scheduler import Config, Fire, Scheduler
-
     hourly = row("a-hourly", schedule={"days": ["*"], "hours": ["*"], "minute": "30"})
     weekly = row("a-weekly", schedule={"days": ["sun"], "hours": ["4"], "minute": "0"})
     assert put(client, "agent-1", hourly).status_code == 200
@@ -786,9 +785,6 @@ def test_agent_scheduler_pulls_fires_and_follows_deletes(
 def test_agent_with_another_nodes_token_keeps_its_last_good_list(
     client: httpx.Client, base_url: str, tmp_path: Path
 ) -> None:
-    from sched_core.errors import PullError
-    from sched_core.scheduler import Config, Scheduler
-
     assert put(client, "agent-1", row("a-kept")).status_code == 200
     now = datetime(2026, 11, 30, 7, 0, tzinfo=UTC)
     config = {"node_name": "agent-1", "cache_path": tmp_path / "cache.json",
