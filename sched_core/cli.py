@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import json
+import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated

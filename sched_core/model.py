@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any, Self
 
 from pydantic import (
@@ -33,13 +34,13 @@ DAY_NAMES: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 """How Go writes a ``time.Time`` that was never set."""
 
-_DIGITS = re.compile(r"[0-9]{1,2}")
 _GO_ESCAPES = {
     "<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029",
 }
 _GO_ESCAPE_RE = re.compile("[<>&\u2028\u2029]")
 
 
+@lru_cache(maxsize=4096)  # a cache file repeats the same few instants many times
 def format_go_time(value: datetime | None) -> str:
     """Return value as Go's RFC 3339 (nano) text in UTC; the zero time for None."""
     if value is None:
@@ -69,7 +70,8 @@ def parse_go_time(value: object) -> datetime | None:
     return parsed
 
 
-def _go_escape(text: str) -> str:
+def go_escape(text: str) -> str:
+    """Escape ``<``, ``>``, ``&``, U+2028 and U+2029 in JSON text as Go's encoder does."""
     return _GO_ESCAPE_RE.sub(lambda m: _GO_ESCAPES[m.group(0)], text)
 
 
@@ -77,7 +79,7 @@ class _WireModel(BaseModel):
     """A model whose JSON escapes HTML characters as Go's encoder does."""
 
     def model_dump_json(self, **kwargs: Any) -> str:
-        return _go_escape(super().model_dump_json(**kwargs))
+        return go_escape(super().model_dump_json(**kwargs))
 
 
 class MissPolicy(StrEnum):
@@ -89,7 +91,8 @@ class MissPolicy(StrEnum):
 
 
 def _check_number(value: str, low: int, high: int, what: str) -> None:
-    if not _DIGITS.fullmatch(value) or not low <= int(value) <= high:
+    ok = 0 < len(value) <= 2 and value.isascii() and value.isdigit()
+    if not ok or not low <= int(value) <= high:
         raise ValueError(f"{what} {value!r} is not a number from {low} to {high}")
 
 

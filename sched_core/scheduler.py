@@ -14,6 +14,7 @@ stamp is deduplicated downstream.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -30,6 +31,7 @@ import httpx
 
 from sched_core.cache import (
     FileStamp,
+    dump_rows,
     load_cache,
     locked,
     save_cache,
@@ -124,6 +126,16 @@ class Config:
         return Path(self.cache_path)
 
 
+def _copy_row(row: LocalSchedule) -> LocalSchedule:
+    """Return a copy of row the fire callback may change without touching the cache."""
+    return row.model_copy(
+        update={
+            "schedule": row.schedule.model_copy(deep=True),
+            "params": copy.deepcopy(row.params) if row.params else row.params,
+        }
+    )
+
+
 def redact_url(url: str) -> str:
     """Return url without any user or password in it, for logs."""
     parts = urlsplit(url)
@@ -172,6 +184,7 @@ class Scheduler:
         self._stamp: FileStamp | None = None
         self._index = DueIndex.build([], self._tz)
         self._indexed: list[LocalSchedule] | None = None
+        self._rows_json: str | None = None  # the cached rows' JSON, None when stale
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._client = config.http_client
@@ -203,14 +216,17 @@ class Scheduler:
         self._reindex()
 
     def _reindex(self) -> None:
+        """Rebuild the due index and forget the rows' JSON if the schedule list changed."""
         if self._indexed != self._cache.schedules:
             self._index = DueIndex.build(self._cache.schedules, self._tz)
             self._indexed = list(self._cache.schedules)
+            self._rows_json = None
 
     def _save(self) -> None:
-        save_cache(self._path, self._cache)
+        if self._rows_json is None:
+            self._rows_json = dump_rows(self._cache.schedules)
+        save_cache(self._path, self._cache, self._rows_json)
         self._stamp = stamp_of(self._path)
-        self._reindex()
 
     @property
     def timezone(self) -> ZoneInfo:
@@ -267,7 +283,7 @@ class Scheduler:
 
     def _window_fire(self, row: LocalSchedule, window: datetime, *, recovery: bool) -> Fire:
         return Fire(
-            schedule=row.model_copy(deep=True),
+            schedule=_copy_row(row),
             trigger_key=TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE,
             missed_recovery=recovery,
             window=window,
@@ -408,7 +424,7 @@ class Scheduler:
                 if not row.enabled or row.id in skip_ids or not pred(row):
                     continue
                 fire = Fire(
-                    schedule=row.model_copy(deep=True),
+                    schedule=_copy_row(row),
                     trigger_key=trigger_key,
                     missed_recovery=False,
                     window=None,
@@ -531,6 +547,7 @@ class Scheduler:
                 rid: cache.first_seen_at.get(rid, now) for rid in new
             }
             cache.last_fetched_at = now
+            self._reindex()
             self._save()
         log.info(
             "pulled schedules",

@@ -85,3 +85,19 @@ def test_invalid_shapes_name_the_problem(shape: dict[str, object], reason: str) 
 def test_event_and_interval_schedules_ignore_clock_fields() -> None:
     assert Schedule.model_validate({"on": "after_wave", "days": ["bogus"]}).is_event
     assert Schedule.model_validate({"interval_minutes": 15, "hours": None}).is_interval
+
+
+def test_fast_cache_dump_equals_the_model_dump() -> None:
+    from sched_core.cache import dump_cache, dump_rows
+
+    odd = SPEC_ROW.replace("nightly backup", "é<&>\u2028").replace('"s-1"', '"s-ü"')
+    cache = Cache.model_validate({
+        "schedules": [LocalSchedule.model_validate_json(odd), LocalSchedule.model_validate_json(
+            SPEC_ROW.replace('"s-1"', '"s-2"'))],
+        "last_fired_at": {"s-ü": "2026-11-30T07:30:00.25Z", "s-2": "2026-11-29T07:30:00Z"},
+        "last_fetched_at": "2026-11-30T07:31:02Z",
+        "first_seen_at": {"s-2": "2026-11-01T00:00:00Z"},
+    })
+    assert dump_cache(cache) == cache.model_dump_json()
+    assert dump_cache(cache, dump_rows(cache.schedules)) == cache.model_dump_json()
+    assert Cache.model_validate_json(dump_cache(cache)) == cache
