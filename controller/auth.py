@@ -27,13 +27,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
+import stat
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from sched_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "SCHED_ADMIN_TOKEN"
 NODE_TOKENS_ENV = "SCHED_NODE_TOKENS"
@@ -177,8 +181,12 @@ def load_tokens_file(path: Path) -> tuple[list[str], dict[str, list[str]]]:
     """Return (admin tokens, node tokens) from a TOML or JSON file (by its suffix)."""
     try:
         raw = path.read_bytes()
+        mode = path.stat().st_mode
     except OSError as exc:
         raise ConfigError(f"cannot read tokens file {path}: {exc.strerror}") from exc
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("tokens file is readable by other users; chmod 600 it",
+                    extra={"path": str(path), "mode": oct(stat.S_IMODE(mode))})
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(raw)

@@ -687,9 +687,10 @@ def test_one_token_for_two_principals_is_refused_without_echoing_it() -> None:
         Tokens(admin=[" "])
 
 
-def test_tokens_from_env_and_files(tmp_path: Path) -> None:
+def test_tokens_from_env_and_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     toml_file = tmp_path / "tokens.toml"
     toml_file.write_text('admin = "file-admin"\n[nodes]\nnode-c = ["tc1", "tc2"]\n')
+    toml_file.chmod(0o644)
     tokens = Tokens.from_env({
         "SCHED_ADMIN_TOKEN": "env-admin",
         "SCHED_NODE_TOKENS": " node-a=ta , node-b=tb ,",
@@ -698,6 +699,11 @@ def test_tokens_from_env_and_files(tmp_path: Path) -> None:
     assert tokens.authenticate("env-admin") == tokens.authenticate("file-admin") == Principal(None)
     assert tokens.authenticate("ta") == Principal("node-a")
     assert tokens.authenticate("tc2") == Principal("node-c")
+    assert "readable by other users" in caplog.text
+    caplog.clear()
+    toml_file.chmod(0o600)
+    Tokens.from_env({"SCHED_TOKENS_FILE": str(toml_file)})
+    assert "readable by other users" not in caplog.text
 
     json_file = tmp_path / "tokens.json"
     json_file.write_text(json.dumps({"admin": ["j-admin"], "nodes": {"node-j": "tj"}}))
