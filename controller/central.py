@@ -268,56 +268,66 @@ class CentralScheduler:
     def run_once(self, *, now: datetime | None = None) -> int:
         """Claim one batch and handle every claim; return how many were claimed.
 
+        1. Claim due tasks and record their dispatches (one statement on Postgres).
+        2. Dispatch each claim this worker owns; on failure record the error and
+           hold the task for a backoff delay. A claim another worker is still
+           dispatching is left alone; one already dispatched is only completed.
+        3. Complete the batch: reschedule recurring tasks, stop one-shot ones.
+
         ``now`` pins the time authority (tests); None reads the database's clock.
         """
-        with Session(self._ensure_engine()) as session:
-            claims = store.claim_due(
+        engine = self._ensure_engine()
+        claimer = engine.execution_options(isolation_level="AUTOCOMMIT") if (
+            self.is_postgres) else engine
+        with Session(claimer) as session:
+            pairs = store.claim_for_dispatch(
                 session, worker_id=self.worker_id, now=now, lease=self.lease,
-                limit=self.batch_size,
+                limit=self.batch_size, stale_after=self.stale_after,
             )
-            for index, claim in enumerate(claims):
-                if self._stopping.is_set():
-                    released = store.release(session, claims[index:])
-                    log.info("released claims on stop", extra=self._log_extra(count=released))
-                    break
-                self._handle(session, claim, now=now)
-        return len(claims)
+        finished: list[Claim] = []
+        with Session(engine) as session:
+            try:
+                for index, (claim, outcome) in enumerate(pairs):
+                    if self._stopping.is_set():
+                        rest = [c for c, _ in pairs[index:]]
+                        released = store.release(session, rest)
+                        log.info("released claims on stop",
+                                 extra=self._log_extra(count=released))
+                        break
+                    if self._handle(session, claim, outcome, now=now):
+                        finished.append(claim)
+            finally:
+                store.complete_many(session, finished, now=now)
+        return len(pairs)
 
-    def _handle(self, session: Session, claim: Claim, *, now: datetime | None) -> None:
-        """Dispatch one claim exactly once.
-
-        1. Record the dispatch; a worker that does not own the record skips it.
-        2. Dispatch (the dispatcher raises on failure).
-        3. Complete: reschedule or stop the task. On failure, record the error
-           and hold the task for a backoff delay instead.
-        """
+    def _handle(
+        self, session: Session, claim: Claim, outcome: DispatchOutcome, *, now: datetime | None
+    ) -> bool:
+        """Dispatch one claim if this worker owns it; return True if it is to be completed."""
         extra = self._log_extra(task_name=claim.name, scheduled_at=claim.scheduled_at)
-        outcome = store.begin_dispatch(session, claim, now=now, stale_after=self.stale_after)
         if outcome is DispatchOutcome.BUSY:
             log.info("dispatch in flight elsewhere; skipped", extra=extra)
-            return
-        if outcome is DispatchOutcome.OWNED:
-            try:
-                self.dispatcher(claim)
-            except Exception as exc:
-                delay = backoff(
-                    claim.attempts + 1,
-                    base=self.dispatch_retry_delay,
-                    cap=self.max_dispatch_retry_delay,
-                )
-                error = f"{type(exc).__name__}: {exc}"
-                store.fail(session, claim, error, retry_delay=delay, now=now)
-                log.warning(
-                    "dispatch failed; will retry",
-                    extra={**extra, "error": error, "retry_in": delay,
-                           "attempts": claim.attempts + 1},
-                )
-                return
-            self.dispatched += 1
-        else:
+            return False
+        if outcome is DispatchOutcome.DONE:
             log.info("already dispatched; completing only", extra=extra)
-        if not store.complete(session, claim, now=now):
-            log.info("task changed during dispatch; left as saved", extra=extra)
+            return True
+        try:
+            self.dispatcher(claim)
+        except Exception as exc:
+            delay = backoff(
+                claim.attempts + 1, base=self.dispatch_retry_delay,
+                cap=self.max_dispatch_retry_delay,
+            )
+            error = f"{type(exc).__name__}: {exc}"
+            store.fail(session, claim, error, retry_delay=delay, now=now)
+            log.warning(
+                "dispatch failed; will retry",
+                extra={**extra, "error": error, "retry_in": delay,
+                       "attempts": claim.attempts + 1},
+            )
+            return False
+        self.dispatched += 1
+        return True
 
     # ------------------------------------------------------------ the listener
 

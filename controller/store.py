@@ -26,14 +26,17 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
     Interval,
+    String,
     Table,
     and_,
+    bindparam,
     case,
     delete,
     func,
@@ -70,6 +73,9 @@ _TASKS: Table = ScheduledTask.__table__  # type: ignore[attr-defined]
 _DISPATCHES: Table = TaskDispatch.__table__  # type: ignore[attr-defined]
 _T = _TASKS.c
 _D = _DISPATCHES.c
+_CLAIM_FOR_DISPATCH = text(
+    (Path(__file__).resolve().parent / "sql" / "claim_for_dispatch.sql").read_text("utf-8")
+)
 
 # In-process wake-ups: a save wakes the schedulers of this process on the same
 # database at once (SQLite has no NOTIFY). Keyed by the full URL, never logged.
@@ -131,7 +137,9 @@ def db_now(session: Session) -> datetime:
 
 
 def _task_from_row(row: Any) -> ScheduledTask:
-    return ScheduledTask.model_validate(dict(row._mapping))
+    data = dict(row._mapping)
+    data.pop("_notified", None)
+    return ScheduledTask.model_validate(data)
 
 
 def first_run_at(task: TaskIn, *, now: datetime) -> datetime | None:
@@ -141,6 +149,43 @@ def first_run_at(task: TaskIn, *, now: datetime) -> datetime | None:
     if task.run_at is not None:
         return task.run_at
     return next_run(cron=task.cron, schedule=task.schedule, timezone=task.timezone, after=now)
+
+
+def _upsert_task(session: Session, task: TaskIn, now: datetime | None) -> Any:
+    """Upsert task in the open transaction (and NOTIFY on Postgres); return the stored row."""
+    # A one-shot task needs no clock; the database stamps it on Postgres.
+    needs_clock = task.run_at is None and task.status != TaskStatus.DONE
+    current = now or (db_now(session) if needs_clock or not _is_postgres(session) else None)
+    stamp: Any = literal(current, UtcDateTime) if current else type_coerce(func.now(), UtcDateTime)
+    values: dict[str, Any] = {
+        "name": task.name,
+        "cron": task.cron,
+        "schedule": task.schedule.model_dump(mode="json") if task.schedule else None,
+        "timezone": task.timezone,
+        "run_at": task.run_at,
+        "event": task.event,
+        "deployment": task.deployment,
+        "payload": task.payload,
+        "status": task.status.value,
+        "next_run_at": first_run_at(task, now=current or utc_now()),
+        "locked_by": None,
+        "locked_until": None,
+        "attempts": 0,
+        "last_error": None,
+        "updated_at": stamp,
+    }
+    stmt = _insert(session, _TASKS).values(created_at=stamp, **values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[_T.name],
+        set_={key: stmt.excluded[key] for key in values if key != "name"},
+    ).returning(*_T)
+    if not _is_postgres(session):
+        return session.execute(stmt).one()
+    # The NOTIFY rides in the same statement: one round trip, same transaction.
+    saved = stmt.cte("saved")
+    return session.execute(
+        select(*saved.c, func.pg_notify(NOTIFY_CHANNEL, saved.c.name).label("_notified"))
+    ).one()
 
 
 def save_task(session: Session, task: TaskIn, *, now: datetime | None = None) -> ScheduledTask:
@@ -153,40 +198,23 @@ def save_task(session: Session, task: TaskIn, *, now: datetime | None = None) ->
     the commit the schedulers of this process on this database are woken too.
     Raises ValueError (from :class:`TaskIn`) for an invalid task.
     """
+    return save_tasks(session, [task], now=now)[0]
+
+
+def save_tasks(
+    session: Session, tasks: list[TaskIn], *, now: datetime | None = None
+) -> list[ScheduledTask]:
+    """Save every task as :func:`save_task` does, all in one transaction; commits."""
     try:
-        current = now or db_now(session)
-        values: dict[str, Any] = {
-            "name": task.name,
-            "cron": task.cron,
-            "schedule": task.schedule.model_dump(mode="json") if task.schedule else None,
-            "timezone": task.timezone,
-            "run_at": task.run_at,
-            "event": task.event,
-            "deployment": task.deployment,
-            "payload": task.payload,
-            "status": task.status.value,
-            "next_run_at": first_run_at(task, now=current),
-            "locked_by": None,
-            "locked_until": None,
-            "attempts": 0,
-            "last_error": None,
-            "updated_at": current,
-        }
-        stmt = _insert(session, _TASKS).values(created_at=current, **values)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[_T.name],
-            set_={key: stmt.excluded[key] for key in values if key != "name"},
-        ).returning(*_T)
-        row = session.execute(stmt).one()
-        if _is_postgres(session):
-            session.execute(select(func.pg_notify(NOTIFY_CHANNEL, task.name)))
+        rows = [_upsert_task(session, task, now) for task in tasks]
         session.commit()
     except BaseException:
         session.rollback()
         raise
     _wake_local(session)
-    log.info("saved task", extra={"task_name": task.name, "next_run_at": row.next_run_at})
-    return _task_from_row(row)
+    for row in rows:
+        log.info("saved task", extra={"task_name": row.name, "next_run_at": row.next_run_at})
+    return [_task_from_row(row) for row in rows]
 
 
 def get_task(session: Session, name: str) -> ScheduledTask | None:
@@ -254,13 +282,17 @@ class Claim:
         return next_run(cron=self.cron, schedule=shape, timezone=self.timezone, after=after)
 
 
+def _utc(value: datetime) -> datetime:
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
 def _claim_from_row(row: Any) -> Claim:
     return Claim(
         task_id=row.id,
         name=row.name,
-        scheduled_at=row.next_run_at,
+        scheduled_at=_utc(row.next_run_at),
         worker_id=row.locked_by,
-        locked_until=row.locked_until,
+        locked_until=_utc(row.locked_until),
         event=row.event,
         deployment=row.deployment,
         payload=row.payload or {},
@@ -512,11 +544,110 @@ def fail(
     return held is not None
 
 
+def claim_for_dispatch(
+    session: Session,
+    *,
+    worker_id: str,
+    now: datetime | None = None,
+    lease: timedelta | float = 30.0,
+    limit: int = 100,
+    stale_after: timedelta | float = 600.0,
+) -> list[tuple[Claim, DispatchOutcome]]:
+    """Do :func:`claim_due`, then :func:`begin_dispatch` for each claim; commits.
+
+    On Postgres both happen in one statement (``sql/claim_for_dispatch.sql``),
+    so a claim and its dispatch record cost one round trip; on SQLite the two
+    functions run in turn. Returns each claim with what the worker should do.
+    """
+    if not _is_postgres(session):
+        claims = claim_due(session, worker_id=worker_id, now=now, lease=lease, limit=limit)
+        return [
+            (claim, begin_dispatch(session, claim, now=now, stale_after=stale_after))
+            for claim in claims
+        ]
+    params = {
+        "now": now,
+        "worker_id": worker_id,
+        "lease": _seconds(lease),
+        "limit": limit,
+        "stale_after": _seconds(stale_after),
+    }
+    try:
+        rows = session.execute(_CLAIM_FOR_DISPATCH, params).all()
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    result: list[tuple[Claim, DispatchOutcome]] = []
+    for row in rows:
+        if row.owned:
+            outcome = DispatchOutcome.OWNED
+        elif row.record_status == DispatchStatus.DISPATCHED.value:
+            outcome = DispatchOutcome.DONE
+        else:
+            outcome = DispatchOutcome.BUSY
+        result.append((_claim_from_row(row), outcome))
+    return result
+
+
+def complete_many(session: Session, claims: list[Claim], *, now: datetime | None = None) -> None:
+    """Do :func:`complete` for every claim in one transaction (one clock read); commits."""
+    if not claims:
+        return
+    current = now or db_now(session)
+    tasks: list[dict[str, Any]] = []
+    for claim in claims:
+        if claim.is_recurring:
+            following = claim.next_after(max(current, claim.scheduled_at))
+            status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
+        else:
+            following, status = None, TaskStatus.DONE
+        tasks.append({
+            "b_id": claim.task_id,
+            "b_name": claim.name,
+            "b_scheduled": claim.scheduled_at,
+            "b_next": following,
+            "b_status": status.value,
+        })
+    scheduled = bindparam("b_scheduled", type_=UtcDateTime)
+    try:
+        session.execute(
+            update(_TASKS)
+            .where(_T.id == bindparam("b_id"), _T.next_run_at == scheduled)
+            .values(
+                next_run_at=bindparam("b_next", type_=UtcDateTime),
+                status=bindparam("b_status", type_=String),
+                locked_by=None,
+                locked_until=None,
+                last_run_at=scheduled,
+                attempts=0,
+                last_error=None,
+                updated_at=literal(current, UtcDateTime),
+            ),
+            tasks,
+        )
+        session.execute(
+            update(_DISPATCHES)
+            .where(_D.task_name == bindparam("b_name"), _D.scheduled_at == scheduled)
+            .values(
+                status=DispatchStatus.DISPATCHED.value,
+                finished_at=literal(current, UtcDateTime),
+                error=None,
+            ),
+            [{"b_name": t["b_name"], "b_scheduled": t["b_scheduled"]} for t in tasks],
+        )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
 def release(session: Session, claims: list[Claim]) -> int:
     """Give back claims this worker will not process (e.g. on shutdown); commits.
 
     Only leases still held by the claim's worker on the claim's scheduled time
-    are cleared; returns how many were.
+    are cleared (returns how many were), and the worker's dispatch records
+    still "dispatching" for them are deleted: nothing was sent.
     """
     released = 0
     try:
@@ -532,6 +663,14 @@ def release(session: Session, claims: list[Claim]) -> int:
                 .returning(_T.id)
             ).first()
             released += result is not None
+            session.execute(
+                delete(_DISPATCHES).where(
+                    _D.task_name == claim.name,
+                    _D.scheduled_at == claim.scheduled_at,
+                    _D.worker_id == claim.worker_id,
+                    _D.status == DispatchStatus.DISPATCHING.value,
+                )
+            )
         session.commit()
     except BaseException:
         session.rollback()

@@ -372,3 +372,66 @@ def test_claim_with_no_now_uses_the_database_clock(session: Session) -> None:
     assert abs(claim.locked_until - (store.db_now(session) + timedelta(seconds=30))) < timedelta(
         minutes=5
     )
+
+
+# ---------------------------------------------------------------- claim and record in one step
+
+
+def test_claim_for_dispatch_claims_and_records_in_one_step(session: Session) -> None:
+    store.save_task(session, _one_shot("a"), now=T0)
+    store.save_task(session, _cron("b"), now=T0 - timedelta(minutes=1))
+    pairs = store.claim_for_dispatch(session, worker_id="w1", now=T0, lease=10)
+    assert [(c.name, o) for c, o in pairs] == [("a", DispatchOutcome.OWNED),
+                                              ("b", DispatchOutcome.OWNED)]
+    assert all(c.worker_id == "w1" and c.scheduled_at == T0 for c, _ in pairs)
+    assert {r.task_name for r in store.list_dispatches(session)} == {"a", "b"}
+    # Both leases run out mid-dispatch: another worker claims them but must not dispatch.
+    later = T0 + timedelta(seconds=11)
+    again = store.claim_for_dispatch(session, worker_id="w2", now=later, lease=10)
+    assert [(c.name, o) for c, o in again] == [("a", DispatchOutcome.BUSY),
+                                              ("b", DispatchOutcome.BUSY)]
+    store.complete_many(session, [c for c, _ in pairs], now=later)
+    a, b = store.get_task(session, "a"), store.get_task(session, "b")
+    assert a is not None and a.status == TaskStatus.DONE
+    assert b is not None and b.next_run_at == T0 + timedelta(minutes=5) and b.locked_by is None
+    assert {r.status for r in store.list_dispatches(session)} == {"dispatched"}
+    assert store.claim_for_dispatch(session, worker_id="w2", now=later, lease=10) == []
+
+
+def test_claim_for_dispatch_reports_an_already_dispatched_time_as_done(session: Session) -> None:
+    store.save_task(session, _one_shot("a"), now=T0)
+    [(first, _)] = store.claim_for_dispatch(session, worker_id="w1", now=T0, lease=10)
+    store.complete_many(session, [first], now=T0)
+    store.save_task(session, _one_shot("a"), now=T0)  # the same (task, time) again
+    [(second, outcome)] = store.claim_for_dispatch(session, worker_id="w2", now=T0, lease=10)
+    assert outcome is DispatchOutcome.DONE and second.scheduled_at == first.scheduled_at
+
+
+def test_claim_for_dispatch_takes_over_failed_and_stale_records(session: Session) -> None:
+    store.save_task(session, _one_shot("failed"), now=T0)
+    store.save_task(session, _one_shot("stale"), now=T0)
+    pairs = dict((c.name, c) for c, _ in store.claim_for_dispatch(
+        session, worker_id="w1", now=T0, lease=10))
+    store.fail(session, pairs["failed"], "boom", retry_delay=5, now=T0)
+    later = T0 + timedelta(seconds=11)
+    outcomes = {c.name: o for c, o in store.claim_for_dispatch(
+        session, worker_id="w2", now=later, lease=10, stale_after=11)}
+    assert outcomes == {"failed": DispatchOutcome.OWNED, "stale": DispatchOutcome.BUSY}
+    outcomes = {c.name: o for c, o in store.claim_for_dispatch(
+        session, worker_id="w3", now=later + timedelta(seconds=11), lease=10, stale_after=11)}
+    assert outcomes == {"failed": DispatchOutcome.BUSY, "stale": DispatchOutcome.OWNED}
+
+
+def test_release_gives_claims_back_and_drops_unsent_records(session: Session) -> None:
+    store.save_task(session, _one_shot("a"), now=T0)
+    [(claim, _)] = store.claim_for_dispatch(session, worker_id="w1", now=T0, lease=60)
+    assert store.release(session, [claim]) == 1
+    assert store.list_dispatches(session) == []
+    [(again, outcome)] = store.claim_for_dispatch(session, worker_id="w2", now=T0, lease=60)
+    assert outcome is DispatchOutcome.OWNED and again.name == "a"
+
+
+def test_save_tasks_saves_a_batch_in_one_transaction(session: Session) -> None:
+    saved = store.save_tasks(session, [_one_shot(f"t{i}") for i in range(3)], now=T0)
+    assert [t.name for t in saved] == ["t0", "t1", "t2"]
+    assert len(store.list_tasks(session)) == 3
