@@ -6,7 +6,9 @@ the same instants over 2026 and 2027, with one documented exception: at Lord How
 30-minute shifts cronsim skips wildcard-hour minutes :30-:58 of the shifted hour, both
 the real 02:30-02:58 (+11:00) after the spring jump and the second copy of 01:30-01:58
 (+10:30) at the fall-back.  Those wall times exist (the first) or recur (the second),
-and our rule fires them; the tests assert exactly that difference.
+and our rule fires them; the tests assert exactly that difference.  Intervals that cron
+can express (``*/15``, ``0 */2``) are compared on the transition days, with one more
+Lord Howe difference: cronsim's ``0 */2 * * *`` skips 02:00 +10:30 on the fall-back day.
 """
 
 from __future__ import annotations
@@ -125,6 +127,42 @@ def test_lord_howe_difference_is_for_minutes_30_to_58() -> None:
         [f"01:{minute}+1030" for minute in range(30, 59)]
         + [f"02:{minute}+1100" for minute in range(30, 59)]
     )
+
+
+INTERVAL_EXPRS = {15: "*/15 * * * *", 20: "*/20 * * * *", 30: "*/30 * * * *", 120: "0 */2 * * *"}
+"""Intervals cron can express exactly: minutes since midnight divisible by n."""
+
+# cronsim treats "0 */2" as fixed hours and skips 02:00 +10:30 on Lord Howe's fall-back
+# day, a wall time that occurs exactly once (01:30-01:59 repeat, 02:00 does not); an
+# interval fires at every real wall time it divides.
+LORD_HOWE_INTERVAL_ONLY_OURS = {120: ["2026-04-05T02:00+10:30", "2027-04-04T02:00+10:30"]}
+
+
+@pytest.mark.parametrize("zone", [*ZONES, "America/Santiago"])
+def test_interval_fire_times_equal_cronsim_on_transition_days(zone: str) -> None:
+    tz = ZoneInfo(zone)
+    transitions = zone_table(tz).transitions(int(START.timestamp()), int(END.timestamp()))
+    assert len(transitions) == 4
+    for interval, expr in INTERVAL_EXPRS.items():
+        only_ours: list[datetime] = []
+        for moment, _, _ in transitions:
+            start = datetime.fromtimestamp(moment, UTC) - timedelta(days=1)
+            end = start + timedelta(days=2)
+            ours = set(fire_times(Schedule(interval_minutes=interval), start, end, tz))
+            theirs = set()
+            for when in CronSim(expr, (start - timedelta(minutes=1)).astimezone(tz)):
+                if when.astimezone(UTC) >= end:
+                    break
+                if when.astimezone(UTC) >= start:
+                    theirs.add(when.astimezone(UTC))
+            assert theirs <= ours, expr
+            only_ours += sorted(ours - theirs)
+        expected = []
+        if zone == "Australia/Lord_Howe":
+            expected = LORD_HOWE_INTERVAL_ONLY_OURS.get(interval, [])
+        assert [when.astimezone(tz).isoformat(timespec="minutes") for when in only_ours] == (
+            expected
+        ), expr
 
 
 # --- next_fire / last_fire against fire_times ---------------------------------------
