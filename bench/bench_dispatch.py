@@ -88,8 +88,6 @@ def main() -> None:
         server, url = start_server(work / "prefect-home")
         os.environ["PREFECT_API_URL"] = url
         print(f"server up in {time.perf_counter() - t:.1f} s at {url}")
-    os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = ""
-    os.environ.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
     try:
         run(work, n)
     finally:
