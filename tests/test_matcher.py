@@ -24,6 +24,7 @@ America/Santiago also transitions at midnight (00:00 -> 01:00 in September, 24:0
 from __future__ import annotations
 
 import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
@@ -676,3 +677,51 @@ def test_window_key_is_stable_and_uses_only_safe_characters() -> None:
     assert window_key("s-1", when, ZoneInfo("UTC")) == "s-1@2026-11-30T07:30+00:00"
     # Seconds do not change the window.
     assert window_key("s-1", when + 30 * SECOND, NY) == key
+
+
+# --- purity -------------------------------------------------------------------------
+
+
+def test_results_do_not_depend_on_the_machine_timezone(monkeypatch: pytest.MonkeyPatch) -> None:
+    schedule = clock(["2"], "30")
+    window = (NY_SPRING - 86_400 * SECOND, NY_SPRING + 86_400 * SECOND)
+
+    def observe() -> tuple[object, ...]:
+        return (
+            list(fire_times(schedule, *window)),
+            next_fire(schedule, NY_SPRING - HOUR),
+            last_fire(schedule, NY_SPRING + HOUR),
+            matches(schedule, datetime(2026, 11, 30, 7, 30, tzinfo=UTC)),
+            window_key("s-1", NY_SPRING),
+        )
+
+    expected = (
+        [
+            datetime(2026, 3, 7, 7, 30, tzinfo=UTC),
+            NY_SPRING,
+            datetime(2026, 3, 9, 6, 30, tzinfo=UTC),
+        ],
+        NY_SPRING,
+        NY_SPRING,
+        True,
+        "s-1@2026-03-08T03:00-04:00",
+    )
+    assert observe() == expected
+    try:
+        for machine_zone in ("Pacific/Chatham", "Asia/Kolkata", "America/Los_Angeles"):
+            monkeypatch.setenv("TZ", machine_zone)
+            time.tzset()
+            assert observe() == expected, machine_zone
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_zone_table_moves_between_distant_years() -> None:
+    table = zone_table(ZoneInfo("Europe/London"))
+    for year in (2026, 2100, 1945, 2027, 2026):
+        for month in (1, 4, 7, 10):
+            when = datetime(year, month, 15, 12, tzinfo=UTC)
+            expected = when.astimezone(ZoneInfo("Europe/London")).utcoffset()
+            assert expected is not None
+            assert table.offset_at(int(when.timestamp())) == expected.total_seconds()
