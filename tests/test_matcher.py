@@ -17,8 +17,10 @@ DST instants used below (2026, from the tz database as zoneinfo ships it):
   of Sunday); fall-back: 2026-10-24T21:00Z, Sat 23:59:59 +03:00 -> Sat 23:00 +02:00
   (Saturday's 23:00-23:59 twice: 20:00-20:59Z, then 21:00-21:59Z).
 
-America/Santiago also transitions at midnight (00:00 -> 01:00 in September, 24:00 ->
-23:00 in April); Havana and Beirut cover both shapes.
+In 2027 Havana and Beirut again change at midnight (Havana 2027-03-14T05:00Z and
+2027-11-07T05:00Z, Beirut 2027-03-27T22:00Z and 2027-10-30T21:00Z; pinned below), and
+America/Santiago does too (00:00 -> 01:00 in September, 24:00 -> 23:00 in April); Havana
+and Beirut cover both shapes: a midnight gap and a repeated hour on either side of it.
 """
 
 from __future__ import annotations
@@ -88,6 +90,30 @@ def local_fires(schedule: Schedule, tz: ZoneInfo, start: datetime, end: datetime
         (HAVANA, HAVANA_FALL, "2026-11-01T00:59:59-04:00", "2026-11-01T00:00:00-05:00"),
         (BEIRUT, BEIRUT_SPRING, "2026-03-28T23:59:59+02:00", "2026-03-29T01:00:00+03:00"),
         (BEIRUT, BEIRUT_FALL, "2026-10-24T23:59:59+03:00", "2026-10-24T23:00:00+02:00"),
+        (
+            HAVANA,
+            datetime(2027, 3, 14, 5, tzinfo=UTC),
+            "2027-03-13T23:59:59-05:00",
+            "2027-03-14T01:00:00-04:00",
+        ),
+        (
+            HAVANA,
+            datetime(2027, 11, 7, 5, tzinfo=UTC),
+            "2027-11-07T00:59:59-04:00",
+            "2027-11-07T00:00:00-05:00",
+        ),
+        (
+            BEIRUT,
+            datetime(2027, 3, 27, 22, tzinfo=UTC),
+            "2027-03-27T23:59:59+02:00",
+            "2027-03-28T01:00:00+03:00",
+        ),
+        (
+            BEIRUT,
+            datetime(2027, 10, 30, 21, tzinfo=UTC),
+            "2027-10-30T23:59:59+03:00",
+            "2027-10-30T23:00:00+02:00",
+        ),
     ],
 )
 def test_pinned_transitions_are_what_zoneinfo_says(
