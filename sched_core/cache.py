@@ -214,6 +214,9 @@ def dump_cache(cache: Cache, rows_json: str | None = None) -> str:
     )
     if cache.first_seen_at:
         text += ',"first_seen_at":' + _dump_times(cache.first_seen_at)
+    if cache.etag is not None:
+        text += ',"etag":' + go_escape(json.dumps(cache.etag, ensure_ascii=False))
+        text += ',"etag_url":' + go_escape(json.dumps(cache.etag_url, ensure_ascii=False))
     return text + "}"
 
 

@@ -185,7 +185,9 @@ class Cache(_WireModel):
     """The on-disk cache: the Go kit's three fields plus one Go ignores.
 
     ``first_seen_at`` records when this agent first saw each schedule (no
-    window before that minute ever fires). Invalid rows in a cache file are
+    window before that minute ever fires); ``etag`` is the controller's ETag
+    for the list at ``etag_url``, sent back as ``If-None-Match`` so an unchanged
+    list costs a 304. Invalid rows in a cache file are
     dropped on load by :mod:`sched_core.cache`.
     """
 
@@ -195,6 +197,8 @@ class Cache(_WireModel):
     last_fired_at: dict[str, datetime] = Field(default_factory=dict)
     last_fetched_at: datetime | None = None
     first_seen_at: dict[str, datetime] = Field(default_factory=dict)
+    etag: str | None = None
+    etag_url: str | None = None
 
     @field_validator("schedules", mode="before")
     @classmethod
@@ -232,4 +236,7 @@ class Cache(_WireModel):
         if isinstance(data, dict):
             if not self.first_seen_at:
                 data.pop("first_seen_at", None)
+            if self.etag is None:
+                data.pop("etag", None)
+                data.pop("etag_url", None)
         return data

@@ -442,8 +442,8 @@ class Scheduler:
 
     # -- pulling -----------------------------------------------------------
 
-    def _fetch(self) -> bytes:
-        """Return the raw schedule list from the pull URL, at most MAX_PAYLOAD bytes."""
+    def _fetch(self, etag: str | None) -> tuple[bytes | None, str | None]:
+        """Return the raw schedule list (None for a 304 to etag) and the answer's ETag."""
         url = self._config.pull_url
         shown = redact_url(url)
         parts = urlsplit(url)
@@ -458,8 +458,11 @@ class Scheduler:
             if self._client is None:
                 self._client = httpx.Client(timeout=httpx.Timeout(30.0))
                 self._owns_client = True
+            headers = {"If-None-Match": etag} if etag else {}
             try:
-                with self._client.stream("GET", url) as response:
+                with self._client.stream("GET", url, headers=headers) as response:
+                    if response.status_code == 304 and etag:
+                        return None, etag
                     if not 200 <= response.status_code < 300:
                         raise PullError(f"pull from {shown} answered HTTP {response.status_code}")
                     chunks: list[bytes] = []
@@ -470,11 +473,14 @@ class Scheduler:
                             break
                         chunks.append(chunk)
                     body = b"".join(chunks) if size <= MAX_PAYLOAD else b"x" * (MAX_PAYLOAD + 1)
+                    answer_etag = response.headers.get("ETag")
             except httpx.HTTPError as exc:
                 raise PullError(f"pull from {shown} failed: {exc!r}") from exc
+            if len(body) <= MAX_PAYLOAD:
+                return body, answer_etag
         if len(body) > MAX_PAYLOAD:
             raise PullError(f"schedule list from {shown} is larger than {MAX_PAYLOAD} bytes")
-        return body
+        return body, None
 
     def _parse(self, body: bytes) -> list[Any]:
         """Return the raw rows of a pull answer, or raise PullError for a bad payload."""
@@ -508,8 +514,15 @@ class Scheduler:
         its last good version is kept.
         """
         now = now or utcnow()
+        shown = redact_url(self._config.pull_url)
+        with self._mutex:
+            cache = self._cache
+            etag = cache.etag if cache.etag_url == shown and cache.schedules else None
         try:
-            rows = self._parse(self._fetch())
+            body, answer_etag = self._fetch(etag)
+            if body is None:
+                return self._not_modified(now)
+            rows = self._parse(body)
         except PullError as exc:
             log.error(
                 "pull rejected; keeping the last good schedule list",
@@ -547,6 +560,7 @@ class Scheduler:
                 rid: cache.first_seen_at.get(rid, now) for rid in new
             }
             cache.last_fetched_at = now
+            cache.etag, cache.etag_url = (answer_etag, shown) if answer_etag else (None, None)
             self._reindex()
             self._save()
         log.info(
@@ -561,6 +575,18 @@ class Scheduler:
             },
         )
         return result
+
+    def _not_modified(self, now: datetime) -> PullResult:
+        """Record a 304: the list is unchanged, and it was fetched now."""
+        with self._locked():
+            self._reload(now)
+            self._cache.last_fetched_at = now
+            self._save()
+        log.info(
+            "schedules not modified",
+            extra={"node": self._config.node_name, "count": len(self._cache.schedules)},
+        )
+        return PullResult(added=[], removed=[], changed=[], rejected=[], kept_last_good=[])
 
     # -- loops -------------------------------------------------------------
 

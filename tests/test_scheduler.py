@@ -495,3 +495,32 @@ def test_start_pulls_and_stop_is_idempotent(tmp_path: Path) -> None:
     agent.scheduler.stop()
     assert [s.id for s in agent.scheduler.schedules()] == ["b", "a"]  # sorted by name
     assert all(not t.is_alive() for t in agent.scheduler._threads)
+
+
+def test_unchanged_list_costs_a_304(tmp_path: Path) -> None:
+    seen: list[str | None] = []
+    body = json.dumps({"schedules": [row("a")]})
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("If-None-Match"))
+        if request.headers.get("If-None-Match") == '"v1"':
+            return httpx.Response(304)
+        return httpx.Response(200, text=body, headers={"ETag": '"v1"'})
+
+    def agent_for(url: str) -> Scheduler:
+        return Scheduler(Config(pull_url=url, node_name="node-a", cache_path=tmp_path / "c.json",
+                                fire=print, http_client=httpx.Client(
+                                    transport=httpx.MockTransport(controller))), now=T0)
+
+    scheduler = agent_for("https://controller.test/api/schedules?node=node-a")
+    assert scheduler.pull(now=T0).added == ["a"]
+    result = scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert not result.changed_anything
+    assert seen == [None, '"v1"']
+    cache = scheduler.cache()
+    assert [s.id for s in cache.schedules] == ["a"]
+    assert cache.last_fetched_at == T0 + timedelta(minutes=5)
+    # Another node's URL never reuses this list's ETag.
+    other = agent_for("https://controller.test/api/schedules?node=node-b")
+    other.pull(now=T0 + timedelta(minutes=6))
+    assert seen[-1] is None
