@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from sched_core.matcher import fire_times
+from sched_core.matcher import fire_times, last_fire
 from sched_core.model import MissPolicy, Schedule
 
 LOOKBACK = timedelta(hours=24)
@@ -40,7 +40,7 @@ def eligible_after(last_fired: datetime | None, first_seen: datetime | None) -> 
 
 @dataclass(frozen=True)
 class Recovery:
-    """A missed window the policy fires, and how many older missed windows it drops."""
+    """A missed window the policy fires, and how many older ones ``run-all`` drops."""
 
     window: datetime
     truncated: int
@@ -70,16 +70,14 @@ def plan_recovery(
     if schedule.is_event or policy is MissPolicy.SKIP:
         return None
     lookback_start = now - LOOKBACK + _TICK
-    latest_any = None
-    for window in fire_times(schedule, max(lookback_start, now - grace), now + _TICK, tz):
-        latest_any = window
-    if latest_any is not None:
+    latest = last_fire(schedule, now, tz)
+    if latest is None or latest < lookback_start or latest >= now - grace:
         return None
-    start = lookback_start
     floor = eligible_after(last_fired, first_seen)
-    if floor is not None:
-        start = max(start, floor)
-    missed = list(fire_times(schedule, start, now - grace, tz)) if start < now - grace else []
-    if not missed:
+    start = lookback_start if floor is None else max(lookback_start, floor)
+    if latest < start:
         return None
-    return Recovery(window=missed[-1], truncated=len(missed) - 1)
+    truncated = 0
+    if policy is MissPolicy.RUN_ALL:
+        truncated = sum(1 for _ in fire_times(schedule, start, latest, tz))
+    return Recovery(window=latest, truncated=truncated)
