@@ -297,20 +297,21 @@ class Scheduler:
         ``[now - grace, now]`` per enabled clock schedule.
         """
         grace = self._config.fire_grace
+        last_fired, first_seen = self._cache.last_fired_at, self._cache.first_seen_at
+        floors: dict[str, datetime | None] = {}
         latest: dict[str, tuple[LocalSchedule, datetime, int]] = {}
         minute = floor_minute(now)
-        while minute >= now - grace:
+        while minute >= now - grace:  # newest first: the first eligible window is the latest
             for row in self._index.due_at(minute):
-                floor = eligible_after(
-                    self._cache.last_fired_at.get(row.id), self._cache.first_seen_at.get(row.id)
-                )
+                rid = row.id
+                if rid in floors:
+                    floor = floors[rid]
+                else:
+                    floor = floors[rid] = eligible_after(last_fired.get(rid), first_seen.get(rid))
                 if floor is not None and minute < floor:
                     continue
-                if row.id in latest:
-                    first, window, older = latest[row.id]
-                    latest[row.id] = (first, window, older + 1)
-                else:
-                    latest[row.id] = (row, minute, 0)
+                found = latest.get(rid)
+                latest[rid] = (row, minute, 0) if found is None else (*found[:2], found[2] + 1)
             minute -= timedelta(minutes=1)
         return sorted(latest.values(), key=lambda item: (item[1], item[0].id))
 
