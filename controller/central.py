@@ -144,8 +144,11 @@ class CentralScheduler:
         """Set while a LISTEN connection is up (tests wait on it)."""
         self.dispatched = 0
         """How many dispatches this instance made."""
+        self.waiting = threading.Event()
+        """Set while the loop is idle, waiting for work (benchmarks wait on it)."""
 
         self._engine: Engine | None = None
+        self._autocommit: Engine | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -177,6 +180,10 @@ class CentralScheduler:
                     max_overflow=1,
                     pool_pre_ping=False,
                 )
+                if self.is_postgres:
+                    self._autocommit = self._engine.execution_options(
+                        isolation_level="AUTOCOMMIT"
+                    )
                 if self.wake_on_local_saves:
                     store.subscribe_saves(self._engine, self._wake)
             return self._engine
@@ -215,6 +222,7 @@ class CentralScheduler:
         with self._lock:
             conn, self._listen_conn = self._listen_conn, None
             engine, self._engine = self._engine, None
+            self._autocommit = None
         _close_quietly(conn)
         self.listening.clear()
         if engine is not None:
@@ -254,7 +262,9 @@ class CentralScheduler:
                     extra=self._log_extra(error=f"{type(exc).__name__}: {exc}", retry_in=wait),
                 )
             if wait > 0:
+                self.waiting.set()
                 self._wake.wait(wait)
+                self.waiting.clear()
 
     def seconds_to_next_due(self) -> float:
         """Return how long to wait for the earliest due task, at most the poll interval."""
@@ -277,8 +287,8 @@ class CentralScheduler:
         ``now`` pins the time authority (tests); None reads the database's clock.
         """
         engine = self._ensure_engine()
-        claimer = engine.execution_options(isolation_level="AUTOCOMMIT") if (
-            self.is_postgres) else engine
+        # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
+        claimer = self._autocommit or engine
         with Session(claimer) as session:
             pairs = store.claim_for_dispatch(
                 session, worker_id=self.worker_id, now=now, lease=self.lease,

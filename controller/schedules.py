@@ -65,6 +65,17 @@ def _bump_revision(session: Session, node: str) -> None:
     session.execute(stmt)
 
 
+def node_etag(session: Session, node: str) -> str:
+    """Return node's list ETag from its revision row alone (one key lookup, no rows read).
+
+    Always equal to the ETag :func:`list_schedules` returns for the same state.
+    """
+    revision = session.execute(
+        select(_REVISIONS.epoch, _REVISIONS.revision).where(_REVISIONS.node == node)
+    ).first()
+    return _etag(revision.epoch, revision.revision) if revision else '"empty"'
+
+
 def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], str]:
     """Return node's rows sorted by id, and the list's ETag (a quoted string).
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
-    Interval,
     String,
     Table,
     and_,
@@ -73,9 +72,17 @@ _TASKS: Table = ScheduledTask.__table__  # type: ignore[attr-defined]
 _DISPATCHES: Table = TaskDispatch.__table__  # type: ignore[attr-defined]
 _T = _TASKS.c
 _D = _DISPATCHES.c
-_CLAIM_FOR_DISPATCH = text(
-    (Path(__file__).resolve().parent / "sql" / "claim_for_dispatch.sql").read_text("utf-8")
-)
+_SQL_DIR = Path(__file__).resolve().parent / "sql"
+
+
+def _load_sql(name: str) -> str:
+    """Return sql/<name>.sql without its comment lines (psycopg placeholders, %(x)s)."""
+    lines = (_SQL_DIR / f"{name}.sql").read_text("utf-8").splitlines()
+    return "\n".join(line for line in lines if not line.lstrip().startswith("--"))
+
+
+_CLAIM_DUE_SQL = _load_sql("claim_due")
+_CLAIM_FOR_DISPATCH_SQL = _load_sql("claim_for_dispatch")
 
 # In-process wake-ups: a save wakes the schedulers of this process on the same
 # database at once (SQLite has no NOTIFY). Keyed by the full URL, never logged.
@@ -110,6 +117,21 @@ def _wake_local(session: Session) -> None:
         wakers = list(_local_wakers.get(_url_key(engine), ()))
     for waker in wakers:
         waker.set()
+
+
+def _driver_rows(session: Session, sql: str, params: dict[str, Any]) -> list[Any]:
+    """Run sql on the session's own psycopg connection (in its transaction); return the rows.
+
+    The claim statements are hot: going straight to the driver skips the
+    SQL expression layer, which costs more than the statement's round trip.
+    """
+    from psycopg.rows import namedtuple_row
+
+    driver = session.connection().connection.driver_connection
+    assert driver is not None
+    with driver.cursor(row_factory=namedtuple_row) as cursor:
+        cursor.execute(sql, params)
+        return list(cursor.fetchall())
 
 
 def _is_postgres(session: Session) -> bool:
@@ -348,33 +370,39 @@ def claim_due(
     """
     lease_for = timedelta(seconds=_seconds(lease))
     if _is_postgres(session):
-        at: Any = type_coerce(func.now(), UtcDateTime) if now is None else literal(
-            now, UtcDateTime
-        )
-        until: Any = at + literal(lease_for, Interval())
+        params: dict[str, Any] = {
+            "now": now, "worker_id": worker_id, "lease": lease_for.total_seconds(),
+            "limit": limit,
+        }
+        try:
+            rows = _driver_rows(session, _CLAIM_DUE_SQL, params)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
     else:
         at = literal(now or utc_now(), UtcDateTime)
         until = literal((now or utc_now()) + lease_for, UtcDateTime)
-    due = and_(
-        _T.status == TaskStatus.ACTIVE.value,
-        _T.next_run_at <= at,
-        or_(_T.locked_until.is_(None), _T.locked_until < at),
-    )
-    pick = select(_T.id).where(due).order_by(_T.next_run_at, _T.id).limit(limit)
-    if _is_postgres(session):
-        pick = pick.with_for_update(skip_locked=True)
-        stmt = update(_TASKS).where(_T.id.in_(pick.scalar_subquery()))
-    else:
+        due = and_(
+            _T.status == TaskStatus.ACTIVE.value,
+            _T.next_run_at <= at,
+            or_(_T.locked_until.is_(None), _T.locked_until < at),
+        )
+        pick = select(_T.id).where(due).order_by(_T.next_run_at, _T.id).limit(limit)
         # One UPDATE statement runs under SQLite's write lock: the re-checked
         # condition makes it a compare-and-set against a concurrent claimer.
-        stmt = update(_TASKS).where(_T.id.in_(pick.scalar_subquery()), due)
-    stmt = stmt.values(locked_by=worker_id, locked_until=until).returning(*_CLAIM_COLUMNS)
-    try:
-        rows = session.execute(stmt).all()
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
+        stmt = (
+            update(_TASKS)
+            .where(_T.id.in_(pick.scalar_subquery()), due)
+            .values(locked_by=worker_id, locked_until=until)
+            .returning(*_CLAIM_COLUMNS)
+        )
+        try:
+            rows = list(session.execute(stmt).all())
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
     claims = sorted((_claim_from_row(r) for r in rows), key=lambda c: (c.scheduled_at, c.name))
     if claims:
         log.debug("claimed tasks", extra={"worker_id": worker_id, "count": len(claims)})
@@ -573,7 +601,7 @@ def claim_for_dispatch(
         "stale_after": _seconds(stale_after),
     }
     try:
-        rows = session.execute(_CLAIM_FOR_DISPATCH, params).all()
+        rows = _driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params)
         session.commit()
     except BaseException:
         session.rollback()

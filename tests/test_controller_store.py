@@ -106,6 +106,8 @@ def test_etag_changes_on_every_change_and_only_then(session: Session) -> None:
     assert schedules.list_schedules(session, "node-a")[1] == seen[-1]
     assert len(set(seen)) == len(seen)
     assert all(tag.startswith('"') and tag.endswith('"') for tag in seen)
+    assert schedules.node_etag(session, "node-a") == seen[-1]
+    assert schedules.node_etag(session, "node-z") == '"empty"'
 
 
 def test_deleting_the_last_row_drops_the_node_but_keeps_a_new_etag(session: Session) -> None:
