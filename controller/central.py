@@ -217,7 +217,7 @@ class CentralScheduler:
             thread.join(timeout)
             if thread.is_alive():  # pragma: no cover - a dispatcher that never returns
                 log.error("scheduler thread did not stop", extra=self._log_extra(
-                    thread=thread.name))
+                    scheduler_thread=thread.name))
         self._threads = []
         with self._lock:
             conn, self._listen_conn = self._listen_conn, None
@@ -307,7 +307,9 @@ class CentralScheduler:
                     if self._handle(session, claim, outcome, now=now):
                         finished.append(claim)
             finally:
-                store.complete_many(session, finished, now=now)
+                # One statement on Postgres: it needs no transaction around it either.
+                with Session(claimer) as completer:
+                    store.complete_many(completer, finished, now=now)
         return len(pairs)
 
     def _handle(

@@ -83,6 +83,7 @@ def _load_sql(name: str) -> str:
 
 _CLAIM_DUE_SQL = _load_sql("claim_due")
 _CLAIM_FOR_DISPATCH_SQL = _load_sql("claim_for_dispatch")
+_COMPLETE_MANY_SQL = _load_sql("complete_many")
 
 # In-process wake-ups: a save wakes the schedulers of this process on the same
 # database at once (SQLite has no NOTIFY). Keyed by the full URL, never logged.
@@ -622,10 +623,14 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
     """Do :func:`complete` for every claim in one transaction (one clock read); commits."""
     if not claims:
         return
-    current = now or db_now(session)
+    postgres = _is_postgres(session)
+    recurring = any(claim.is_recurring for claim in claims)
+    # Only a recurring task needs the clock here; on Postgres the statement reads it.
+    current = now or (db_now(session) if recurring or not postgres else None)
     tasks: list[dict[str, Any]] = []
     for claim in claims:
         if claim.is_recurring:
+            assert current is not None
             following = claim.next_after(max(current, claim.scheduled_at))
             status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
         else:
@@ -637,6 +642,22 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
             "b_next": following,
             "b_status": status.value,
         })
+    if postgres:
+        params = {
+            "now": current,
+            "ids": [t["b_id"] for t in tasks],
+            "names": [t["b_name"] for t in tasks],
+            "scheduled": [t["b_scheduled"] for t in tasks],
+            "following": [t["b_next"] for t in tasks],
+            "statuses": [t["b_status"] for t in tasks],
+        }
+        try:
+            _driver_rows(session, _COMPLETE_MANY_SQL, params)
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        return
     scheduled = bindparam("b_scheduled", type_=UtcDateTime)
     try:
         session.execute(
@@ -650,7 +671,7 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
                 last_run_at=scheduled,
                 attempts=0,
                 last_error=None,
-                updated_at=literal(current, UtcDateTime),
+                updated_at=literal(current or utc_now(), UtcDateTime),
             ),
             tasks,
         )
@@ -659,7 +680,7 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
             .where(_D.task_name == bindparam("b_name"), _D.scheduled_at == scheduled)
             .values(
                 status=DispatchStatus.DISPATCHED.value,
-                finished_at=literal(current, UtcDateTime),
+                finished_at=literal(current or utc_now(), UtcDateTime),
                 error=None,
             ),
             [{"b_name": t["b_name"], "b_scheduled": t["b_scheduled"]} for t in tasks],

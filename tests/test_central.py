@@ -6,6 +6,7 @@ generous deadlines and assert what happened, never how long it took.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -86,7 +87,10 @@ def test_a_pass_dispatches_due_tasks_then_reschedules_or_stops(engine: Engine) -
     assert _task(engine, "later").next_run_at == T0 + timedelta(hours=1)
 
 
-def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(engine: Engine) -> None:
+def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="controller")
     _save(engine, {"name": "flaky", "run_at": T0, "event": "x"}, now=T0)
     failing = RecordingDispatcher(fail_names={"flaky"})
     scheduler = CentralScheduler(
@@ -107,6 +111,9 @@ def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(engine: 
     finally:
         scheduler.stop()
     assert recorder.keys() == [("flaky", T0)]
+    [warning, _] = [r for r in caplog.records if r.getMessage() == "dispatch failed; will retry"]
+    assert (warning.task_name, warning.worker_id, warning.attempts) == ("flaky", "w1", 1)  # type: ignore[attr-defined]
+    assert "failed (as asked)" in warning.error  # type: ignore[attr-defined]
     task = _task(engine, "flaky")
     assert (task.status, task.attempts, task.last_error) == (TaskStatus.DONE, 0, None)
 
