@@ -88,7 +88,7 @@ def move_aside(path: Path, now: datetime, reason: str) -> Path:
     target = path.with_name(f"{path.name}.corrupt-{now.strftime('%Y%m%dT%H%M%S%f')}")
     os.replace(path, target)
     log.error(
-        "moved unreadable state file aside",
+        "moved unreadable state file %s aside to %s: %s", path, target, reason,
         extra={"path": str(path), "moved_to": str(target), "reason": reason},
     )
     return target
@@ -129,9 +129,13 @@ def read_json_file(path: Path, *, now: datetime) -> Any | None:
 
 
 def validate_rows(
-    rows: list[Any], *, source: str
+    rows: list[Any], *, source: str, warn: bool = True
 ) -> tuple[list[LocalSchedule], list[tuple[str, str]]]:
-    """Validate schedule rows one by one; return the good ones and (id, reason) for each bad one."""
+    """Validate schedule rows; return the good ones and (id, reason) for each bad one.
+
+    Each bad row is logged as a warning naming it, unless warn is False (for a
+    caller that reports the reasons itself).
+    """
     try:
         with gc_paused():
             return _ROWS.validate_python(rows), []  # the common case, in one pass
@@ -147,10 +151,11 @@ def validate_rows(
         except ValidationError as exc:
             reason = describe_validation_error(exc)
             bad.append((label, reason))
-            log.warning(
-                "dropped invalid schedule",
-                extra={"schedule_id": label, "reason": reason, "source": source},
-            )
+            if warn:
+                log.warning(
+                    "dropped invalid schedule %s from %s: %s", label, source, reason,
+                    extra={"schedule_id": label, "reason": reason, "source": source},
+                )
     return good, bad
 
 

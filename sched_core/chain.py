@@ -129,7 +129,8 @@ class Chain:
                 marks[name] = Mark.from_json(raw)
             except (KeyError, TypeError, ValueError) as exc:
                 log.error(
-                    "ignored an unreadable chain marker", extra={"stage": name, "error": str(exc)}
+                    "ignored the unreadable chain marker of stage %s: %s", name, exc,
+                    extra={"stage": name, "error": str(exc)},
                 )
         return marks
 
@@ -180,7 +181,8 @@ class Chain:
             skip_ids=done,
         )
         log.info(
-            "chain stage fired",
+            "chain stage %s fired for %s: %d fired, %d failed",
+            stage.name, day.isoformat(), len(fired), len(failed),
             extra={
                 "stage": stage.name,
                 "chain_day": day.isoformat(),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -139,8 +138,7 @@ def preview(
     rows = data.get("schedules") if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise typer.BadParameter(f"{schedules} holds no schedule list")
-    logging.getLogger("sched_core.cache").setLevel(logging.ERROR)  # reasons are echoed below
-    good, bad = validate_rows(rows, source=str(schedules))
+    good, bad = validate_rows(rows, source=str(schedules), warn=False)  # echoed below
     for row_id, reason in bad:
         typer.echo(f"invalid schedule {row_id}: {reason}", err=True)
     for line in preview_lines(good, at=_parse_at(at, zone), days=days, tz=zone, limit=limit):

@@ -258,7 +258,8 @@ class Scheduler:
             self._config.fire(fire)
         except Exception as exc:
             log.error(
-                "fire failed; the window stays unfired and will be retried",
+                "fire of %s (%s, window %s) failed; it stays unfired and will be retried: %r",
+                fire.schedule.id, fire.trigger_key, fire.window, exc,
                 extra={
                     "schedule_id": fire.schedule.id,
                     "trigger_key": fire.trigger_key,
@@ -269,7 +270,8 @@ class Scheduler:
             )
             return repr(exc)
         log.info(
-            "fired",
+            "fired %s (%s, %s, window %s) as %s",
+            fire.schedule.id, fire.schedule.action, fire.trigger_key, fire.window, fire.key,
             extra={
                 "schedule_id": fire.schedule.id,
                 "action": fire.schedule.action,
@@ -332,7 +334,7 @@ class Scheduler:
                 if older:
                     coalesced[row.id] = older
                     log.warning(
-                        "coalesced older pending windows into the latest",
+                        "coalesced %d older pending windows of %s into %s", older, row.id, window,
                         extra={"schedule_id": row.id, "coalesced": older, "window": str(window)},
                     )
                 error = self._fire(fire)
@@ -374,7 +376,8 @@ class Scheduler:
                 if recovery.truncated and row.miss_policy == "run-all":
                     truncated[row.id] = recovery.truncated
                     log.warning(
-                        "run-all truncated to the latest missed window",
+                        "run-all of %s truncated to the latest missed window: %d dropped",
+                        row.id, recovery.truncated,
                         extra={"schedule_id": row.id, "truncated": recovery.truncated},
                     )
                 fire = self._window_fire(row, recovery.window, recovery=True)
@@ -526,7 +529,7 @@ class Scheduler:
             rows = self._parse(body)
         except PullError as exc:
             log.error(
-                "pull rejected; keeping the last good schedule list",
+                "pull from %s rejected; keeping the last good schedule list: %s", shown, exc,
                 extra={
                     "url": redact_url(self._config.pull_url),
                     "node": self._config.node_name,
@@ -543,7 +546,8 @@ class Scheduler:
             for rid in kept:
                 new[rid] = old[rid]
                 log.warning(
-                    "kept the last good version of an invalid schedule",
+                    "kept the last good version (%d) of invalid schedule %s",
+                    old[rid].version, rid,
                     extra={"schedule_id": rid, "version": old[rid].version},
                 )
             ordered = [new[row.id] for row in good] + [new[rid] for rid in kept]
@@ -565,7 +569,9 @@ class Scheduler:
             self._reindex()
             self._save()
         log.info(
-            "pulled schedules",
+            "pulled %d schedules: %d added, %d removed, %d changed, %d rejected",
+            len(ordered), len(result.added), len(result.removed), len(result.changed),
+            len(result.rejected),
             extra={
                 "node": self._config.node_name,
                 "count": len(ordered),
@@ -584,7 +590,7 @@ class Scheduler:
             self._cache.last_fetched_at = now
             self._save()
         log.info(
-            "schedules not modified",
+            "schedules not modified (%d cached)", len(self._cache.schedules),
             extra={"node": self._config.node_name, "count": len(self._cache.schedules)},
         )
         return PullResult(added=[], removed=[], changed=[], rejected=[], kept_last_good=[])
