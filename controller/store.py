@@ -121,18 +121,27 @@ def _wake_local(session: Session) -> None:
 
 
 def _driver_rows(session: Session, sql: str, params: dict[str, Any]) -> list[Any]:
-    """Run sql on the session's own psycopg connection (in its transaction); return the rows.
+    """Run one statement on the session's own psycopg connection, commit, return the rows.
 
-    The claim statements are hot: going straight to the driver skips the
-    SQL expression layer, which costs more than the statement's round trip.
+    The claim statements are hot: going straight to the driver skips the SQL
+    expression layer, which costs more than the statement's round trip. On an
+    autocommit session the statement has committed itself and the session keeps
+    its connection for the next call; otherwise the session commits.
     """
     from psycopg.rows import namedtuple_row
 
     driver = session.connection().connection.driver_connection
     assert driver is not None
-    with driver.cursor(row_factory=namedtuple_row) as cursor:
-        cursor.execute(sql, params)
-        return list(cursor.fetchall())
+    try:
+        with driver.cursor(row_factory=namedtuple_row) as cursor:
+            cursor.execute(sql, params)
+            rows = list(cursor.fetchall())
+        if not driver.autocommit:
+            session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return rows
 
 
 def _is_postgres(session: Session) -> bool:
@@ -375,12 +384,7 @@ def claim_due(
             "now": now, "worker_id": worker_id, "lease": lease_for.total_seconds(),
             "limit": limit,
         }
-        try:
-            rows = _driver_rows(session, _CLAIM_DUE_SQL, params)
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+        rows = _driver_rows(session, _CLAIM_DUE_SQL, params)
     else:
         at = literal(now or utc_now(), UtcDateTime)
         until = literal((now or utc_now()) + lease_for, UtcDateTime)
@@ -601,12 +605,7 @@ def claim_for_dispatch(
         "limit": limit,
         "stale_after": _seconds(stale_after),
     }
-    try:
-        rows = _driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
+    rows = _driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params)
     result: list[tuple[Claim, DispatchOutcome]] = []
     for row in rows:
         if row.owned:
@@ -651,12 +650,7 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
             "following": [t["b_next"] for t in tasks],
             "statuses": [t["b_status"] for t in tasks],
         }
-        try:
-            _driver_rows(session, _COMPLETE_MANY_SQL, params)
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+        _driver_rows(session, _COMPLETE_MANY_SQL, params)
         return
     scheduled = bindparam("b_scheduled", type_=UtcDateTime)
     try:
