@@ -11,7 +11,9 @@ Each instance runs two threads:
   for the earliest ``next_run_at``, a wake-up, or the poll interval, whichever
   comes first;
 - on Postgres, the listener: its own psycopg connection doing
-  ``LISTEN sched_task``; every notification wakes the loop. After any loss it
+  ``LISTEN sched_task``. On a notification it runs a pass itself, claiming on
+  that connection (its backend is awake already), then wakes the loop; if the
+  loop is mid-pass it only wakes it. After any loss it
   reconnects with capped exponential backoff (base ``SCHED_RETRY_DELAY``
   seconds), into a temporary variable that replaces the old connection only
   once ``LISTEN`` succeeded, closes the old one, and wakes the loop so tasks
@@ -98,6 +100,8 @@ class CentralScheduler:
     default ``SCHED_RETRY_DELAY`` or 1 s, capped at ``max_retry_delay``),
     ``dispatch_retry_delay`` (backoff base after a failed dispatch) and
     ``stale_after`` (when a dispatch record left "dispatching" is taken over).
+    With ``claim_on_notify`` (the default) the listener thread claims on its own
+    connection as soon as a notification arrives, instead of waking the loop.
 
     ``start()`` runs it in background threads, ``stop()`` ends them and closes
     every connection it opened; it is also a context manager. ``run_once()``
@@ -121,6 +125,7 @@ class CentralScheduler:
         listen_timeout: float = 0.25,
         health_interval: float = 30.0,
         wake_on_local_saves: bool = True,
+        claim_on_notify: bool = True,
     ) -> None:
         self.url: URL = database.url if isinstance(database, Engine) else database_url(database)
         self.worker_id = worker_id or default_worker_id()
@@ -136,6 +141,7 @@ class CentralScheduler:
         self.listen_timeout = listen_timeout
         self.health_interval = health_interval
         self.wake_on_local_saves = wake_on_local_saves
+        self.claim_on_notify = claim_on_notify
         self.is_postgres = self.url.get_backend_name() == "postgresql"
 
         self.listen_connects = 0
@@ -154,6 +160,7 @@ class CentralScheduler:
         self._threads: list[threading.Thread] = []
         self._listen_conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
+        self._pass_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -285,15 +292,26 @@ class CentralScheduler:
         3. Complete the batch: reschedule recurring tasks, stop one-shot ones.
 
         ``now`` pins the time authority (tests); None reads the database's clock.
+        Passes of one instance never overlap (the loop's and the listener's).
         """
         engine = self._ensure_engine()
-        # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
-        claimer = self._autocommit or engine
-        with Session(claimer) as session:
-            pairs = store.claim_for_dispatch(
-                session, worker_id=self.worker_id, now=now, lease=self.lease,
-                limit=self.batch_size, stale_after=self.stale_after,
-            )
+        with self._pass_lock:
+            # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
+            with Session(self._autocommit or engine) as session:
+                pairs = store.claim_for_dispatch(
+                    session, worker_id=self.worker_id, now=now, lease=self.lease,
+                    limit=self.batch_size, stale_after=self.stale_after,
+                )
+            self._process(pairs, now=now)
+        return len(pairs)
+
+    def _process(
+        self, pairs: list[tuple[Claim, DispatchOutcome]], *, now: datetime | None
+    ) -> None:
+        """Dispatch the claims this worker owns and complete the batch (steps 2 and 3)."""
+        if not pairs:
+            return
+        engine = self._ensure_engine()
         finished: list[Claim] = []
         with Session(engine) as session:
             try:
@@ -308,9 +326,41 @@ class CentralScheduler:
                         finished.append(claim)
             finally:
                 # One statement on Postgres: it needs no transaction around it either.
-                with Session(claimer) as completer:
+                with Session(self._autocommit or engine) as completer:
                     store.complete_many(completer, finished, now=now)
-        return len(pairs)
+
+    def _pass_on_listener(self, conn: psycopg.Connection[Any]) -> None:
+        """Claim on the listening connection itself and dispatch, right after a notification.
+
+        That backend has just delivered the notification and is awake, and this
+        thread is running: no hand-off before the claim. If the loop is busy
+        with a pass, it is only woken. Afterwards the loop is woken anyway, to
+        pick up anything left and recompute its wait. A lost connection raises
+        (the listener reconnects); any other failure is logged, and the loop's
+        next pass retries.
+        """
+        if not self._pass_lock.acquire(blocking=False):
+            self._wake.set()
+            return
+        try:
+            pairs = store.claim_for_dispatch_on(
+                conn, worker_id=self.worker_id, lease=self.lease, limit=self.batch_size,
+                stale_after=self.stale_after,
+            )
+            self._process(pairs, now=None)
+        except psycopg.OperationalError:
+            if conn.broken or conn.closed:
+                raise
+            log.warning("scheduler pass after a notification failed", exc_info=True,
+                        extra=self._log_extra())
+        except Exception as exc:
+            log.warning(
+                "scheduler pass after a notification failed",
+                extra=self._log_extra(error=f"{type(exc).__name__}: {exc}"),
+            )
+        finally:
+            self._pass_lock.release()
+            self._wake.set()
 
     def _handle(
         self, session: Session, claim: Claim, outcome: DispatchOutcome, *, now: datetime | None
@@ -413,10 +463,14 @@ class CentralScheduler:
         """Wake the loop on every notification until stopped; raise when conn is lost."""
         last_check = time.monotonic()
         while not self._stopping.is_set():
-            for _notify in conn.notifies(timeout=self.listen_timeout):
-                self._wake.set()
-                if self._stopping.is_set():
-                    return
+            notified = False
+            for _notify in conn.notifies(timeout=self.listen_timeout, stop_after=1):
+                notified = True
+            if notified and not self._stopping.is_set():
+                if self.claim_on_notify:
+                    self._pass_on_listener(conn)
+                else:
+                    self._wake.set()
             if time.monotonic() - last_check >= self.health_interval:
                 # A silent network loss shows up here rather than never.
                 conn.execute("SELECT 1")

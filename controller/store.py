@@ -31,6 +31,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import (
     String,
     Table,
@@ -128,8 +130,6 @@ def _driver_rows(session: Session, sql: str, params: dict[str, Any]) -> list[Any
     autocommit session the statement has committed itself and the session keeps
     its connection for the next call; otherwise the session commits.
     """
-    from psycopg.rows import namedtuple_row
-
     driver = session.connection().connection.driver_connection
     assert driver is not None
     try:
@@ -598,14 +598,50 @@ def claim_for_dispatch(
             (claim, begin_dispatch(session, claim, now=now, stale_after=stale_after))
             for claim in claims
         ]
-    params = {
+    params = _claim_for_dispatch_params(worker_id, now, lease, limit, stale_after)
+    return _outcomes(_driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params))
+
+
+def claim_for_dispatch_on(
+    conn: psycopg.Connection[Any],
+    *,
+    worker_id: str,
+    now: datetime | None = None,
+    lease: timedelta | float = 30.0,
+    limit: int = 100,
+    stale_after: timedelta | float = 600.0,
+) -> list[tuple[Claim, DispatchOutcome]]:
+    """Do :func:`claim_for_dispatch` on a raw autocommit psycopg connection (Postgres only).
+
+    The scheduler's listener runs it on its own connection the moment a
+    notification arrives: that backend is awake already, so the claim costs
+    no hand-off to another thread or connection.
+    """
+    if not conn.autocommit:
+        raise ValueError("claim_for_dispatch_on needs an autocommit connection")
+    params = _claim_for_dispatch_params(worker_id, now, lease, limit, stale_after)
+    with conn.cursor(row_factory=namedtuple_row) as cursor:
+        cursor.execute(_CLAIM_FOR_DISPATCH_SQL, params)
+        return _outcomes(cursor.fetchall())
+
+
+def _claim_for_dispatch_params(
+    worker_id: str,
+    now: datetime | None,
+    lease: timedelta | float,
+    limit: int,
+    stale_after: timedelta | float,
+) -> dict[str, Any]:
+    return {
         "now": now,
         "worker_id": worker_id,
         "lease": _seconds(lease),
         "limit": limit,
         "stale_after": _seconds(stale_after),
     }
-    rows = _driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params)
+
+
+def _outcomes(rows: list[Any]) -> list[tuple[Claim, DispatchOutcome]]:
     result: list[tuple[Claim, DispatchOutcome]] = []
     for row in rows:
         if row.owned:

@@ -162,11 +162,14 @@ def test_the_loop_wakes_for_the_earliest_next_run(engine: Engine) -> None:
 
 
 @pytest.mark.postgres
-def test_a_notify_from_another_process_wakes_the_loop(postgres_url: str) -> None:
+@pytest.mark.parametrize("claim_on_notify", [True, False], ids=["listener-claims", "loop-claims"])
+def test_a_notify_from_another_process_wakes_the_loop(
+    postgres_url: str, claim_on_notify: bool
+) -> None:
     recorder = RecordingDispatcher()
     scheduler = CentralScheduler(
         postgres_url, worker_id="w-notify", dispatcher=recorder, poll_interval=120,
-        wake_on_local_saves=False,
+        wake_on_local_saves=False, claim_on_notify=claim_on_notify,
     )
     other = db.make_engine(postgres_url, application_name="sched-test-other")
     try:
