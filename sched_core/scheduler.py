@@ -317,6 +317,28 @@ class Scheduler:
             minute -= timedelta(minutes=1)
         return sorted(latest.values(), key=lambda item: (item[1], item[0].id))
 
+    def _fire_windows(
+        self, windows: list[tuple[LocalSchedule, datetime]], *, recovery: bool
+    ) -> tuple[list[Fire], list[tuple[Fire, str]]]:
+        """Fire each (schedule, window), stamp those that fired and save; the caller holds the lock.
+
+        A stamp is written only after ``fire`` returned: a crash in between
+        leaves the window unstamped, and its key deduplicates the second fire.
+        """
+        fired: list[Fire] = []
+        failed: list[tuple[Fire, str]] = []
+        for row, window in windows:
+            fire = self._window_fire(row, window, recovery=recovery)
+            error = self._fire(fire)
+            if error is not None:
+                failed.append((fire, error))
+                continue
+            self._cache.last_fired_at[row.id] = window
+            fired.append(fire)
+        if fired:
+            self._save()
+        return fired, failed
+
     def tick(self, now: datetime | None = None) -> int:
         """Fire each enabled schedule's latest unfired window in the grace; return the count."""
         return len(self.tick_report(now).fired)
@@ -324,27 +346,18 @@ class Scheduler:
     def tick_report(self, now: datetime | None = None) -> TickReport:
         """Run one tick and return what it fired, coalesced and failed."""
         now = now or utcnow()
-        fired: list[Fire] = []
-        failed: list[tuple[Fire, str]] = []
         coalesced: dict[str, int] = {}
         with self._locked():
             self._reload(now)
-            for row, window, older in self.due(now):
-                fire = self._window_fire(row, window, recovery=False)
+            due = self.due(now)
+            for row, window, older in due:
                 if older:
                     coalesced[row.id] = older
                     log.warning(
                         "coalesced %d older pending windows of %s into %s", older, row.id, window,
                         extra={"schedule_id": row.id, "coalesced": older, "window": str(window)},
                     )
-                error = self._fire(fire)
-                if error is not None:
-                    failed.append((fire, error))
-                    continue
-                self._cache.last_fired_at[row.id] = window
-                fired.append(fire)
-            if fired:
-                self._save()
+            fired, failed = self._fire_windows([(row, w) for row, w, _ in due], recovery=False)
         return TickReport(fired=fired, failed=failed, coalesced=coalesced)
 
     def missed_run_check(self, now: datetime | None = None) -> int:
@@ -354,11 +367,10 @@ class Scheduler:
     def missed_run_report(self, now: datetime | None = None) -> TickReport:
         """Run the missed-run check and return what it fired and failed."""
         now = now or utcnow()
-        fired: list[Fire] = []
-        failed: list[tuple[Fire, str]] = []
         truncated: dict[str, int] = {}
         with self._locked():
             self._reload(now)
+            windows: list[tuple[LocalSchedule, datetime]] = []
             for row in self._cache.schedules:
                 if not row.enabled or row.schedule.is_event:
                     continue
@@ -373,22 +385,15 @@ class Scheduler:
                 )
                 if recovery is None:
                     continue
-                if recovery.truncated and row.miss_policy == "run-all":
+                if recovery.truncated:
                     truncated[row.id] = recovery.truncated
                     log.warning(
                         "run-all of %s truncated to the latest missed window: %d dropped",
                         row.id, recovery.truncated,
                         extra={"schedule_id": row.id, "truncated": recovery.truncated},
                     )
-                fire = self._window_fire(row, recovery.window, recovery=True)
-                error = self._fire(fire)
-                if error is not None:
-                    failed.append((fire, error))
-                    continue
-                self._cache.last_fired_at[row.id] = recovery.window
-                fired.append(fire)
-            if fired:
-                self._save()
+                windows.append((row, recovery.window))
+            fired, failed = self._fire_windows(windows, recovery=True)
         return TickReport(fired=fired, failed=failed, coalesced=truncated)
 
     def fire_matching(
