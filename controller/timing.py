@@ -2,10 +2,10 @@
 
 Pure: no clock reads, no I/O; every function takes the instant to start after.
 Cron expressions go through ``croniter``; a :class:`sched_core.Schedule` shape
-is matched minute by minute in its timezone with ISC/Vixie cron's DST rules
-(SPEC "Time"): a fixed-hour window in a spring-forward gap fires once at the
-first minute after the jump, one in a fall-back repeat fires at the first
-occurrence only, and wildcard-hour and interval schedules fire in both copies.
+goes through the agents' matcher, with ISC/Vixie cron's DST rules (SPEC
+"Time"): a fixed-hour window in a spring-forward gap fires once at the first
+minute after the jump, one in a fall-back repeat fires at the first occurrence
+only, and wildcard-hour and interval schedules fire in both copies.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from zoneinfo import ZoneInfo
 
 from croniter import croniter
 
+from sched_core.matcher import next_fire
 from sched_core.model import DAY_NAMES, Schedule
 
 _MINUTE = timedelta(minutes=1)
@@ -55,70 +56,27 @@ def _is_repeat(local: datetime) -> bool:
     return local.replace(fold=0).utcoffset() != local.utcoffset()
 
 
-def _resolve(wall: datetime, zone: ZoneInfo) -> tuple[datetime, ...]:
-    """Return the UTC instants of a local wall time: none (a gap), one, or two (a repeat)."""
-    first = wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
-    second = wall.replace(tzinfo=zone, fold=1).astimezone(UTC)
-    instants = tuple(
-        sorted({t for t in (first, second) if t.astimezone(zone).replace(tzinfo=None) == wall})
-    )
-    return instants
-
-
-def _after_gap(wall: datetime, zone: ZoneInfo) -> datetime:
-    """Return the first whole minute (UTC) after the jump over a wall time in a gap."""
-    # fold=1 reads the wall time with the offset from after the jump: an instant
-    # before the jump; fold=0 with the one from before it: an instant after it.
-    low = wall.replace(tzinfo=zone, fold=1).astimezone(UTC)
-    high = wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
-    instant = _floor_minute(low)
-    while instant < high and instant.astimezone(zone).replace(tzinfo=None) <= wall:
-        instant += _MINUTE
-    return instant
-
-
 def next_shape(schedule: Schedule, timezone: str, *, after: datetime) -> datetime | None:
     """Return the first window after ``after`` of a schedule shape in timezone, in UTC.
 
-    None for an event schedule (``on`` set), which never fires on the clock.
-    Clock schedules resolve each candidate day's windows to instants (a few
-    hundred at most); interval schedules scan minutes, which they match often.
+    The agents' own matcher decides (:func:`sched_core.matcher.next_fire`), so a
+    central task and an agent schedule of the same shape fire at the same
+    instants. None for an event schedule (``on`` set), which never fires on the
+    clock.
     """
     if schedule.is_event:
         return None
-    if schedule.is_interval:
-        return next_shape_by_minutes(schedule, timezone, after=after)
-    zone = ZoneInfo(timezone)
-    after_utc = after.astimezone(UTC)
-    start = after_utc.astimezone(zone).date() - timedelta(days=1)
-    any_hour = schedule.has_wildcard_hours
-    hours = range(24) if any_hour else sorted({int(h) for h in schedule.hours or []})
-    days = schedule.days or []
-    minute = int(schedule.minute)
-    for offset in range(9):
-        day = start + timedelta(days=offset)
-        if "*" not in days and DAY_NAMES[day.weekday()] not in days:
-            continue
-        candidates = []
-        for hour in hours:
-            wall = datetime(day.year, day.month, day.day, hour, minute)
-            instants = _resolve(wall, zone)
-            if not instants:
-                if not any_hour:
-                    candidates.append(_after_gap(wall, zone))
-                continue
-            # A fixed-hour window in a repeated hour fires at its first copy only.
-            candidates.extend(instants if any_hour else instants[:1])
-        later = [t for t in candidates if t > after_utc]
-        if later:
-            return min(later)
-    return None
+    return next_fire(schedule, after, ZoneInfo(timezone))
 
 
 def next_shape_by_minutes(
     schedule: Schedule, timezone: str, *, after: datetime
 ) -> datetime | None:
-    """Return what :func:`next_shape` returns, by scanning every minute (the reference)."""
+    """Return what :func:`next_shape` returns, by scanning every minute.
+
+    The reference the tests check :func:`sched_core.matcher.next_fire` against
+    (up to 8 days ahead; it is far too slow for the scheduler's hot path).
+    """
     if schedule.is_event:
         return None
     zone = ZoneInfo(timezone)

@@ -1,4 +1,4 @@
-"""When central tasks run next: cron via croniter, schedule shapes with cron's DST rules.
+"""When central tasks run next: cron via croniter, schedule shapes via the agents' matcher.
 
 DST instants used (2026):
 - America/New_York springs forward 2026-03-08 02:00 EST -> 03:00 EDT (07:00 UTC)
@@ -59,13 +59,14 @@ def test_an_event_schedule_never_runs_on_the_clock() -> None:
 
 
 @pytest.mark.parametrize("zone", [NY, "Europe/London", "Australia/Lord_Howe", "UTC"])
-def test_next_shape_agrees_with_the_minute_scan_around_every_transition(zone: str) -> None:
+def test_the_matcher_agrees_with_a_minute_scan_around_every_transition(zone: str) -> None:
     shapes = [
         _shape(["*"], ["2"], "30"),
         _shape(["*"], ["1"], "30"),
         _shape(["*"], ["*"], "15"),
         _shape(["sun"], ["1", "2", "3"], "0"),
         _shape(["mon", "fri"], ["23"], "59"),
+        Schedule(interval_minutes=90),
     ]
     transitions = [
         datetime(2026, 3, 8, 7, tzinfo=UTC), datetime(2026, 11, 1, 6, tzinfo=UTC),
