@@ -30,10 +30,21 @@ def check_cron(expr: str) -> None:
 
 
 def next_cron(expr: str, timezone: str, *, after: datetime) -> datetime:
-    """Return the first time after ``after`` that cron expr matches in timezone, in UTC."""
-    start = after.astimezone(ZoneInfo(timezone))
-    nxt: datetime = croniter(expr, start).get_next(datetime)
-    return nxt.astimezone(UTC)
+    """Return the first time after ``after`` that cron expr matches in timezone, in UTC.
+
+    As ISC cron does, an expression with a fixed hour fires once in a repeated
+    (fall-back) hour, at the first copy; one whose hour field starts with ``*``
+    fires in both copies.
+    """
+    zone = ZoneInfo(timezone)
+    wildcard_hour = expr.split()[1].startswith("*")
+    times = croniter(expr, after.astimezone(zone))
+    for _ in range(4):
+        found: datetime = times.get_next(datetime)
+        utc = found.astimezone(UTC)
+        if wildcard_hour or not _is_repeat(utc.astimezone(zone)):
+            return utc
+    raise ValueError(f"cron expression {expr!r} found no time outside a repeated hour")
 
 
 def _floor_minute(value: datetime) -> datetime:

@@ -92,6 +92,18 @@ def test_cron_runs_in_its_timezone() -> None:
     assert next_run(cron=None, schedule=None, timezone="UTC", after=at) is None
 
 
+def test_cron_follows_isc_cron_across_dst() -> None:
+    # Spring: 02:30 does not exist on 2026-03-08; it fires once, at 03:00 EDT.
+    gap = next_cron("30 2 * * *", NY, after=datetime(2026, 3, 8, 6, 59, tzinfo=UTC))
+    assert gap == datetime(2026, 3, 8, 7, 0, tzinfo=UTC)
+    # Fall: 01:30 happens twice on 2026-11-01; a fixed hour fires at the first copy only.
+    first = next_cron("30 1 * * *", NY, after=datetime(2026, 11, 1, 4, 0, tzinfo=UTC))
+    assert first == datetime(2026, 11, 1, 5, 30, tzinfo=UTC)
+    assert next_cron("30 1 * * *", NY, after=first) == datetime(2026, 11, 2, 6, 30, tzinfo=UTC)
+    # A wildcard hour fires in both copies.
+    assert next_cron("30 * * * *", NY, after=first) == datetime(2026, 11, 1, 6, 30, tzinfo=UTC)
+
+
 @pytest.mark.parametrize("expr", ["* * * *", "* * * * * *", "61 * * * *", "nonsense"])
 def test_check_cron_rejects_what_is_not_five_valid_fields(expr: str) -> None:
     with pytest.raises(ValueError, match="invalid cron expression"):
