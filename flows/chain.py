@@ -65,7 +65,7 @@ def build_spec(settings: AgentSettings, *, now: datetime, exclude: tuple[str, ..
     )
 
 
-@flow(name=ADVANCE_CHAIN)
+@flow(name=ADVANCE_CHAIN, flow_run_name="chain-after-{action}")
 def advance_chain(
     action: str,
     node: str = "",

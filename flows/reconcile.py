@@ -29,6 +29,7 @@ from flows.agent import (
     emit,
     logical_now,
     node_lock,
+    run_name,
     slug,
 )
 from sched_core import PullError, PullResult, Scheduler, TickReport
@@ -79,7 +80,7 @@ def change_markdown(
     return "\n".join(lines)
 
 
-@flow(name=RECONCILE)
+@flow(name=RECONCILE, flow_run_name=run_name("reconcile"))
 def reconcile(now: datetime | None = None) -> dict[str, int]:
     """Pull the schedule list and apply the miss policy; return the counts of what changed."""
     logger = get_run_logger()

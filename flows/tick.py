@@ -21,9 +21,10 @@ from flows.agent import (
     deployment_name,
     logical_now,
     node_lock,
+    run_name,
     slug,
 )
-from sched_core import MissPolicy, PullError, Scheduler, TickReport
+from sched_core import Fire, MissPolicy, PullError, Scheduler, TickReport, window_key
 from sched_core.misses import floor_minute, plan_recovery
 
 
@@ -102,7 +103,7 @@ def report_rows(
     return rows + missed_rows(scheduler, now=now, grace=grace)
 
 
-@flow(name=FIRE_TICK, log_prints=True)
+@flow(name=FIRE_TICK, flow_run_name=run_name("tick"))
 def fire_tick(now: datetime | None = None) -> int:
     """Fire every schedule due at now (default: the run's logical time); return the count."""
     logger = get_run_logger()
@@ -118,6 +119,13 @@ def fire_tick(now: datetime | None = None) -> int:
                 scheduler.pull(at)
             except PullError as exc:
                 logger.warning("first pull failed; the reconcile flow retries it: %s", exc)
+        # Many due windows: create their runs in bulk first (same keys); the
+        # tick's per-fire callback then only confirms them.
+        dispatcher.prefetch([
+            Fire(schedule=row, trigger_key="schedule", missed_recovery=False, window=window,
+                 key=window_key(row.id, window, scheduler.timezone))
+            for row, window, _older in scheduler.due(at)
+        ])
         report = scheduler.tick_report(at)
         rows = report_rows(report, dispatcher, scheduler, now=at, grace=settings.grace)
     logger.info(

@@ -145,6 +145,24 @@ def test_due_schedule_gives_one_run_even_when_ticked_twice_or_retried(agent: Age
     assert run.state.is_scheduled()
 
 
+def test_many_due_windows_are_created_in_bulk_once(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    agent.write_schedules([row(f"s-{i:02d}", "backup", EVERY_HOUR_AT_30) for i in range(25)])
+    agent.register()
+    reconcile(now=T0)
+    assert fire_tick(now=WINDOW + timedelta(seconds=2)) == 25
+    cache = agent.cache()
+    cache["last_fired_at"] = {}
+    (agent.tmp / "state" / "cache.json").write_text(json.dumps(cache))
+    assert fire_tick(now=WINDOW + timedelta(seconds=30)) == 25  # bulk again, same keys
+    runs = agent.runs("backup")
+    assert len(runs) == 25
+    assert sorted(run.name for run in runs)[0] == "backup-s-00-20261202T1530Z"
+    assert all(run.idempotency_key.startswith(f"{agent.node}:s-") for run in runs)
+
+
 def test_tick_artifact_shows_fired_late_and_missed(agent: Agent) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
