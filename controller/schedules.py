@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from pydantic import TypeAdapter
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -32,21 +33,16 @@ def _insert(session: Session, table: Any) -> Any:
     return sqlite_insert(table)
 
 
+_WIRE_FIELDS = (
+    "id", "name", "repo_id", "action", "storage", "schedule", "miss_policy", "enabled",
+    "params", "version",
+)
+_WIRE_COLUMNS = tuple(_COLUMNS[name] for name in _WIRE_FIELDS)
+_WIRE_LIST: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])
+
+
 def _to_wire(row: Any) -> LocalSchedule:
-    return LocalSchedule.model_validate(
-        {
-            "id": row.id,
-            "name": row.name,
-            "repo_id": row.repo_id,
-            "action": row.action,
-            "storage": row.storage,
-            "schedule": row.schedule,
-            "miss_policy": row.miss_policy,
-            "enabled": row.enabled,
-            "params": row.params,
-            "version": row.version,
-        }
-    )
+    return LocalSchedule.model_validate(dict(zip(_WIRE_FIELDS, row, strict=True)))
 
 
 def _etag(epoch: str, revision: int) -> str:
@@ -86,7 +82,7 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
     """
     # One statement is one snapshot, so the rows and the revision agree.
     rows = session.execute(
-        select(_REVISIONS.epoch, _REVISIONS.revision, _SCHEDULE_TABLE)
+        select(_REVISIONS.epoch, _REVISIONS.revision, *_WIRE_COLUMNS)
         .select_from(_REVISION_TABLE)
         .outerjoin(_SCHEDULE_TABLE, _COLUMNS.node == _REVISIONS.node)
         .where(_REVISIONS.node == node)
@@ -95,13 +91,16 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
     if not rows:
         return [], '"empty"'
     etag = _etag(rows[0].epoch, rows[0].revision)
-    return [_to_wire(row) for row in rows if row.id is not None], etag
+    # One validation call for the whole list: rows were validated on the way in,
+    # this keeps a hand-edited bad row from ever reaching an agent.
+    wire = [dict(zip(_WIRE_FIELDS, row[2:], strict=True)) for row in rows if row.id is not None]
+    return _WIRE_LIST.validate_python(wire), etag
 
 
 def get_schedule(session: Session, node: str, schedule_id: str) -> LocalSchedule | None:
     """Return node's row schedule_id, or None."""
     row = session.execute(
-        select(_SCHEDULE_TABLE).where(
+        select(*_WIRE_COLUMNS).where(
             _COLUMNS.node == node, _COLUMNS.id == schedule_id
         )
     ).first()
@@ -136,7 +135,7 @@ def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedu
             **{k: stmt.excluded[k] for k in values if k not in ("node", "id")},
             "version": _COLUMNS.version + 1,
         },
-    ).returning(*_COLUMNS)
+    ).returning(*_WIRE_COLUMNS)
     try:
         stored = session.execute(stmt).one()
         _bump_revision(session, node)
