@@ -19,6 +19,15 @@ The claim protocol, for one (task, scheduled time) and any number of instances:
    marks a one-shot task done; or :func:`fail` records the error and holds the
    task until a retry delay has passed. Both are fenced on ``next_run_at``
    still being the scheduled time, so a late worker changes nothing.
+
+The scheduler runs the same steps batched: :func:`claim_for_dispatch` (steps 1
+and 2 in one statement on Postgres, ``sql/claim_for_dispatch.sql``) and
+:func:`complete_many` (step 3 for a batch, ``sql/complete_many.sql``).
+
+Crash window: a worker that dies after recording a dispatch and before
+completing it leaves the record "dispatching"; after ``stale_after`` another
+worker takes it over and dispatches again with the same idempotency key, which
+Prefect deduplicates. A slow worker that is still alive is never doubled.
 """
 
 from __future__ import annotations
