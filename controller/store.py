@@ -26,8 +26,10 @@ and 2 in one statement on Postgres, ``sql/claim_for_dispatch.sql``) and
 
 Crash window: a worker that dies after recording a dispatch and before
 completing it leaves the record "dispatching"; after ``stale_after`` another
-worker takes it over and dispatches again with the same idempotency key, which
-Prefect deduplicates. A slow worker that is still alive is never doubled.
+worker takes it over and dispatches again with the same idempotency key (a
+deployment run with that key is not created twice; an event carries an id
+derived from it). A worker still dispatching within ``stale_after`` is never
+doubled, whatever its lease says.
 """
 
 from __future__ import annotations
