@@ -9,7 +9,8 @@
 2. Wake latency: from the commit of a task save to the start of its (no-op)
    dispatch in a scheduler woken by NOTIFY, against the raw latency from the
    commit of a ``NOTIFY`` to a listening connection's wake-up.
-3. If ``bench/bench_controller_api.py`` is present, its ``main()`` (GET /api/schedules).
+3. If ``bench/bench_controller_api.py`` is present, its ``main()`` (GET /api/schedules),
+   with ``--api-args``; ``--no-api`` skips it, ``--api-only`` runs only it.
 
 Usage: ``python bench/bench_controller.py [--database-url URL] [--tasks N] [--write-docs]``.
 Without ``--database-url`` a throwaway pgserver is started and stopped.
@@ -22,6 +23,7 @@ import importlib
 import multiprocessing
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -420,15 +422,15 @@ def write_docs(section: str) -> None:
     DOCS.write_text(text, encoding="utf-8")
 
 
-def run_api_benchmark() -> None:
-    """Run ``bench.bench_controller_api.main()`` when that module exists."""
+def run_api_benchmark(args: list[str]) -> None:
+    """Run ``bench.bench_controller_api.main(args)`` when that module exists."""
     try:
         module = importlib.import_module("bench.bench_controller_api")
     except ModuleNotFoundError:
         print("bench/bench_controller_api.py not present: skipping GET /api/schedules")
         return
-    main_function: Callable[[], Any] = module.main
-    main_function()
+    main_function: Callable[[list[str]], Any] = module.main
+    main_function(args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,7 +443,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wake-samples", type=int, default=300)
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--no-api", action="store_true", help="skip the API benchmark")
+    parser.add_argument("--api-args", default="",
+                        help="arguments for bench/bench_controller_api.py, e.g. '--seconds 1'")
+    parser.add_argument("--api-only", action="store_true", help="run only the API benchmark")
     args = parser.parse_args(argv)
+    if args.api_only:
+        run_api_benchmark(shlex.split(args.api_args))
+        return
 
     with postgres(args.database_url) as url:
         engine = db.make_engine(url)
@@ -478,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_docs:
         write_docs(section)
     if not args.no_api:
-        run_api_benchmark()
+        run_api_benchmark(shlex.split(args.api_args))
 
 
 if __name__ == "__main__":
