@@ -36,14 +36,43 @@ def event_id(claim: Claim) -> uuid.UUID:
     return uuid.uuid5(_EVENT_ID_NAMESPACE, claim.idempotency_key)
 
 
+def task_event(claim: Claim) -> dict[str, Any]:
+    """Return the Prefect event (JSON-ready) that dispatches an event task's claim."""
+    from prefect.events import Event
+
+    event = Event(
+        event=claim.event or "",
+        resource={
+            "prefect.resource.id": f"sched.task.{claim.name}",
+            "prefect.resource.name": claim.name,
+        },
+        occurred=claim.scheduled_at,
+        payload={
+            **claim.payload,
+            "scheduled_at": claim.scheduled_at.isoformat(),
+            "idempotency_key": claim.idempotency_key,
+        },
+        id=event_id(claim),
+    )
+    data: dict[str, Any] = event.model_dump(mode="json")
+    return data
+
+
 class PrefectDispatcher:
     """Emit a ``sched.task.*`` Prefect event, or create a deployment run.
 
-    An event task emits ``claim.event`` with resource ``sched.task.<name>``, the
+    An event task posts ``claim.event`` with resource ``sched.task.<name>``, the
     payload plus ``scheduled_at`` and ``idempotency_key``, ``occurred`` set to
-    the scheduled time and an event id derived from the idempotency key. A
-    deployment task calls ``run_deployment(name, parameters=payload, timeout=0,
-    idempotency_key=...)``: a repeated key returns the same flow run.
+    the scheduled time and an event id derived from the idempotency key, to the
+    server's ``POST /api/events`` and returns once the server accepted it. It
+    does not use ``prefect.events.emit_event``: that queues the event for a
+    background thread and swallows every error, so a dispatch to an unreachable
+    server would count as done and the event would be lost. Prefect keeps one
+    event per id (its event store skips a known id, and its bus drops an id
+    seen in the last 5 minutes), so a repeated dispatch stores nothing new.
+
+    A deployment task calls ``run_deployment(name, parameters=payload,
+    timeout=0, idempotency_key=...)``: a repeated key returns the same flow run.
     """
 
     def __call__(self, claim: Claim) -> None:
@@ -55,22 +84,11 @@ class PrefectDispatcher:
             raise ValueError(f"task {claim.name!r} has neither an event nor a deployment")
 
     def _emit(self, claim: Claim) -> None:
-        from prefect.events import emit_event
+        from prefect.client.orchestration import get_client
 
-        emit_event(
-            event=claim.event or "",
-            resource={
-                "prefect.resource.id": f"sched.task.{claim.name}",
-                "prefect.resource.name": claim.name,
-            },
-            occurred=claim.scheduled_at,
-            payload={
-                **claim.payload,
-                "scheduled_at": claim.scheduled_at.isoformat(),
-                "idempotency_key": claim.idempotency_key,
-            },
-            id=event_id(claim),
-        )
+        with get_client(sync_client=True) as client:
+            # The client raises on a refused connection or an error status.
+            client.request("POST", "/events", json=[task_event(claim)])
 
     def _run_deployment(self, claim: Claim) -> None:
         from prefect.deployments import run_deployment

@@ -220,11 +220,23 @@ def _wait_until(check: Any, deadline: float = DEADLINE) -> bool:
 def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Stubbed: what is sent. tests/test_controller_dispatch.py checks it on a real server."""
+    import prefect.client.orchestration
     import prefect.deployments
-    import prefect.events
 
-    calls: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(prefect.events, "emit_event", lambda **kw: calls.append(("event", kw)))
+    calls: list[tuple[str, Any]] = []
+
+    class FakeClient:
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def request(self, method: str, path: str, **kw: Any) -> None:
+            calls.append((f"{method} {path}", kw["json"]))
+
+    monkeypatch.setattr(prefect.client.orchestration, "get_client", lambda **kw: FakeClient())
     monkeypatch.setattr(
         prefect.deployments, "run_deployment", lambda name, **kw: calls.append((name, kw))
     )
@@ -236,12 +248,13 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
                       locked_until=T0, event=None, deployment="prune/nightly",
                       payload={"agent": "node-b"})
     PrefectDispatcher()(run)
-    (_, event), (name, deployment) = calls
+    (posted, (event,)), (name, deployment) = calls
+    assert posted == "POST /events"
     assert event["event"] == "sched.task.backup"
     assert event["resource"]["prefect.resource.id"] == "sched.task.nightly"
     assert event["payload"] == {"agent": "node-a", "scheduled_at": "2026-12-02T12:00:00+00:00",
                                 "idempotency_key": "nightly:2026-12-02T12:00:00+00:00"}
-    assert event["id"] == event_id(claim) and event["occurred"] == T0
+    assert event["id"] == str(event_id(claim)) and event["occurred"] == "2026-12-02T12:00:00Z"
     assert name == "prune/nightly"
     assert deployment == {"parameters": {"agent": "node-b"}, "timeout": 0,
                           "idempotency_key": "prune:2026-12-02T12:00:00+00:00",

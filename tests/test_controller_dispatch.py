@@ -1,0 +1,213 @@
+"""PrefectDispatcher against a real Prefect server (the session's test harness).
+
+Each test saves a one-shot task on a fresh SQLite store, lets
+``CentralScheduler.run_once`` claim and dispatch it, then dispatches the very
+same claim again, as a worker taking over a stale "dispatching" record would
+(see :mod:`controller.store`), and reads back what the server kept.
+
+What Prefect dedupes, and what these tests rely on:
+
+- events: one per event id. The dispatcher derives the id from the claim's
+  idempotency key; the server's event bus drops an id it saw in the last
+  5 minutes and its event store skips an id it already holds;
+- deployment runs: one per (flow, idempotency key); creating a run with a known
+  key returns the existing run.
+
+Task names carry a random suffix and scheduled times are the current second,
+so a run against a long-lived server (``PREFECT_API_URL``) never finds what an
+earlier run left behind.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from prefect import flow
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller import db, store
+from controller.central import CentralScheduler
+from controller.dispatch import PrefectDispatcher, event_id
+from controller.models import DispatchStatus, TaskIn
+from controller.store import Claim
+
+DEADLINE = 60.0  # seconds; only ever reached when something is broken
+
+
+@flow(name="sched-dispatch-probe")
+def dispatch_probe(agent: str = "", n: int = 0) -> str:
+    """Do nothing: the tests only need its runs to exist (no worker runs them)."""
+    return f"{agent}:{n}"
+
+
+@pytest.fixture
+def engine(sqlite_url: str) -> Iterator[Engine]:
+    engine = db.make_engine(sqlite_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _now() -> datetime:
+    # A real clock read on purpose: the server's event store keeps events for a
+    # retention period counted from its own clock, and a reused server must not
+    # already hold this test's times.
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def _suffix() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def _dispatch_once(engine: Engine, body: dict[str, Any], at: datetime) -> list[Claim]:
+    """Save a one-shot task due at ``at``, run one scheduler pass; return what it dispatched."""
+    with Session(engine) as session:
+        store.save_task(session, TaskIn.model_validate({**body, "run_at": at}), now=at)
+    prefect = PrefectDispatcher()
+    sent: list[Claim] = []
+
+    def dispatcher(claim: Claim) -> None:
+        sent.append(claim)
+        prefect(claim)
+
+    scheduler = CentralScheduler(engine, dispatcher=dispatcher, wake_on_local_saves=False)
+    try:
+        assert scheduler.run_once(now=at) == 1
+        assert scheduler.run_once(now=at + timedelta(minutes=1)) == 0  # one-shot: done
+    finally:
+        scheduler.stop()
+    with Session(engine) as session:
+        records = store.list_dispatches(session, body["name"])
+    assert [(r.scheduled_at, r.status) for r in records] == [(at, DispatchStatus.DISPATCHED)]
+    assert len(sent) == 1
+    return sent
+
+
+def _events_of(resource_id: str, at: datetime) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventOccurredFilter, EventResourceFilter
+
+    wanted = EventFilter(
+        occurred=EventOccurredFilter(since=at - timedelta(minutes=1),
+                                     until=at + timedelta(minutes=1)),
+        resource=EventResourceFilter(id=[resource_id]),
+    )
+    with get_client(sync_client=True) as client:
+        return list(client.read_events(filter=wanted, limit=50).events)
+
+
+def _wait_for_events(resource_id: str, at: datetime) -> list[Any]:
+    """Poll until the server's event persister has stored an event of resource_id."""
+    end = time.monotonic() + DEADLINE
+    while True:
+        found = _events_of(resource_id, at)
+        if found or time.monotonic() > end:
+            return found
+        time.sleep(0.25)  # the persister flushes every few seconds
+
+
+@pytest.mark.prefect
+def test_an_event_task_is_one_prefect_event_even_when_dispatched_twice(
+    prefect_server: str, engine: Engine
+) -> None:
+    name, at = f"probe-{_suffix()}", _now()
+    (claim,) = _dispatch_once(
+        engine, {"name": name, "event": "probe.fired", "payload": {"agent": "node-a", "n": 3}},
+        at,
+    )
+    PrefectDispatcher()(claim)  # the same (task, scheduled time) again
+    # A later event on another resource: once it is stored, a duplicate sent
+    # before it would have been stored too.
+    sentinel = Claim(task_id=0, name=f"{name}-sentinel", scheduled_at=at, worker_id="test",
+                     locked_until=at, event="sched.task.probe.sentinel", deployment=None)
+    PrefectDispatcher()(sentinel)
+    assert _wait_for_events(f"sched.task.{sentinel.name}", at), "sentinel never stored"
+
+    events = _events_of(f"sched.task.{name}", at)
+
+    assert len(events) == 1, events
+    (event,) = events
+    assert event.event == "sched.task.probe.fired"
+    assert event.id == event_id(claim)
+    assert event.occurred == at
+    assert event.resource.id == f"sched.task.{name}"
+    assert event.resource.get("prefect.resource.name") == name
+    key = f"{name}:{at.isoformat()}"
+    assert event.payload == {"agent": "node-a", "n": 3, "scheduled_at": at.isoformat(),
+                             "idempotency_key": key}
+
+
+@pytest.mark.prefect
+def test_a_deployment_task_is_one_flow_run_even_when_dispatched_twice(
+    prefect_server: str, engine: Engine
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.objects import StateType
+
+    suffix, at = _suffix(), _now()
+    deployment_id = dispatch_probe.to_deployment(name=f"probe-{suffix}").apply()
+    name = f"run-{suffix}"
+    (claim,) = _dispatch_once(
+        engine,
+        {"name": name, "deployment": f"sched-dispatch-probe/probe-{suffix}",
+         "payload": {"agent": "node-b", "n": 7}},
+        at,
+    )
+    PrefectDispatcher()(claim)  # the same (task, scheduled time) again
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+        )
+
+    assert len(runs) == 1, runs
+    (run,) = runs
+    assert run.idempotency_key == f"{name}:{at.isoformat()}"
+    assert run.parameters == {"agent": "node-b", "n": 7}
+    assert run.state is not None and run.state.type == StateType.SCHEDULED
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # nothing listens there once the socket is closed
+
+
+def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
+    engine: Engine,
+) -> None:
+    """No server needed: an event that cannot be delivered must not count as dispatched."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    with Session(engine) as session:
+        store.save_task(session, TaskIn(name="lost", run_at=at, event="probe.lost"), now=at)
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{_closed_port()}/api"}):
+        claim = Claim(task_id=0, name="lost", scheduled_at=at, worker_id="test",
+                      locked_until=at, event="sched.task.probe.lost", deployment=None)
+        with pytest.raises(httpx.ConnectError):
+            PrefectDispatcher()(claim)
+        scheduler = CentralScheduler(engine, wake_on_local_saves=False)
+        try:
+            assert scheduler.run_once(now=at) == 1
+        finally:
+            scheduler.stop()
+
+    with Session(engine) as session:
+        task = store.get_task(session, "lost")
+        records = store.list_dispatches(session, "lost")
+    assert task is not None
+    assert (task.status, task.attempts, task.next_run_at) == ("active", 1, at)
+    assert task.last_error is not None and "ConnectError" in task.last_error
+    assert [r.status for r in records] == [DispatchStatus.FAILED]
