@@ -281,6 +281,60 @@ def test_garbage_pull_keeps_the_cache_and_the_schedules_firing(
     assert len(agent.runs("backup")) == 1
 
 
+def test_token_from_a_prefect_secret_block(
+    agent: Agent, controller: FlakyController
+) -> None:
+    from prefect.blocks.system import Secret
+
+    from flows.reconcile import reconcile
+
+    block = f"token-{agent.node}"
+    Secret(value="from-the-block").save(block, overwrite=True)
+    agent.write_config(pull_url=controller.url, extra=f'token_secret_block = "{block}"')
+    controller.body = b"[]"
+    assert reconcile(now=T0)["schedules"] == 0
+    assert controller.auth == ["Bearer from-the-block"]
+
+
+def _events(name: str, node: str, count: int) -> list[dict[str, Any]]:
+    """Return the events called name about node once there are count of them (or 15 s)."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            response = client.request(
+                "POST",
+                "/events/filter",  # type: ignore[arg-type]
+                json={"filter": {
+                    "event": {"name": [name]},
+                    "resource": {"id": [f"sched.agent.{node}"]},
+                    "any_resource": None,
+                }},
+            )
+            events: list[dict[str, Any]] = response.json()["events"]
+            if len(events) >= count or time.monotonic() > deadline:
+                return events
+            time.sleep(0.3)
+
+
+def test_reconcile_emits_schedules_changed(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
+    reconcile(now=T0)
+    reconcile(now=T0 + timedelta(minutes=5))  # nothing changed: no event
+    agent.write_schedules([row("s-2", "backup", {"days": ["Mon"], "hours": ["1"], "minute": "0"})])
+    reconcile(now=T0 + timedelta(minutes=10))
+    events = _events("sched.schedules.changed", agent.node, 2)
+    payloads = sorted((e["payload"] for e in events), key=lambda p: p["removed"])
+    assert len(payloads) == 2
+    assert payloads[0]["added_ids"] == ["s-1"]
+    assert payloads[1]["removed_ids"] == ["s-1"]
+    assert payloads[1]["rejected"][0]["id"] == "s-2"
+    assert "Mon" in payloads[1]["rejected"][0]["reason"]
+
+
 # -- run-job --------------------------------------------------------------------------
 
 
@@ -312,6 +366,8 @@ def test_job_runs_its_command_and_logs_the_output(agent: Agent) -> None:
     summary = state.result()
     assert summary["exit_code"] == 0 and summary["attempts"] == 1
     assert "backing up r-1" in _logs(state.state_details.flow_run_id, "backing up")
+    done, = _events("sched.job.completed", agent.node, 1)
+    assert done["payload"]["schedule_id"] == "s-1" and done["payload"]["action"] == "backup"
 
 
 def test_failing_job_is_retried_as_configured_and_shows_failed(agent: Agent) -> None:
@@ -329,6 +385,9 @@ def test_failing_job_is_retried_as_configured_and_shows_failed(agent: Agent) -> 
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
         )
     assert run.state is not None and run.state.is_failed()
+    failed, = _events("sched.job.failed", agent.node, 1)
+    assert failed["payload"]["action"] == "fail"
+    assert failed["payload"]["flow_run_id"] == str(run_id)
     assert run.name == "fail-s-f-" + run.name.rsplit("-", 1)[1]
     assert [task.run_count for task in tasks] == [3]  # 1 try + 2 retries
     assert _logs(run_id, "Finished").count("about to fail") == 3
