@@ -31,8 +31,13 @@ from sched_core.misses import floor_minute, plan_recovery
 def missed_rows(
     scheduler: Scheduler, *, now: datetime, grace: timedelta
 ) -> list[dict[str, str]]:
-    """Return one row per enabled clock schedule whose latest window is past the grace, unfired."""
+    """Return a row per enabled clock schedule whose window left the grace unfired this minute.
+
+    Only windows that crossed the grace since the previous tick are shown, so a
+    missed window is reported once, not every minute until the miss policy acts.
+    """
     cache = scheduler.cache()
+    crossed_after = floor_minute(now) - grace - timedelta(minutes=1)
     rows: list[dict[str, str]] = []
     for row in cache.schedules:
         if not row.enabled or row.schedule.is_event:
@@ -46,7 +51,7 @@ def missed_rows(
             grace=grace,
             tz=scheduler.timezone,
         )
-        if missed is None:
+        if missed is None or missed.window < crossed_after:
             continue
         what = "dropped (skip)" if row.miss_policy is MissPolicy.SKIP else (
             "recovered by the next reconcile's missed-run check"

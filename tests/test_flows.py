@@ -174,11 +174,14 @@ def test_tick_artifact_shows_fired_late_and_missed(agent: Agent) -> None:
     agent.write_schedules([
         row("on-time", "backup", EVERY_HOUR_AT_30),
         row("late", "copy", late),
-        row("missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "10"}),
+        row("missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "24"}),
+        row("long-missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "10"}),
     ])
     agent.register()
     reconcile(now=T0 - timedelta(hours=1))
-    # The missed-run check at T0 - 1 h recovered 'missed' (14:10); nothing since.
+    # The missed-run check at T0 - 1 h recovered 14:24 and 14:10; nothing since.
+    # At 15:30:03 the 15:24 window has just left the 5-minute grace (reported
+    # once); 15:10 left it long ago (reported by an earlier tick, not again).
     assert fire_tick(now=WINDOW + timedelta(seconds=3)) == 2
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
@@ -190,6 +193,7 @@ def test_tick_artifact_shows_fired_late_and_missed(agent: Agent) -> None:
     assert outcomes["on-time"] == "fired"
     assert outcomes["late"] == "fired late"
     assert outcomes["missed"] == "missed: run-once-within-24h"
+    assert "long-missed" not in outcomes
 
 
 # -- reconcile ------------------------------------------------------------------------
