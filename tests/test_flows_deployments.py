@@ -1,0 +1,67 @@
+"""prefect.yaml and deployments/serve.py describe the same four deployments (no server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flows.settings import load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _yaml() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    return data
+
+
+def test_prefect_yaml_deploys_the_four_flows_per_node() -> None:
+    deployments = {d["entrypoint"]: d for d in _yaml()["deployments"]}
+    assert set(deployments) == {
+        "flows/tick.py:fire_tick", "flows/reconcile.py:reconcile",
+        "flows/job.py:run_job", "flows/chain.py:advance_chain",
+    }
+    for item in deployments.values():
+        assert item["name"] == "{{ $SCHED_NODE_NAME }}"
+        assert item["work_pool"]["name"] == "sched-agent"
+        assert item["work_pool"]["work_queue_name"] == "{{ $SCHED_NODE_NAME }}"
+        env = item["work_pool"]["job_variables"]["env"]
+        assert env["PREFECT_LOGGING_EXTRA_LOGGERS"] == "sched_core,flows"
+    tick = deployments["flows/tick.py:fire_tick"]
+    assert tick["schedules"] == [{"cron": "* * * * *", "timezone": "UTC"}]
+    assert tick["concurrency_limit"]["limit"] == 1
+    assert deployments["flows/reconcile.py:reconcile"]["schedules"] == [{"interval": 300}]
+    assert deployments["flows/job.py:run_job"]["schedules"] == []
+    chain = deployments["flows/chain.py:advance_chain"]
+    trigger, = chain["triggers"]
+    assert set(trigger["expect"]) == {"sched.job.completed", "sched.job.failed"}
+    assert trigger["match"] == {"prefect.resource.id": "sched.agent.{{ $SCHED_NODE_NAME }}"}
+    assert trigger["parameters"]["action"] == "{{ event.payload.action }}"
+    assert chain["concurrency_limit"]["limit"] == 1
+
+
+def test_serve_builds_the_same_deployments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from deployments.serve import build_deployments
+
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = load_settings(pull_url="schedules.json", node_name="node-a", state_dir=tmp_path)
+    built = {d.flow_name: d for d in build_deployments(settings)}
+    assert set(built) == {"fire-tick", "reconcile", "run-job", "advance-chain"}
+    assert {d.name for d in built.values()} == {"node-a"}
+    tick_schedule = built["fire-tick"].schedules[0].schedule
+    assert getattr(tick_schedule, "cron", None) == "* * * * *"
+    assert getattr(tick_schedule, "timezone", None) == "UTC"
+    interval = built["reconcile"].schedules[0].schedule
+    assert getattr(interval, "interval", None).total_seconds() == 300
+    assert built["run-job"].schedules in (None, [])
+    trigger, = built["advance-chain"].triggers
+    assert trigger.match.root == {"prefect.resource.id": "sched.agent.node-a"}
+    assert trigger.expect == {"sched.job.completed", "sched.job.failed"}
+    for name in ("fire-tick", "reconcile", "advance-chain"):
+        limit = built[name].concurrency_limit
+        assert getattr(limit, "limit", limit) == 1
