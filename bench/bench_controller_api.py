@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from controller.db import make_engine, migrate  # noqa: E402
-from controller.schedules import put_schedule  # noqa: E402
+from controller.schedules import put_schedule, stored_values  # noqa: E402
 from sched_core.model import LocalSchedule  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -96,7 +96,7 @@ def populate(url: str, count: int) -> float:
     from sqlalchemy import insert
     from sqlmodel import Session
 
-    from controller.models import AgentSchedule, utc_now
+    from controller.models import AgentSchedule
 
     rows = [make_row(index) for index in range(count)]
     engine = make_engine(url)
@@ -104,12 +104,7 @@ def populate(url: str, count: int) -> float:
     try:
         with Session(engine) as session:
             session.execute(insert(AgentSchedule.__table__), [  # type: ignore[attr-defined]
-                {"node": NODE, "id": row.id, "name": row.name, "repo_id": row.repo_id,
-                 "action": row.action, "storage": row.storage,
-                 "schedule": row.schedule.model_dump(mode="json"),
-                 "miss_policy": row.miss_policy.value, "enabled": row.enabled,
-                 "params": row.params, "version": 1, "updated_at": utc_now()}
-                for row in rows[:-1]
+                stored_values(NODE, row, version=1) for row in rows[:-1]
             ])
             session.commit()
             put_schedule(session, NODE, rows[-1])

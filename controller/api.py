@@ -1,8 +1,9 @@
 """The controller's HTTP API: the schedules agents pull, CRUD for schedules and tasks.
 
 Rule: authentication runs before anything reads the request body, and every
-answer about schedules is built from ``LocalSchedule.model_dump_json()``, so the
-bytes on the wire are the Go kit's JSON.
+answer about schedules is built from ``LocalSchedule.model_dump_json()`` (the
+pull answer from each row's stored output of it, see :mod:`controller.schedules`),
+so the bytes on the wire are the Go kit's JSON.
 
 Endpoints (every ``/api`` one needs ``Authorization: Bearer <token>``):
 
@@ -109,7 +110,12 @@ def _reject_constant(name: str) -> Any:
 
 def schedules_body(rows: list[LocalSchedule]) -> bytes:
     """Return the pull answer ``{"schedules":[...]}`` exactly as the Go controller writes it."""
-    return b'{"schedules":[' + ",".join(row.model_dump_json() for row in rows).encode() + b"]}"
+    return wire_body([row.model_dump_json() for row in rows])
+
+
+def wire_body(wires: list[str]) -> bytes:
+    """Return the pull answer from rows' stored wire JSON (as :func:`schedules_body` would)."""
+    return ('{"schedules":[' + ",".join(wires) + "]}").encode()
 
 
 def etag_header(value: str) -> str:
@@ -236,7 +242,7 @@ def create_app(
 
     A pull first reads only the node's ETag: a matching ``If-None-Match`` gets
     304, and an unchanged list is answered from an in-process cache of up to
-    ``pull_cache_bytes``; only a changed list reads and serializes its rows.
+    ``pull_cache_bytes``; only a changed list reads its rows' stored wire JSON.
 
     ``on_task_saved(name)`` is called after a task is saved, so an in-process
     central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
@@ -326,10 +332,10 @@ def create_app(
         etag = in_session(lambda session: current_etag(session, node))
         body = pull_cache.get(node, etag)
         if body is None and not etag_matches(if_none_match, etag):
-            rows, value = in_session(lambda s: schedule_store.list_schedules(s, node))
+            wires, value = in_session(lambda s: schedule_store.list_wire(s, node))
             # The list may have changed since the ETag read: answer with its own ETag.
             etag = etag_header(value)
-            body = schedules_body(rows)
+            body = wire_body(wires)
             pull_cache.put(node, etag, body)
         headers = {"ETag": etag, "Cache-Control": "private, no-cache", "Vary": "Authorization"}
         if etag_matches(if_none_match, etag):

@@ -7,7 +7,8 @@ datetime, so code never compares naive and aware times.
 Tables:
 
 - ``agent_schedule``: the agents' wire-format rows (:class:`sched_core.LocalSchedule`)
-  per node, with a version that increases on every change.
+  per node, with a version that increases on every change, and each row's wire
+  JSON as written (the pull answer is built from it).
 - ``node_revision``: one row per node whose schedule list ever changed; its
   revision (and a random epoch) make the list's ETag.
 - ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
@@ -99,6 +100,9 @@ class AgentSchedule(SQLModel, table=True):
     enabled: bool = True
     params: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     version: int = 1
+    wire: str = Field(sa_type=Text)
+    """The row's ``LocalSchedule.model_dump_json()``, version included: the pull answer
+    splices these strings together instead of validating and serializing every row."""
     updated_at: datetime = Field(
         default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
     )

@@ -598,6 +598,53 @@ def test_pull_cache_serves_only_the_matching_etag_and_evicts_by_size() -> None:
     assert cache.get("c", '"1"') == b"cccc"
 
 
+WIRE_ROWS = [
+    row("b-params", name="a <b> & c \u2028 é", params={"z": 1, "a": [True, None, 1.5],
+                                                        "nested": {"k": "<&>"}}),
+    row("a-interval", storage="", params=None,
+        schedule={"days": ["*"], "hours": ["*"], "minute": "0", "interval_minutes": 15}),
+    row("c-on", action="prune", storage="s3 & <local>", params={},
+        schedule={"days": ["mon"], "hours": ["3"], "minute": "5", "on": "after_wave"}),
+    row("d-plain", name="", repo_id="", miss_policy="skip", enabled=False),
+]
+
+
+def test_uncached_pull_is_byte_for_byte_the_model_built_body(database_url: str) -> None:
+    """The body spliced from stored wire JSON equals the one serialized from validated rows."""
+    from sqlmodel import Session
+
+    engine = make_engine(database_url)
+    try:
+        app = create_app(engine, Tokens(admin=[ADMIN_TOKEN]), pull_cache_bytes=0)
+        with serve_in_thread(app) as base, \
+                httpx.Client(base_url=base, headers=ADMIN, timeout=30) as client:
+            for data in WIRE_ROWS:
+                assert put(client, "wire-db", data).status_code == 200
+            # An update: version 2, a new name and params.
+            changed = row("b-params", name="renamed <again> &", params={"threads": 8})
+            assert put(client, "wire-db", changed).status_code == 200
+            assert put(client, "wire-other", row("x-1")).status_code == 200
+            pulled = client.get("/api/schedules", params={"node": "wire-db"})
+        with Session(engine) as session:
+            models, etag = schedule_store.list_schedules(session, "wire-db")
+            wires, wire_etag = schedule_store.list_wire(session, "wire-db")
+    finally:
+        engine.dispose()
+
+    assert pulled.status_code == 200
+    assert [m.model_dump_json() for m in models] == wires
+    assert pulled.content == schedules_body(models)
+    assert pulled.headers["etag"] == etag == wire_etag
+    inputs = {d["id"]: {**d, "version": 1} for d in WIRE_ROWS}
+    inputs["b-params"] = {**changed, "version": 2}
+    expected = [LocalSchedule.model_validate(inputs[key]) for key in sorted(inputs)]
+    assert pulled.content == schedules_body(expected)
+    raw = pulled.content.decode()
+    assert '"name":"renamed \\u003cagain\\u003e \\u0026"' in raw
+    assert '"interval_minutes":15' in raw and '"on":"after_wave"' in raw
+    assert '"storage":"s3 \\u0026 \\u003clocal\\u003e"' in raw
+
+
 def test_round_trip_on_each_database(database_url: str) -> None:
     """Write, pull, 304, delete and a task through two instances, on SQLite and Postgres."""
     engines = [make_engine(database_url), make_engine(database_url)]

@@ -74,3 +74,60 @@ def test_database_url_defaults_and_normalises(monkeypatch: pytest.MonkeyPatch) -
     assert url.drivername == "postgresql+psycopg" and url.password == "secret"
     assert "secret" not in db.safe_url(url) and db.is_postgres(url)
     assert db.libpq_conninfo(url).startswith("postgresql://u:secret@h:5432/sched")
+
+
+def test_wire_column_is_filled_for_existing_rows_and_dropped_on_downgrade(
+    empty_url: str,
+) -> None:
+    from sqlalchemy import text
+
+    from controller import schedules
+    from sched_core.model import LocalSchedule
+
+    db.migrate(empty_url, "0001")
+    engine = db.make_engine(empty_url)
+    row = {"id": "s-1", "name": "a <b> & c", "repo_id": "r-9", "action": "backup",
+           "storage": "", "schedule": '{"days": ["mon"], "hours": ["2"], "minute": "30"}',
+           "miss_policy": "skip", "enabled": True, "params": '{"threads": 4}', "version": 3}
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO agent_schedule (node, id, name, repo_id, action, storage, schedule,"
+                " miss_policy, enabled, params, version, updated_at) VALUES ('n', :id, :name,"
+                " :repo_id, :action, :storage, :schedule, :miss_policy, :enabled, :params,"
+                " :version, CURRENT_TIMESTAMP)"), row)
+            conn.execute(text(
+                "INSERT INTO node_revision (node, epoch, revision) VALUES ('n', 'e', 1)"))
+        db.migrate(empty_url)
+        with engine.connect() as conn:
+            (wire,) = conn.execute(text("SELECT wire FROM agent_schedule")).one()
+        from sqlmodel import Session
+
+        with Session(engine) as session:
+            (model,), _ = schedules.list_schedules(session, "n")
+        assert wire == model.model_dump_json()
+        assert LocalSchedule.model_validate_json(wire).version == 3
+        db.downgrade(empty_url, "0001")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT id FROM agent_schedule")).scalars().all() == ["s-1"]
+            assert "wire" not in {c["name"] for c in inspect(conn).get_columns("agent_schedule")}
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_names_an_invalid_stored_row(empty_url: str) -> None:
+    from sqlalchemy import text
+
+    db.migrate(empty_url, "0001")
+    engine = db.make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO agent_schedule (node, id, name, repo_id, action, storage, schedule,"
+                " miss_policy, enabled, params, version, updated_at) VALUES ('n', 'bad-1', 'x',"
+                " '', 'backup', '', '{\"days\": [\"someday\"], \"hours\": [\"2\"],"
+                " \"minute\": \"30\"}', 'skip', true, NULL, 1, CURRENT_TIMESTAMP)"))
+    finally:
+        engine.dispose()
+    with pytest.raises(ValueError, match="node='n' id='bad-1'"):
+        db.migrate(empty_url)
