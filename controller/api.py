@@ -135,18 +135,6 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
     return any(part.strip().removeprefix("W/") == wanted for part in if_none_match.split(","))
 
 
-def current_etag(session: Session, node: str) -> str:
-    """Return node's list ETag from its revision row alone, without reading the rows.
-
-    It must equal what :func:`controller.schedules.list_schedules` returns for
-    the same state (``tests/test_controller_api.py`` checks that it does).
-    """
-    revision = session.get(NodeRevision, node)
-    if revision is None:
-        return '"empty"'
-    return f'"{revision.epoch}-{revision.revision}"'
-
-
 class PullCache:
     """The latest pull answer per node, keyed by its ETag; least recently used first out.
 
@@ -329,7 +317,7 @@ def create_app(
     def pull_answer(request: Request, node: str) -> Response:
         require_node(request, node)
         if_none_match = request.headers.get("if-none-match")
-        etag = in_session(lambda session: current_etag(session, node))
+        etag = in_session(lambda session: schedule_store.node_etag(session, node))
         body = pull_cache.get(node, etag)
         if body is None and not etag_matches(if_none_match, etag):
             wires, value = in_session(lambda s: schedule_store.list_wire(s, node))

@@ -71,7 +71,9 @@ def _bump_revision(session: Session, node: str) -> None:
 def node_etag(session: Session, node: str) -> str:
     """Return node's list ETag from its revision row alone (one key lookup, no rows read).
 
-    Always equal to the ETag :func:`list_schedules` returns for the same state.
+    Always equal to the ETag :func:`list_schedules` and :func:`list_wire` return
+    for the same state; the API's pull reads it first, to answer a 304 or a
+    cached body without reading any row.
     """
     revision = session.execute(
         select(_REVISIONS.epoch, _REVISIONS.revision).where(_REVISIONS.node == node)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from controller import schedules as schedule_store
-from controller.api import PullCache, create_app, current_etag, etag_matches, schedules_body
+from controller.api import PullCache, create_app, etag_matches, schedules_body
 from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
 from controller.db import make_engine, migrate
 from controller.server import serve_in_thread
@@ -515,7 +515,8 @@ def test_304_needs_authorization_too(client: httpx.Client) -> None:
                       headers={"If-None-Match": etag}).status_code == 401
 
 
-def test_current_etag_agrees_with_the_stores_list_etag(tmp_path: Path) -> None:
+def test_node_etag_agrees_with_the_stores_list_etags(tmp_path: Path) -> None:
+    """The pull reads node_etag first; it must equal the ETag of the rows it then reads."""
     from sqlmodel import Session
 
     url = f"sqlite:///{tmp_path / 'etag.db'}"
@@ -526,7 +527,8 @@ def test_current_etag_agrees_with_the_stores_list_etag(tmp_path: Path) -> None:
 
             def agree() -> str:
                 _, listed = schedule_store.list_schedules(session, "n")
-                assert current_etag(session, "n") == listed
+                _, wired = schedule_store.list_wire(session, "n")
+                assert schedule_store.node_etag(session, "n") == listed == wired
                 return listed
 
             seen = {agree()}  # never had rows
