@@ -106,6 +106,14 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
     return _WIRE_LIST.validate_python(wire), etag
 
 
+_LIST_WIRE_SQL = (
+    "SELECT r.epoch, r.revision, a.wire FROM node_revision r"
+    " LEFT OUTER JOIN agent_schedule a ON a.node = r.node"
+    " WHERE r.node = {node} ORDER BY a.id"
+)
+_PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
 def list_wire(session: Session, node: str) -> tuple[list[str], str]:
     """Return node's rows as their stored wire JSON strings sorted by id, and the list's ETag.
 
@@ -114,17 +122,22 @@ def list_wire(session: Session, node: str) -> tuple[list[str], str]:
     is decoded or validated. Rows and ETag come from one statement, as in
     :func:`list_schedules`.
     """
-    rows = session.execute(
-        select(_REVISIONS.epoch, _REVISIONS.revision, _COLUMNS.wire)
-        .select_from(_REVISION_TABLE)
-        .outerjoin(_SCHEDULE_TABLE, _COLUMNS.node == _REVISIONS.node)
-        .where(_REVISIONS.node == node)
-        .order_by(_COLUMNS.id)
-    ).all()
+    connection = session.connection()
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    # Straight to the driver: for 10,000 rows SQLAlchemy's result layer costs
+    # more than the query (about 50 ms against 40 ms on Postgres).
+    sql = _LIST_WIRE_SQL.format(node=_PLACEHOLDERS[connection.dialect.paramstyle])
+    cursor = driver.cursor()
+    try:
+        cursor.execute(sql, (node,))
+        rows = cursor.fetchall()
+    finally:
+        cursor.close()
     if not rows:
         return [], '"empty"'
-    etag = _etag(rows[0].epoch, rows[0].revision)
-    return [row.wire for row in rows if row.wire is not None], etag
+    epoch, revision, _ = rows[0]
+    return [wire for _, _, wire in rows if wire is not None], _etag(epoch, revision)
 
 
 def get_schedule(session: Session, node: str, schedule_id: str) -> LocalSchedule | None:
