@@ -6,12 +6,15 @@ sequential keep-alive requests for a few seconds each:
 
 - the baseline: ``GET /healthz`` (auth-free, one single-row read);
 - the full pull with the pull cache off (``--pull-cache-mb 0``): what every
-  pull costs right after the list changed: read 10,000 rows, build the body;
+  pull costs right after the list changed: read 10,000 rows' stored wire JSON,
+  splice the body;
 - the full pull of an unchanged list: ``200``, the body from the ETag-keyed cache;
 - the conditional pull: ``If-None-Match`` with the current ETag, ``304``, no body;
 
 and prints requests per second, p50 and p99, and each figure as a ratio of the
-baseline. ``--write-docs`` puts the table into ``docs/benchmarks.md`` between
+baseline. In the same run it times, in process, building the 10,000-row body
+both ways: validating and serializing every row (what an uncached pull did
+before rows kept their wire JSON) and splicing the stored wire JSON (now). ``--write-docs`` puts the table into ``docs/benchmarks.md`` between
 ``<!-- api:begin -->`` and ``<!-- api:end -->``.
 
 Run: ``.venv/bin/python bench/bench_controller_api.py [--schedules N] [--seconds S]``.
@@ -113,6 +116,38 @@ def populate(url: str, count: int) -> float:
     return time.perf_counter() - started
 
 
+def time_body_paths(url: str, *, repeats: int = 5) -> tuple[float, float]:
+    """Return the median seconds of building NODE's pull body in process, both ways.
+
+    First: ``list_schedules`` + ``schedules_body`` (validate every row, serialize
+    it), what an uncached pull did before rows kept their wire JSON; second:
+    ``list_wire`` + ``wire_body`` (splice the stored strings), what it does now.
+    Alternated in one run, so the machine's load hits both alike.
+    """
+    from sqlmodel import Session
+
+    from controller.api import schedules_body, wire_body
+    from controller.schedules import list_schedules, list_wire
+
+    engine = make_engine(url)
+    models: list[float] = []
+    wires: list[float] = []
+    try:
+        with Session(engine) as session:
+            for _ in range(repeats):
+                started = time.perf_counter()
+                body = schedules_body(list_schedules(session, NODE)[0])
+                models.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                spliced = wire_body(list_wire(session, NODE)[0])
+                wires.append(time.perf_counter() - started)
+                assert spliced == body
+                session.rollback()
+    finally:
+        engine.dispose()
+    return statistics.median(models), statistics.median(wires)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -181,10 +216,16 @@ def measure(
                        p99 * 1000, status, size)
 
 
-def run(url: str, *, count: int, seconds: float) -> tuple[list[Measurement], float]:
-    """Measure the three request kinds against a server over url; return them and setup time."""
+def run(
+    url: str, *, count: int, seconds: float
+) -> tuple[list[Measurement], float, tuple[float, float]]:
+    """Measure the request kinds against a server over url.
+
+    Returns the measurements, the setup time and :func:`time_body_paths`.
+    """
     migrate(url)
     populate_seconds = populate(url, count)
+    body_paths = time_body_paths(url)
     auth = {"Authorization": f"Bearer {NODE_TOKEN}"}
     pull_params = {"node": NODE}
     with serve(url, "--pull-cache-mb", "0") as base, httpx.Client(
@@ -216,7 +257,7 @@ def run(url: str, *, count: int, seconds: float) -> tuple[list[Measurement], flo
         ]
     assert [m.status for m in results] == [200, 200, 200, 304], results
     assert results[1].body_bytes == results[2].body_bytes == len(full.content), results
-    return results, populate_seconds
+    return results, populate_seconds, body_paths
 
 
 @dataclass(frozen=True)
@@ -226,6 +267,8 @@ class Run:
     database: str
     results: list[Measurement]
     populate_s: float
+    body_paths: tuple[float, float]
+    """In-process median seconds to build the body: validate and serialize, splice."""
 
 
 def render(runs: list[Run], *, count: int) -> str:
@@ -259,12 +302,25 @@ def render(runs: list[Run], *, count: int) -> str:
             f"right after a change (p99 {cond.p99_ms:.1f} ms and {cached.p99_ms:.1f} ms against "
             f"{cold.p99_ms:.1f} ms). Storing the rows took {run_.populate_s:.1f} s (bulk insert)."
         )
+        validated, spliced = run_.body_paths
+        lines.append(
+            f"- {run_.database}, in process (no HTTP), the same rows read and turned into the "
+            f"body: validating and serializing them (the uncached pull before rows kept their "
+            f"wire JSON) {validated * 1000:,.0f} ms, splicing their stored wire JSON (now) "
+            f"{spliced * 1000:,.1f} ms, {validated / spliced:,.0f}x less (medians of 5, "
+            "alternated, identical bytes)."
+        )
     lines += [
         "",
         "A pull first reads only the node's ETag (one primary-key lookup): a matching "
-        "`If-None-Match` gets 304 and an unchanged list is answered from a per-process cache "
-        "keyed by that ETag; only a changed list reads and serializes every row. The agents' "
-        "`Scheduler` does not send `If-None-Match`, so the cached 200 is its usual case. "
+        "`If-None-Match` gets 304, an unchanged list is answered from a per-process cache "
+        "keyed by that ETag, and only a list this process has not served since it changed "
+        "is read: each row's wire JSON, stored when the row was written (and validated), "
+        "spliced into the body with nothing decoded or validated. The "
+        "agents' `Scheduler` keeps the ETag in its cache and sends it as `If-None-Match`, so "
+        "the 304 row is the agents' usual case; an agent gets a 200 once after each change "
+        "of its list, from the cache unless it is the first pull of that version on that "
+        "API process. "
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs shared with other work, "
         f"Python {platform.python_version()}; on a shared machine the figures vary between "
         "runs by up to 2x, the ratios within a run much less.",
@@ -335,17 +391,20 @@ def main(argv: list[str] | None = None) -> list[Run]:
             targets = [(name.strip(), "") for name in args.databases.split(",") if name.strip()]
         for name, given in targets:
             if given:
-                results, populate_s = run(given, count=args.schedules, seconds=args.seconds)
+                results, populate_s, paths = run(given, count=args.schedules,
+                                                 seconds=args.seconds)
             elif name.lower() == "sqlite":
                 url = f"sqlite:///{Path(folder) / 'controller.db'}"
-                results, populate_s = run(url, count=args.schedules, seconds=args.seconds)
+                results, populate_s, paths = run(url, count=args.schedules,
+                                                 seconds=args.seconds)
             elif name.lower() == "postgres":
                 with temporary_postgres() as url:
-                    results, populate_s = run(url, count=args.schedules, seconds=args.seconds)
+                    results, populate_s, paths = run(url, count=args.schedules,
+                                                 seconds=args.seconds)
             else:
                 parser.error(f"unknown database {name!r} (expected sqlite or postgres)")
             label = {"sqlite": "SQLite", "postgres": "Postgres"}.get(name.lower(), name)
-            runs.append(Run(label, results, populate_s))
+            runs.append(Run(label, results, populate_s, paths))
     section = render(runs, count=args.schedules)
     print(section)
     if args.write_docs:
