@@ -14,7 +14,8 @@ sequential keep-alive requests for a few seconds each:
 and prints requests per second, p50 and p99, and each figure as a ratio of the
 baseline. In the same run it times, in process, building the 10,000-row body
 both ways: validating and serializing every row (what an uncached pull did
-before rows kept their wire JSON) and splicing the stored wire JSON (now). ``--write-docs`` puts the table into ``docs/benchmarks.md`` between
+before rows kept their wire JSON) and splicing the stored wire JSON (now).
+``--write-docs`` puts the table into ``docs/benchmarks.md`` between
 ``<!-- api:begin -->`` and ``<!-- api:end -->``.
 
 Run: ``.venv/bin/python bench/bench_controller_api.py [--schedules N] [--seconds S]``.
