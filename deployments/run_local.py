@@ -69,11 +69,19 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> b
     return False
 
 
+def say(message: str, *, err: bool = False) -> None:
+    """Print, ignoring a closed terminal or pipe (``make run | tee`` after Ctrl-C)."""
+    try:
+        print(message, file=sys.stderr if err else sys.stdout, flush=True)
+    except OSError:
+        pass
+
+
 def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> None:
     """SIGTERM proc's process group, wait up to grace_s, then SIGKILL the group."""
     if proc is None or proc.poll() is not None:
         return
-    print(f"stopping {name} (pid {proc.pid})...", flush=True)
+    say(f"stopping {name} (pid {proc.pid})...")
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -142,7 +150,7 @@ def main() -> int:
         while not stopping:
             if server.poll() is not None or agent.poll() is not None:
                 which = "server" if server.poll() is not None else "agent"
-                print(f"the {which} exited unexpectedly; stopping", file=sys.stderr)
+                say(f"the {which} exited unexpectedly; stopping", err=True)
                 status = 1
                 break
             time.sleep(0.5)
@@ -150,7 +158,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop(agent, "the agent (serve)", grace_s=30)
         stop(server, "the Prefect server", grace_s=20)
-        print("stopped.", flush=True)
+        say("stopped.")
     return status
 
 

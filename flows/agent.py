@@ -39,6 +39,7 @@ from prefect.events import emit_event
 from flows.actions import window_stamp
 from flows.settings import AgentSettings, load_settings
 from sched_core import Config, Fire, Scheduler
+from sched_core.scheduler import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +107,15 @@ def logical_now(now: datetime | None = None) -> datetime:
     scheduled start keeps the tick in the minute it was meant for.
     """
     if now is not None:
-        if now.tzinfo is None:
-            raise ValueError(f"now {now!r} has no timezone")
-        return now.astimezone(UTC)
+        return as_utc(now)
     from prefect.runtime import flow_run
 
     wall = datetime.now(UTC)
     scheduled = flow_run.scheduled_start_time
     if isinstance(scheduled, datetime) and scheduled.tzinfo is not None:
-        return max(wall, scheduled.astimezone(UTC))
+        # Prefect's DateTime is a pendulum-style subclass whose arithmetic can
+        # drop the zone: hand the kit a plain datetime.
+        return max(wall, as_utc(scheduled))
     return wall
 
 

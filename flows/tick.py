@@ -24,7 +24,7 @@ from flows.agent import (
     run_name,
     slug,
 )
-from sched_core import Fire, MissPolicy, PullError, Scheduler, TickReport, window_key
+from sched_core import MissPolicy, PullError, Scheduler, TickReport
 from sched_core.misses import floor_minute, plan_recovery
 
 
@@ -126,11 +126,7 @@ def fire_tick(now: datetime | None = None) -> int:
                 logger.warning("first pull failed; the reconcile flow retries it: %s", exc)
         # Many due windows: create their runs in bulk first (same keys); the
         # tick's per-fire callback then only confirms them.
-        dispatcher.prefetch([
-            Fire(schedule=row, trigger_key="schedule", missed_recovery=False, window=window,
-                 key=window_key(row.id, window, scheduler.timezone))
-            for row, window, _older in scheduler.due(at)
-        ])
+        dispatcher.prefetch(scheduler.due_fires(at))
         report = scheduler.tick_report(at)
         rows = report_rows(report, dispatcher, scheduler, now=at, grace=settings.grace)
     logger.info(

@@ -31,7 +31,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from sched_core.cache import locked, read_json_file, write_atomic
 from sched_core.errors import ConfigError
 from sched_core.model import LocalSchedule, format_go_time, parse_go_time
-from sched_core.scheduler import Scheduler, utcnow
+from sched_core.scheduler import Scheduler, as_utc
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Chain:
 
     def marks(self, *, now: datetime | None = None) -> dict[str, Mark]:
         """Return the stages' markers as stored on disk."""
-        return self._load(now or utcnow())
+        return self._load(as_utc(now))
 
     def _load(self, now: datetime) -> dict[str, Mark]:
         data = read_json_file(self._path, now=now)
@@ -140,7 +140,7 @@ class Chain:
 
     def on_job_complete(self, action: str, *, now: datetime | None = None) -> list[str]:
         """Feed one job completion to the chain; return the names of the stages it fired."""
-        now = now or utcnow()
+        now = as_utc(now)
         stages = self._spec.stages
         fired_stages: list[str] = []
         with locked(self._path):

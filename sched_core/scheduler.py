@@ -58,6 +58,24 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(value: datetime | None, name: str = "now") -> datetime:
+    """Return value as a plain ``datetime`` in UTC (the wall clock for None).
+
+    Subclasses such as Prefect's pendulum-style ``DateTime`` are turned into the
+    standard type, whose arithmetic and comparisons the kit relies on; a naive
+    value is a ``ValueError`` naming it.
+    """
+    if value is None:
+        return utcnow()
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} {value!r} is naive; pass a timezone-aware datetime")
+    utc = value.astimezone(UTC)
+    return datetime(
+        utc.year, utc.month, utc.day, utc.hour, utc.minute, utc.second, utc.microsecond,
+        tzinfo=UTC,
+    )
+
+
 @dataclass(frozen=True)
 class Fire:
     """One fire handed to the agent's callback."""
@@ -190,7 +208,7 @@ class Scheduler:
         self._client = config.http_client
         self._owns_client = False
         with self._locked():
-            self._reload(now or utcnow())
+            self._reload(as_utc(now))
 
     # -- state -------------------------------------------------------------
 
@@ -292,12 +310,18 @@ class Scheduler:
             key=window_key(row.id, window, self._tz),
         )
 
+    @property
+    def fire_grace(self) -> timedelta:
+        """How late a tick may still fire a window."""
+        return self._config.fire_grace
+
     def due(self, now: datetime) -> list[tuple[LocalSchedule, datetime, int]]:
         """Return (schedule, window, older windows coalesced) for each schedule due at now.
 
         Pure over the loaded cache: the latest eligible window in
         ``[now - grace, now]`` per enabled clock schedule.
         """
+        now = as_utc(now)
         grace = self._config.fire_grace
         last_fired, first_seen = self._cache.last_fired_at, self._cache.first_seen_at
         floors: dict[str, datetime | None] = {}
@@ -339,13 +363,24 @@ class Scheduler:
             self._save()
         return fired, failed
 
+    def due_fires(self, now: datetime | None = None) -> list[Fire]:
+        """Return the fires a tick at now would make, without firing or stamping anything.
+
+        For callers that prepare the work in bulk first (the Prefect tick creates
+        the runs in one request) and then run ``tick`` with the same keys.
+        """
+        now = as_utc(now)
+        with self._locked():
+            self._reload(now)
+            return [self._window_fire(row, w, recovery=False) for row, w, _ in self.due(now)]
+
     def tick(self, now: datetime | None = None) -> int:
         """Fire each enabled schedule's latest unfired window in the grace; return the count."""
         return len(self.tick_report(now).fired)
 
     def tick_report(self, now: datetime | None = None) -> TickReport:
         """Run one tick and return what it fired, coalesced and failed."""
-        now = now or utcnow()
+        now = as_utc(now)
         coalesced: dict[str, int] = {}
         with self._locked():
             self._reload(now)
@@ -366,7 +401,7 @@ class Scheduler:
 
     def missed_run_report(self, now: datetime | None = None) -> TickReport:
         """Run the missed-run check and return what it fired and failed."""
-        now = now or utcnow()
+        now = as_utc(now)
         truncated: dict[str, int] = {}
         with self._locked():
             self._reload(now)
@@ -423,7 +458,7 @@ class Scheduler:
         its stage and day), else ``<id>@<trigger_key>@<UTC minute>``. Each
         success stamps the schedule's last fire with now, as the Go kit does.
         """
-        now = now or utcnow()
+        now = as_utc(now)
         suffix = key or f"{trigger_key}@{floor_minute(now).strftime('%Y-%m-%dT%H:%MZ')}"
         fired: list[Fire] = []
         failed: list[tuple[Fire, str]] = []
@@ -522,7 +557,7 @@ class Scheduler:
         invalid row is dropped with a warning, and if its id was cached before
         its last good version is kept.
         """
-        now = now or utcnow()
+        now = as_utc(now)
         shown = redact_url(self._config.pull_url)
         with self._mutex:
             cache = self._cache

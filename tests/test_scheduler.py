@@ -524,3 +524,17 @@ def test_unchanged_list_costs_a_304(tmp_path: Path) -> None:
     other = agent_for("https://controller.test/api/schedules?node=node-b")
     other.pull(now=T0 + timedelta(minutes=6))
     assert seen[-1] is None
+
+
+def test_datetime_subclasses_and_naive_times(tmp_path: Path) -> None:
+    # Prefect hands flows a pendulum-style DateTime whose arithmetic can drop the zone.
+    from prefect.types._datetime import DateTime
+
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    early = DateTime(2026, 11, 30, 15, 0, 0, tzinfo=UTC)  # a tick started on the dot
+    assert agent.scheduler.due_fires(early)[0].key == "a@2026-11-30T10:00-05:00"
+    assert agent.scheduler.tick(now=early) == 1
+    assert type(agent.fired[0].window) is datetime
+    with pytest.raises(ValueError, match="is naive"):
+        agent.scheduler.tick(now=datetime(2026, 11, 30, 15, 1))
