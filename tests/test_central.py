@@ -221,8 +221,11 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Stubbed: what is sent. tests/test_controller_dispatch.py checks it on a real server."""
+    # prefect.deployments.flow_runs is imported before get_client is patched: imported
+    # while it is, it would keep the fake for the rest of the session.
     import prefect.client.orchestration
     import prefect.deployments
+    import prefect.deployments.flow_runs
 
     calls: list[tuple[str, Any]] = []
 
