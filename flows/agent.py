@@ -219,8 +219,13 @@ class Dispatcher:
                 deployment = client.read_deployment_by_name(self.target)
                 for start in range(0, len(fires), BULK_MAX):
                     chunk = fires[start:start + BULK_MAX]
+                    # The parameters are built here, not typed by a user, and run-job
+                    # validates them when it runs: skipping the server's JSON-schema
+                    # check per run made 300 creates ~35% faster (bench_dispatch).
                     body = [
-                        {**self._job(fire), "state": {"type": "SCHEDULED"}} for fire in chunk
+                        {**self._job(fire), "state": {"type": "SCHEDULED"},
+                         "enforce_parameter_schema": False}
+                        for fire in chunk
                     ]
                     response = client.request(
                         "POST",
