@@ -22,7 +22,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import field_validator, model_validator
 from sqlalchemy import JSON, Column, DateTime, Index, Text, UniqueConstraint
@@ -30,6 +29,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
+from sched_core.matcher import zone
 from sched_core.model import Schedule
 
 DEFAULT_TIMEZONE = "America/New_York"
@@ -206,10 +206,7 @@ class TaskIn(SQLModel):
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
-        try:
-            ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise ValueError(f"unknown timezone {value!r}") from exc
+        zone(value)  # an unknown name is a ValueError naming it
         return value
 
     @field_validator("run_at")

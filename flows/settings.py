@@ -16,7 +16,7 @@ import string
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 from pydantic import (
     BaseModel,
@@ -35,6 +35,7 @@ from pydantic_settings import (
 )
 
 from sched_core import ConfigError
+from sched_core.matcher import zone
 
 CONFIG_ENV = "SCHED_CONFIG"
 """The environment variable naming the TOML configuration file."""
@@ -166,10 +167,7 @@ class AgentSettings(BaseSettings):
     @field_validator("timezone")
     @classmethod
     def _check_timezone(cls, value: str) -> str:
-        try:
-            ZoneInfo(value)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise ValueError(f"unknown timezone {value!r}") from exc
+        zone(value)  # an unknown name is a ValueError naming it
         return value
 
     @field_validator("node_name")

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 from sched_core.cache import locked, read_json_file, write_atomic
 from sched_core.errors import ConfigError
+from sched_core.matcher import zone
 from sched_core.model import LocalSchedule, format_go_time, parse_go_time
 from sched_core.scheduler import Scheduler, as_utc
 
@@ -109,8 +110,8 @@ class Chain:
         tz = spec.timezone or scheduler.timezone
         if isinstance(tz, str):
             try:
-                tz = ZoneInfo(tz)
-            except (ZoneInfoNotFoundError, ValueError) as exc:
+                tz = zone(tz)
+            except ValueError as exc:
                 raise ConfigError(f"Spec.timezone {tz!r} is unknown") from exc
         self._tz: ZoneInfo = tz
         self._scheduler = scheduler

@@ -7,12 +7,12 @@ import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 import typer
 
 from sched_core.cache import validate_rows
-from sched_core.matcher import DEFAULT_TZ, fire_times, matches
+from sched_core.matcher import DEFAULT_TZ, fire_times, matches, zone
 from sched_core.model import DAY_NAMES, LocalSchedule, Schedule
 from sched_core.scheduler import utcnow
 
@@ -21,9 +21,9 @@ app = typer.Typer(help="Schedules defined centrally, fired locally.", no_args_is
 
 def _zone(name: str) -> ZoneInfo:
     try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
-        raise typer.BadParameter(f"unknown timezone {name!r}") from exc
+        return zone(name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
 
 
 def _parse_at(text: str | None, tz: ZoneInfo) -> datetime:

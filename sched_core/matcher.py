@@ -30,7 +30,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
-from zoneinfo import ZoneInfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from sched_core.model import DAY_NAMES, Schedule
 
@@ -41,10 +41,19 @@ __all__ = [
     "matches",
     "next_fire",
     "window_key",
+    "zone",
 ]
 
 DEFAULT_TZ = ZoneInfo("America/New_York")
 """The zone every function uses when none is given, as in the Go kit."""
+
+
+def zone(name: str) -> ZoneInfo:
+    """Return the IANA zone called name; an unknown name is a ValueError naming it."""
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ValueError(f"unknown timezone {name!r}") from exc
 
 DAY = 86_400
 HORIZON = 8 * DAY

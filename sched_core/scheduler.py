@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo
 
 import httpx
 
@@ -40,7 +40,7 @@ from sched_core.cache import (
 )
 from sched_core.errors import ConfigError, PullError
 from sched_core.index import DueIndex
-from sched_core.matcher import DEFAULT_TZ, window_key
+from sched_core.matcher import DEFAULT_TZ, window_key, zone
 from sched_core.misses import eligible_after, floor_minute, plan_recovery
 from sched_core.model import Cache, LocalSchedule
 
@@ -121,8 +121,8 @@ class Config:
             )
         if isinstance(self.timezone, str):
             try:
-                self.timezone = ZoneInfo(self.timezone)
-            except (ZoneInfoNotFoundError, ValueError) as exc:
+                self.timezone = zone(self.timezone)
+            except ValueError as exc:
                 raise ConfigError(f"Config.timezone {self.timezone!r} is unknown") from exc
         for name in ("fire_interval", "pull_interval", "fire_grace"):
             value = getattr(self, name)
