@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.rows import namedtuple_row
 from sqlalchemy import (
     String,
     Table,
@@ -144,7 +143,7 @@ def _driver_rows(session: Session, sql: str, params: dict[str, Any]) -> list[Any
     driver = session.connection().connection.driver_connection
     assert driver is not None
     try:
-        with driver.cursor(row_factory=namedtuple_row) as cursor:
+        with driver.cursor() as cursor:  # plain tuples: the cheapest rows psycopg builds
             cursor.execute(sql, params)
             rows = list(cursor.fetchall())
         if not driver.autocommit:
@@ -334,19 +333,14 @@ def _utc(value: datetime) -> datetime:
 
 
 def _claim_from_row(row: Any) -> Claim:
+    """Build a Claim from a row whose first columns are ``_CLAIM_COLUMNS``, in that order.
+
+    Positional: a claim batch builds one per row on the hot path, and plain
+    tuples are the cheapest rows the driver makes (SQLAlchemy rows index too).
+    """
     return Claim(
-        task_id=row.id,
-        name=row.name,
-        scheduled_at=_utc(row.next_run_at),
-        worker_id=row.locked_by,
-        locked_until=_utc(row.locked_until),
-        event=row.event,
-        deployment=row.deployment,
-        payload=row.payload or {},
-        cron=row.cron,
-        schedule=row.schedule,
-        timezone=row.timezone,
-        attempts=row.attempts,
+        row[0], row[1], _utc(row[2]), row[3], _utc(row[4]), row[5], row[6], row[7] or {},
+        row[8], row[9], row[10], row[11],
     )
 
 
@@ -635,7 +629,7 @@ def claim_for_dispatch_on(
     if not conn.autocommit:
         raise ValueError("claim_for_dispatch_on needs an autocommit connection")
     params = _claim_for_dispatch_params(worker_id, now, lease, limit, stale_after)
-    with conn.cursor(row_factory=namedtuple_row) as cursor:
+    with conn.cursor() as cursor:
         cursor.execute(_CLAIM_FOR_DISPATCH_SQL, params)
         return _outcomes(cursor.fetchall())
 
@@ -659,9 +653,10 @@ def _claim_for_dispatch_params(
 def _outcomes(rows: list[Any]) -> list[tuple[Claim, DispatchOutcome]]:
     result: list[tuple[Claim, DispatchOutcome]] = []
     for row in rows:
-        if row.owned:
+        # Columns: _CLAIM_COLUMNS, then owned and the existing record's status.
+        if row[12]:
             outcome = DispatchOutcome.OWNED
-        elif row.record_status == DispatchStatus.DISPATCHED.value:
+        elif row[13] == DispatchStatus.DISPATCHED.value:
             outcome = DispatchOutcome.DONE
         else:
             outcome = DispatchOutcome.BUSY

@@ -2,6 +2,8 @@
 -- Due: next_run_at <= now and no live lease (locked_until is null or < now).
 -- The picked rows are locked FOR UPDATE SKIP LOCKED, so concurrent claimers
 -- get disjoint sets and never wait for each other. %(now)s NULL means now().
+-- Rows are read by position: keep the RETURNING columns in the order of
+-- store._CLAIM_COLUMNS.
 UPDATE scheduled_task AS t
 SET locked_by = %(worker_id)s,
     locked_until = coalesce(CAST(%(now)s AS timestamptz), now())

@@ -9,6 +9,8 @@
 -- 4. For the rest, report the existing record's status as of this statement's
 --    snapshot (NULL when a concurrent claimer inserted it: treat as busy).
 -- %(now)s NULL means the database's now().
+-- Rows are read by position: store._CLAIM_COLUMNS (the claimed CTE's RETURNING
+-- order), then owned, then record_status.
 WITH picked AS (
     SELECT id
     FROM scheduled_task
