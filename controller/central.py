@@ -21,6 +21,18 @@ Each instance runs two threads:
 
 SQLite has no notifications: the loop polls, and a save in the same process
 wakes it (:func:`controller.store.subscribe_saves`).
+
+Commits on Postgres: the claim (lease + dispatch record) commits asynchronously
+(``synchronous_commit = off`` on the two connections that claim), so a
+dispatch starts without waiting for the disk's flush; the completion and a
+failure commit durably, and that flush also makes the earlier claim durable
+(the WAL is written in order). Only a crash of the database server between a
+claim and its completion can lose the claim, and that is safe: the
+(task, scheduled time) is claimed again and dispatched with the same
+idempotency key, which Prefect deduplicates (one event per id, one flow run
+per key), exactly as after a durable claim whose worker died mid-dispatch.
+Concurrent instances see an asynchronous commit at once, so it changes
+nothing for them. ``durable_claims=True`` makes the claim wait for the flush too.
 """
 
 from __future__ import annotations
@@ -102,6 +114,8 @@ class CentralScheduler:
     ``stale_after`` (when a dispatch record left "dispatching" is taken over).
     With ``claim_on_notify`` (the default) the listener thread claims on its own
     connection as soon as a notification arrives, instead of waking the loop.
+    ``durable_claims`` makes claims wait for the WAL flush (see the module
+    docstring for why the default does not).
 
     ``start()`` runs it in background threads, ``stop()`` ends them and closes
     every connection it opened; it is also a context manager. ``run_once()``
@@ -126,6 +140,7 @@ class CentralScheduler:
         health_interval: float = 30.0,
         wake_on_local_saves: bool = True,
         claim_on_notify: bool = True,
+        durable_claims: bool = False,
     ) -> None:
         self.url: URL = database.url if isinstance(database, Engine) else database_url(database)
         self.worker_id = worker_id or default_worker_id()
@@ -142,6 +157,7 @@ class CentralScheduler:
         self.health_interval = health_interval
         self.wake_on_local_saves = wake_on_local_saves
         self.claim_on_notify = claim_on_notify
+        self.durable_claims = durable_claims
         self.is_postgres = self.url.get_backend_name() == "postgresql"
 
         self.listen_connects = 0
@@ -154,6 +170,7 @@ class CentralScheduler:
         """Set while the loop is idle, waiting for work (benchmarks wait on it)."""
 
         self._engine: Engine | None = None
+        self._claimer: Engine | None = None
         self._autocommit: Engine | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -191,9 +208,25 @@ class CentralScheduler:
                     self._autocommit = self._engine.execution_options(
                         isolation_level="AUTOCOMMIT"
                     )
+                    # One connection for the loop's claims and wake-up lookups (both
+                    # on the loop thread); each claim is one statement, so autocommit.
+                    self._claimer = make_engine(
+                        self.url,
+                        application_name=self.application_name,
+                        pool_size=1,
+                        max_overflow=0,
+                        pool_pre_ping=False,
+                        options=self._claim_options,
+                        isolation_level="AUTOCOMMIT",
+                    )
                 if self.wake_on_local_saves:
                     store.subscribe_saves(self._engine, self._wake)
             return self._engine
+
+    @property
+    def _claim_options(self) -> str | None:
+        """Server settings of the connections that claim (see the module docstring)."""
+        return None if self.durable_claims else "-c synchronous_commit=off"
 
     def start(self) -> None:
         """Start the loop (and, on Postgres, the listener) in background threads."""
@@ -229,9 +262,12 @@ class CentralScheduler:
         with self._lock:
             conn, self._listen_conn = self._listen_conn, None
             engine, self._engine = self._engine, None
+            claimer, self._claimer = self._claimer, None
             self._autocommit = None
         _close_quietly(conn)
         self.listening.clear()
+        if claimer is not None:
+            claimer.dispose()
         if engine is not None:
             if self.wake_on_local_saves:
                 store.unsubscribe_saves(engine, self._wake)
@@ -275,7 +311,8 @@ class CentralScheduler:
 
     def seconds_to_next_due(self) -> float:
         """Return how long to wait for the earliest due task, at most the poll interval."""
-        with Session(self._ensure_engine()) as session:
+        engine = self._ensure_engine()
+        with Session(self._claimer or engine) as session:
             earliest = store.earliest_next_run_at(session)
             if earliest is None:
                 return self.poll_interval
@@ -297,7 +334,7 @@ class CentralScheduler:
         engine = self._ensure_engine()
         with self._pass_lock:
             # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
-            with Session(self._autocommit or engine) as session:
+            with Session(self._claimer or engine) as session:
                 pairs = store.claim_for_dispatch(
                     session, worker_id=self.worker_id, now=now, lease=self.lease,
                     limit=self.batch_size, stale_after=self.stale_after,
@@ -325,7 +362,8 @@ class CentralScheduler:
                     if self._handle(session, claim, outcome, now=now):
                         finished.append(claim)
             finally:
-                # One statement on Postgres: it needs no transaction around it either.
+                # One statement on Postgres, committed durably (the pool's
+                # connections), which also makes the batch's claim durable.
                 with Session(self._autocommit or engine) as completer:
                     store.complete_many(completer, finished, now=now)
 
@@ -395,14 +433,15 @@ class CentralScheduler:
 
     def _connect_listener(self) -> psycopg.Connection[Any]:
         """Return a new connection already listening; close it and raise on any failure."""
-        conn = psycopg.connect(
-            libpq_conninfo(self.url),
-            autocommit=True,
-            application_name=self.listen_application_name,
-            connect_timeout=10,
-            keepalives=1,
-            keepalives_idle=30,
-        )
+        settings: dict[str, Any] = {
+            "application_name": self.listen_application_name,
+            "connect_timeout": 10,
+            "keepalives": 1,
+            "keepalives_idle": 30,
+        }
+        if self._claim_options:  # it claims too, after each notification
+            settings["options"] = self._claim_options
+        conn = psycopg.connect(libpq_conninfo(self.url), autocommit=True, **settings)
         try:
             conn.execute(f"LISTEN {store.NOTIFY_CHANNEL}")
         except BaseException:

@@ -89,6 +89,7 @@ def make_engine(
     pool_size: int = 5,
     max_overflow: int = 5,
     pool_pre_ping: bool = True,
+    options: str | None = None,
     **kwargs: Any,
 ) -> Engine:
     """Return a new engine for url (see :func:`database_url`); the caller disposes it.
@@ -96,7 +97,9 @@ def make_engine(
     On SQLite the file's folder is created, and every connection gets WAL mode,
     foreign keys and a 30 s busy timeout. On Postgres every connection carries
     ``application_name`` so ``pg_stat_activity`` can count them, and the pool
-    holds at most ``pool_size + max_overflow`` connections.
+    holds at most ``pool_size + max_overflow`` connections; ``options`` are
+    server settings for every connection (libpq ``options``, e.g.
+    ``"-c synchronous_commit=off"``).
     """
     parsed = database_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -113,7 +116,8 @@ def make_engine(
     if parsed.get_backend_name() == "postgresql":
         return create_engine(
             parsed,
-            connect_args={"application_name": application_name},
+            connect_args={"application_name": application_name,
+                          **({"options": options} if options else {})},
             pool_size=pool_size,
             max_overflow=max_overflow,
             pool_pre_ping=pool_pre_ping,

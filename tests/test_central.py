@@ -196,6 +196,32 @@ def test_stop_closes_every_connection_it_opened(postgres_url: str, pg_admin_url:
     assert _wait_until(lambda: _connections(pg_admin_url, "w-close") == 0)
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize(("durable_claims", "claims_commit"), [(False, "off"), (True, "on")])
+def test_claims_commit_asynchronously_and_completions_durably(
+    postgres_url: str, durable_claims: bool, claims_commit: str
+) -> None:
+    """The two claiming connections skip the flush unless asked; the pool never does."""
+    scheduler = CentralScheduler(postgres_url, worker_id="w-commit", durable_claims=durable_claims,
+                                 dispatcher=RecordingDispatcher())
+    engine = scheduler._ensure_engine()
+    listener = scheduler._connect_listener()
+    try:
+        assert scheduler._claimer is not None
+        with scheduler._claimer.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == claims_commit
+        assert listener.execute("SHOW synchronous_commit").fetchone() == (claims_commit,)
+        with engine.connect() as conn:  # completions, failures, releases
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+        # And a pass on those connections still claims, dispatches and completes.
+        _save(engine, {"name": "async", "run_at": T0, "event": "x"})
+        assert scheduler.run_once() == 1
+        assert _task(engine, "async").status == TaskStatus.DONE
+    finally:
+        listener.close()
+        scheduler.stop()
+
+
 def _connections(admin_url: str, worker_id: str) -> int:
     with psycopg.connect(db.libpq_conninfo(admin_url), autocommit=True) as conn:
         row = conn.execute(

@@ -212,7 +212,7 @@ def test_listener_killed_50_times_loses_no_task_and_leaks_no_connection(
         saver.dispose()
     assert sorted(name for name, _ in recorder.keys()) == [f"t{i:02d}" for i in range(50)]
     assert scheduler.listen_connects >= 51
-    # The pool (2 + 1 overflow), the listener, and at most one backend still exiting.
+    # The pool (2), the claim connection, the listener, and at most one backend exiting.
     assert most <= 5
     end = time.monotonic() + DEADLINE
     while _scheduler_connections(pg_admin_url, scheduler) and time.monotonic() < end:
