@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import field_validator, model_validator
-from sqlalchemy import JSON, Column, DateTime, Index, Text, UniqueConstraint
+from sqlalchemy import JSON, Column, DateTime, Index, String, Text, UniqueConstraint
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
@@ -68,6 +68,10 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+NAME_TYPE = String(200).with_variant(String(200, collation="C"), "postgresql")
+"""Names (nodes, schedule ids, task names) sort by code point on Postgres as on SQLite."""
+
+
 class TaskStatus(StrEnum):
     """Whether the central scheduler fires a task."""
 
@@ -89,8 +93,8 @@ class AgentSchedule(SQLModel, table=True):
 
     __tablename__ = "agent_schedule"
 
-    node: str = Field(primary_key=True, max_length=200)
-    id: str = Field(primary_key=True, max_length=200)
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    id: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
     name: str = Field(sa_type=Text)
     repo_id: str = Field(default="", sa_type=Text)
     action: str = Field(sa_type=Text)
@@ -113,7 +117,7 @@ class NodeRevision(SQLModel, table=True):
 
     __tablename__ = "node_revision"
 
-    node: str = Field(primary_key=True, max_length=200)
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
     epoch: str = Field(max_length=40)
     revision: int = 1
 
@@ -125,7 +129,7 @@ class ScheduledTask(SQLModel, table=True):
     __table_args__ = (Index("ix_scheduled_task_due", "status", "next_run_at"),)
 
     id: int | None = Field(default=None, primary_key=True)
-    name: str = Field(max_length=200, unique=True)
+    name: str = Field(max_length=200, unique=True, sa_type=NAME_TYPE)
     cron: str | None = Field(default=None, sa_type=Text)
     schedule: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     timezone: str = Field(default=DEFAULT_TIMEZONE, max_length=64)
@@ -162,10 +166,11 @@ class TaskDispatch(SQLModel, table=True):
     __tablename__ = "task_dispatch"
     __table_args__ = (
         UniqueConstraint("task_name", "scheduled_at", name="uq_task_dispatch_task_time"),
+        Index("ix_task_dispatch_scheduled_at", "scheduled_at"),
     )
 
     id: int | None = Field(default=None, primary_key=True)
-    task_name: str = Field(max_length=200)
+    task_name: str = Field(max_length=200, sa_type=NAME_TYPE)
     scheduled_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
     worker_id: str = Field(max_length=200)
     status: str = Field(default=DispatchStatus.DISPATCHING.value, max_length=16)

@@ -131,3 +131,44 @@ def test_upgrade_names_an_invalid_stored_row(empty_url: str) -> None:
         engine.dispose()
     with pytest.raises(ValueError, match="node='n' id='bad-1'"):
         db.migrate(empty_url)
+
+
+def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
+    """A pull lists a node's rows in the same (byte) order on SQLite and Postgres."""
+    import json
+
+    from sqlalchemy import text
+    from sqlmodel import Session
+
+    from controller import schedules
+    from sched_core.model import LocalSchedule
+
+    db.migrate(empty_url)
+    ids = ["b-1", "B-2", "a_1", "a-2", "a1", "\u00e9t\u00e9", "Z", "_x", "~y"]
+    engine = db.make_engine(empty_url)
+    try:
+        with Session(engine) as session:
+            for schedule_id in ids:
+                schedules.put_schedule(session, "n", LocalSchedule.model_validate({
+                    "id": schedule_id, "name": schedule_id, "action": "backup",
+                    "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+                    "miss_policy": "skip", "enabled": True,
+                }))
+            listed, _ = schedules.list_schedules(session, "n")
+            wire, _ = schedules.list_wire(session, "n")
+        assert [row.id for row in listed] == sorted(ids)
+        assert [json.loads(row)["id"] for row in wire] == sorted(ids)
+        if db.is_postgres(empty_url):
+            query = text("SELECT table_name || '.' || column_name, collation_name"
+                         " FROM information_schema.columns WHERE table_name || '.' ||"
+                         " column_name IN ('agent_schedule.node', 'agent_schedule.id',"
+                         " 'node_revision.node', 'scheduled_task.name', 'task_dispatch.task_name')")
+            with engine.connect() as conn:
+                assert {row[0]: row[1] for row in conn.execute(query)} == dict.fromkeys(
+                    ["agent_schedule.node", "agent_schedule.id", "node_revision.node",
+                     "scheduled_task.name", "task_dispatch.task_name"], "C")
+            db.downgrade(empty_url, "0002")
+            with engine.connect() as conn:
+                assert {row[1] for row in conn.execute(query)} == {None}
+    finally:
+        engine.dispose()
