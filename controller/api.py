@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -395,6 +395,23 @@ def create_app(
         if found is None:
             raise HTTPException(404, f"no task {name!r}")
         return JSONResponse(found)
+
+    @app.get("/api/tasks/{name}/dispatches")
+    def list_task_dispatches(
+        request: Request, name: str, limit: int = Query(100, ge=1, le=1000)
+    ) -> JSONResponse:
+        require_admin(request)
+
+        def read(session: Session) -> list[dict[str, Any]] | None:
+            if task_store.get_task(session, name) is None:
+                return None
+            return [r.model_dump(mode="json")
+                    for r in task_store.list_dispatches(session, name, newest=limit)]
+
+        found = in_session(read)
+        if found is None:
+            raise HTTPException(404, f"no task {name!r}")
+        return JSONResponse({"dispatches": found})
 
     @app.put("/api/tasks/{name}")
     async def put_task(request: Request, name: str) -> Response:

@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
@@ -53,6 +53,7 @@ from sqlmodel import Session
 
 from controller import store
 from controller.db import database_url, libpq_conninfo, make_engine
+from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
 from controller.dispatch import Dispatcher, PrefectDispatcher
 from controller.store import Claim, DispatchOutcome
 from sched_core.errors import ConfigError
@@ -112,6 +113,12 @@ class CentralScheduler:
     default ``SCHED_RETRY_DELAY`` or 1 s, capped at ``max_retry_delay``),
     ``dispatch_retry_delay`` (backoff base after a failed dispatch) and
     ``stale_after`` (when a dispatch record left "dispatching" is taken over).
+    After ``max_attempts`` failed dispatches of one (task, scheduled time) it
+    gives up on that time (:func:`controller.store.give_up`: a recurring task
+    moves on to its next run, a one-shot task is disabled, the failed dispatch
+    record stays; 0 retries forever). Every ``prune_interval`` seconds the loop
+    deletes finished dispatch records scheduled more than ``dispatch_retention``
+    seconds ago (None keeps them all).
     With ``claim_on_notify`` (the default) the listener thread claims on its own
     connection as soon as a notification arrives, instead of waking the loop.
     ``durable_claims`` makes claims wait for the WAL flush (see the module
@@ -141,7 +148,16 @@ class CentralScheduler:
         wake_on_local_saves: bool = True,
         claim_on_notify: bool = True,
         durable_claims: bool = False,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        dispatch_retention: float | None = DEFAULT_DISPATCH_RETENTION,
+        prune_interval: float = 3600.0,
     ) -> None:
+        if max_attempts < 0:
+            raise ConfigError(f"max_attempts={max_attempts} must be 0 (no limit) or more")
+        if dispatch_retention is not None and not dispatch_retention > 0:
+            raise ConfigError(
+                f"dispatch_retention={dispatch_retention} must be a positive number of seconds"
+            )
         self.url: URL = database.url if isinstance(database, Engine) else database_url(database)
         self.worker_id = worker_id or default_worker_id()
         self.dispatcher: Dispatcher = dispatcher or PrefectDispatcher()
@@ -158,6 +174,11 @@ class CentralScheduler:
         self.wake_on_local_saves = wake_on_local_saves
         self.claim_on_notify = claim_on_notify
         self.durable_claims = durable_claims
+        self.max_attempts = max_attempts
+        self.dispatch_retention = dispatch_retention
+        self.prune_interval = prune_interval
+        self.gave_up = 0
+        """How many (task, scheduled time) this instance gave up on."""
         self.is_postgres = self.url.get_backend_name() == "postgresql"
 
         self.listen_connects = 0
@@ -290,10 +311,14 @@ class CentralScheduler:
 
     def _run_loop(self) -> None:
         failures = 0
+        next_prune = time.monotonic()
         while not self._stopping.is_set():
             # Cleared before claiming: a save during the pass wakes the next wait.
             self._wake.clear()
             try:
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + self.prune_interval
+                    self.prune_dispatches()
                 count = self.run_once()
                 wait = 0.0 if count >= self.batch_size else self.seconds_to_next_due()
                 failures = 0
@@ -308,6 +333,23 @@ class CentralScheduler:
                 self.waiting.set()
                 self._wake.wait(wait)
                 self.waiting.clear()
+
+    def prune_dispatches(self, *, now: datetime | None = None) -> int:
+        """Delete finished dispatch records older than the retention; return how many.
+
+        ``now`` pins the clock (tests); None reads the database's. Several
+        instances may prune at once: a record is deleted once either way.
+        """
+        if self.dispatch_retention is None:
+            return 0
+        with Session(self._ensure_engine()) as session:
+            current = now or store.db_now(session)
+            before = current - timedelta(seconds=self.dispatch_retention)
+            deleted = store.prune_dispatches(session, before=before)
+        if deleted:
+            log.info("pruned old dispatch records", extra=self._log_extra(
+                count=deleted, scheduled_before=before.isoformat()))
+        return deleted
 
     def seconds_to_next_due(self) -> float:
         """Return how long to wait for the earliest due task, at most the poll interval."""
@@ -414,16 +456,26 @@ class CentralScheduler:
         try:
             self.dispatcher(claim)
         except Exception as exc:
-            delay = backoff(
-                claim.attempts + 1, base=self.dispatch_retry_delay,
-                cap=self.max_dispatch_retry_delay,
-            )
+            attempts = claim.attempts + 1
             error = f"{type(exc).__name__}: {exc}"
+            if self.max_attempts and attempts >= self.max_attempts:
+                store.give_up(session, claim, error, attempts=attempts, now=now)
+                self.gave_up += 1
+                log.error(
+                    "dispatch failed %d times; gave up on this scheduled time (%s)",
+                    attempts,
+                    "the task moves on to its next run" if claim.is_recurring
+                    else "the one-shot task is now disabled",
+                    extra={**extra, "error": error, "attempts": attempts},
+                )
+                return False
+            delay = backoff(
+                attempts, base=self.dispatch_retry_delay, cap=self.max_dispatch_retry_delay,
+            )
             store.fail(session, claim, error, retry_delay=delay, now=now)
             log.warning(
                 "dispatch failed; will retry",
-                extra={**extra, "error": error, "retry_in": delay,
-                       "attempts": claim.attempts + 1},
+                extra={**extra, "error": error, "retry_in": delay, "attempts": attempts},
             )
             return False
         self.dispatched += 1

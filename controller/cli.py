@@ -12,6 +12,7 @@ import sys
 import typer
 
 from controller.auth import Tokens
+from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
 from sched_core.errors import ConfigError
 
 app = typer.Typer(
@@ -50,6 +51,20 @@ def serve(
         64, min=0, help="MiB of pull answers cached per process, keyed by ETag (0: off)."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    max_attempts: int = typer.Option(
+        DEFAULT_MAX_ATTEMPTS, min=0,
+        help="Failed dispatches of one (task, scheduled time) before giving up on it: a "
+        "recurring task moves on to its next run, a one-shot task is disabled (0: never).",
+    ),
+    dispatch_retention_days: float = typer.Option(
+        DEFAULT_DISPATCH_RETENTION / 86400, min=0,
+        help="Days finished dispatch records are kept, pruned hourly (0: keep forever).",
+    ),
+    durable_claims: bool = typer.Option(
+        False, "--durable-claims",
+        help="Make each claim wait for the WAL flush on Postgres (slower wake-up; a claim "
+        "lost in a database crash is otherwise re-dispatched under the same idempotency key).",
+    ),
 ) -> None:
     """Run the API and the central scheduler in one process (or either alone, to scale)."""
     if api_only and scheduler_only:
@@ -85,6 +100,11 @@ def serve(
         scheduler=not api_only,
         log_level=log_level,
         pull_cache_bytes=pull_cache_mb << 20,
+        scheduler_options={
+            "max_attempts": max_attempts,
+            "dispatch_retention": dispatch_retention_days * 86400 or None,
+            "durable_claims": durable_claims,
+        },
     )
 
 

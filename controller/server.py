@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from sqlalchemy.engine import Engine
@@ -44,14 +45,19 @@ def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info"
 
 
 @contextmanager
-def central_scheduler(engine: Engine, enabled: bool) -> Iterator[object | None]:
-    """Run the central scheduler while the block runs (or nothing when not enabled)."""
+def central_scheduler(
+    engine: Engine, enabled: bool, options: dict[str, Any] | None = None
+) -> Iterator[object | None]:
+    """Run the central scheduler while the block runs (or nothing when not enabled).
+
+    ``options`` are :class:`controller.central.CentralScheduler` keyword arguments.
+    """
     if not enabled:
         yield None
         return
     from controller.central import CentralScheduler
 
-    scheduler = CentralScheduler(engine)
+    scheduler = CentralScheduler(engine, **(options or {}))
     scheduler.start()
     log.info("central scheduler started")
     try:
@@ -96,13 +102,16 @@ def run(
     scheduler: bool = True,
     log_level: str = "info",
     pull_cache_bytes: int = PULL_CACHE_BYTES,
+    scheduler_options: dict[str, Any] | None = None,
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
                                             "scheduler": scheduler})
     try:
-        with stop_on_signals() as stop, central_scheduler(engine, scheduler) as central:
+        with stop_on_signals() as stop, central_scheduler(
+            engine, scheduler, scheduler_options
+        ) as central:
             if not api:
                 stop.wait()
                 return

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import (
@@ -60,7 +60,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session
 
 from controller.models import (
@@ -586,6 +586,88 @@ def fail(
     return held is not None
 
 
+def give_up(
+    session: Session,
+    claim: Claim,
+    error: str,
+    *,
+    attempts: int,
+    now: datetime | None = None,
+) -> bool:
+    """Stop retrying claim's dispatch after attempts failures; commits.
+
+    The dispatch record stays ``failed`` with the error, so the missed
+    (task, scheduled time) remains on record. A recurring task moves on to its
+    first time after the later of now and the scheduled time (attempts back to
+    0); a one-shot task becomes ``disabled`` (saving it again as ``active``
+    retries it). ``last_error`` says it gave up. Fenced like :func:`complete`;
+    False when the task moved on meanwhile.
+    """
+    current = now or db_now(session)
+    message = f"gave up after {attempts} failed dispatch attempts: {error}"[:2000]
+    values: dict[str, Any] = {
+        "locked_by": None,
+        "locked_until": None,
+        "last_error": message,
+        "updated_at": current,
+    }
+    if claim.is_recurring:
+        following = claim.next_after(max(current, claim.scheduled_at))
+        values.update(
+            next_run_at=following,
+            status=(TaskStatus.ACTIVE if following is not None else TaskStatus.DONE).value,
+            attempts=0,
+        )
+    else:
+        values.update(status=TaskStatus.DISABLED.value, attempts=attempts)
+    try:
+        moved = session.execute(
+            update(_TASKS)
+            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
+            .values(**values)
+            .returning(_T.id)
+        ).first()
+        session.execute(
+            update(_DISPATCHES)
+            .where(_D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at)
+            .values(status=DispatchStatus.FAILED.value, finished_at=current, error=message)
+        )
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return moved is not None
+
+
+def prune_dispatches(
+    session: Session, *, before: datetime, batch: int = 10_000
+) -> int:
+    """Delete finished dispatch records scheduled before ``before``; return how many; commits.
+
+    Finished means dispatched or failed: a record still ``dispatching`` is the
+    exactly-once guard of a dispatch in flight and is never deleted. Deletes in
+    batches of ``batch`` rows, one transaction each, so a large backlog never
+    holds one long lock.
+    """
+    deleted = 0
+    old = and_(
+        _D.scheduled_at < literal(before, UtcDateTime),
+        _D.status != DispatchStatus.DISPATCHING.value,
+    )
+    while True:
+        pick = select(_D.id).where(old).limit(batch).scalar_subquery()
+        try:
+            result = session.execute(delete(_DISPATCHES).where(_D.id.in_(pick)))
+            count = cast(CursorResult[Any], result).rowcount
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        deleted += count or 0
+        if not count or count < batch:
+            return deleted
+
+
 def claim_for_dispatch(
     session: Session,
     *,
@@ -767,9 +849,17 @@ def release(session: Session, claims: list[Claim]) -> int:
     return released
 
 
-def list_dispatches(session: Session, name: str | None = None) -> list[TaskDispatch]:
-    """Return the dispatch records (of task name, if given), by scheduled time."""
-    query = select(_DISPATCHES).order_by(_D.scheduled_at, _D.task_name)
+def list_dispatches(
+    session: Session, name: str | None = None, *, newest: int | None = None
+) -> list[TaskDispatch]:
+    """Return the dispatch records (of task name, if given), by scheduled time.
+
+    ``newest=N`` returns only the N most recently scheduled ones, newest first.
+    """
+    if newest is None:
+        query = select(_DISPATCHES).order_by(_D.scheduled_at, _D.task_name)
+    else:
+        query = select(_DISPATCHES).order_by(_D.scheduled_at.desc(), _D.task_name).limit(newest)
     if name is not None:
         query = query.where(_D.task_name == name)
     return [TaskDispatch.model_validate(dict(r._mapping)) for r in session.execute(query)]

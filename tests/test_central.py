@@ -118,6 +118,121 @@ def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(
     assert (task.status, task.attempts, task.last_error) == (TaskStatus.DONE, 0, None)
 
 
+def test_after_max_attempts_a_recurring_task_gives_up_on_that_time_and_moves_on(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="controller")
+    _save(engine, {"name": "hourly", "cron": "0 * * * *", "timezone": "UTC", "event": "x"},
+          now=T0 - timedelta(minutes=1))
+    scheduler = CentralScheduler(engine, worker_id="w1", max_attempts=3, dispatch_retry_delay=10,
+                                 dispatcher=RecordingDispatcher(fail_names={"hourly"}))
+    try:
+        assert scheduler.run_once(now=T0) == 1
+        assert scheduler.run_once(now=T0 + timedelta(seconds=11)) == 1
+        assert _task(engine, "hourly").attempts == 2
+        assert scheduler.gave_up == 0
+        assert scheduler.run_once(now=T0 + timedelta(seconds=32)) == 1  # the third: give up
+        assert scheduler.gave_up == 1
+        task = _task(engine, "hourly")
+        assert (task.status, task.next_run_at, task.attempts) == (
+            TaskStatus.ACTIVE, T0 + timedelta(hours=1), 0)
+        assert task.last_error.startswith("gave up after 3 failed dispatch attempts: ")
+        assert "failed (as asked)" in task.last_error
+        with Session(engine) as session:
+            [record] = store.list_dispatches(session, "hourly")
+        assert (record.scheduled_at, record.status) == (T0, "failed")
+        assert record.error == task.last_error
+        # Nothing more for 12:00; 13:00 is dispatched normally once the target works.
+        scheduler.dispatcher = recorder = RecordingDispatcher()
+        assert scheduler.run_once(now=T0 + timedelta(minutes=59)) == 0
+        assert scheduler.run_once(now=T0 + timedelta(hours=1)) == 1
+    finally:
+        scheduler.stop()
+    assert recorder.keys() == [("hourly", T0 + timedelta(hours=1))]
+    [gave_up] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "gave up on this scheduled time" in gave_up.getMessage()
+    assert (gave_up.task_name, gave_up.attempts) == ("hourly", 3)  # type: ignore[attr-defined]
+
+
+def test_after_max_attempts_a_one_shot_task_is_disabled_until_saved_again(
+    engine: Engine,
+) -> None:
+    _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0)
+    scheduler = CentralScheduler(engine, worker_id="w1", max_attempts=1,
+                                 dispatcher=RecordingDispatcher(fail_names={"once"}))
+    try:
+        assert scheduler.run_once(now=T0) == 1
+        task = _task(engine, "once")
+        assert (task.status, task.attempts) == (TaskStatus.DISABLED, 1)
+        assert task.last_error.startswith("gave up after 1 failed dispatch attempts")
+        assert scheduler.run_once(now=T0 + timedelta(days=1)) == 0
+        # The operator fixes the target and saves the task again: it is retried.
+        scheduler.dispatcher = recorder = RecordingDispatcher()
+        _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0 + timedelta(hours=1))
+        assert scheduler.run_once(now=T0 + timedelta(hours=1)) == 1
+    finally:
+        scheduler.stop()
+    assert recorder.keys() == [("once", T0)]
+    assert _task(engine, "once").status == TaskStatus.DONE
+    with Session(engine) as session:
+        assert [r.status for r in store.list_dispatches(session, "once")] == ["dispatched"]
+
+
+def test_the_attempt_limit_and_retention_are_checked() -> None:
+    with pytest.raises(ConfigError, match="max_attempts=-1"):
+        CentralScheduler("sqlite://", max_attempts=-1)
+    with pytest.raises(ConfigError, match="dispatch_retention=0"):
+        CentralScheduler("sqlite://", dispatch_retention=0)
+
+
+def _dispatch_at(engine: Engine, name: str, at: datetime) -> None:
+    _save(engine, {"name": name, "run_at": at, "event": "x"}, now=at)
+    scheduler = CentralScheduler(engine, worker_id="w-old", dispatcher=RecordingDispatcher())
+    try:
+        assert scheduler.run_once(now=at) == 1
+    finally:
+        scheduler.stop()
+
+
+def test_old_finished_dispatch_records_are_pruned(engine: Engine) -> None:
+    for name, days in (("d40", 40), ("d31", 31), ("d29", 29), ("d1", 1)):
+        _dispatch_at(engine, name, T0 - timedelta(days=days))
+    # A dispatch in flight (claimed, never finished) is never pruned, however old.
+    _save(engine, {"name": "inflight", "run_at": T0 - timedelta(days=50), "event": "x"},
+          now=T0 - timedelta(days=50))
+    with Session(engine) as session:
+        [(claim, _)] = store.claim_for_dispatch(session, worker_id="w-dead",
+                                                now=T0 - timedelta(days=50))
+    assert claim.name == "inflight"
+    scheduler = CentralScheduler(engine, worker_id="w1", dispatch_retention=30 * 86400)
+    try:
+        assert scheduler.prune_dispatches(now=T0) == 2
+        assert scheduler.prune_dispatches(now=T0) == 0
+    finally:
+        scheduler.stop()
+    with Session(engine) as session:
+        left = {r.task_name: r.status for r in store.list_dispatches(session)}
+    assert left == {"inflight": "dispatching", "d29": "dispatched", "d1": "dispatched"}
+    with Session(engine) as session:
+        assert store.prune_dispatches(session, before=T0, batch=1) == 2  # in batches too
+        assert [r.task_name for r in store.list_dispatches(session)] == ["inflight"]
+
+
+def test_the_loop_prunes_with_the_database_clock(engine: Engine) -> None:
+    old = datetime.now(UTC) - timedelta(days=31)
+    _dispatch_at(engine, "old", old)
+    _dispatch_at(engine, "recent", datetime.now(UTC) - timedelta(days=29))
+    scheduler = CentralScheduler(engine, worker_id="w1", poll_interval=0.05,
+                                 dispatcher=RecordingDispatcher())
+    with Session(engine) as session:
+        assert len(store.list_dispatches(session)) == 2
+    with scheduler:
+        def names() -> list[str]:
+            with Session(engine) as session:
+                return [r.task_name for r in store.list_dispatches(session)]
+        assert _wait_until(lambda: names() == ["recent"])
+
+
 def test_stopping_mid_batch_releases_the_rest(engine: Engine) -> None:
     for i in range(5):
         _save(engine, {"name": f"t{i}", "run_at": T0, "event": "x"}, now=T0)

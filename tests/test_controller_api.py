@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,11 @@ import httpx
 import pytest
 
 from controller import schedules as schedule_store
+from controller import store
 from controller.api import PullCache, create_app, etag_matches, schedules_body
 from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
 from controller.db import make_engine, migrate
+from controller.models import TaskIn
 from controller.server import serve_in_thread
 from sched_core.errors import ConfigError, PullError
 from sched_core.model import LocalSchedule
@@ -58,10 +60,15 @@ ADMIN = bearer(ADMIN_TOKEN)
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def db_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     url = f"sqlite:///{tmp_path_factory.mktemp('api') / 'controller.db'}"
     migrate(url)
-    engine = make_engine(url)
+    return url
+
+
+@pytest.fixture(scope="module")
+def base_url(db_url: str) -> Iterator[str]:
+    engine = make_engine(db_url)
     tokens = Tokens(
         admin=[ADMIN_TOKEN],
         nodes={"node-a": [NODE_A_TOKEN], "node-b": [NODE_B_TOKEN], "agent-1": [AGENT_TOKEN]},
@@ -106,6 +113,7 @@ MATRIX: dict[str, dict[str, int]] = {
     "task-get": {"admin": 200, "own-node": 403, "other-node": 403},
     "task-put": {"admin": 200, "own-node": 403, "other-node": 403},
     "task-delete": {"admin": 204, "own-node": 403, "other-node": 403},
+    "task-dispatches": {"admin": 200, "own-node": 403, "other-node": 403},
 }
 for _expected in MATRIX.values():
     _expected.update({"unknown": 401, "missing": 401, "wrong-scheme": 401})
@@ -137,6 +145,8 @@ def call(
         return client.put(f"/api/tasks/{key}", json=TASK, headers=headers)
     if operation == "task-delete":
         return client.delete(f"/api/tasks/{key}", headers=headers)
+    if operation == "task-dispatches":
+        return client.get(f"/api/tasks/{key}/dispatches", headers=headers)
     raise AssertionError(operation)
 
 
@@ -301,6 +311,44 @@ def test_task_crud(client: httpx.Client) -> None:
     assert client.delete("/api/tasks/t-crud", headers=ADMIN).status_code == 204
     assert client.get("/api/tasks/t-crud", headers=ADMIN).status_code == 404
     assert client.delete("/api/tasks/t-crud", headers=ADMIN).status_code == 404
+
+
+def test_task_dispatches_list_the_newest_records_first(base_url: str, db_url: str) -> None:
+    """What an operator reads after a missed run: each dispatch, its status and error."""
+    from sqlmodel import Session
+
+    from controller.central import CentralScheduler
+    from controller.dispatch import RecordingDispatcher
+
+    t0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    engine = make_engine(db_url)
+    try:
+        with Session(engine) as session:
+            task = TaskIn(name="t-dispatches", cron="0 * * * *", event="x")
+            store.save_task(session, task, now=t0 - timedelta(minutes=1))
+        scheduler = CentralScheduler(engine, worker_id="w-api", max_attempts=1,
+                                     dispatcher=RecordingDispatcher(fail_names={"t-dispatches"}))
+        try:
+            assert scheduler.run_once(now=t0) == 1  # fails: gives up on 12:00
+            scheduler.dispatcher = RecordingDispatcher()
+            assert scheduler.run_once(now=t0 + timedelta(hours=1)) == 1
+        finally:
+            scheduler.stop()
+    finally:
+        engine.dispose()
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        response = client.get("/api/tasks/t-dispatches/dispatches", headers=ADMIN)
+        assert response.status_code == 200, response.text
+        records = response.json()["dispatches"]
+        assert [(r["scheduled_at"], r["status"]) for r in records] == [
+            ("2026-12-02T13:00:00Z", "dispatched"), ("2026-12-02T12:00:00Z", "failed")]
+        assert records[1]["error"].startswith("gave up after 1 failed dispatch attempts")
+        one = client.get("/api/tasks/t-dispatches/dispatches?limit=1", headers=ADMIN).json()
+        assert [r["status"] for r in one["dispatches"]] == ["dispatched"]
+        bad = client.get("/api/tasks/t-dispatches/dispatches?limit=0", headers=ADMIN)
+        assert bad.status_code == 422 and "limit" in bad.text
+        missing = client.get("/api/tasks/no-such-task/dispatches", headers=ADMIN)
+        assert missing.status_code == 404 and "no-such-task" in missing.text
 
 
 # --- validation -------------------------------------------------------------------------
