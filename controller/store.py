@@ -496,6 +496,49 @@ def begin_dispatch(
     return DispatchOutcome.BUSY
 
 
+def _moved_on(claim: Claim, current: datetime) -> tuple[datetime | None, TaskStatus]:
+    """Return a finished claim's next run and status: after the later of now and its time.
+
+    A late dispatch never replays the times it missed; a one-shot task is done.
+    """
+    if claim.is_recurring:
+        following = claim.next_after(max(current, claim.scheduled_at))
+        return following, TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
+    return None, TaskStatus.DONE
+
+
+def _finish(
+    session: Session,
+    claim: Claim,
+    task: dict[str, Any],
+    record: dict[str, Any],
+    *,
+    only_dispatching: bool = False,
+) -> bool:
+    """Update claim's task (fenced) and dispatch record in one transaction; commits.
+
+    The task changes only while ``next_run_at`` is still the claim's scheduled
+    time, so a slow worker whose lease expired changes nothing; returns whether
+    it changed.
+    """
+    record_of = [_D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at]
+    if only_dispatching:
+        record_of.append(_D.status == DispatchStatus.DISPATCHING.value)
+    try:
+        moved = session.execute(
+            update(_TASKS)
+            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
+            .values(**task)
+            .returning(_T.id)
+        ).first()
+        session.execute(update(_DISPATCHES).where(*record_of).values(**record))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return moved is not None
+
+
 def complete(session: Session, claim: Claim, *, now: datetime | None = None) -> bool:
     """Finish claim after its dispatch; commits. False when the task moved on meanwhile.
 
@@ -506,37 +549,22 @@ def complete(session: Session, claim: Claim, *, now: datetime | None = None) -> 
     scheduled time, so a slow worker whose lease expired changes nothing.
     """
     current = now or db_now(session)
-    if claim.is_recurring:
-        following = claim.next_after(max(current, claim.scheduled_at))
-        status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
-    else:
-        following, status = None, TaskStatus.DONE
-    try:
-        moved = session.execute(
-            update(_TASKS)
-            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
-            .values(
-                next_run_at=following,
-                status=status.value,
-                locked_by=None,
-                locked_until=None,
-                last_run_at=claim.scheduled_at,
-                attempts=0,
-                last_error=None,
-                updated_at=current,
-            )
-            .returning(_T.id)
-        ).first()
-        session.execute(
-            update(_DISPATCHES)
-            .where(_D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at)
-            .values(status=DispatchStatus.DISPATCHED.value, finished_at=current, error=None)
-        )
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    return moved is not None
+    following, status = _moved_on(claim, current)
+    return _finish(
+        session,
+        claim,
+        {
+            "next_run_at": following,
+            "status": status.value,
+            "locked_by": None,
+            "locked_until": None,
+            "last_run_at": claim.scheduled_at,
+            "attempts": 0,
+            "last_error": None,
+            "updated_at": current,
+        },
+        {"status": DispatchStatus.DISPATCHED.value, "finished_at": current, "error": None},
+    )
 
 
 def fail(
@@ -555,35 +583,20 @@ def fail(
     is marked failed, so the retry may take it over. Fenced like :func:`complete`.
     """
     current = now or db_now(session)
-    hold = current + timedelta(seconds=_seconds(retry_delay))
     message = error[:2000]
-    try:
-        held = session.execute(
-            update(_TASKS)
-            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
-            .values(
-                locked_by=None,
-                locked_until=hold,
-                attempts=_T.attempts + 1,
-                last_error=message,
-                updated_at=current,
-            )
-            .returning(_T.id)
-        ).first()
-        session.execute(
-            update(_DISPATCHES)
-            .where(
-                _D.task_name == claim.name,
-                _D.scheduled_at == claim.scheduled_at,
-                _D.status == DispatchStatus.DISPATCHING.value,
-            )
-            .values(status=DispatchStatus.FAILED.value, finished_at=current, error=message)
-        )
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    return held is not None
+    return _finish(
+        session,
+        claim,
+        {
+            "locked_by": None,
+            "locked_until": current + timedelta(seconds=_seconds(retry_delay)),
+            "attempts": _T.attempts + 1,
+            "last_error": message,
+            "updated_at": current,
+        },
+        {"status": DispatchStatus.FAILED.value, "finished_at": current, "error": message},
+        only_dispatching=True,
+    )
 
 
 def give_up(
@@ -605,38 +618,23 @@ def give_up(
     """
     current = now or db_now(session)
     message = f"gave up after {attempts} failed dispatch attempts: {error}"[:2000]
-    values: dict[str, Any] = {
+    task: dict[str, Any] = {
         "locked_by": None,
         "locked_until": None,
         "last_error": message,
         "updated_at": current,
     }
     if claim.is_recurring:
-        following = claim.next_after(max(current, claim.scheduled_at))
-        values.update(
-            next_run_at=following,
-            status=(TaskStatus.ACTIVE if following is not None else TaskStatus.DONE).value,
-            attempts=0,
-        )
+        following, status = _moved_on(claim, current)
+        task.update(next_run_at=following, status=status.value, attempts=0)
     else:
-        values.update(status=TaskStatus.DISABLED.value, attempts=attempts)
-    try:
-        moved = session.execute(
-            update(_TASKS)
-            .where(_T.id == claim.task_id, _T.next_run_at == claim.scheduled_at)
-            .values(**values)
-            .returning(_T.id)
-        ).first()
-        session.execute(
-            update(_DISPATCHES)
-            .where(_D.task_name == claim.name, _D.scheduled_at == claim.scheduled_at)
-            .values(status=DispatchStatus.FAILED.value, finished_at=current, error=message)
-        )
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    return moved is not None
+        task.update(status=TaskStatus.DISABLED.value, attempts=attempts)
+    return _finish(
+        session,
+        claim,
+        task,
+        {"status": DispatchStatus.FAILED.value, "finished_at": current, "error": message},
+    )
 
 
 def prune_dispatches(
@@ -758,8 +756,7 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
     for claim in claims:
         if claim.is_recurring:
             assert current is not None
-            following = claim.next_after(max(current, claim.scheduled_at))
-            status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
+            following, status = _moved_on(claim, current)
         else:
             following, status = None, TaskStatus.DONE
         tasks.append({
