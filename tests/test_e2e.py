@@ -1,9 +1,12 @@
-"""End to end, as a user does it: server, work pool, deploy, worker, ad hoc run, shutdown.
+"""End to end, as a user does it: server, work pool, deploy, worker, ad hoc runs, chain, shutdown.
 
 Runs the real CLI on the real ``prefect.yaml``: ``prefect server start``,
 ``prefect work-pool create``, ``prefect --no-prompt deploy --all``,
-``prefect worker start``, ``prefect deployment run``. Every process it starts
-carries a marker in its environment, so the test can prove none is left.
+``prefect worker start``, ``prefect deployment run``. The server runs its
+triggers service, so a completed backup reaches ``advance-chain`` through the
+deployment trigger of ``prefect.yaml``, and the chain fires the prune stage.
+Every process it starts carries a marker in its environment, so the test can
+prove none is left.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
+PRUNE_ROW = {
+    "id": "e2e-prune", "name": "prune after the wave", "repo_id": "r-e2e", "action": "prune",
+    "schedule": {"on": "after_wave"}, "miss_policy": "skip", "enabled": True,
+}
 
 
 def _free_port() -> int:
@@ -73,11 +80,16 @@ class User:
         port = _free_port()
         self.api = f"http://127.0.0.1:{port}/api"
         config = tmp / "agent.toml"
-        (tmp / "schedules.json").write_text('{"schedules": []}')
+        (tmp / "schedules.json").write_text(json.dumps({"schedules": [PRUNE_ROW]}))
+        self.state = tmp / "state"
+        python = json.dumps(sys.executable)
         config.write_text(
             f'node_name = "{self.node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
-            f"[actions.hello]\nargv = [{json.dumps(sys.executable)}, \"-c\", "
+            f"[actions.backup]\nargv = [{python}, \"-c\", "
             "\"print('hello from the e2e job', '{repo_id}')\"]\n"
+            f"[actions.prune]\nargv = [{python}, \"-c\", "
+            "\"print('prune of', '{repo_id}', 'fired by', '{trigger_key}')\"]\n"
+            '[[stages]]\nname = "prune"\naction = "prune"\n'
         )
         self.env = {
             **os.environ,
@@ -88,14 +100,15 @@ class User:
             "SCHED_NODE_NAME": self.node,
             "SCHED_CONFIG": str(config),
             self.marker.split("=")[0]: self.marker.split("=")[1],
-            # Cheaper, not different: no UI, no services an ad hoc run does not
-            # need (so no scheduled ticks compete for the CPU), faster polling.
+            # Cheaper, not different: no UI, no services that ad hoc runs and the
+            # chain's trigger do not need (so no scheduled ticks compete for the
+            # CPU), faster polling. The triggers service stays on.
             "PREFECT_SERVER_UI_ENABLED": "false",
             "PREFECT_UI_ENABLED": "false",
             **{
                 f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false"
                 for name in ("SCHEDULER", "LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS",
-                             "CANCELLATION_CLEANUP", "REPOSSESSOR", "DB_VACUUM", "TRIGGERS")
+                             "CANCELLATION_CLEANUP", "REPOSSESSOR", "DB_VACUUM")
             },
             "PREFECT_WORKER_QUERY_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
@@ -126,6 +139,38 @@ class User:
         response.raise_for_status()
         return response.json()
 
+    def finished_run(
+        self, flow_name: str, what: str, *, tags: list[str] | None = None,
+        action: str | None = None, timeout: float = 180,
+    ) -> dict[str, Any]:
+        """Wait for a run of flow_name (with tags, or parameter action) to end; return it."""
+        body: dict[str, Any] = {"flows": {"name": {"any_": [flow_name]}}}
+        if tags:
+            body["flow_runs"] = {"tags": {"all_": tags}}
+        deadline = time.monotonic() + timeout
+        runs: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            runs = [
+                run for run in self.post("/flow_runs/filter", body)
+                if action is None or run["parameters"].get("action") == action
+            ]
+            if runs and runs[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED"):
+                return runs[0]
+            time.sleep(1)
+        raise AssertionError(f"{what}: no finished {flow_name} run in {timeout:g} s: {runs}")
+
+    def log_lines(self, run_id: str, expected: str) -> list[str]:
+        """Return the run's log messages once expected is among them (or after 30 s)."""
+        messages: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            logs = self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})
+            messages = [item["message"] for item in logs]
+            if expected in messages:
+                break
+            time.sleep(0.5)
+        return messages
+
 
 @pytest.fixture
 def user(tmp_path: Path) -> Iterator[User]:
@@ -140,7 +185,7 @@ def user(tmp_path: Path) -> Iterator[User]:
     assert left == [], f"processes left behind: {left}"
 
 
-def test_deploy_worker_and_ad_hoc_run_like_a_user(user: User) -> None:
+def test_deploy_worker_ad_hoc_run_and_chain_like_a_user(user: User) -> None:
     t0 = time.monotonic()
 
     def phase(name: str) -> None:
@@ -165,38 +210,48 @@ def test_deploy_worker_and_ad_hoc_run_like_a_user(user: User) -> None:
     phase("deployed")
     for flow_name in ("fire-tick", "reconcile", "run-job", "advance-chain"):
         assert f"{flow_name}/{user.node}" in out
+    # The node pulls its list first (the chain fires the cached after_wave rows);
+    # the run waits in the queue until the worker starts.
+    user.run("deployment", "run", f"reconcile/{user.node}")
     user.start("worker", "start", "--pool", "sched-agent", "--work-queue", user.node)
+    pulled = user.finished_run("reconcile", "the pull")
+    assert pulled["state"]["type"] == "COMPLETED", pulled["state"]
+    phase("pulled")
 
     schedule = {
-        "id": "e2e-1", "name": "ad hoc hello", "repo_id": "r-e2e", "action": "hello",
+        "id": "e2e-1", "name": "ad hoc backup", "repo_id": "r-e2e", "action": "backup",
         "schedule": {"on": "manual"}, "miss_policy": "skip", "enabled": True,
     }
     user.run("deployment", "run", f"run-job/{user.node}",
              "--params", json.dumps({"schedule": schedule}))
     phase("run created")
-
-    runs: list[dict[str, Any]] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        runs = user.post("/flow_runs/filter", {
-            "flows": {"name": {"any_": ["run-job"]}},
-            "flow_runs": {"tags": {"all_": [f"node:{user.node}"]}},
-        })
-        if runs and runs[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED"):
-            break
-        time.sleep(1)
+    run = user.finished_run("run-job", "the ad hoc backup", tags=[f"node:{user.node}",
+                                                                 "action:backup"])
     phase("run finished")
-    assert runs, "the run-job run never showed up"
-    run = runs[0]
     assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert run["name"].startswith("hello-e2e-1-")
+    assert run["name"].startswith("backup-e2e-1-")
+    line = "hello from the e2e job r-e2e"
+    assert line in user.log_lines(run["id"], line)
 
-    messages: list[str] = []
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        logs = user.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
-        messages = [item["message"] for item in logs]
-        if "hello from the e2e job r-e2e" in messages:
-            break
-        time.sleep(0.5)
-    assert "hello from the e2e job r-e2e" in messages
+    # The chain: sched.job.completed -> the advance-chain trigger -> the prune stage
+    # fires the cached after_wave row -> its completion triggers advance-chain again.
+    chained = user.finished_run("advance-chain", "the trigger on the backup", action="backup")
+    phase("advance-chain after the backup finished")
+    assert chained["state"]["type"] == "COMPLETED", chained["state"]
+    assert chained["name"] == "chain-after-backup"
+    assert chained["parameters"] == {
+        "action": "backup", "node": user.node, "completed_run": run["id"]
+    }
+    prune = user.finished_run("run-job", "the prune stage", tags=[f"node:{user.node}",
+                                                                 "action:prune"])
+    phase("prune finished")
+    assert prune["state"]["type"] == "COMPLETED", prune["state"]
+    assert prune["name"].startswith("prune-e2e-prune-")
+    assert "trigger:chain-prune" in prune["tags"]
+    line = "prune of r-e2e fired by chain-prune"
+    assert line in user.log_lines(prune["id"], line)
+    marks = json.loads((user.state / "chain.json").read_text())["stages"]
+    assert marks["prune"]["fired"] == ["e2e-prune"] and marks["prune"]["complete"]
+    after = user.finished_run("advance-chain", "the trigger on the prune", action="prune")
+    phase("advance-chain after the prune finished")
+    assert after["state"]["type"] == "COMPLETED", after["state"]
