@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 from uuid import UUID
 
 import httpx
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
@@ -59,6 +60,10 @@ BULK_MIN = 20
 """A tick with at least this many due windows creates their runs in bulk first."""
 BULK_MAX = 100
 """The most runs Prefect's bulk create endpoint takes per request."""
+BULK_ATTEMPTS = 4
+"""Bulk requests per chunk before its still-failed fires fall back to run_deployment."""
+BULK_RETRY_DELAYS = (0.1, 0.5, 1.0)
+"""Seconds to wait before each retry of a chunk's failed fires."""
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -209,7 +214,7 @@ class Dispatcher:
         An optimisation for a tick with many due windows: the same runs, with
         the same idempotency keys, that ``__call__`` would create one
         ``run_deployment`` at a time. ``__call__`` then only confirms each fire;
-        any fire the bulk request did not create falls back to run_deployment.
+        any fire the bulk requests did not create falls back to run_deployment.
         Never raises: a failed bulk request just leaves the slow path.
         """
         if len(fires) < BULK_MIN:
@@ -218,33 +223,75 @@ class Dispatcher:
             with get_client(sync_client=True) as client:
                 deployment = client.read_deployment_by_name(self.target)
                 for start in range(0, len(fires), BULK_MAX):
-                    chunk = fires[start:start + BULK_MAX]
-                    # The parameters are built here, not typed by a user, and run-job
-                    # validates them when it runs: skipping the server's JSON-schema
-                    # check per run made 300 creates ~35% faster (bench_dispatch).
-                    body = [
-                        {**self._job(fire), "state": {"type": "SCHEDULED"},
-                         "enforce_parameter_schema": False}
-                        for fire in chunk
-                    ]
-                    response = client.request(
-                        "POST",
-                        "/deployments/{id}/create_flow_run/bulk",  # type: ignore[arg-type]
-                        path_params={"id": deployment.id},
-                        json=body,
-                    )
-                    results = response.json()["results"]
-                    for fire, result in zip(chunk, results, strict=True):
-                        if result.get("status") == "CREATED" and result.get("flow_run_id"):
-                            self._prefetched[self.idempotency_key(fire)] = (
-                                str(result["flow_run_id"])
-                            )
+                    self._create_bulk(client, deployment.id, fires[start:start + BULK_MAX])
         except Exception as exc:
             log.warning(
                 "bulk dispatch failed; falling back to one run_deployment per fire",
                 extra={"node": self.node, "fires": len(fires), "error": repr(exc)},
             )
         return len(self._prefetched)
+
+    def _create_bulk(
+        self, client: SyncPrefectClient, deployment_id: UUID, fires: list[Fire]
+    ) -> None:
+        """Create up to 100 fires' runs in one request, retrying what the server reports failed.
+
+        On SQLite the server creates a request's runs in one deferred
+        transaction. When another writer (its own event persister, usually)
+        commits between that transaction's first read and its first insert,
+        every entry comes back FAILED ("database is locked") and nothing is
+        created. Under a 1,000-run tick that race was lost every two or three
+        requests, and each lost entry cost a ~100 ms run_deployment; a second
+        bulk request almost always wins it. Retrying is safe: the idempotency
+        key turns an entry that was created after all into the same run.
+        """
+        pending = fires
+        errors: set[str] = set()
+        for attempt in range(BULK_ATTEMPTS):
+            if attempt:
+                log.info(
+                    "bulk create retried",
+                    extra={"node": self.node, "fires": len(pending), "attempt": attempt + 1,
+                           "errors": sorted(errors)[:3]},
+                )
+                time.sleep(BULK_RETRY_DELAYS[attempt - 1])
+            # The parameters are built here, not typed by a user, and run-job
+            # validates them when it runs: skipping the server's JSON-schema
+            # check per run made 300 creates ~35% faster (bench_dispatch).
+            body = [
+                {**self._job(fire), "state": {"type": "SCHEDULED"},
+                 "enforce_parameter_schema": False}
+                for fire in pending
+            ]
+            try:
+                response = client.request(
+                    "POST",
+                    "/deployments/{id}/create_flow_run/bulk",  # type: ignore[arg-type]
+                    path_params={"id": deployment_id},
+                    json=body,
+                )
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code < 500:
+                    raise
+                errors.add(repr(exc)[:200])
+                continue
+            except httpx.TransportError as exc:
+                errors.add(repr(exc)[:200])
+                continue
+            failed: list[Fire] = []
+            for fire, result in zip(pending, response.json()["results"], strict=True):
+                if result.get("status") == "CREATED" and result.get("flow_run_id"):
+                    self._prefetched[self.idempotency_key(fire)] = str(result["flow_run_id"])
+                else:
+                    failed.append(fire)
+                    errors.add(str(result.get("error"))[:200])
+            pending = failed
+            if not pending:
+                return
+        log.warning(
+            "bulk create left fires to run_deployment",
+            extra={"node": self.node, "fires": len(pending), "errors": sorted(errors)[:3]},
+        )
 
     def __call__(self, fire: Fire) -> None:
         job = self._job(fire)
