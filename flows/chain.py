@@ -9,17 +9,22 @@ Triggered by the deployment trigger on ``sched.job.completed`` and
   one finished within ``wave_lookback``.
 
 The run that triggered this one is left out of the active counts (its event is
-emitted once its terminal state is recorded, so this only guards replays).
+emitted once its terminal state is recorded, so this only guards replays). An
+event without an action (an ad hoc run started by schedule id) takes it from
+that run's ``action:`` tag.
 Stage fires go through the same dispatcher as the tick, keyed per schedule,
 stage and chain day, so a replayed event cannot start a stage twice.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
 
 from flows.agent import (
     ACTIVE_STATES,
@@ -35,6 +40,23 @@ from flows.agent import (
 )
 from flows.settings import AgentSettings, StageSpec
 from sched_core import Chain, LocalSchedule, Spec, Stage
+
+log = logging.getLogger(__name__)
+
+
+def completed_action(completed_run: str) -> str:
+    """Return the action a run-job run was tagged with (``action:backup``), or ""."""
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(UUID(completed_run))
+    except Exception as exc:  # an unknown id or an unreachable API: nothing to feed
+        log.warning(
+            "cannot read the completed run", extra={"flow_run_id": completed_run,
+                                                    "error": repr(exc)},
+        )
+        return ""
+    tags = [tag.split(":", 1)[1] for tag in run.tags if tag.startswith("action:")]
+    return tags[0] if tags else ""
 
 
 def build_spec(settings: AgentSettings, *, now: datetime, exclude: tuple[str, ...]) -> Spec:
@@ -78,6 +100,10 @@ def advance_chain(
     if node and node != settings.node_name:
         logger.info("completion on node %s is not ours (%s); ignored", node, settings.node_name)
         return []
+    if not action and completed_run:
+        action = completed_action(completed_run)
+        logger.info("the event named no action; run %s was a %s job", completed_run,
+                    action or "(untagged)")
     at = logical_now(now)
     dispatcher = Dispatcher(node=settings.node_name, deployment=deployment_name(settings))
     scheduler = build_scheduler(settings, dispatcher, now=at)

@@ -1,0 +1,80 @@
+"""advance-chain fed by an event that names no action (an ad hoc run-job by schedule id).
+
+Found by hand on two nodes: ``prefect deployment run 'run-job/node-a' --params
+'{"schedule_id": "a-backup"}'`` completes, but its ``sched.job.completed`` event
+carries an empty ``action``, so the chain took it for no wave job. advance-chain
+now reads the action from the completed run's ``action:`` tag.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_server")]
+
+
+def _row(sid: str, action: str, shape: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": sid, "name": f"{action} {sid}", "repo_id": "r-1", "action": action,
+        "schedule": shape, "miss_policy": "skip", "enabled": True, "version": 1,
+    }
+
+
+def test_completed_action_reads_the_run_tag() -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from flows.chain import completed_action
+
+    @flow(name="chain-tag-probe")
+    def probe() -> None: ...
+
+    with get_client(sync_client=True) as client:
+        tagged = client.create_flow_run(probe, tags=["node:x", "action:backup"])
+        untagged = client.create_flow_run(probe, tags=["node:x"])
+    assert completed_action(str(tagged.id)) == "backup"
+    assert completed_action(str(untagged.id)) == ""
+    assert completed_action(str(uuid.uuid4())) == ""
+    assert completed_action("not-a-uuid") == ""
+
+
+def test_ad_hoc_backup_by_schedule_id_starts_the_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.chain import advance_chain
+    from flows.job import run_job
+    from flows.reconcile import reconcile
+
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    py = json.dumps(sys.executable)
+    (tmp_path / "schedules.json").write_text(json.dumps({"schedules": [
+        _row("b-1", "backup", {"on": "manual"}),
+        _row("p-1", "prune", {"on": "after_wave"}),
+    ]}))
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
+        f'[actions.backup]\nargv = [{py}, "-c", "print(1)"]\n'
+        f'[actions.prune]\nargv = [{py}, "-c", "print(2)"]\n'
+        '[[stages]]\nname = "prune"\naction = "prune"\n'
+    )
+    monkeypatch.setenv("SCHED_CONFIG", str(config))
+    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    run_job.to_deployment(name=node).apply()  # the chain's stage fires land here
+
+    assert reconcile()["schedules"] == 2
+    state = run_job(schedule_id="b-1", return_state=True)
+    assert state.is_completed(), state.message
+    backup_id = str(state.state_details.flow_run_id)
+
+    # The event of such a run names no action: the chain finds it on the run.
+    assert advance_chain(action="", node=node, completed_run=backup_id) == ["prune"]
+    marks = json.loads((tmp_path / "state" / "chain.json").read_text())["stages"]
+    assert marks["prune"]["fired"] == ["p-1"]
