@@ -64,6 +64,8 @@ BULK_ATTEMPTS = 4
 """Bulk requests per chunk before its still-failed fires fall back to run_deployment."""
 BULK_RETRY_DELAYS = (0.1, 0.5, 1.0)
 """Seconds to wait before each retry of a chunk's failed fires."""
+BULK_PAUSE = 0.5
+"""Seconds between bulk requests once one lost the write race: the server writes its events."""
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -222,8 +224,16 @@ class Dispatcher:
         try:
             with get_client(sync_client=True) as client:
                 deployment = client.read_deployment_by_name(self.target)
+                paced = False
                 for start in range(0, len(fires), BULK_MAX):
-                    self._create_bulk(client, deployment.id, fires[start:start + BULK_MAX])
+                    if paced:
+                        # Each created run is an event the server writes after the
+                        # request commits; on SQLite a request sent meanwhile lost
+                        # the write race 9 times in 10 (a ~1 s failed pass, then a
+                        # retry). Once it has lost, waiting first costs less.
+                        time.sleep(BULK_PAUSE)
+                    chunk = fires[start:start + BULK_MAX]
+                    paced = self._create_bulk(client, deployment.id, chunk) > 1 or paced
         except Exception as exc:
             log.warning(
                 "bulk dispatch failed; falling back to one run_deployment per fire",
@@ -233,16 +243,16 @@ class Dispatcher:
 
     def _create_bulk(
         self, client: SyncPrefectClient, deployment_id: UUID, fires: list[Fire]
-    ) -> None:
-        """Create up to 100 fires' runs in one request, retrying what the server reports failed.
+    ) -> int:
+        """Create up to 100 fires' runs, retrying what the server reports failed; return the tries.
 
         On SQLite the server creates a request's runs in one deferred
         transaction. When another writer (its own event persister, usually)
         commits between that transaction's first read and its first insert,
         every entry comes back FAILED ("database is locked") and nothing is
-        created. Under a 1,000-run tick that race was lost every two or three
-        requests, and each lost entry cost a ~100 ms run_deployment; a second
-        bulk request almost always wins it. Retrying is safe: the idempotency
+        created. In a 1,000-run tick 9 requests in 10 lost that race, and each
+        lost entry then cost a ~100 ms run_deployment; a second bulk request
+        almost always wins it. Retrying is safe: the idempotency
         key turns an entry that was created after all into the same run.
         """
         pending = fires
@@ -287,11 +297,12 @@ class Dispatcher:
                     errors.add(str(result.get("error"))[:200])
             pending = failed
             if not pending:
-                return
+                return attempt + 1
         log.warning(
             "bulk create left fires to run_deployment",
             extra={"node": self.node, "fires": len(pending), "errors": sorted(errors)[:3]},
         )
+        return BULK_ATTEMPTS
 
     def __call__(self, fire: Fire) -> None:
         job = self._job(fire)
