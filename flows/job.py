@@ -90,7 +90,8 @@ def _run_name() -> str:
     if isinstance(row, LocalSchedule):
         row = row.model_dump(mode="json")
     if not isinstance(row, dict):
-        row = {"action": "job", "id": params.get("schedule_id") or "unknown"}
+        row = {"action": _cached_action(params.get("schedule_id")) or "job",
+               "id": params.get("schedule_id") or "unknown"}
     window = params.get("window")
     if isinstance(window, str):
         window = datetime.fromisoformat(window)
@@ -99,6 +100,16 @@ def _run_name() -> str:
         str(row.get("id", "unknown")),
         window if isinstance(window, datetime) else None,
     )
+
+
+def _cached_action(schedule_id: object) -> str | None:
+    """Return the action of the cached schedule an ad hoc run names by id; None if unknown."""
+    if not isinstance(schedule_id, str) or not schedule_id:
+        return None
+    try:
+        return resolve_schedule(agent_settings(), None, schedule_id).action
+    except Exception:  # the run itself reports a bad id or configuration, with details
+        return None
 
 
 def _ensure_tags(tags: list[str]) -> None:
@@ -122,6 +133,12 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
     tags = {tag.split(":", 1)[0]: tag.split(":", 1)[1] for tag in run.tags if ":" in tag}
     node = tags.get("node", "")
     action = action or tags.get("action", "")
+    schedule_id = str(row.get("id", "")) if isinstance(row, dict) else ""
+    schedule_id = schedule_id or str(params.get("schedule_id") or "")
+    if not action and schedule_id:
+        # An ad hoc run by id: its action tag was added while it ran, after this
+        # copy of the run was read, so look the action up like the run did.
+        action = _cached_action(schedule_id) or ""
     if not node:
         try:
             node = agent_settings().node_name
@@ -133,7 +150,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
         {
             "node": node,
             "action": action,
-            "schedule_id": str(row.get("id", "")) if isinstance(row, dict) else "",
+            "schedule_id": schedule_id,
             "trigger_key": str(params.get("trigger_key", "")),
             "window": str(params.get("window") or ""),
             "flow_run_id": str(run.id),

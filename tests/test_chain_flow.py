@@ -3,13 +3,15 @@
 Found by hand on two nodes: ``prefect deployment run 'run-job/node-a' --params
 '{"schedule_id": "a-backup"}'`` completes, but its ``sched.job.completed`` event
 carries an empty ``action``, so the chain took it for no wave job. advance-chain
-now reads the action from the completed run's ``action:`` tag.
+now reads the action from the completed run's ``action:`` tag, and run-job names
+such a run and fills its event from the cached row.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,27 @@ def _row(sid: str, action: str, shape: dict[str, Any]) -> dict[str, Any]:
         "id": sid, "name": f"{action} {sid}", "repo_id": "r-1", "action": action,
         "schedule": shape, "miss_policy": "skip", "enabled": True, "version": 1,
     }
+
+
+def _job_events(node: str, run_id: str) -> list[dict[str, Any]]:
+    """Return the sched.job.completed events of run_id (waiting up to 15 s for one)."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            response = client.request(
+                "POST",
+                "/events/filter",  # type: ignore[arg-type]
+                json={"filter": {"event": {"name": ["sched.job.completed"]},
+                                 "resource": {"id": [f"sched.agent.{node}"]},
+                                 "any_resource": None}},
+            )
+            events = [e for e in response.json()["events"]
+                      if e["payload"].get("flow_run_id") == run_id]
+            if events or time.monotonic() > deadline:
+                return events
+            time.sleep(0.3)
 
 
 def test_completed_action_reads_the_run_tag() -> None:
@@ -73,6 +96,15 @@ def test_ad_hoc_backup_by_schedule_id_starts_the_chain(
     state = run_job(schedule_id="b-1", return_state=True)
     assert state.is_completed(), state.message
     backup_id = str(state.state_details.flow_run_id)
+
+    # The run is named after the cached row's action, and its event names the action.
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(backup_id).name.startswith("backup-b-1-")
+    [completed] = _job_events(node, backup_id)
+    assert (completed["payload"]["action"], completed["payload"]["schedule_id"]) == (
+        "backup", "b-1")
 
     # The event of such a run names no action: the chain finds it on the run.
     assert advance_chain(action="", node=node, completed_run=backup_id) == ["prune"]
