@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -688,7 +689,8 @@ def claim_for_dispatch(
             for claim in claims
         ]
     params = _claim_for_dispatch_params(worker_id, now, lease, limit, stale_after)
-    return _outcomes(_driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params))
+    rows = _driver_rows(session, _CLAIM_FOR_DISPATCH_SQL, params)
+    return _outcomes(rows, lambda sql, values: _driver_rows(session, sql, values))
 
 
 def claim_for_dispatch_on(
@@ -711,7 +713,8 @@ def claim_for_dispatch_on(
     params = _claim_for_dispatch_params(worker_id, now, lease, limit, stale_after)
     with conn.cursor() as cursor:
         cursor.execute(_CLAIM_FOR_DISPATCH_SQL, params)
-        return _outcomes(cursor.fetchall())
+        rows = cursor.fetchall()
+    return _outcomes(rows, lambda sql, values: conn.execute(sql, values).fetchall())
 
 
 def _claim_for_dispatch_params(
@@ -730,17 +733,35 @@ def _claim_for_dispatch_params(
     }
 
 
-def _outcomes(rows: list[Any]) -> list[tuple[Claim, DispatchOutcome]]:
+_RECORD_STATUS_SQL = (
+    "SELECT task_name, scheduled_at, status FROM task_dispatch WHERE task_name = ANY(%(names)s)"
+)
+
+
+def _outcomes(
+    rows: list[Any], query: Callable[[str, dict[str, Any]], list[Any]]
+) -> list[tuple[Claim, DispatchOutcome]]:
+    """Pair each claimed row (``_CLAIM_COLUMNS``, then owned) with what to do with it.
+
+    A claim whose record another worker holds is DONE if that record says
+    dispatched, else BUSY; those records are read with query (one more round
+    trip, only when there are any). A record a concurrent claimer has not
+    committed yet is not seen: BUSY, which leaves the task alone.
+    """
+    claims = [(_claim_from_row(row), bool(row[12])) for row in rows]
+    others = [claim.name for claim, owned in claims if not owned]
+    status: dict[tuple[str, datetime], str] = {}
+    if others:
+        status = {(r[0], _utc(r[1])): r[2] for r in query(_RECORD_STATUS_SQL, {"names": others})}
     result: list[tuple[Claim, DispatchOutcome]] = []
-    for row in rows:
-        # Columns: _CLAIM_COLUMNS, then owned and the existing record's status.
-        if row[12]:
+    for claim, owned in claims:
+        if owned:
             outcome = DispatchOutcome.OWNED
-        elif row[13] == DispatchStatus.DISPATCHED.value:
+        elif status.get((claim.name, claim.scheduled_at)) == DispatchStatus.DISPATCHED.value:
             outcome = DispatchOutcome.DONE
         else:
             outcome = DispatchOutcome.BUSY
-        result.append((_claim_from_row(row), outcome))
+        result.append((claim, outcome))
     return result
 
 

@@ -409,6 +409,33 @@ def test_claim_for_dispatch_reports_an_already_dispatched_time_as_done(session: 
     assert outcome is DispatchOutcome.DONE and second.scheduled_at == first.scheduled_at
 
 
+@pytest.mark.postgres
+def test_claim_on_a_raw_connection_reports_done_busy_and_owned(postgres_url: str) -> None:
+    """The listener's path: the same outcomes as claim_for_dispatch, on its own connection."""
+    import psycopg
+
+    engine = db.make_engine(postgres_url)
+    try:
+        with Session(engine) as session:
+            for name in ("done", "busy", "mine"):
+                store.save_task(session, _one_shot(name), now=T0)
+            pairs = dict((c.name, c) for c, _ in store.claim_for_dispatch(
+                session, worker_id="w1", now=T0, lease=10, limit=2))
+            assert set(pairs) == {"busy", "done"}
+            store.complete_many(session, [pairs["done"]], now=T0)
+            store.save_task(session, _one_shot("done"), now=T0)  # the same time, again
+        with psycopg.connect(db.libpq_conninfo(postgres_url), autocommit=True) as conn:
+            outcomes = {c.name: o for c, o in store.claim_for_dispatch_on(
+                conn, worker_id="w2", now=T0 + timedelta(seconds=11), lease=10)}
+            with pytest.raises(ValueError, match="autocommit"):
+                conn.autocommit = False
+                store.claim_for_dispatch_on(conn, worker_id="w2")
+    finally:
+        engine.dispose()
+    assert outcomes == {"done": DispatchOutcome.DONE, "busy": DispatchOutcome.BUSY,
+                        "mine": DispatchOutcome.OWNED}
+
+
 def test_claim_for_dispatch_takes_over_failed_and_stale_records(session: Session) -> None:
     store.save_task(session, _one_shot("failed"), now=T0)
     store.save_task(session, _one_shot("stale"), now=T0)

@@ -6,11 +6,12 @@
 -- 3. recorded: insert one dispatch record per (task, scheduled time); take over
 --    an existing one only if it failed, or if it has been dispatching for longer
 --    than %(stale_after)s seconds. The rows returned here are ours to dispatch.
--- 4. For the rest, report the existing record's status as of this statement's
---    snapshot (NULL when a concurrent claimer inserted it: treat as busy).
+-- 4. Report which claims are ours (owned). The rest (rare: a record another
+--    worker holds or finished) are looked up afterwards by the caller, which
+--    keeps this hot statement to the three steps above.
 -- %(now)s NULL means the database's now().
 -- Rows are read by position: store._CLAIM_COLUMNS (the claimed CTE's RETURNING
--- order), then owned, then record_status.
+-- order), then owned.
 WITH picked AS (
     SELECT id
     FROM scheduled_task
@@ -45,9 +46,7 @@ WITH picked AS (
                               - make_interval(secs => CAST(%(stale_after)s AS double precision)))
     RETURNING d.task_name
 )
-SELECT c.*, r.task_name IS NOT NULL AS owned, existing.status AS record_status
+SELECT c.*, r.task_name IS NOT NULL AS owned
 FROM claimed AS c
 LEFT JOIN recorded AS r ON r.task_name = c.name
-LEFT JOIN task_dispatch AS existing
-       ON existing.task_name = c.name AND existing.scheduled_at = c.next_run_at
 ORDER BY c.next_run_at, c.name
