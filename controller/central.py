@@ -52,7 +52,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlmodel import Session
 
 from controller import store
-from controller.db import database_url, libpq_conninfo, make_engine
+from controller.db import connection_options, database_url, libpq_conninfo, make_engine
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
 from controller.dispatch import Dispatcher, PrefectDispatcher
 from controller.store import Claim, DispatchOutcome
@@ -491,8 +491,8 @@ class CentralScheduler:
             "keepalives": 1,
             "keepalives_idle": 30,
         }
-        if self._claim_options:  # it claims too, after each notification
-            settings["options"] = self._claim_options
+        # It claims too, after each notification: the claim connections' settings.
+        settings["options"] = connection_options(self._claim_options)
         conn = psycopg.connect(libpq_conninfo(self.url), autocommit=True, **settings)
         try:
             conn.execute(f"LISTEN {store.NOTIFY_CHANNEL}")

@@ -82,6 +82,17 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def connection_options(extra: str | None = None) -> str:
+    """Return the libpq ``options`` of every controller connection to Postgres, plus extra.
+
+    ``TimeZone=UTC``: the controller reads and writes instants only, and with
+    the session in UTC the driver hands back timestamps already in
+    ``datetime.UTC`` (whatever the server's default zone), so the claim loop
+    has nothing to convert.
+    """
+    return "-c TimeZone=UTC" + (f" {extra}" if extra else "")
+
+
 def make_engine(
     url: str | URL | None = None,
     *,
@@ -98,8 +109,8 @@ def make_engine(
     foreign keys and a 30 s busy timeout. On Postgres every connection carries
     ``application_name`` so ``pg_stat_activity`` can count them, and the pool
     holds at most ``pool_size + max_overflow`` connections; ``options`` are
-    server settings for every connection (libpq ``options``, e.g.
-    ``"-c synchronous_commit=off"``).
+    more server settings for every connection (libpq ``options``, e.g.
+    ``"-c synchronous_commit=off"``), after :func:`connection_options`' own.
     """
     parsed = database_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -117,7 +128,7 @@ def make_engine(
         return create_engine(
             parsed,
             connect_args={"application_name": application_name,
-                          **({"options": options} if options else {})},
+                          "options": connection_options(options)},
             pool_size=pool_size,
             max_overflow=max_overflow,
             pool_pre_ping=pool_pre_ping,

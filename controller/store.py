@@ -330,6 +330,8 @@ class Claim:
 
 
 def _utc(value: datetime) -> datetime:
+    if value.tzinfo is UTC:  # the controller's connections are in UTC (db.connection_options)
+        return value
     return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
 

@@ -436,6 +436,28 @@ def test_claim_on_a_raw_connection_reports_done_busy_and_owned(postgres_url: str
                         "mine": DispatchOutcome.OWNED}
 
 
+@pytest.mark.postgres
+def test_controller_connections_speak_utc_whatever_the_server_zone(postgres_url: str) -> None:
+    import psycopg
+
+    name = db.database_url(postgres_url).database
+    admin = db.libpq_conninfo(postgres_url)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {name} SET timezone = 'America/New_York'")  # type: ignore[arg-type]
+    engine = db.make_engine(postgres_url)
+    try:
+        with Session(engine) as session:
+            assert session.connection().exec_driver_sql("SHOW TimeZone").scalar() == "UTC"
+            store.save_task(session, _one_shot("utc"), now=T0)
+            [claim] = store.claim_due(session, worker_id="w1", now=T0)
+        assert claim.scheduled_at == T0 and claim.scheduled_at.tzinfo is UTC
+        assert claim.locked_until.tzinfo is UTC
+    finally:
+        engine.dispose()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"ALTER DATABASE {name} RESET timezone")  # type: ignore[arg-type]
+
+
 def test_claim_for_dispatch_takes_over_failed_and_stale_records(session: Session) -> None:
     store.save_task(session, _one_shot("failed"), now=T0)
     store.save_task(session, _one_shot("stale"), now=T0)
