@@ -10,7 +10,9 @@ for its heartbeat thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -34,3 +36,30 @@ def prefect_server() -> Iterator[str]:
 
         with prefect_test_harness(server_startup_timeout=60):
             yield str(PREFECT_API_URL.value())
+
+
+def agent_events(
+    name: str, node: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 15
+) -> list[dict[str, Any]]:
+    """Return the events called name about node's agent once done(events) holds (or timeout s).
+
+    Events reach the server's store in batches, so tests poll.
+    """
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            response = client.request(
+                "POST",
+                "/events/filter",
+                json={"filter": {
+                    "event": {"name": [name]},
+                    "resource": {"id": [f"sched.agent.{node}"]},
+                    "any_resource": None,
+                }},
+            )
+            events: list[dict[str, Any]] = response.json()["events"]
+            if done(events) or time.monotonic() > deadline:
+                return events
+            time.sleep(0.3)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.fixtures_prefect import agent_events
 
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_server")]
 
@@ -30,23 +31,13 @@ def _row(sid: str, action: str, shape: dict[str, Any]) -> dict[str, Any]:
 
 def _job_events(node: str, run_id: str) -> list[dict[str, Any]]:
     """Return the sched.job.completed events of run_id (waiting up to 15 s for one)."""
-    from prefect.client.orchestration import get_client
+    events = agent_events("sched.job.completed", node,
+                          lambda found: any(_of(e, run_id) for e in found))
+    return [e for e in events if _of(e, run_id)]
 
-    deadline = time.monotonic() + 15
-    with get_client(sync_client=True) as client:
-        while True:
-            response = client.request(
-                "POST",
-                "/events/filter",  # type: ignore[arg-type]
-                json={"filter": {"event": {"name": ["sched.job.completed"]},
-                                 "resource": {"id": [f"sched.agent.{node}"]},
-                                 "any_resource": None}},
-            )
-            events = [e for e in response.json()["events"]
-                      if e["payload"].get("flow_run_id") == run_id]
-            if events or time.monotonic() > deadline:
-                return events
-            time.sleep(0.3)
+
+def _of(event: dict[str, Any], run_id: str) -> bool:
+    return bool(event["payload"].get("flow_run_id") == run_id)
 
 
 def test_completed_action_reads_the_run_tag() -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures_prefect import agent_events
+
 pytestmark = [pytest.mark.prefect, pytest.mark.usefixtures("prefect_server")]
 
 T0 = datetime(2026, 12, 2, 15, 29, 5, tzinfo=UTC)  # 10:29:05 EST
@@ -355,24 +357,7 @@ def test_token_from_a_prefect_secret_block(
 
 def _events(name: str, node: str, count: int) -> list[dict[str, Any]]:
     """Return the events called name about node once there are count of them (or 15 s)."""
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + 15
-    with get_client(sync_client=True) as client:
-        while True:
-            response = client.request(
-                "POST",
-                "/events/filter",  # type: ignore[arg-type]
-                json={"filter": {
-                    "event": {"name": [name]},
-                    "resource": {"id": [f"sched.agent.{node}"]},
-                    "any_resource": None,
-                }},
-            )
-            events: list[dict[str, Any]] = response.json()["events"]
-            if len(events) >= count or time.monotonic() > deadline:
-                return events
-            time.sleep(0.3)
+    return agent_events(name, node, lambda events: len(events) >= count)
 
 
 def test_reconcile_emits_schedules_changed(agent: Agent) -> None:
