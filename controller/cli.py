@@ -89,6 +89,15 @@ def serve(
                 err=True,
             )
             raise typer.Exit(2)
+    if not api_only:
+        from controller.dispatch import prefect_api_url
+
+        try:
+            prefect_api_url()
+        except ConfigError as exc:
+            typer.echo(f"error: the central scheduler cannot start: {exc}; or pass --api-only",
+                       err=True)
+            raise typer.Exit(2) from None
     from controller.server import run
 
     run(

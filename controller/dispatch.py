@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from controller.store import Claim
+from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,25 @@ class Dispatcher(Protocol):
     """Hand one claim on; raise on failure."""
 
     def __call__(self, claim: Claim) -> None: ...
+
+
+def prefect_api_url() -> str:
+    """Return the Prefect API the controller dispatches to; ConfigError when none is set.
+
+    Without ``PREFECT_API_URL`` (in the environment or the active Prefect
+    profile) Prefect's client would start a temporary server of its own and
+    every event and run would be sent there, and lost with it.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ConfigError(
+            "no Prefect API to dispatch to: set PREFECT_API_URL (e.g. "
+            "http://127.0.0.1:4200/api for `prefect server start`); without it Prefect "
+            "would start a temporary server and every dispatch would be lost with it"
+        )
+    return str(url)
 
 
 def event_id(claim: Claim) -> uuid.UUID:
@@ -73,9 +93,14 @@ class PrefectDispatcher:
 
     A deployment task calls ``run_deployment(name, parameters=payload,
     timeout=0, idempotency_key=...)``: a repeated key returns the same flow run.
+
+    Without a configured Prefect API (:func:`prefect_api_url`) every dispatch
+    fails with a ConfigError naming ``PREFECT_API_URL``, recorded like any
+    failed dispatch, instead of going to a temporary server.
     """
 
     def __call__(self, claim: Claim) -> None:
+        prefect_api_url()
         if claim.event:
             self._emit(claim)
         elif claim.deployment:

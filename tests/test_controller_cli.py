@@ -192,8 +192,23 @@ def test_serve_insecure_no_auth_makes_every_caller_admin(tmp_path: Path) -> None
     assert "WITHOUT authentication" in log_path.read_text()
 
 
+NO_PREFECT = "http://127.0.0.1:9/api"  # configured, never reached: no task is due
+
+
+def test_serve_refuses_to_run_the_scheduler_without_a_prefect_api(tmp_path: Path) -> None:
+    """Without PREFECT_API_URL, Prefect would dispatch into a temporary server of its own."""
+    env = {k: v for k, v in clean_env(SCHED_ADMIN_TOKEN=ADMIN_TOKEN).items()
+           if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile setting it either
+    for args in (["serve"], ["serve", "--scheduler-only"]):
+        result = run_cli(*args, "--port", str(free_port()), env=env)
+        assert result.returncode == 2, result.stderr
+        assert "PREFECT_API_URL" in result.stderr and "--api-only" in result.stderr
+
+
 def test_serve_runs_api_and_central_scheduler_and_stops_both(tmp_path: Path) -> None:
-    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (base, log_path):
+    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
+                 PREFECT_API_URL=NO_PREFECT) as (base, log_path):
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         assert httpx.get(f"{base}/api/tasks", headers=admin).json() == {"tasks": []}
         assert "central scheduler started" in log_path.read_text()
@@ -210,7 +225,8 @@ def test_serve_scheduler_only_needs_no_token_and_stops_on_sigterm(tmp_path: Path
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(
             [*CLI, "serve", "--scheduler-only"], cwd=ROOT,
-            env=clean_env(SCHED_DATABASE_URL=url), stdout=log_file, stderr=subprocess.STDOUT,
+            env=clean_env(SCHED_DATABASE_URL=url, PREFECT_API_URL=NO_PREFECT),
+            stdout=log_file, stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60

@@ -211,3 +211,27 @@ def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
     assert (task.status, task.attempts, task.next_run_at) == ("active", 1, at)
     assert task.last_error is not None and "ConnectError" in task.last_error
     assert [r.status for r in records] == [DispatchStatus.FAILED]
+
+
+def test_without_a_prefect_api_every_dispatch_fails_naming_the_setting(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never a temporary server of Prefect's own: the dispatch fails, recorded and retried."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    with Session(engine) as session:
+        store.save_task(session, TaskIn(name="nowhere", run_at=at, event="probe.x"), now=at)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        scheduler = CentralScheduler(engine, wake_on_local_saves=False)
+        try:
+            assert scheduler.run_once(now=at) == 1
+        finally:
+            scheduler.stop()
+    with Session(engine) as session:
+        task = store.get_task(session, "nowhere")
+    assert task is not None and (task.status, task.attempts) == ("active", 1)
+    assert task.last_error is not None
+    assert task.last_error.startswith("ConfigError: no Prefect API to dispatch to")
+    assert "PREFECT_API_URL" in task.last_error
