@@ -23,14 +23,40 @@ app = typer.Typer(
 _URL_HELP = "Database URL (default: SCHED_DATABASE_URL, else the embedded SQLite file)."
 
 
+_RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message", "asctime", "taskName", "color_message",
+}
+
+
+class ContextFormatter(logging.Formatter):
+    """The message, then each ``extra`` field of the record as ``key=value``.
+
+    The controller logs its context (task, scheduled time, worker, error,
+    attempts, retry delay) as extra fields; without this a plain format would
+    drop them and leave "dispatch failed; will retry" with no task named.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        text = super().formatMessage(record)
+        context = [
+            f"{key}={_field(value)}" for key, value in record.__dict__.items()
+            if key not in _RECORD_FIELDS and not key.startswith("_")
+        ]
+        return f"{text} {' '.join(context)}" if context else text
+
+
+def _field(value: object) -> str:
+    text = value.isoformat() if hasattr(value, "isoformat") else str(value)
+    return repr(text) if not text or any(c.isspace() or c in "'\"=" for c in text) else text
+
+
 def _setup_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(
-            level=level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-            stream=sys.stderr,
-        )
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(ContextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level.upper())
 
 
 @app.command()

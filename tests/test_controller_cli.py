@@ -254,3 +254,22 @@ def test_sched_console_script_has_the_controller_commands(tmp_path: Path) -> Non
     )
     assert result.returncode == 0, result.stderr
     assert "agent_schedule" in tables(path)
+
+
+def test_log_lines_carry_their_context_fields() -> None:
+    """An operator reading the log sees which task failed, when, and why."""
+    import logging
+    from datetime import UTC, datetime
+
+    from controller.cli import ContextFormatter
+
+    record = logging.LogRecord("controller.central", logging.WARNING, __file__, 1,
+                               "dispatch failed; will retry", (), None)
+    record.__dict__.update(task_name="nightly", error="ValueError: no such 'x'",
+                           scheduled_at=datetime(2026, 12, 2, 7, 30, tzinfo=UTC), attempts=2)
+    line = ContextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line == ("WARNING controller.central: dispatch failed; will retry task_name=nightly "
+                    "error=\"ValueError: no such 'x'\" scheduled_at=2026-12-02T07:30:00+00:00 "
+                    "attempts=2")
+    plain = logging.LogRecord("x", logging.INFO, __file__, 1, "started", (), None)
+    assert ContextFormatter("%(message)s").format(plain) == "started"
