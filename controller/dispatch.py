@@ -117,14 +117,22 @@ class PrefectDispatcher:
 
     def _run_deployment(self, claim: Claim) -> None:
         from prefect.deployments import run_deployment
+        from prefect.exceptions import ObjectNotFound
 
-        run_deployment(
-            claim.deployment or "",
-            parameters=dict(claim.payload),
-            timeout=0,
-            idempotency_key=claim.idempotency_key,
-            as_subflow=False,
-        )
+        try:
+            run_deployment(
+                claim.deployment or "",
+                parameters=dict(claim.payload),
+                timeout=0,
+                idempotency_key=claim.idempotency_key,
+                as_subflow=False,
+            )
+        except ObjectNotFound:
+            # Prefect's own message is "None": name what is missing, and where.
+            raise LookupError(
+                f"deployment {claim.deployment!r} not found on {prefect_api_url()} "
+                "(expected <flow name>/<deployment name>, as `prefect deployment ls` shows)"
+            ) from None
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,18 @@ def test_a_deployment_task_is_one_flow_run_even_when_dispatched_twice(
     assert run.state is not None and run.state.type == StateType.SCHEDULED
 
 
+@pytest.mark.prefect
+def test_a_missing_deployment_fails_the_dispatch_naming_it(prefect_server: str) -> None:
+    at = _now()
+    claim = Claim(task_id=0, name="nowhere", scheduled_at=at, worker_id="test",
+                  locked_until=at, event=None, deployment="no-such-flow/no-such-deployment")
+    with pytest.raises(LookupError) as raised:
+        PrefectDispatcher()(claim)
+    message = str(raised.value)
+    assert "'no-such-flow/no-such-deployment' not found on http" in message
+    assert prefect_server in message
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
