@@ -64,6 +64,8 @@ RETRY_DELAY_ENV = "SCHED_RETRY_DELAY"
 """Seconds before the first reconnect (or retry) after a failure; doubles up to a cap."""
 
 DEFAULT_RETRY_DELAY = 1.0
+PRUNE_BATCH = 10_000
+"""Dispatch records deleted per transaction when pruning."""
 _MIN_WAIT = 0.005  # never spin: a due task someone else holds frees up later
 
 
@@ -316,12 +318,16 @@ class CentralScheduler:
             # Cleared before claiming: a save during the pass wakes the next wait.
             self._wake.clear()
             try:
-                if time.monotonic() >= next_prune:
-                    next_prune = time.monotonic() + self.prune_interval
-                    self.prune_dispatches()
                 count = self.run_once()
                 wait = 0.0 if count >= self.batch_size else self.seconds_to_next_due()
                 failures = 0
+                if time.monotonic() >= next_prune:
+                    # One batch per pass, after the pass: a backlog of old records
+                    # is worked off between passes, never ahead of a due task.
+                    if self.prune_dispatches(max_batches=1) < PRUNE_BATCH:
+                        next_prune = time.monotonic() + self.prune_interval
+                    else:
+                        wait = 0.0
             except Exception as exc:
                 failures += 1
                 wait = backoff(failures, base=self.retry_delay, cap=self.max_retry_delay)
@@ -334,18 +340,23 @@ class CentralScheduler:
                 self._wake.wait(wait)
                 self.waiting.clear()
 
-    def prune_dispatches(self, *, now: datetime | None = None) -> int:
+    def prune_dispatches(
+        self, *, now: datetime | None = None, max_batches: int | None = None
+    ) -> int:
         """Delete finished dispatch records older than the retention; return how many.
 
-        ``now`` pins the clock (tests); None reads the database's. Several
-        instances may prune at once: a record is deleted once either way.
+        In batches of ``PRUNE_BATCH``, at most ``max_batches`` of them. ``now``
+        pins the clock (tests); None reads the database's. Several instances
+        may prune at once: a record is deleted once either way.
         """
         if self.dispatch_retention is None:
             return 0
         with Session(self._ensure_engine()) as session:
             current = now or store.db_now(session)
             before = current - timedelta(seconds=self.dispatch_retention)
-            deleted = store.prune_dispatches(session, before=before)
+            deleted = store.prune_dispatches(
+                session, before=before, batch=PRUNE_BATCH, max_batches=max_batches
+            )
         if deleted:
             log.info("pruned old dispatch records", extra=self._log_extra(
                 count=deleted, scheduled_before=before.isoformat()))

@@ -641,16 +641,18 @@ def give_up(
 
 
 def prune_dispatches(
-    session: Session, *, before: datetime, batch: int = 10_000
+    session: Session, *, before: datetime, batch: int = 10_000, max_batches: int | None = None
 ) -> int:
     """Delete finished dispatch records scheduled before ``before``; return how many; commits.
 
     Finished means dispatched or failed: a record still ``dispatching`` is the
     exactly-once guard of a dispatch in flight and is never deleted. Deletes in
     batches of ``batch`` rows, one transaction each, so a large backlog never
-    holds one long lock.
+    holds one long lock; ``max_batches`` stops after that many (the caller
+    comes back for the rest).
     """
     deleted = 0
+    batches = 0
     old = and_(
         _D.scheduled_at < literal(before, UtcDateTime),
         _D.status != DispatchStatus.DISPATCHING.value,
@@ -665,7 +667,8 @@ def prune_dispatches(
             session.rollback()
             raise
         deleted += count or 0
-        if not count or count < batch:
+        batches += 1
+        if not count or count < batch or (max_batches is not None and batches >= max_batches):
             return deleted
 
 

@@ -214,18 +214,26 @@ def test_old_finished_dispatch_records_are_pruned(engine: Engine) -> None:
         left = {r.task_name: r.status for r in store.list_dispatches(session)}
     assert left == {"inflight": "dispatching", "d29": "dispatched", "d1": "dispatched"}
     with Session(engine) as session:
-        assert store.prune_dispatches(session, before=T0, batch=1) == 2  # in batches too
+        # In batches too, and only as many batches as asked for.
+        assert store.prune_dispatches(session, before=T0, batch=1, max_batches=1) == 1
+        assert len(store.list_dispatches(session)) == 2
+        assert store.prune_dispatches(session, before=T0, batch=1) == 1
         assert [r.task_name for r in store.list_dispatches(session)] == ["inflight"]
 
 
-def test_the_loop_prunes_with_the_database_clock(engine: Engine) -> None:
-    old = datetime.now(UTC) - timedelta(days=31)
-    _dispatch_at(engine, "old", old)
+def test_the_loop_prunes_with_the_database_clock_a_batch_per_pass(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("controller.central.PRUNE_BATCH", 1)  # three batches of old records
+    for i in range(3):
+        _dispatch_at(engine, f"old-{i}", datetime.now(UTC) - timedelta(days=31, minutes=i))
     _dispatch_at(engine, "recent", datetime.now(UTC) - timedelta(days=29))
-    scheduler = CentralScheduler(engine, worker_id="w1", poll_interval=0.05,
+    # Polls far apart and an hourly prune: only working off the backlog pass by pass
+    # (no wait while a whole batch went) gets through the three in time.
+    scheduler = CentralScheduler(engine, worker_id="w1", poll_interval=600,
                                  dispatcher=RecordingDispatcher())
     with Session(engine) as session:
-        assert len(store.list_dispatches(session)) == 2
+        assert len(store.list_dispatches(session)) == 4
     with scheduler:
         def names() -> list[str]:
             with Session(engine) as session:
