@@ -395,11 +395,15 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     claim = store.Claim(task_id=1, name="nightly", scheduled_at=T0, worker_id="w",
                         locked_until=T0, event="sched.task.backup", deployment=None,
                         payload={"agent": "node-a"})
-    PrefectDispatcher()(claim)
     run = store.Claim(task_id=2, name="prune", scheduled_at=T0, worker_id="w",
                       locked_until=T0, event=None, deployment="prune/nightly",
                       payload={"agent": "node-b"})
-    PrefectDispatcher()(run)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # A configured API (never reached: the client is fake); without one it refuses.
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        PrefectDispatcher()(claim)
+        PrefectDispatcher()(run)
     (posted, (event,)), (name, deployment) = calls
     assert posted == "POST /events"
     assert event["event"] == "sched.task.backup"
