@@ -28,6 +28,10 @@ _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) 
 }
 
 
+_SELF_DESCRIBING = frozenset({"controller.access"})
+"""Loggers whose messages already spell out their fields (the access log)."""
+
+
 class ContextFormatter(logging.Formatter):
     """The message, then each ``extra`` field of the record as ``key=value``.
 
@@ -38,6 +42,8 @@ class ContextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         text = super().formatMessage(record)
+        if record.name in _SELF_DESCRIBING:
+            return text
         context = [
             f"{key}={_field(value)}" for key, value in record.__dict__.items()
             if key not in _RECORD_FIELDS and not key.startswith("_")

@@ -273,3 +273,7 @@ def test_log_lines_carry_their_context_fields() -> None:
                     "attempts=2")
     plain = logging.LogRecord("x", logging.INFO, __file__, 1, "started", (), None)
     assert ContextFormatter("%(message)s").format(plain) == "started"
+    access = logging.LogRecord("controller.access", logging.INFO, __file__, 1,
+                               "GET /healthz node=- principal=- status=200 1.0ms", (), None)
+    access.__dict__.update(method="GET", path="/healthz", status=200)  # already in the text
+    assert ContextFormatter("%(message)s").format(access) == access.getMessage()
