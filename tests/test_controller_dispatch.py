@@ -196,31 +196,41 @@ def _closed_port() -> int:
     return port  # nothing listens there once the socket is closed
 
 
+FAILED_AT = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+
+
+def _one_pass(engine: Engine, name: str) -> tuple[Any, list[Any]]:
+    """Save event task name due at FAILED_AT, run one pass with the default dispatcher.
+
+    Returns the task and its dispatch records as the pass left them.
+    """
+    with Session(engine) as session:
+        store.save_task(session, TaskIn(name=name, run_at=FAILED_AT, event="probe.x"),
+                        now=FAILED_AT)
+    scheduler = CentralScheduler(engine, wake_on_local_saves=False)
+    try:
+        assert scheduler.run_once(now=FAILED_AT) == 1
+    finally:
+        scheduler.stop()
+    with Session(engine) as session:
+        task = store.get_task(session, name)
+        assert task is not None
+        return task, store.list_dispatches(session, name)
+
+
 def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
     engine: Engine,
 ) -> None:
     """No server needed: an event that cannot be delivered must not count as dispatched."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
-    with Session(engine) as session:
-        store.save_task(session, TaskIn(name="lost", run_at=at, event="probe.lost"), now=at)
     with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{_closed_port()}/api"}):
-        claim = Claim(task_id=0, name="lost", scheduled_at=at, worker_id="test",
-                      locked_until=at, event="sched.task.probe.lost", deployment=None)
+        claim = Claim(task_id=0, name="lost", scheduled_at=FAILED_AT, worker_id="test",
+                      locked_until=FAILED_AT, event="sched.task.probe.lost", deployment=None)
         with pytest.raises(httpx.ConnectError):
             PrefectDispatcher()(claim)
-        scheduler = CentralScheduler(engine, wake_on_local_saves=False)
-        try:
-            assert scheduler.run_once(now=at) == 1
-        finally:
-            scheduler.stop()
-
-    with Session(engine) as session:
-        task = store.get_task(session, "lost")
-        records = store.list_dispatches(session, "lost")
-    assert task is not None
-    assert (task.status, task.attempts, task.next_run_at) == ("active", 1, at)
+        task, records = _one_pass(engine, "lost")
+    assert (task.status, task.attempts, task.next_run_at) == ("active", 1, FAILED_AT)
     assert task.last_error is not None and "ConnectError" in task.last_error
     assert [r.status for r in records] == [DispatchStatus.FAILED]
 
@@ -232,18 +242,10 @@ def test_without_a_prefect_api_every_dispatch_fails_naming_the_setting(
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
-    with Session(engine) as session:
-        store.save_task(session, TaskIn(name="nowhere", run_at=at, event="probe.x"), now=at)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
-        scheduler = CentralScheduler(engine, wake_on_local_saves=False)
-        try:
-            assert scheduler.run_once(now=at) == 1
-        finally:
-            scheduler.stop()
-    with Session(engine) as session:
-        task = store.get_task(session, "nowhere")
-    assert task is not None and (task.status, task.attempts) == ("active", 1)
+        task, records = _one_pass(engine, "nowhere")
+    assert (task.status, task.attempts) == ("active", 1)
+    assert [r.status for r in records] == [DispatchStatus.FAILED]
     assert task.last_error is not None
     assert task.last_error.startswith("ConfigError: no Prefect API to dispatch to")
     assert "PREFECT_API_URL" in task.last_error
