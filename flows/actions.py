@@ -25,7 +25,16 @@ from sched_core import ConfigError, LocalSchedule
 
 
 def window_stamp(window: datetime | None) -> str:
-    """Return a window as a compact UTC stamp for names and file names: 20261202T0730Z."""
+    """Return a window as a compact UTC stamp for names and file names: 20261202T0730Z.
+
+    A window without a UTC offset is a ConfigError: reading it in the machine's
+    local time would name (and write) a different window on every host.
+    """
+    if window is not None and (window.tzinfo is None or window.utcoffset() is None):
+        raise ConfigError(
+            f"window {window.isoformat()} has no UTC offset; give one, "
+            f"such as {window.isoformat()}Z or {window.isoformat()}-05:00"
+        )
     return (window or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%MZ")
 
 

@@ -54,7 +54,9 @@ EVENT_JOB_FAILED = "sched.job.failed"
 EVENT_SCHEDULES_CHANGED = "sched.schedules.changed"
 
 ACTIVE_STATES = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-FINISHED_STATES = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED]
+FINISHED_STATES = [
+    StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED,
+]
 
 BULK_MIN = 20
 """A tick with at least this many due windows creates their runs in bulk first."""

@@ -6,8 +6,9 @@
 2. Run the command without a shell in a task with the action's retries; every
    output line goes to the run's logs; a timeout kills the command's group.
 3. Publish the exit code and duration as an artifact, and on the terminal
-   state emit ``sched.job.completed`` or ``sched.job.failed`` (from state
-   hooks, so the run is already terminal in the API when the chain looks).
+   state emit ``sched.job.completed`` or ``sched.job.failed`` (failed, crashed
+   or cancelled; from state hooks, so the run is already terminal in the API
+   when the chain looks).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run as current_run
 
-from flows.actions import CommandResult, render_argv, run_command
+from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.agent import (
     EVENT_JOB_COMPLETED,
     EVENT_JOB_FAILED,
@@ -95,11 +96,11 @@ def _run_name() -> str:
     window = params.get("window")
     if isinstance(window, str):
         window = datetime.fromisoformat(window)
-    return job_run_name(
-        str(row.get("action", "job")),
-        str(row.get("id", "unknown")),
-        window if isinstance(window, datetime) else None,
-    )
+    action, schedule_id = str(row.get("action", "job")), str(row.get("id", "unknown"))
+    try:
+        return job_run_name(action, schedule_id, window if isinstance(window, datetime) else None)
+    except ConfigError:  # a window without an offset: the run fails, saying so
+        return f"{action}-{schedule_id}-bad-window"
 
 
 def _cached_action(schedule_id: object) -> str | None:
@@ -166,6 +167,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
     on_completion=[_emit_terminal],
     on_failure=[_emit_terminal],
     on_crashed=[_emit_terminal],
+    on_cancellation=[_emit_terminal],
 )
 def run_job(
     schedule: LocalSchedule | None = None,
@@ -176,6 +178,7 @@ def run_job(
 ) -> dict[str, Any]:
     """Run the schedule's action (the whole row, or a cached schedule_id for ad hoc runs)."""
     logger = get_run_logger()
+    window_stamp(window)  # a window without a UTC offset fails here, before anything runs
     settings = agent_settings()
     row = resolve_schedule(settings, schedule, schedule_id)
     _ensure_tags(job_tags(settings.node_name, row.action, row.id, trigger_key))

@@ -444,6 +444,66 @@ def test_missing_template_parameter_fails_before_anything_runs(agent: Agent) -> 
     assert "no parameter 'missing'" in str(state.message)
 
 
+def test_window_without_an_offset_fails_before_anything_runs(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A naive window (``--param window=2026-03-08T02:30:00``) is an error, not local time."""
+    from flows.actions import window_stamp
+    from flows.job import run_job
+    from sched_core import ConfigError
+
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        naive = datetime(2026, 3, 8, 2, 30)
+        with pytest.raises(ConfigError, match="no UTC offset"):
+            window_stamp(naive)
+        state = run_job(schedule=row("s-naive", "backup", EVERY_HOUR_AT_30), window=naive,
+                        return_state=True)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert state.is_failed()
+    assert "2026-03-08T02:30:00 has no UTC offset" in str(state.message)
+    run_id = state.state_details.flow_run_id
+    assert not any("backing up" in line for line in _logs(run_id, "no UTC offset"))
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).name == "backup-s-naive-bad-window"
+    assert window_stamp(datetime(2026, 3, 8, 2, 30, tzinfo=UTC)) == "20260308T0230Z"
+
+
+def test_cancelled_job_emits_failed_and_counts_as_finished_for_the_wave(agent: Agent) -> None:
+    """A cancelled backup (an operator's, or serve stopping) still ends the wave for the chain."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Running
+
+    from flows.agent import ACTIVE_STATES, FINISHED_STATES, count_jobs, job_tags
+    from flows.job import _emit_terminal, run_job
+
+    assert _emit_terminal in run_job.on_cancellation_hooks
+    before = datetime.now(UTC) - timedelta(seconds=5)
+    schedule = row("s-c", "backup", EVERY_HOUR_AT_30)
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(
+            run_job, parameters={"schedule": schedule, "trigger_key": "schedule"},
+            tags=job_tags(agent.node, "backup", "s-c", "schedule"), state=Running(),
+        )
+        assert count_jobs(agent.node, ["backup"], ACTIVE_STATES) == 1
+        client.set_flow_run_state(run.id, Cancelled(), force=True)
+        run = client.read_flow_run(run.id)
+    assert run.state is not None and run.state.is_cancelled()
+    assert count_jobs(agent.node, ["backup"], ACTIVE_STATES) == 0
+    assert count_jobs(agent.node, ["backup"], FINISHED_STATES, ended_after=before) == 1
+
+    _emit_terminal(run_job, run, run.state)
+    failed, = _events("sched.job.failed", agent.node, 1)
+    assert failed["payload"]["state"] == "Cancelled"
+    assert failed["payload"]["action"] == "backup"
+    assert failed["payload"]["flow_run_id"] == str(run.id)
+
+
 # -- advance-chain --------------------------------------------------------------------
 
 
