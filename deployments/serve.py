@@ -70,6 +70,11 @@ def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
         ),
         run_job.to_deployment(
             name=node,
+            # The node's job slots: a limit on run-job only, so eight long
+            # backups never keep a tick, a reconcile or the chain from starting.
+            concurrency_limit=ConcurrencyLimitConfig(
+                limit=settings.job_limit, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE
+            ),
             tags=tags,
             description="Run one action of one schedule and window.",
         ),
@@ -94,7 +99,10 @@ def main() -> int:
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
-    serve(*build_deployments(settings), limit=int(os.environ.get("SCHED_SERVE_LIMIT", "8")))
+    # No runner-wide limit: it would be one pool of slots for all four
+    # deployments, and long jobs holding them would keep the tick from firing.
+    # Jobs are limited by run-job's own concurrency limit (job_limit).
+    serve(*build_deployments(settings), limit=None)
     return 0
 
 

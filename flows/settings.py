@@ -149,6 +149,7 @@ class AgentSettings(BaseSettings):
     wave: list[str] = Field(default_factory=lambda: ["backup", "copy"])
     stages: list[StageSpec] = Field(default_factory=_default_stages)
     wave_lookback: Seconds = timedelta(hours=12)
+    job_limit: int = Field(default=8, ge=1)
 
     @classmethod
     def settings_customise_sources(

@@ -34,7 +34,9 @@ def test_prefect_yaml_deploys_the_four_flows_per_node() -> None:
     assert tick["schedules"] == [{"cron": "* * * * *", "timezone": "UTC"}]
     assert tick["concurrency_limit"]["limit"] == 1
     assert deployments["flows/reconcile.py:reconcile"]["schedules"] == [{"interval": 300}]
-    assert deployments["flows/job.py:run_job"]["schedules"] == []
+    job = deployments["flows/job.py:run_job"]
+    assert job["schedules"] == []
+    assert job["concurrency_limit"] == {"limit": 8, "collision_strategy": "ENQUEUE"}
     chain = deployments["flows/chain.py:advance_chain"]
     trigger, = chain["triggers"]
     assert set(trigger["expect"]) == {"sched.job.completed", "sched.job.failed"}
@@ -65,3 +67,34 @@ def test_serve_builds_the_same_deployments(
     for name in ("fire-tick", "reconcile", "advance-chain"):
         limit = built[name].concurrency_limit
         assert getattr(limit, "limit", limit) == 1
+
+
+def test_only_jobs_are_limited_so_long_jobs_never_hold_back_the_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run-job has the node's job slots; serve itself runs with no runner-wide limit."""
+    import deployments.serve as serve_module
+
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = load_settings(pull_url="schedules.json", node_name="node-a", state_dir=tmp_path)
+    assert settings.job_limit == 8
+    jobs = {d.flow_name: d for d in serve_module.build_deployments(settings)}["run-job"]
+    assert jobs.concurrency_limit == 8
+    assert jobs.concurrency_options is not None
+    assert jobs.concurrency_options.collision_strategy == "ENQUEUE"
+
+    monkeypatch.setenv("SCHED_JOB_LIMIT", "3")
+    monkeypatch.setenv("SCHED_PULL_URL", "schedules.json")
+    monkeypatch.setenv("SCHED_NODE_NAME", "node-a")
+    monkeypatch.setenv("SCHED_STATE_DIR", str(tmp_path))
+    served: dict[str, Any] = {}
+
+    def fake_serve(*deployments: Any, **options: Any) -> None:
+        served["deployments"] = {d.flow_name: d for d in deployments}
+        served["options"] = options
+
+    monkeypatch.setattr(serve_module, "serve", fake_serve)
+    assert serve_module.main() == 0
+    assert served["options"] == {"limit": None}
+    limited = {name: d.concurrency_limit for name, d in served["deployments"].items()}
+    assert limited == {"fire-tick": 1, "reconcile": 1, "run-job": 3, "advance-chain": 1}
