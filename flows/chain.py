@@ -87,7 +87,17 @@ def build_spec(settings: AgentSettings, *, now: datetime, exclude: tuple[str, ..
     )
 
 
-@flow(name=ADVANCE_CHAIN, flow_run_name="chain-after-{action}")
+CHAIN_RETRIES = 3
+"""Retries of an advance-chain run that left a stage's fires failed (each retries them)."""
+CHAIN_RETRY_DELAY_S = 30
+
+
+@flow(
+    name=ADVANCE_CHAIN,
+    flow_run_name="chain-after-{action}",
+    retries=CHAIN_RETRIES,
+    retry_delay_seconds=CHAIN_RETRY_DELAY_S,
+)
 def advance_chain(
     action: str,
     node: str = "",
@@ -110,6 +120,7 @@ def advance_chain(
     exclude = (completed_run,) if completed_run else ()
     chain = Chain(scheduler, build_spec(settings, now=at, exclude=exclude))
     fired = chain.on_job_complete(action, now=at)
+    incomplete = chain.incomplete(now=at)
     logger.info("job of %s completed; chain fired stages %s", action, fired or "none")
     if fired:
         lines = [f"### Chain on {settings.node_name}: fired {', '.join(fired)}", ""]
@@ -122,5 +133,16 @@ def advance_chain(
             key=f"advance-chain-{slug(settings.node_name)}",
             markdown="\n".join(lines),
             description=f"Chain stages fired after a {action} job",
+        )
+    if incomplete:
+        # Fail visibly: the run's own retries (and any later job completion)
+        # fire the failed schedules again, under the same keys.
+        names = ", ".join(
+            f"{name} ({mark.day.isoformat()}, {len(mark.fired)} fired so far)"
+            for name, mark in sorted(incomplete.items())
+        )
+        raise RuntimeError(
+            f"chain stage(s) {names} could not fire every schedule; they are retried by this "
+            "run's retries and on the next job completion (see the log above for the errors)"
         )
     return fired

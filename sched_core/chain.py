@@ -13,7 +13,10 @@ Rules:
    for a wave that finished before it.
 5. The markers live in one JSON file, written atomically under a lock, so a
    restart neither re-fires nor skips a stage. A stage some of whose fires
-   failed is retried (only the failed schedules) on the next completion.
+   failed is retried (only the failed schedules) on the next completion of
+   any job, a wave job or not: the wave that let stage 0 fire has usually
+   finished by then, and its day's prune and check must not wait for
+   tomorrow's wave. :meth:`Chain.incomplete` names such stages.
 """
 
 from __future__ import annotations
@@ -148,8 +151,10 @@ class Chain:
             marks = self._load(now)
             today = now.astimezone(self._tz).date()
             first = marks.get(stages[0].name)
-            first_due = first is None or first.day < today or not first.complete
-            if self._spec.is_wave_job(action) and first_due and self._spec.wave_complete():
+            retry_first = first is not None and first.day == today and not first.complete
+            first_due = first is None or first.day < today or retry_first
+            wave_or_retry = self._spec.is_wave_job(action) or retry_first
+            if wave_or_retry and first_due and self._spec.wave_complete():
                 retry = first if first is not None and first.day == today else None
                 marks[stages[0].name] = self._fire(stages[0], today, now, retry)
                 self._save(marks)
@@ -170,6 +175,18 @@ class Chain:
                 self._save(marks)
                 fired_stages.append(stage.name)
         return fired_stages
+
+    def incomplete(self, *, now: datetime | None = None) -> dict[str, Mark]:
+        """Return the stages whose latest firing left failed schedules, still to be retried.
+
+        Only markers within the follow window count: an older one is never
+        retried (the next day's chain supersedes it).
+        """
+        now = as_utc(now)
+        return {
+            name: mark for name, mark in self._load(now).items()
+            if not mark.complete and now - mark.fired_at <= FOLLOW_WINDOW
+        }
 
     def _fire(self, stage: Stage, day: date, now: datetime, retry: Mark | None) -> Mark:
         """Fire a stage's schedules for a chain day and return its new marker."""

@@ -153,12 +153,44 @@ def test_failed_stage_fire_is_retried_for_the_failed_schedules_only(tmp_path: Pa
     assert fleet.chain.on_job_complete("backup", now=NIGHT) == ["prune"]
     assert fleet.ids() == ["p1"]
     assert not fleet.chain.marks(now=NIGHT)["prune"].complete
+    assert list(fleet.chain.incomplete(now=NIGHT)) == ["prune"]
     fleet.finish("prune")
-    assert fleet.chain.on_job_complete("prune", now=NIGHT + timedelta(minutes=1)) == []
+    # Still failing: retried on this completion, and still incomplete.
+    assert fleet.chain.on_job_complete("prune", now=NIGHT + timedelta(minutes=1)) == ["prune"]
+    assert fleet.ids() == ["p1"]
     fleet.fail.clear()
     assert fleet.chain.on_job_complete("backup", now=NIGHT + timedelta(minutes=2)) == ["prune"]
     assert fleet.ids() == ["p1", "p2"]
     assert fleet.chain.marks(now=NIGHT)["prune"].complete
+    assert fleet.chain.incomplete(now=NIGHT) == {}
+
+
+def test_failed_stage_zero_is_retried_on_any_completion_after_the_last_wave_job(
+    tmp_path: Path,
+) -> None:
+    """The wave's last backup fired a prune that failed to start: the day's chain still runs."""
+    fleet = Fleet(tmp_path)
+    fleet.fail = {"p1", "p2"}
+    assert fleet.chain.on_job_complete("backup", now=NIGHT) == ["prune"]
+    assert fleet.ids() == []
+    assert set(fleet.chain.incomplete(now=NIGHT)) == {"prune"}
+    fleet.fail.clear()
+    # No wave job completes again today; some other job does (an ad hoc check).
+    later = NIGHT + timedelta(hours=1)
+    assert fleet.chain.on_job_complete("check", now=later) == ["prune"]
+    assert fleet.ids() == ["p1", "p2"]
+    assert [f.key for f in fleet.fired] == ["p1@prune@2026-11-30", "p2@prune@2026-11-30"]
+    fleet.finish("prune")
+    fleet.finish("prune")
+    assert fleet.chain.on_job_complete("prune", now=later + timedelta(minutes=5)) == ["check"]
+    assert fleet.ids() == ["p1", "p2", "c1"]
+    # A marker left incomplete longer than the follow window is not retried any more.
+    (tmp_path / "two").mkdir()
+    fleet2 = Fleet(tmp_path / "two")
+    fleet2.fail = {"p1", "p2"}
+    assert fleet2.chain.on_job_complete("backup", now=NIGHT) == ["prune"]
+    assert set(fleet2.chain.incomplete(now=NIGHT + timedelta(hours=23))) == {"prune"}
+    assert fleet2.chain.incomplete(now=NIGHT + timedelta(hours=25)) == {}
 
 
 def test_bad_spec_is_a_config_error(tmp_path: Path) -> None:

@@ -565,3 +565,44 @@ def test_wave_runs_prune_then_check_once_a_day_never_before_it_drains(agent: Age
     assert len(agent.runs("prune")) == 1 and len(agent.runs("check")) == 1
     marks = json.loads((agent.tmp / "state" / "chain.json").read_text())["stages"]
     assert set(marks) == {"prune", "check"}
+
+
+def test_stage_that_could_not_fire_fails_the_run_and_is_retried_on_the_next_completion(
+    agent: Agent,
+) -> None:
+    """No run-job deployment yet: the prune cannot fire, the run says so, a later job retries."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed
+
+    from flows.chain import advance_chain
+    from flows.job import run_job
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([
+        row("b-1", "backup", EVERY_HOUR_AT_30),
+        row("p-1", "prune", {"on": "after_wave"}),
+        row("k-1", "check", {"on": "after_wave"}),
+    ])
+    now = datetime.now(UTC)
+    reconcile(now=now - timedelta(minutes=1))
+    with get_client(sync_client=True) as client:
+        backup = client.create_flow_run(
+            run_job, parameters={"schedule_id": "b-1"},
+            tags=[f"node:{agent.node}", "action:backup"], state=Completed(),
+        )
+    state = advance_chain.with_options(retries=0)(
+        action="backup", node=agent.node, completed_run=str(backup.id), return_state=True,
+    )
+    assert state.is_failed()
+    assert "chain stage(s) prune (" in str(state.message)
+    assert "could not fire every schedule" in str(state.message)
+    assert agent.runs("prune") == []
+
+    # The deployment is back; the wave's last job has long finished, but any
+    # completion (here an ad hoc check) fires the day's prune, once.
+    agent.register()
+    assert advance_chain(action="check", node=agent.node) == ["prune"]
+    prune, = agent.runs("prune")
+    assert "trigger:chain-prune" in prune.tags
+    assert advance_chain(action="check", node=agent.node) == []
+    assert len(agent.runs("prune")) == 1
