@@ -1,11 +1,15 @@
 """When a central task runs next.
 
 Pure: no clock reads, no I/O; every function takes the instant to start after.
-Cron expressions go through ``croniter``; a :class:`sched_core.Schedule` shape
-goes through the agents' matcher, with ISC/Vixie cron's DST rules (SPEC
-"Time"): a fixed-hour window in a spring-forward gap fires once at the first
-minute after the jump, one in a fall-back repeat fires at the first occurrence
-only, and wildcard-hour and interval schedules fire in both copies.
+Cron expressions go through ``cronsim``, the SPEC's reference for ISC/Vixie
+cron ("Time"): a job with a fixed minute and hour fires once in a
+spring-forward gap, at the first minute after the jump, and once in a
+fall-back repeat, at the first copy; any other job (its minute or hour field
+starts with ``*``) fires in both copies of a repeated hour and skips wall times
+that do not exist. The day-of-month and day-of-week fields are ANDed when
+either starts with ``*``, ORed otherwise, as Vixie cron does. A
+:class:`sched_core.Schedule` shape goes through the agents' matcher, with the
+same DST rules.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from croniter import croniter
+from cronsim import CronSim, CronSimError
 
 from sched_core.matcher import next_fire
 from sched_core.model import DAY_NAMES, Schedule
@@ -21,30 +25,63 @@ from sched_core.model import DAY_NAMES, Schedule
 _MINUTE = timedelta(minutes=1)
 # A clock schedule fires at least once a week; a little over that bounds the scan.
 _SCAN_LIMIT = 8 * 24 * 60
+# Where check_cron starts looking. The Gregorian calendar repeats its dates and
+# weekdays every 28 years between 1901 and 2099, so cronsim's 50-year search
+# from here finds a match for every expression that ever matches.
+_CHECK_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def check_cron(expr: str) -> None:
-    """Raise ValueError unless expr is a valid five-field cron expression."""
-    if len(expr.split()) != 5 or not croniter.is_valid(expr):
+    """Raise ValueError unless expr is a valid five-field cron expression that matches.
+
+    The message names the expression and what is wrong with it: a bad field,
+    or a day that none of its months has (``"0 0 30 2 *"``), which never matches.
+    """
+    next_cron(expr, "UTC", after=_CHECK_FROM)
+
+
+def _cron_times(expr: str, start: datetime) -> CronSim:
+    """Return cronsim's iterator of expr's times after start; ValueError naming what is wrong."""
+    fields = expr.split()
+    if len(fields) != 5:
         raise ValueError(f"invalid cron expression {expr!r} (expected five fields)")
+    try:
+        return CronSim(expr, start)
+    except CronSimError:
+        pass
+    # cronsim's constructor rejects a bad field, and also a day of the month
+    # that none of the listed months has. Each probe keeps some fields and puts
+    # a value that always parses in the other, so the one that fails names the field.
+    minute, hour, day, month, weekday = fields
+    for probe in ((minute, hour, day, "*", weekday), (minute, hour, "1", month, weekday)):
+        try:
+            CronSim(" ".join(probe), start)
+        except CronSimError as exc:
+            reason = str(exc).lower()
+            raise ValueError(f"invalid cron expression {expr!r} ({reason})") from None
+    raise ValueError(
+        f"cron expression {expr!r} never matches (none of its months has that day)"
+    )
 
 
 def next_cron(expr: str, timezone: str, *, after: datetime) -> datetime:
     """Return the first time after ``after`` that cron expr matches in timezone, in UTC.
 
-    As ISC cron does, an expression with a fixed hour fires once in a repeated
-    (fall-back) hour, at the first copy; one whose hour field starts with ``*``
-    fires in both copies.
+    The time cronsim iterating from ``after`` in timezone yields (see the module
+    docstring for its DST rules). Raises ValueError for an invalid expression
+    or one that never matches.
     """
-    zone = ZoneInfo(timezone)
-    wildcard_hour = expr.split()[1].startswith("*")
-    times = croniter(expr, after.astimezone(zone))
-    for _ in range(4):
-        found: datetime = times.get_next(datetime)
+    if after.tzinfo is None:
+        raise ValueError("after has no UTC offset")
+    times = _cron_times(expr, after.astimezone(ZoneInfo(timezone)))
+    for found in times:
         utc = found.astimezone(UTC)
-        if wildcard_hour or not _is_repeat(utc.astimezone(zone)):
+        # cronsim matches a fixed-time job on wall times and takes the first copy
+        # of a repeated one: from inside the second copy it can yield a time
+        # before ``after``, a window that already fired in the first copy.
+        if utc > after:
             return utc
-    raise ValueError(f"cron expression {expr!r} found no time outside a repeated hour")
+    raise ValueError(f"cron expression {expr!r} never matches (no time in 50 years)")
 
 
 def _floor_minute(value: datetime) -> datetime:
