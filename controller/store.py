@@ -499,15 +499,29 @@ def begin_dispatch(
     return DispatchOutcome.BUSY
 
 
-def _moved_on(claim: Claim, current: datetime) -> tuple[datetime | None, TaskStatus]:
-    """Return a finished claim's next run and status: after the later of now and its time.
+def _moved_on(claim: Claim, current: datetime) -> tuple[datetime | None, TaskStatus, str | None]:
+    """Return a finished claim's next run, status and error: after the later of now and its time.
 
     A late dispatch never replays the times it missed; a one-shot task is done.
+    A recurring task whose next run cannot be computed (e.g. a row stored before
+    its cron expression was checked, or a timezone gone from the tz database)
+    never raises: it stays at its scheduled time, becomes ``disabled`` with the
+    reason as its error (saving it again resumes it), and an ERROR log names it,
+    so it cannot hold up the other claims of its batch.
     """
-    if claim.is_recurring:
+    if not claim.is_recurring:
+        return None, TaskStatus.DONE, None
+    try:
         following = claim.next_after(max(current, claim.scheduled_at))
-        return following, TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
-    return None, TaskStatus.DONE
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "cannot compute a task's next run; disabled it (save it again to resume)",
+            extra={"task_name": claim.name, "scheduled_at": claim.scheduled_at, "error": reason},
+        )
+        error = f"disabled: cannot compute the run after {claim.scheduled_at.isoformat()}: {reason}"
+        return claim.scheduled_at, TaskStatus.DISABLED, error[:2000]
+    return following, TaskStatus.ACTIVE if following is not None else TaskStatus.DONE, None
 
 
 def _finish(
@@ -547,12 +561,25 @@ def complete(session: Session, claim: Claim, *, now: datetime | None = None) -> 
 
     A recurring task's next run is its first time after the later of the
     database's now and the scheduled time (a late dispatch never replays
-    the times it missed); a one-shot task becomes ``done``. The dispatch
-    record is marked dispatched. Fenced on ``next_run_at`` still being the
-    scheduled time, so a slow worker whose lease expired changes nothing.
+    the times it missed); a one-shot task becomes ``done``; a recurring task
+    whose next run cannot be computed becomes ``disabled`` (see
+    :func:`_moved_on`). The dispatch record is marked dispatched. Fenced on
+    ``next_run_at`` still being the scheduled time, so a slow worker whose
+    lease expired changes nothing.
     """
     current = now or db_now(session)
-    following, status = _moved_on(claim, current)
+    return _finish_dispatched(session, claim, current, *_moved_on(claim, current))
+
+
+def _finish_dispatched(
+    session: Session,
+    claim: Claim,
+    current: datetime,
+    following: datetime | None,
+    status: TaskStatus,
+    error: str | None,
+) -> bool:
+    """Move claim's task to following with status (and error), mark its record dispatched."""
     return _finish(
         session,
         claim,
@@ -563,7 +590,7 @@ def complete(session: Session, claim: Claim, *, now: datetime | None = None) -> 
             "locked_until": None,
             "last_run_at": claim.scheduled_at,
             "attempts": 0,
-            "last_error": None,
+            "last_error": error,
             "updated_at": current,
         },
         {"status": DispatchStatus.DISPATCHED.value, "finished_at": current, "error": None},
@@ -615,9 +642,10 @@ def give_up(
     The dispatch record stays ``failed`` with the error, so the missed
     (task, scheduled time) remains on record. A recurring task moves on to its
     first time after the later of now and the scheduled time (attempts back to
-    0); a one-shot task becomes ``disabled`` (saving it again as ``active``
-    retries it). ``last_error`` says it gave up. Fenced like :func:`complete`;
-    False when the task moved on meanwhile.
+    0; it becomes ``disabled`` if that cannot be computed); a one-shot task
+    becomes ``disabled`` (saving it again as ``active`` retries it).
+    ``last_error`` says it gave up. Fenced like :func:`complete`; False when
+    the task moved on meanwhile.
     """
     current = now or db_now(session)
     message = f"gave up after {attempts} failed dispatch attempts: {error}"[:2000]
@@ -628,7 +656,9 @@ def give_up(
         "updated_at": current,
     }
     if claim.is_recurring:
-        following, status = _moved_on(claim, current)
+        following, status, broken = _moved_on(claim, current)
+        if broken is not None:
+            task["last_error"] = f"{message}; {broken}"[:2000]
         task.update(next_run_at=following, status=status.value, attempts=0)
     else:
         task.update(status=TaskStatus.DISABLED.value, attempts=attempts)
@@ -771,7 +801,12 @@ def _outcomes(
 
 
 def complete_many(session: Session, claims: list[Claim], *, now: datetime | None = None) -> None:
-    """Do :func:`complete` for every claim in one transaction (one clock read); commits."""
+    """Do :func:`complete` for every claim in one transaction (one clock read); commits.
+
+    A claim whose next run cannot be computed is left out of that transaction
+    and completed on its own afterwards, disabled with the reason (see
+    :func:`_moved_on`): one broken task never holds up the rest of its batch.
+    """
     if not claims:
         return
     postgres = _is_postgres(session)
@@ -779,10 +814,14 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
     # Only a recurring task needs the clock here; on Postgres the statement reads it.
     current = now or (db_now(session) if recurring or not postgres else None)
     tasks: list[dict[str, Any]] = []
+    broken: list[tuple[Claim, datetime | None, TaskStatus, str]] = []
     for claim in claims:
         if claim.is_recurring:
             assert current is not None
-            following, status = _moved_on(claim, current)
+            following, status, error = _moved_on(claim, current)
+            if error is not None:
+                broken.append((claim, following, status, error))
+                continue
         else:
             following, status = None, TaskStatus.DONE
         tasks.append({
@@ -792,7 +831,7 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
             "b_next": following,
             "b_status": status.value,
         })
-    if postgres:
+    if tasks and postgres:
         params = {
             "now": current,
             "ids": [t["b_id"] for t in tasks],
@@ -802,7 +841,17 @@ def complete_many(session: Session, claims: list[Claim], *, now: datetime | None
             "statuses": [t["b_status"] for t in tasks],
         }
         _driver_rows(session, _COMPLETE_MANY_SQL, params)
-        return
+    elif tasks:
+        _complete_batch_sqlite(session, tasks, current)
+    for claim, following, status, error in broken:
+        assert current is not None
+        _finish_dispatched(session, claim, current, following, status, error)
+
+
+def _complete_batch_sqlite(
+    session: Session, tasks: list[dict[str, Any]], current: datetime | None
+) -> None:
+    """Complete the batch rows of :func:`complete_many` on SQLite, in one transaction."""
     scheduled = bindparam("b_scheduled", type_=UtcDateTime)
     try:
         session.execute(

@@ -6,12 +6,14 @@ except the tests that check the database clock is the authority.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from pydantic import ValidationError
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -471,6 +473,82 @@ def test_claim_for_dispatch_takes_over_failed_and_stale_records(session: Session
     outcomes = {c.name: o for c, o in store.claim_for_dispatch(
         session, worker_id="w3", now=later + timedelta(seconds=11), lease=10, stale_after=11)}
     assert outcomes == {"failed": DispatchOutcome.BUSY, "stale": DispatchOutcome.OWNED}
+
+
+def _break_task(session: Session, name: str, column: str, value: str) -> None:
+    """Store a value the model would refuse, as a row written before a check existed would."""
+    assert column in ("cron", "timezone")
+    session.execute(
+        text(f"UPDATE scheduled_task SET {column} = :value WHERE name = :name"),
+        {"value": value, "name": name},
+    )
+    session.commit()
+
+
+BROKEN = [
+    ("cron", "0 0 30 2 *", "cron expression '0 0 30 2 *' never matches"),
+    ("timezone", "Mars/Olympus", "Mars/Olympus"),
+]
+
+
+@pytest.mark.parametrize(("column", "value", "words"), BROKEN)
+def test_a_task_with_no_computable_next_run_does_not_block_its_batch(
+    session: Session, caplog: pytest.LogCaptureFixture, column: str, value: str, words: str
+) -> None:
+    for name in ("a-good", "b-broken", "c-good"):
+        store.save_task(session, _cron(name), now=T0 - timedelta(minutes=1))
+    store.save_task(session, _one_shot("d-once"), now=T0)
+    _break_task(session, "b-broken", column, value)
+    pairs = store.claim_for_dispatch(session, worker_id="w", now=T0, lease=60)
+    assert [(c.name, o) for c, o in pairs] == [
+        (n, DispatchOutcome.OWNED) for n in ("a-good", "b-broken", "c-good", "d-once")
+    ]
+    with caplog.at_level(logging.ERROR, logger="controller"):
+        store.complete_many(session, [claim for claim, _ in pairs], now=T0)
+    for name in ("a-good", "c-good"):
+        good = store.get_task(session, name)
+        assert good is not None and good.status == TaskStatus.ACTIVE and good.last_error is None
+        assert good.next_run_at == T0 + timedelta(minutes=5) and good.locked_by is None
+    once = store.get_task(session, "d-once")
+    assert once is not None and once.status == TaskStatus.DONE
+    # The broken one was dispatched: its record says so, and it stops, loudly.
+    broken = store.get_task(session, "b-broken")
+    assert broken is not None and broken.status == TaskStatus.DISABLED
+    assert broken.last_error is not None and words in broken.last_error
+    assert broken.last_error.startswith("disabled: cannot compute the run after")
+    assert (broken.next_run_at, broken.last_run_at, broken.locked_by) == (T0, T0, None)
+    assert {r.task_name: r.status for r in store.list_dispatches(session)} == {
+        name: "dispatched" for name in ("a-good", "b-broken", "c-good", "d-once")
+    }
+    [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.task_name == "b-broken"  # type: ignore[attr-defined]
+    assert words in logged.error  # type: ignore[attr-defined]
+    # Nothing is left claimable but the good ones' next runs.
+    assert store.earliest_next_run_at(session) == T0 + timedelta(minutes=5)
+    # Saving it again (fixed) resumes it.
+    store.save_task(session, _cron("b-broken"), now=T0 + timedelta(minutes=1))
+    resumed = store.get_task(session, "b-broken")
+    assert resumed is not None and resumed.status == TaskStatus.ACTIVE
+    assert resumed.last_error is None
+
+
+def test_complete_and_give_up_disable_a_task_with_no_computable_next_run(
+    session: Session,
+) -> None:
+    store.save_task(session, _cron("done-ok"), now=T0 - timedelta(minutes=1))
+    store.save_task(session, _cron("given-up"), now=T0 - timedelta(minutes=1))
+    _break_task(session, "done-ok", "cron", "0 0 31 4,6 *")
+    _break_task(session, "given-up", "cron", "0 0 31 4,6 *")
+    first, second = store.claim_due(session, worker_id="w", now=T0, lease=60)
+    assert store.complete(session, first, now=T0) is True
+    assert store.give_up(session, second, "prefect down", attempts=3, now=T0) is True
+    done_ok, given_up = store.get_task(session, "done-ok"), store.get_task(session, "given-up")
+    assert done_ok is not None and given_up is not None
+    assert (done_ok.status, given_up.status) == (TaskStatus.DISABLED, TaskStatus.DISABLED)
+    assert done_ok.last_error is not None and "never matches" in done_ok.last_error
+    assert given_up.last_error is not None
+    assert given_up.last_error.startswith("gave up after 3 failed dispatch attempts: prefect down")
+    assert "never matches" in given_up.last_error
 
 
 def test_release_gives_claims_back_and_drops_unsent_records(session: Session) -> None:
