@@ -64,7 +64,10 @@ def parse_go_time(value: object) -> datetime | None:
         raise ValueError(f"expected an RFC 3339 time string, got {type(value).__name__}")
     if parsed.tzinfo is None:
         raise ValueError(f"time {value!r} has no UTC offset")
-    parsed = parsed.astimezone(UTC)
+    try:
+        parsed = parsed.astimezone(UTC)
+    except OverflowError as exc:  # e.g. 0001-01-01T00:00:00+01:00 is before year 1 in UTC
+        raise ValueError(f"time {value!r} is out of range in UTC") from exc
     if parsed.year == 1 and parsed.month == 1 and parsed.day == 1 and parsed.hour == 0:
         return None
     return parsed

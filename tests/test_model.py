@@ -65,6 +65,15 @@ def test_never_fetched_is_go_zero_time() -> None:
     )
 
 
+@pytest.mark.parametrize("text", ["0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00"])
+def test_time_out_of_range_in_utc_is_a_validation_error(text: str) -> None:
+    # Converting to UTC overflows the datetime range: an invalid value, not a crash.
+    with pytest.raises(ValidationError, match="is out of range in UTC"):
+        Cache.model_validate({"last_fired_at": {"a": text}})
+    with pytest.raises(ValidationError, match="is out of range in UTC"):
+        Cache.model_validate({"last_fetched_at": text})
+
+
 @pytest.mark.parametrize(
     ("shape", "reason"),
     [
