@@ -196,6 +196,23 @@ def load_cache(path: Path, *, now: datetime) -> Cache:
     return cache
 
 
+def json_type(value: object) -> str:
+    """Return the JSON name of value's type, with an article, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
 def dump_rows(rows: list[LocalSchedule]) -> str:
     """Return the wire-format JSON array of rows."""
     return go_escape(_ROWS.dump_json(rows).decode())

@@ -32,6 +32,7 @@ import httpx
 from sched_core.cache import (
     FileStamp,
     dump_rows,
+    json_type,
     load_cache,
     locked,
     save_cache,
@@ -542,20 +543,50 @@ class Scheduler:
                 f"schedules from {shown} must be a JSON list, got {type(data).__name__}"
             )
         seen: set[str] = set()
-        for row in data:
-            row_id = row.get("id") if isinstance(row, dict) else None
-            if isinstance(row_id, str):
-                if row_id in seen:
-                    raise PullError(f"schedule list from {shown} repeats id {row_id!r}")
-                seen.add(row_id)
+        for position, row in enumerate(data):
+            # A row that names no schedule cannot be diffed against the cache:
+            # treating it as absent would read the list as deleting every id.
+            if not isinstance(row, dict):
+                raise PullError(
+                    f"schedule list from {shown}: row {position} is not a JSON object "
+                    f"(got {json_type(row)})"
+                )
+            if "id" not in row:
+                raise PullError(f"schedule list from {shown}: row {position} has no id")
+            row_id = row["id"]
+            if not isinstance(row_id, str) or not row_id:
+                raise PullError(
+                    f"schedule list from {shown}: row {position} has id {row_id!r}, "
+                    "not a non-empty string"
+                )
+            if row_id in seen:
+                raise PullError(f"schedule list from {shown} repeats id {row_id!r}")
+            seen.add(row_id)
         return data
 
     def pull(self, now: datetime | None = None) -> PullResult:
         """Replace the schedule list from the pull URL, or raise PullError and change nothing.
 
         Surviving ids keep their last fire; a new id is first seen now; an
-        invalid row is dropped with a warning, and if its id was cached before
-        its last good version is kept.
+        invalid row with a valid id is dropped with a warning and reported in
+        ``rejected``, and if its id was cached before its last good version is
+        kept. An empty list empties the schedules.
+
+        The whole pull is refused, and the cache stays exactly as it was
+        (schedules, last fires, first-seen times, ETag), when:
+
+        1. the answer is not a schedule list: an HTTP error, invalid JSON,
+           more than :data:`MAX_PAYLOAD` bytes, an object without ``schedules``,
+           a ``schedules`` that is not a list;
+        2. a row names no schedule: it is not a JSON object, or its ``id`` is
+           missing or not a non-empty string (the error names the first such
+           row, by position, and why). Such a list cannot be diffed, and
+           reading it as "no rows" would delete every schedule and its history;
+        3. an id is repeated;
+        4. schedules are cached and every row of a non-empty list is invalid:
+           that is a broken controller, not an instruction to stop every
+           schedule (the error names the first row and its reason). On an
+           empty cache such a list is accepted, its rows reported rejected.
         """
         now = as_utc(now)
         shown = redact_url(self._config.pull_url)
@@ -567,60 +598,77 @@ class Scheduler:
             if body is None:
                 return self._not_modified(now)
             rows = self._parse(body)
+            good, rejected = validate_rows(rows, source=shown, warn=False)  # logged if accepted
+            with self._locked():
+                self._reload(now)
+                if rows and not good and self._cache.schedules:
+                    label, reason = rejected[0]
+                    raise PullError(
+                        f"every one of the {len(rows)} rows of the schedule list from {shown} "
+                        f"is invalid (first: {label}: {reason}); keeping the "
+                        f"{len(self._cache.schedules)} cached schedules"
+                    )
+                result = self._replace(good, rejected, answer_etag, now)
         except PullError as exc:
             log.error(
                 "pull from %s rejected; keeping the last good schedule list: %s", shown, exc,
-                extra={
-                    "url": redact_url(self._config.pull_url),
-                    "node": self._config.node_name,
-                    "error": str(exc),
-                },
+                extra={"url": shown, "node": self._config.node_name, "error": str(exc)},
             )
             raise
-        good, rejected = validate_rows(rows, source=redact_url(self._config.pull_url))
-        with self._locked():
-            self._reload(now)
-            old = {row.id: row for row in self._cache.schedules}
-            new = {row.id: row for row in good}
-            kept = [rid for rid, _ in rejected if rid in old and rid not in new]
-            for rid in kept:
-                new[rid] = old[rid]
-                log.warning(
-                    "kept the last good version (%d) of invalid schedule %s",
-                    old[rid].version, rid,
-                    extra={"schedule_id": rid, "version": old[rid].version},
-                )
-            ordered = [new[row.id] for row in good] + [new[rid] for rid in kept]
-            result = PullResult(
-                added=sorted(set(new) - set(old)),
-                removed=sorted(set(old) - set(new)),
-                changed=sorted(rid for rid in set(new) & set(old) if new[rid] != old[rid]),
-                rejected=rejected,
-                kept_last_good=kept,
-            )
-            cache = self._cache
-            cache.schedules = ordered
-            cache.last_fired_at = {k: v for k, v in cache.last_fired_at.items() if k in new}
-            cache.first_seen_at = {
-                rid: cache.first_seen_at.get(rid, now) for rid in new
-            }
-            cache.last_fetched_at = now
-            cache.etag, cache.etag_url = (answer_etag, shown) if answer_etag else (None, None)
-            self._reindex()
-            self._save()
         log.info(
             "pulled %d schedules: %d added, %d removed, %d changed, %d rejected",
-            len(ordered), len(result.added), len(result.removed), len(result.changed),
-            len(result.rejected),
+            len(good) + len(result.kept_last_good), len(result.added), len(result.removed),
+            len(result.changed), len(result.rejected),
             extra={
                 "node": self._config.node_name,
-                "count": len(ordered),
+                "count": len(good) + len(result.kept_last_good),
                 "added": len(result.added),
                 "removed": len(result.removed),
                 "changed": len(result.changed),
                 "rejected": len(result.rejected),
             },
         )
+        return result
+
+    def _replace(
+        self,
+        good: list[LocalSchedule],
+        rejected: list[tuple[str, str]],
+        answer_etag: str | None,
+        now: datetime,
+    ) -> PullResult:
+        """Make good the schedule list, keeping last good versions; the caller holds the lock."""
+        shown = redact_url(self._config.pull_url)
+        for rid, reason in rejected:
+            log.warning(
+                "dropped invalid schedule %s from %s: %s", rid, shown, reason,
+                extra={"schedule_id": rid, "reason": reason, "source": shown},
+            )
+        old = {row.id: row for row in self._cache.schedules}
+        new = {row.id: row for row in good}
+        kept = [rid for rid, _ in rejected if rid in old and rid not in new]
+        for rid in kept:
+            new[rid] = old[rid]
+            log.warning(
+                "kept the last good version (%d) of invalid schedule %s",
+                old[rid].version, rid,
+                extra={"schedule_id": rid, "version": old[rid].version},
+            )
+        result = PullResult(
+            added=sorted(set(new) - set(old)),
+            removed=sorted(set(old) - set(new)),
+            changed=sorted(rid for rid in set(new) & set(old) if new[rid] != old[rid]),
+            rejected=rejected,
+            kept_last_good=kept,
+        )
+        cache = self._cache
+        cache.schedules = [new[row.id] for row in good] + [new[rid] for rid in kept]
+        cache.last_fired_at = {k: v for k, v in cache.last_fired_at.items() if k in new}
+        cache.first_seen_at = {rid: cache.first_seen_at.get(rid, now) for rid in new}
+        cache.last_fetched_at = now
+        cache.etag, cache.etag_url = (answer_etag, shown) if answer_etag else (None, None)
+        self._reindex()
+        self._save()
         return result
 
     def _not_modified(self, now: datetime) -> PullResult:

@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import stat
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -145,6 +146,14 @@ def test_pull_keeps_last_fired_for_surviving_ids(tmp_path: Path) -> None:
         ('{"schedules": {"a": 1}}', "must be a JSON list"),
         ('"text"', "must be a JSON list"),
         (json.dumps([row("a"), row("a")]), "repeats id 'a'"),
+        # A row that names no schedule: the list cannot be diffed against the cache.
+        ("[null, null]", "row 0 is not a JSON object (got null)"),
+        ("[1, 2]", "row 0 is not a JSON object (got a number)"),
+        (json.dumps([row("a"), ["b"]]), "row 1 is not a JSON object (got a list)"),
+        ('{"schedules": [{"error": "db down"}]}', "row 0 has no id"),
+        (json.dumps([{"id": 5, "name": "x"}]), "row 0 has id 5, not a non-empty string"),
+        (json.dumps([row("a"), row("")]), "row 1 has id '', not a non-empty string"),
+        (json.dumps([row("a"), row(None)]), "row 1 has id None, not a non-empty string"),
     ],
 )
 def test_bad_payload_rejects_the_whole_pull(tmp_path: Path, payload: str, reason: str,
@@ -153,12 +162,82 @@ def test_bad_payload_rejects_the_whole_pull(tmp_path: Path, payload: str, reason
     agent.scheduler.pull(now=T0)
     before = agent.cache_path.read_bytes()
     agent.write(payload)
-    with pytest.raises(PullError, match=reason):
+    with pytest.raises(PullError, match=re.escape(reason)):
         agent.scheduler.pull(now=T0 + timedelta(minutes=5))
     assert agent.cache_path.read_bytes() == before
     assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
     assert any(agent.list_path.as_uri() == getattr(r, "url", None) for r in caplog.records)
     assert agent.scheduler.tick(now=T0) == 2  # still firing from the last good list
+
+
+def test_junk_pull_keeps_fire_history_and_windows_keep_firing(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 1
+    before = agent.scheduler.cache()
+    # The controller serves junk from 10:05 to 12:30 EST: the cache keeps firing.
+    agent.write('{"schedules": [{"error": "db down"}]}')
+    with pytest.raises(PullError, match="row 0 has no id"):
+        agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert agent.scheduler.cache() == before
+    for minute in range(6, 150):
+        agent.scheduler.tick(now=T0 + timedelta(minutes=minute))
+    agent.write([row("a")])
+    agent.scheduler.pull(now=T0 + timedelta(hours=2, minutes=30))
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 0
+    assert [w for _, w in agent.windows()] == [
+        (T0 + timedelta(hours=h)).isoformat() for h in range(3)
+    ]
+    assert agent.scheduler.cache().first_seen_at == {"a": T0 - timedelta(hours=1)}
+
+
+def test_junk_pull_keeps_the_etag(tmp_path: Path) -> None:
+    answers = [httpx.Response(200, json={"schedules": [row("a")]}, headers={"ETag": '"v1"'}),
+               httpx.Response(200, text="[null]", headers={"ETag": '"v2"'}),
+               httpx.Response(304)]
+    sent: list[str | None] = []
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers.get("If-None-Match"))
+        return answers.pop(0)
+
+    agent = _http_agent(tmp_path, httpx.MockTransport(controller))
+    agent.scheduler.pull(now=T0)
+    with pytest.raises(PullError, match=re.escape("row 0 is not a JSON object (got null)")):
+        agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert agent.scheduler.cache().etag == '"v1"'
+    assert not agent.scheduler.pull(now=T0 + timedelta(minutes=10)).changed_anything
+    assert sent == [None, '"v1"', '"v1"']
+
+
+def test_list_of_only_invalid_rows_is_refused_while_schedules_are_cached(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 2
+    before = agent.cache_path.read_bytes()
+    all_bad = [row("a", schedule=clock(["Mon"], ["2"], "0")), row("c", miss_policy="often")]
+    agent.write(all_bad)
+    with caplog.at_level(logging.WARNING), pytest.raises(PullError, match=re.escape(
+        "every one of the 2 rows of the schedule list from "
+        f"{agent.list_path.as_uri()} is invalid (first: a: schedule: unknown day name 'Mon'"
+    )) as info:
+        agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert "keeping the 2 cached schedules" in str(info.value)
+    assert agent.cache_path.read_bytes() == before
+    assert agent.scheduler.cache().last_fired_at == {"a": T0, "b": T0}
+    assert not [r for r in caplog.records if r.msg.startswith("dropped")]  # nothing was dropped
+    # One valid row is enough for the list to count: the rest is dropped as usual.
+    agent.write([*all_bad, row("b")])
+    result = agent.scheduler.pull(now=T0 + timedelta(minutes=10))
+    assert result.removed == [] and result.kept_last_good == ["a"]
+    assert [rid for rid, _ in result.rejected] == ["a", "c"]
+    # With nothing cached there is nothing to protect: the rows are reported rejected.
+    (tmp_path / "fresh").mkdir()
+    fresh = Agent(tmp_path / "fresh", all_bad)
+    result = fresh.scheduler.pull(now=T0)
+    assert [rid for rid, _ in result.rejected] == ["a", "c"] and fresh.scheduler.schedules() == []
 
 
 def test_oversized_file_is_rejected(tmp_path: Path) -> None:
@@ -182,7 +261,8 @@ def test_invalid_row_is_dropped_and_its_last_good_version_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     agent = Agent(tmp_path, [row("a"), row("b", version=1)])
-    agent.scheduler.pull(now=T0)
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    assert agent.scheduler.tick(now=T0) == 2
     bad_b = row("b", version=2, schedule=clock(["Mon"], ["2"], "0"))
     bad_c = row("c", schedule=clock(["mon"], ["24"], "0"))
     no_action = {k: v for k, v in row("d").items() if k != "action"}
@@ -199,6 +279,10 @@ def test_invalid_row_is_dropped_and_its_last_good_version_kept(
     assert set(kept) == {"a", "b"} and kept["b"].version == 1
     dropped = {getattr(r, "schedule_id", None) for r in caplog.records if "dropped" in r.msg}
     assert dropped == {"b", "c", "d", "e"}
+    # The kept version keeps its history: no window fires twice, none is lost.
+    cache = agent.scheduler.cache()
+    assert cache.last_fired_at == {"a": T0, "b": T0}
+    assert cache.first_seen_at["b"] == T0 - timedelta(hours=1)
 
 
 def _http_agent(tmp_path: Path, transport: httpx.BaseTransport) -> Agent:
