@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -258,6 +259,66 @@ def test_stopping_mid_batch_releases_the_rest(engine: Engine) -> None:
     with Session(engine) as session:
         left = store.claim_due(session, worker_id="w2", now=T0)
     assert [c.name for c in left] == ["t2", "t3", "t4"]
+
+
+def _at(hour: int, minute: int, second: int = 0, day: int = 1) -> datetime:
+    return datetime(2026, 11, day, hour, minute, second, tzinfo=UTC)
+
+
+def test_a_stepped_fixed_hour_job_runs_through_the_fall_back_hour(engine: Engine) -> None:
+    # 2026-11-01 America/New_York: 01:00-01:59 EDT is 05:00-05:59 UTC, then the
+    # clocks go back and 01:00-01:59 EST is 06:00-06:59 UTC. "*/15 1 * * *" fires
+    # in both copies, as cronsim does; each pass completes its whole batch.
+    start = _at(5, 44)  # 01:44 EDT
+    for name, cron in (("quarterly-1am", "*/15 1 * * *"), ("every-minute", "* * * * *")):
+        _save(engine, {"name": name, "cron": cron, "timezone": "America/New_York",
+                       "event": "x"}, now=start)
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, worker_id="w1", dispatcher=recorder, stale_after=600)
+    passes = [_at(5, 45, 1), _at(5, 50, 1), _at(6, 0, 1), _at(6, 15, 1), _at(6, 30, 1),
+              _at(6, 45, 1), _at(7, 0, 1)]
+    try:
+        for now in passes:
+            scheduler.run_once(now=now)
+    finally:
+        scheduler.stop()
+    keys = recorder.keys()
+    assert len(keys) == len(set(keys))
+    assert [at for name, at in keys if name == "quarterly-1am"] == [
+        _at(5, 45), _at(6, 0), _at(6, 15), _at(6, 30), _at(6, 45)]
+    assert len([name for name, _ in keys if name == "every-minute"]) == len(passes)
+    assert _task(engine, "quarterly-1am").next_run_at == _at(6, 0, day=2)  # 01:00 EST
+    with Session(engine) as session:
+        assert {r.status for r in store.list_dispatches(session)} == {"dispatched"}
+        assert all(t.locked_by is None for t in store.list_tasks(session))
+
+
+def test_a_pass_completes_the_rest_of_a_batch_around_a_broken_task(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("a", "broken", "c"):
+        _save(engine, {"name": name, "cron": "*/5 * * * *", "timezone": "UTC", "event": "x"},
+              now=T0 - timedelta(minutes=1))
+    with Session(engine) as session:  # a row written before never-matching cron was refused
+        session.execute(text("UPDATE scheduled_task SET cron = '0 0 30 2 *' WHERE name = 'broken'"))
+        session.commit()
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, worker_id="w1", dispatcher=recorder)
+    try:
+        with caplog.at_level(logging.ERROR, logger="controller"):
+            assert scheduler.run_once(now=T0) == 3
+        assert scheduler.run_once(now=T0 + timedelta(minutes=5)) == 2
+    finally:
+        scheduler.stop()
+    assert sorted(recorder.keys()) == sorted(
+        [(n, T0) for n in ("a", "broken", "c")] + [(n, T0 + timedelta(minutes=5)) for n in "ac"]
+    )
+    broken = _task(engine, "broken")
+    assert broken.status == TaskStatus.DISABLED and "never matches" in broken.last_error
+    [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert logged.task_name == "broken"  # type: ignore[attr-defined]
+    with Session(engine) as session:
+        assert {r.status for r in store.list_dispatches(session)} == {"dispatched"}
 
 
 # ---------------------------------------------------------------- the live loop
