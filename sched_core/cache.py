@@ -9,6 +9,9 @@ Rules:
    one state file without losing an update.
 3. A file that cannot be read or parsed is moved aside (``.corrupt-<time>``),
    never deleted, and the caller starts empty.
+4. A cache file that parses is salvaged, not thrown away: a bad row, a bad
+   time entry or a bad ETag is dropped on its own with a warning naming it,
+   and everything else is kept, so one bad byte never costs the schedules.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +32,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from sched_core.model import Cache, LocalSchedule, format_go_time, go_escape
+from sched_core.model import Cache, LocalSchedule, format_go_time, go_escape, parse_go_time
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,18 @@ def move_aside(path: Path, now: datetime, reason: str) -> Path:
     log.error(
         "moved unreadable state file %s aside to %s: %s", path, target, reason,
         extra={"path": str(path), "moved_to": str(target), "reason": reason},
+    )
+    return target
+
+
+def copy_aside(path: Path, now: datetime, reason: str) -> Path:
+    """Copy a state file whose content is about to be dropped out of the way; return the copy."""
+    target = path.with_name(f"{path.name}.corrupt-{now.strftime('%Y%m%dT%H%M%S%f')}")
+    shutil.copyfile(path, target)
+    os.chmod(target, 0o600)
+    log.error(
+        "kept a copy of state file %s at %s: %s", path, target, reason,
+        extra={"path": str(path), "copied_to": str(target), "reason": reason},
     )
     return target
 
@@ -170,30 +186,118 @@ def describe_validation_error(exc: ValidationError) -> str:
 
 
 def load_cache(path: Path, *, now: datetime) -> Cache:
-    """Load the cache file; missing means empty; corrupt is moved aside and means empty.
+    """Load the cache file; missing means empty; unparsable is moved aside and means empty.
 
-    Invalid rows inside an otherwise good file are dropped with a warning, and
-    the rest is kept.
+    Only a file that is not JSON, or whose top level is not an object, is moved
+    aside. In any other file each bad part is dropped on its own, with a
+    warning naming it, and the rest is kept (see :func:`salvage_fields`): an
+    invalid row, a ``last_fired_at`` or ``first_seen_at`` entry that is not an
+    RFC 3339 time with an offset, a bad ``last_fetched_at`` (treated as never),
+    a bad ``etag`` or ``etag_url`` (both treated as absent). A ``schedules``
+    field that is not a list means no rows; the file is first copied aside.
+    """
+    return load_cache_report(path, now=now)[0]
+
+
+def load_cache_report(path: Path, *, now: datetime) -> tuple[Cache, list[str]]:
+    """Return :func:`load_cache`'s cache and the parts of the file it dropped.
+
+    A caller holding the lock rewrites the file when anything was dropped, so
+    the warnings and the copy aside happen once, not at every load.
     """
     with gc_paused():
         data = read_json_file(path, now=now)
     if data is None:
-        return Cache()
+        return Cache(), []
     if not isinstance(data, dict):
         move_aside(path, now, f"expected a JSON object, got {type(data).__name__}")
-        return Cache()
+        return Cache(), []
+    dropped: list[str] = []
     rows = data.get("schedules") or []
     if not isinstance(rows, list):
-        move_aside(path, now, "schedules is not a list")
-        return Cache()
-    good, _ = validate_rows(rows, source=str(path))
+        copy_aside(
+            path, now,
+            f"schedules is {json_type(rows)}, not a list: starting with no schedules "
+            "and keeping the fire history",
+        )
+        dropped.append("schedules")
+        rows = []
+    good, bad = validate_rows(rows, source=str(path))
+    dropped += [f"schedules[{label!r}]" for label, _ in bad]
+    fields = {**data, "schedules": []}
     try:
-        cache = Cache.model_validate({**data, "schedules": []})
-    except ValidationError as exc:
-        move_aside(path, now, describe_validation_error(exc))
-        return Cache()
+        cache = Cache.model_validate(fields)  # the common case: every field is good
+    except ValidationError:
+        salvaged, bad_fields = salvage_fields(fields, source=str(path))
+        cache = Cache.model_validate(salvaged)
+        dropped += bad_fields
     cache.schedules = good
-    return cache
+    return cache, dropped
+
+
+_TIME_MAPS = ("last_fired_at", "first_seen_at")
+
+
+def salvage_fields(data: dict[str, Any], *, source: str) -> tuple[dict[str, Any], list[str]]:
+    """Return the cache fields of data with each bad entry dropped, and what was dropped.
+
+    Each dropped entry is logged as a warning. Times are parsed exactly as
+    :class:`Cache` parses them (Go's zero time means never), so the fields
+    returned always validate.
+    """
+    out: dict[str, Any] = {}
+    dropped: list[str] = []
+    for name in _TIME_MAPS:
+        value = data.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            dropped.append(_warn_dropped(
+                source, name, None, value, "expected an object of schedule id to time"
+            ))
+            continue
+        times: dict[str, datetime] = {}
+        for key, item in value.items():
+            try:
+                parsed = parse_go_time(item)
+            except ValueError as exc:
+                dropped.append(_warn_dropped(source, name, key, item, str(exc)))
+                continue
+            if parsed is not None:
+                times[key] = parsed
+        out[name] = times
+    try:
+        out["last_fetched_at"] = parse_go_time(data.get("last_fetched_at"))
+    except ValueError as exc:
+        dropped.append(_warn_dropped(
+            source, "last_fetched_at", None, data.get("last_fetched_at"), str(exc)
+        ))
+    etag, etag_url = data.get("etag"), data.get("etag_url")
+    for name, value in (("etag", etag), ("etag_url", etag_url)):
+        if value is not None and not isinstance(value, str):
+            dropped.append(_warn_dropped(
+                source, name, None, value, "expected a string; the ETag is not used"
+            ))
+            etag = etag_url = None
+    out["etag"], out["etag_url"] = etag, etag_url
+    return out, dropped
+
+
+def _warn_dropped(source: str, name: str, key: str | None, value: object, reason: str) -> str:
+    """Log one dropped part of a cache file, naming the field, the key and the bad value.
+
+    Return the part's name, e.g. ``last_fired_at['b']``.
+    """
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    where = name if key is None else f"{name}[{key!r}]"
+    log.warning(
+        "dropped invalid %s = %s from %s: %s", where, shown, source, reason,
+        extra={"source": source, "field": name, "schedule_id": key, "value": shown,
+               "reason": reason},
+    )
+    return where
 
 
 def json_type(value: object) -> str:

@@ -33,7 +33,7 @@ from sched_core.cache import (
     FileStamp,
     dump_rows,
     json_type,
-    load_cache,
+    load_cache_report,
     locked,
     save_cache,
     stamp_of,
@@ -224,7 +224,7 @@ class Scheduler:
         stamp = stamp_of(self._path)
         if stamp is not None and stamp == self._stamp:
             return
-        cache = load_cache(self._path, now=now)
+        cache, dropped = load_cache_report(self._path, now=now)
         # A cache the Go kit wrote has no first-seen times: count its schedules
         # as first seen when it last fetched them, or now if it never did.
         seen_at = cache.last_fetched_at or now
@@ -233,6 +233,28 @@ class Scheduler:
         self._cache = cache
         self._stamp = stamp_of(self._path)
         self._reindex()
+        if dropped:
+            self._rewrite_salvaged(dropped)
+
+    def _rewrite_salvaged(self, dropped: list[str]) -> None:
+        """Write the cache without the parts load dropped, so they are reported once.
+
+        Best effort: if the write fails the loaded cache still fires, and the
+        next save writes it.
+        """
+        try:
+            self._save()
+        except OSError as exc:
+            log.error(
+                "could not rewrite cache file %s without its invalid parts: %r", self._path, exc,
+                extra={"path": str(self._path), "dropped": dropped, "error": repr(exc)},
+            )
+            return
+        log.warning(
+            "rewrote cache file %s without its invalid parts: %s",
+            self._path, ", ".join(dropped),
+            extra={"path": str(self._path), "dropped": dropped},
+        )
 
     def _reindex(self) -> None:
         """Rebuild the due index and forget the rows' JSON if the schedule list changed."""

@@ -492,13 +492,15 @@ def test_recovery_looks_back_24_hours_only(tmp_path: Path) -> None:
 # -- the cache on disk -----------------------------------------------------------
 
 
-def test_corrupt_cache_is_moved_aside_and_agent_starts_empty(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", ['{"schedules": [', "[1, 2]", '"text"'])
+def test_corrupt_cache_is_moved_aside_and_agent_starts_empty(tmp_path: Path,
+                                                             content: str) -> None:
     cache = tmp_path / "cache.json"
-    cache.write_text('{"schedules": [')
+    cache.write_text(content)
     agent = Agent(tmp_path, [row("a")])
     assert agent.scheduler.schedules() == []
     aside = list(tmp_path.glob("cache.json.corrupt-*"))
-    assert len(aside) == 1 and aside[0].read_text() == '{"schedules": ['
+    assert len(aside) == 1 and aside[0].read_text() == content
     agent.scheduler.pull(now=T0)
     assert [s.id for s in agent.scheduler.schedules()] == ["a"]
 
@@ -518,6 +520,119 @@ def test_cache_written_by_the_go_kit_is_used(tmp_path: Path) -> None:
     # 15:00Z to 17:00Z were missed after the Go kit's last fetch: the latest is recovered.
     fired = agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30))
     assert fired == 1 and agent.fired[0].window == T0 + timedelta(hours=2)
+
+
+FETCHED = datetime(2026, 11, 30, 14, 30, 0, 123456, tzinfo=UTC)  # as Go wrote it, below
+
+
+def _go_cache(**fields: Any) -> dict[str, Any]:
+    return {
+        "schedules": [row("a"), row("b")],
+        "last_fired_at": {"a": "2026-11-30T13:00:00.000000001Z", "gone": "0001-01-01T00:00:00Z"},
+        "last_fetched_at": "2026-11-30T14:30:00.123456789Z",
+        **fields,
+    }
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected", "field", "key", "value"),
+    [
+        ({"last_fired_at": {"a": "2026-11-30T13:00:00.5-05:00", "b": "yesterday",
+                            "gone": "0001-01-01T00:00:00Z"}},
+         {"last_fired_at": {"a": datetime(2026, 11, 30, 18, 0, 0, 500000, tzinfo=UTC)}},
+         "last_fired_at", "b", "'yesterday'"),
+        ({"last_fired_at": {"a": "2026-11-30T13:00:00"}}, {"last_fired_at": {}},
+         "last_fired_at", "a", "'2026-11-30T13:00:00'"),
+        ({"last_fired_at": {"a": "0001-01-01T00:00:00+01:00"}}, {"last_fired_at": {}},
+         "last_fired_at", "a", "'0001-01-01T00:00:00+01:00'"),
+        ({"last_fired_at": "yesterday"}, {"last_fired_at": {}},
+         "last_fired_at", None, "'yesterday'"),
+        ({"first_seen_at": {"a": 17, "b": "2026-11-29T00:00:00Z"}},
+         {"first_seen_at": {"a": FETCHED, "b": datetime(2026, 11, 29, tzinfo=UTC)}},
+         "first_seen_at", "a", "17"),
+        ({"etag": 12345, "etag_url": "https://c.test/x"}, {"etag": None, "etag_url": None},
+         "etag", None, "12345"),
+        ({"etag": '"v1"', "etag_url": ["x"]}, {"etag": None, "etag_url": None},
+         "etag_url", None, "['x']"),
+        ({"last_fetched_at": "yesterday"},
+         {"last_fetched_at": None, "first_seen_at": {"a": T0, "b": T0}},
+         "last_fetched_at", None, "'yesterday'"),
+    ],
+)
+def test_bad_cache_field_drops_only_that_entry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: dict[str, Any],
+    expected: dict[str, Any], field: str, key: str | None, value: str,
+) -> None:
+    (tmp_path / "cache.json").write_text(json.dumps(_go_cache(**bad)))
+    with caplog.at_level(logging.WARNING):
+        agent = Agent(tmp_path, [row("a"), row("b")])
+    cache = agent.scheduler.cache()
+    assert [s.id for s in cache.schedules] == ["a", "b"]
+    assert list(tmp_path.glob("cache.json.corrupt-*")) == []
+    defaults = {
+        "last_fired_at": {"a": datetime(2026, 11, 30, 13, tzinfo=UTC)},
+        "last_fetched_at": FETCHED,
+        "first_seen_at": {"a": FETCHED, "b": FETCHED},
+        "etag": None,
+    }
+    for name, want in {**defaults, **expected}.items():
+        assert getattr(cache, name) == want, name
+    (warned,) = [r for r in caplog.records if getattr(r, "field", None) == field]
+    assert warned.levelno == logging.WARNING
+    assert (getattr(warned, "schedule_id", None), getattr(warned, "value", None)) == (key, value)
+    assert field in warned.getMessage() and value in warned.getMessage()
+    # The file was rewritten without the bad part: it loads strictly, and once.
+    assert Cache.model_validate_json(agent.cache_path.read_text()) == cache
+    caplog.clear()
+    agent.restart(now=T0 + timedelta(minutes=1))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert agent.scheduler.cache() == cache
+
+
+def test_cache_that_cannot_be_rewritten_still_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    content = json.dumps(_go_cache(etag=12345))
+    (tmp_path / "cache.json").write_text(content)
+
+    def disk_full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("sched_core.scheduler.save_cache", disk_full)
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
+    assert agent.cache_path.read_text() == content
+    assert any("could not rewrite" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_time_entry_in_cache_still_recovers_missed_windows(tmp_path: Path) -> None:
+    # The controller is down (no list to pull) and one last fire is unreadable.
+    bad = {"last_fired_at": {"a": "2026-11-30T13:00:00Z", "b": "yesterday"}}
+    (tmp_path / "cache.json").write_text(json.dumps(_go_cache(**bad)))
+    agent = Agent(tmp_path, "{down", now=T0 + timedelta(hours=2, minutes=30))
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 2
+    assert agent.windows() == [("a", "2026-11-30T17:00:00+00:00"),
+                               ("b", "2026-11-30T17:00:00+00:00")]
+
+
+def test_cache_whose_schedules_is_not_a_list_keeps_its_fire_history(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    content = json.dumps(_go_cache(
+        schedules={"a": row("a")}, first_seen_at={"a": "2026-11-29T00:00:00Z"}
+    ))
+    (tmp_path / "cache.json").write_text(content)
+    agent = Agent(tmp_path, [row("a")], now=T0 + timedelta(hours=2, minutes=30))
+    assert agent.scheduler.schedules() == []
+    (copy,) = tmp_path.glob("cache.json.corrupt-*")
+    assert copy.read_text() == content and stat.S_IMODE(copy.stat().st_mode) == 0o600
+    assert any("schedules is an object, not a list" in r.getMessage() for r in caplog.records)
+    agent.restart(now=T0 + timedelta(hours=2, minutes=30, seconds=1))
+    assert len(list(tmp_path.glob("cache.json.corrupt-*"))) == 1  # rewritten: copied once
+    # The next pull brings the row back with its history: 14:00-17:00Z were missed.
+    agent.scheduler.pull(now=T0 + timedelta(hours=2, minutes=30))
+    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 1
+    assert agent.windows() == [("a", "2026-11-30T17:00:00+00:00")]
 
 
 def _tick_forever(cache_path: str, list_uri: str, ids: list[str], rounds: int) -> None:
