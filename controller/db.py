@@ -2,7 +2,9 @@
 
 Rule: every engine the controller opens is made here, by :func:`make_engine`,
 so every connection carries an ``application_name`` (Postgres) and SQLite gets
-the same settings (WAL, a busy timeout, foreign keys) in every process.
+the same settings (WAL, a busy timeout, foreign keys) in every process. The
+migrations run on :func:`make_migration_engine`'s, whose SQLite transactions
+cover DDL too, so a failed upgrade leaves the database as it found it.
 
 The embedded default is a SQLite file, ``<project>/.data/controller.db``;
 ``SCHED_DATABASE_URL`` selects another database, e.g.
@@ -135,6 +137,34 @@ def make_engine(
             **kwargs,
         )
     return create_engine(parsed, **kwargs)
+
+
+def _sqlite_driver_autocommit(dbapi_connection: Any, _record: Any) -> None:
+    # Python 3.11's sqlite3 opens a transaction only before INSERT/UPDATE/DELETE,
+    # so ALTER TABLE would commit on its own: hand transactions to SQLAlchemy.
+    dbapi_connection.isolation_level = None
+
+
+def _sqlite_begin(connection: Any) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_migration_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
+    """Return a :func:`make_engine` engine for migrations; the caller disposes it.
+
+    On SQLite every transaction is a real one that DDL joins (SQLAlchemy's
+    pysqlite recipe), so a failed upgrade rolls back whole, schema and
+    ``alembic_version`` alike, as it does on Postgres. It begins ``IMMEDIATE``
+    (the write lock first), so a second migrator waits for the first and then
+    finds the work done: with a plain ``BEGIN`` it failed with "database is
+    locked" as soon as both had read the current revision. The runtime
+    engines keep the driver's own transaction handling.
+    """
+    engine = make_engine(url, application_name="sched-migrate", **kwargs)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_driver_autocommit)
+        event.listen(engine, "begin", _sqlite_begin)
+    return engine
 
 
 def alembic_config(url: str | URL | None = None) -> Config:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlmodel import SQLModel
 
 from controller import db
@@ -115,22 +119,107 @@ def test_wire_column_is_filled_for_existing_rows_and_dropped_on_downgrade(
         engine.dispose()
 
 
-def test_upgrade_names_an_invalid_stored_row(empty_url: str) -> None:
-    from sqlalchemy import text
-
-    db.migrate(empty_url, "0001")
-    engine = db.make_engine(empty_url)
+def _schema(url: str) -> dict[str, Any]:
+    """Return the revision, every table's columns and every table's indexes at url."""
+    engine = db.make_engine(url)
     try:
-        with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO agent_schedule (node, id, name, repo_id, action, storage, schedule,"
-                " miss_policy, enabled, params, version, updated_at) VALUES ('n', 'bad-1', 'x',"
-                " '', 'backup', '', '{\"days\": [\"someday\"], \"hours\": [\"2\"],"
-                " \"minute\": \"30\"}', 'skip', true, NULL, 1, CURRENT_TIMESTAMP)"))
+        with engine.connect() as conn:
+            inspector = inspect(conn)
+            tables = sorted(inspector.get_table_names())
+            versions = (conn.execute(text("SELECT version_num FROM alembic_version")).scalars()
+                        .all() if "alembic_version" in tables else None)
+            return {
+                "alembic_version": versions,
+                "columns": {t: [(c["name"], str(c["type"]), c["nullable"])
+                                for c in inspector.get_columns(t)] for t in tables},
+                "indexes": {t: sorted(str(i["name"]) for i in inspector.get_indexes(t))
+                            for t in tables},
+            }
     finally:
         engine.dispose()
+
+
+def _execute(url: str, *statements: str) -> None:
+    engine = db.make_engine(url)
+    try:
+        with engine.begin() as conn:
+            for statement in statements:
+                conn.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+_INSERT_ROW = (
+    "INSERT INTO agent_schedule (node, id, name, repo_id, action, storage, schedule,"
+    " miss_policy, enabled, params, version, updated_at) VALUES ('n', '{id}', 'x', '',"
+    " 'backup', '', '{{\"days\": [\"{day}\"], \"hours\": [\"2\"], \"minute\": \"30\"}}',"
+    " 'skip', true, NULL, 1, CURRENT_TIMESTAMP)"
+)
+
+
+def test_upgrade_names_an_invalid_stored_row_changes_nothing_and_reruns(empty_url: str) -> None:
+    """The documented way out works: fix the named row, run the same upgrade again."""
+    db.migrate(empty_url, "0001")
+    _execute(empty_url, _INSERT_ROW.format(id="good-1", day="mon"),
+             _INSERT_ROW.format(id="bad-1", day="someday"))
+    before = _schema(empty_url)
     with pytest.raises(ValueError, match="node='n' id='bad-1'"):
         db.migrate(empty_url)
+    assert _schema(empty_url) == before  # no wire column, still at 0001
+    _execute(empty_url, "UPDATE agent_schedule SET schedule = '{\"days\": [\"tue\"],"
+             " \"hours\": [\"2\"], \"minute\": \"30\"}' WHERE id = 'bad-1'")
+    db.migrate(empty_url)
+    after = _schema(empty_url)
+    assert after["alembic_version"] == ["0003"]
+    assert "wire" in {column[0] for column in after["columns"]["agent_schedule"]}
+
+
+def test_a_failed_upgrade_leaves_no_step_half_done(empty_url: str) -> None:
+    """A failure after DDL rolls the whole upgrade back, on SQLite as on Postgres.
+
+    The failure is real, not injected: an index made by hand under the name
+    0003 creates makes 0003 fail after 0002 has added, filled and altered its
+    column (and, on Postgres, after 0003's own ALTER COLUMNs).
+    """
+    db.migrate(empty_url, "0001")
+    _execute(empty_url, _INSERT_ROW.format(id="s-1", day="mon"),
+             "CREATE INDEX ix_task_dispatch_scheduled_at ON task_dispatch (worker_id)")
+    before = _schema(empty_url)
+    with pytest.raises(Exception, match="ix_task_dispatch_scheduled_at"):
+        db.migrate(empty_url)
+    assert _schema(empty_url) == before
+    _execute(empty_url, "DROP INDEX ix_task_dispatch_scheduled_at")
+    db.migrate(empty_url)
+    assert _schema(empty_url)["alembic_version"] == ["0003"]
+
+
+_MIGRATOR = """
+import sys, time
+from pathlib import Path
+from controller import db
+folder = Path(sys.argv[2])
+(folder / sys.argv[3]).touch()
+while not (folder / "go").exists():
+    time.sleep(0.001)
+db.migrate(sys.argv[1])
+"""
+
+
+def test_concurrent_migrators_on_one_sqlite_file_all_succeed(tmp_path: Path) -> None:
+    """Each waits for the one migrating, then finds the database at head."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    names = [f"ready-{n}" for n in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", _MIGRATOR, url, str(tmp_path), name],
+                              stderr=subprocess.PIPE, text=True) for name in names]
+    deadline = time.monotonic() + 60
+    # Start them together, once each has imported everything.
+    while not all((tmp_path / name).exists() for name in names) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0], errors
+    assert _schema(url)["alembic_version"] == ["0003"]
+    assert _tables(url) == TABLES
 
 
 def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:

@@ -1,8 +1,10 @@
 """Each agent schedule row keeps its wire JSON, so a pull splices stored strings.
 
 Upgrade adds ``agent_schedule.wire`` and fills it for existing rows with
-``LocalSchedule.model_dump_json()`` of the row as stored (a row that no longer
-validates stops the upgrade with its node and id named); downgrade drops it.
+``LocalSchedule.model_dump_json()`` of the row as stored; downgrade drops it.
+Every row is validated before the column is added: a row that no longer
+validates stops the upgrade with its node and id named and nothing changed, so
+the same upgrade succeeds once that row is fixed.
 
 Revision ID: 0002
 Revises: 0001
@@ -48,7 +50,8 @@ _rows = sa.table(
 
 
 def upgrade() -> None:
-    op.add_column("agent_schedule", sa.Column("wire", sa.Text(), nullable=True))
+    # Validate every row before the first schema change: an invalid row then
+    # stops the upgrade with nothing to undo, whichever engine runs it.
     connection = op.get_bind()
     found = connection.execute(
         sa.select(_rows.c.node, *(_rows.c[name] for name in _WIRE_FIELDS))
@@ -62,6 +65,7 @@ def upgrade() -> None:
                 f"agent_schedule row node={row.node!r} id={row.id!r} is invalid: {exc}"
             ) from exc
         filled.append({"b_node": row.node, "b_id": row.id, "b_wire": wire.model_dump_json()})
+    op.add_column("agent_schedule", sa.Column("wire", sa.Text(), nullable=True))
     if filled:
         connection.execute(
             sa.update(_rows)
