@@ -144,7 +144,7 @@ def run_name(prefix: str) -> Callable[[], str]:
 
 @contextmanager
 def node_lock(settings: AgentSettings) -> Iterator[None]:
-    """Hold this node's agent lock: ticks and reconciles of one node never overlap."""
+    """Hold this node's agent lock: ticks and missed-run checks of one node never overlap."""
     fd = os.open(settings.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

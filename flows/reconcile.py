@@ -2,7 +2,8 @@
 
 1. Pull in a task with retries and exponential backoff (``pull_retries``,
    ``pull_retry_delay``). A pull that still fails changes nothing: the cache
-   and its schedules keep firing, and the run ends Failed so it shows.
+   and its schedules keep firing, and the run ends Failed so it shows. The
+   pull does not hold the node lock, so its retries never hold up a tick.
 2. Run the missed-run check whether or not the pull succeeded: the miss
    policy works from the cache, not from the controller.
 3. Publish a markdown artifact of what changed (added, removed, changed,
@@ -95,13 +96,16 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     )
     result: PullResult | None = None
     error: str | None = None
+    scheduler = build_scheduler(settings, dispatcher, now=at)
+    # The pull runs outside the node lock: its retries and timeouts (a minute
+    # and more against an unreachable controller) must never hold up a tick.
+    # Its merge holds the cache file's lock, which ticks take too.
+    try:
+        result = pull(scheduler, at)
+    except PullError as exc:
+        error = str(exc)
+        logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
     with node_lock(settings):
-        scheduler = build_scheduler(settings, dispatcher, now=at)
-        try:
-            result = pull(scheduler, at)
-        except PullError as exc:
-            error = str(exc)
-            logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
         recovered = scheduler.missed_run_report(at)
     markdown = change_markdown(settings.node_name, result, error, recovered, scheduler)
     create_markdown_artifact(

@@ -262,12 +262,17 @@ class FlakyController:
         self.body = b""
         self.hits = 0
         self.auth: list[str | None] = []
+        self.hold: threading.Event | None = None  # when set, each answer waits for it
+        self.answered = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 outer.hits += 1
                 outer.auth.append(self.headers.get("Authorization"))
+                if outer.hold is not None:
+                    outer.hold.wait(timeout=60)
+                outer.answered += 1
                 if outer.fail > 0:
                     outer.fail -= 1
                     self.send_response(503)
@@ -337,6 +342,40 @@ def test_garbage_pull_keeps_the_cache_and_the_schedules_firing(
     assert controller.hits == 1 + 4  # the first pull, then 1 + 3 retries of the garbage
     assert agent.cache()["schedules"] == before
     assert fire_tick(now=WINDOW + timedelta(seconds=1)) == 1
+    assert len(agent.runs("backup")) == 1
+
+
+def test_a_slow_pull_never_holds_up_the_tick(
+    agent: Agent, controller: FlakyController
+) -> None:
+    """The tick fires while a reconcile waits on an unresponsive controller."""
+    from flows.reconcile import reconcile
+    from flows.tick import fire_tick
+
+    agent.write_config(pull_url=controller.url, extra="pull_timeout = 120")
+    agent.register()
+    controller.body = json.dumps({"schedules": [row("s-1", "backup", EVERY_HOUR_AT_30)]}).encode()
+    reconcile(now=T0)
+    controller.hold = threading.Event()
+    pulling = threading.Thread(target=reconcile, kwargs={"now": T0 + timedelta(seconds=20)})
+    pulling.start()
+    try:
+        deadline = time.monotonic() + 30
+        while controller.hits < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert controller.hits == 2 and controller.answered == 1  # the pull is waiting
+        ticked: list[int] = []
+        tick = threading.Thread(
+            target=lambda: ticked.append(fire_tick(now=WINDOW + timedelta(seconds=1)))
+        )
+        tick.start()
+        tick.join(timeout=45)
+        assert ticked == [1], "the tick waited for the reconcile's pull"
+        assert controller.answered == 1  # still no answer: the tick did not wait for one
+    finally:
+        controller.hold.set()
+        pulling.join(timeout=60)
+    assert not pulling.is_alive()
     assert len(agent.runs("backup")) == 1
 
 
