@@ -26,12 +26,15 @@ DELETE /api/tasks/{name}                  admin           204, or 404
 A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
 token outside its node, or on a write, gets 403. An invalid body gets 422 with
 ``{"detail": [{"field": "schedule", "loc": [...], "msg": "...", "type": "..."}]}``.
+A body is JSON as Go's ``encoding/json`` reads it: no ``NaN``/``Infinity`` and no
+number beyond a float64.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -106,6 +109,27 @@ def _unprocessable(loc: tuple[str, ...], msg: str, kind: str = "value_error") ->
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (Go's encoding/json refuses it too)")
+
+
+def _out_of_range(text: str) -> ValueError:
+    shown = text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
+    return ValueError(f"number {shown} is beyond a float64 (Go's encoding/json refuses it too)")
+
+
+def _finite_float(text: str) -> float:
+    """Return the JSON number text as a float; one beyond a float64 is a ValueError."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _out_of_range(text)
+    return value
+
+
+def _float64_int(text: str) -> int:
+    """Return the JSON integer text as an int; one beyond a float64 (Go's) is a ValueError."""
+    # float() first: it rounds as Go does, and never hits int()'s 4,300-digit limit.
+    if not math.isfinite(float(text)):
+        raise _out_of_range(text)
+    return int(text)
 
 
 def schedules_body(rows: list[LocalSchedule]) -> bytes:
@@ -283,7 +307,8 @@ def create_app(
         if size > MAX_BODY_BYTES:
             return JSONResponse({"detail": f"body over {MAX_BODY_BYTES} bytes"}, status_code=413)
         try:
-            data = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+            data = json.loads(b"".join(chunks), parse_constant=_reject_constant,
+                              parse_float=_finite_float, parse_int=_float64_int)
         except (ValueError, UnicodeDecodeError) as exc:
             return _unprocessable(("body",), f"invalid JSON: {exc}", "json_invalid")
         if not isinstance(data, dict):

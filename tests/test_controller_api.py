@@ -471,6 +471,40 @@ def test_invalid_task_is_422_naming_the_problem(
     assert client.get("/api/tasks/t-invalid", headers=ADMIN).status_code == 404
 
 
+def _raw_put(client: httpx.Client, path: str, body: str) -> httpx.Response:
+    return client.put(path, content=body.encode(),
+                      headers={**ADMIN, "Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1" + "0" * 400, "-1" + "0" * 4400])
+def test_number_beyond_a_float64_is_422_and_keeps_the_last_good_row(
+    client: httpx.Client, number: str
+) -> None:
+    """Go's encoding/json refuses such a number; Python's json read 1e400 as inf, served null."""
+    key = f"n-{len(number)}"  # each case its own row and task
+    path = f"/api/nodes/numbers/schedules/{key}"
+    assert put(client, "numbers", row(key, params={"threads": 4})).status_code == 200
+    body = json.dumps(row(key)).replace('"threads": 4', f'"threads": {number}')
+    error = only_error(_raw_put(client, path, body))
+    assert error["loc"] == ["body"] and "beyond a float64" in error["msg"]
+    assert number[:20] in error["msg"] and len(error["msg"]) < 200
+    task = json.dumps({**TASK, "payload": {"size": 0}}).replace("0}", f"{number}}}")
+    assert "beyond a float64" in only_error(_raw_put(client, f"/api/tasks/t-{key}", task))["msg"]
+    kept = client.get(path, headers=ADMIN).json()
+    assert (kept["params"], kept["version"]) == ({"threads": 4}, 1)
+    assert client.get(f"/api/tasks/t-{key}", headers=ADMIN).status_code == 404
+
+
+def test_numbers_within_a_float64_are_kept_exactly(client: httpx.Client) -> None:
+    params = {"big": 10**40, "i64": 2**63, "neg": -(2**64), "max": 1.7976931348623157e308,
+              "tiny": 5e-324, "under": 0.0}
+    body = json.dumps(row("exact", params=params)).replace("0.0}", "1e-400}")
+    saved = _raw_put(client, "/api/nodes/numbers/schedules/exact", body)
+    assert saved.status_code == 200, saved.text
+    pulled = client.get("/api/schedules?node=numbers", headers=ADMIN).json()["schedules"]
+    assert [s["params"] for s in pulled if s["id"] == "exact"] == [{**params, "under": 0.0}]
+
+
 # --- ETag ---------------------------------------------------------------------------------
 
 
