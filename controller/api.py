@@ -25,9 +25,12 @@ DELETE /api/tasks/{name}                  admin           204, or 404
 
 A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
 token outside its node, or on a write, gets 403. An invalid body gets 422 with
-``{"detail": [{"field": "schedule", "loc": [...], "msg": "...", "type": "..."}]}``.
-A body is JSON as Go's ``encoding/json`` reads it: no ``NaN``/``Infinity`` and no
-number beyond a float64.
+``{"detail": [{"field": "schedule", "loc": [...], "msg": "...", "type": "..."}]}``,
+and so does a node name, schedule id or task name that no database column holds
+(over 200 characters, or with a NUL), on every path that takes one, so SQLite
+and Postgres answer alike. A body is JSON as Go's ``encoding/json`` reads it: no
+``NaN``/``Infinity`` and no number beyond a float64, nested at most 100 deep,
+and its text fields hold no NUL (Postgres text cannot) and nothing but UTF-8.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ access_log = logging.getLogger("controller.access")
 
 MAX_BODY_BYTES = 1 << 20
 """A schedule or task body larger than this is refused with 413."""
+
+MAX_NAME_LENGTH = 200
+"""The longest node name, schedule id or task name: their columns are ``varchar(200)``."""
+
+MAX_JSON_DEPTH = 100
+"""The deepest nesting of a body (``params`` is level 2); pydantic serializes ~250 at most."""
 
 _DRAIN_LIMIT = 16 * MAX_BODY_BYTES
 
@@ -130,6 +139,69 @@ def _float64_int(text: str) -> int:
     if not math.isfinite(float(text)):
         raise _out_of_range(text)
     return int(text)
+
+
+def _is_utf8(text: str) -> bool:
+    """Return whether text encodes as UTF-8 (a JSON ``\\ud800`` decodes to one that does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_NUL = "contains a NUL character, which PostgreSQL text cannot hold"
+_SURROGATE = "contains an unpaired UTF-16 surrogate, which is not UTF-8 text"
+
+
+def _name_problem(name: str) -> tuple[str, str] | None:
+    """Return (message, type) if name cannot be a node name, schedule id or task name."""
+    if len(name) > MAX_NAME_LENGTH:
+        return f"is {len(name)} characters long; the most is {MAX_NAME_LENGTH}", "string_too_long"
+    if "\x00" in name:
+        return _NUL, "string_nul"
+    if not _is_utf8(name):
+        return _SURROGATE, "string_unicode"
+    return None
+
+
+def check_name(loc: tuple[str, str], name: str) -> None:
+    """Raise a 422 naming loc's field when name cannot be stored (see :func:`_name_problem`)."""
+    problem = _name_problem(name)
+    if problem is not None:
+        message, kind = problem
+        raise HTTPException(422, [_error_entry(loc, f"{loc[-1]} {message}", kind)])
+
+
+def _body_problem(data: dict[str, Any]) -> tuple[tuple[Any, ...], str, str] | None:
+    """Return (loc, message, type) of the first part of a parsed body no database can store.
+
+    Every string, key or value, must be UTF-8; a top-level string (a text
+    column) must hold no NUL (JSON columns escape it); no object or array may
+    nest deeper than MAX_JSON_DEPTH, the body itself being level 1.
+    """
+    for key, value in data.items():
+        if isinstance(value, str) and "\x00" in value and _is_utf8(key):
+            return ("body", key), f"{key} {_NUL}", "string_nul"
+    # Iterative, so that any depth is a 422 here and never a RecursionError.
+    stack: list[tuple[tuple[Any, ...], Any]] = [(("body",), data)]
+    while stack:
+        loc, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_utf8(value):
+                return loc, f"{_field_name(loc) or 'body'} {_SURROGATE}", "string_unicode"
+            continue
+        if isinstance(value, dict | list) and len(loc) > MAX_JSON_DEPTH:
+            return loc[:2], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_invalid"
+        if isinstance(value, dict):
+            for key in value:
+                if not _is_utf8(key):
+                    shown = key.encode("utf-8", "backslashreplace").decode()
+                    return (*loc, shown), f"key {shown!r} {_SURROGATE}", "string_unicode"
+            stack.extend(((*loc, key), item) for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend(((*loc, index), item) for index, item in enumerate(value))
+    return None
 
 
 def schedules_body(rows: list[LocalSchedule]) -> bytes:
@@ -292,6 +364,10 @@ def create_app(
             raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
         return principal
 
+    def check_schedule_key(node: str, schedule_id: str) -> None:
+        check_name(("path", "node"), node)
+        check_name(("path", "id"), schedule_id)
+
     async def read_object(request: Request, key: str, value: str) -> dict[str, Any] | Response:
         """Return the JSON object body with key defaulted to value, or a 413/422 answer."""
         chunks: list[bytes] = []
@@ -311,8 +387,15 @@ def create_app(
                               parse_float=_finite_float, parse_int=_float64_int)
         except (ValueError, UnicodeDecodeError) as exc:
             return _unprocessable(("body",), f"invalid JSON: {exc}", "json_invalid")
+        except RecursionError:
+            return _unprocessable(
+                ("body",), f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_invalid"
+            )
         if not isinstance(data, dict):
             return _unprocessable(("body",), "expected a JSON object", "model_type")
+        problem = _body_problem(data)
+        if problem is not None:
+            return _unprocessable(*problem)
         data.setdefault(key, value)
         if data[key] != value:
             return _unprocessable(
@@ -339,8 +422,9 @@ def create_app(
             return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
         return JSONResponse({"status": "ok", "database": "ok"})
 
-    def pull_answer(request: Request, node: str) -> Response:
+    def pull_answer(request: Request, node: str, source: str = "path") -> Response:
         require_node(request, node)
+        check_name((source, "node"), node)
         if_none_match = request.headers.get("if-none-match")
         etag = in_session(lambda session: schedule_store.node_etag(session, node))
         body = pull_cache.get(node, etag)
@@ -361,7 +445,7 @@ def create_app(
         authenticate(request)
         if not node:
             return _unprocessable(("query", "node"), "node is required (?node=NAME)", "missing")
-        return pull_answer(request, node)
+        return pull_answer(request, node, "query")
 
     @app.get("/api/nodes")
     def list_nodes(request: Request) -> JSONResponse:
@@ -375,6 +459,7 @@ def create_app(
     @app.get("/api/nodes/{node}/schedules/{schedule_id}")
     def get_schedule(request: Request, node: str, schedule_id: str) -> Response:
         require_node(request, node)
+        check_schedule_key(node, schedule_id)
         row = in_session(lambda s: schedule_store.get_schedule(s, node, schedule_id))
         if row is None:
             raise HTTPException(404, f"no schedule {schedule_id!r} on node {node!r}")
@@ -384,6 +469,7 @@ def create_app(
     async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
         request.state.node = node
         require_admin(request)
+        check_schedule_key(node, schedule_id)
         data = await read_object(request, "id", schedule_id)
         if isinstance(data, Response):
             return data
@@ -402,6 +488,7 @@ def create_app(
     def delete_schedule(request: Request, node: str, schedule_id: str) -> Response:
         request.state.node = node
         require_admin(request)
+        check_schedule_key(node, schedule_id)
         if not in_session(lambda s: schedule_store.delete_schedule(s, node, schedule_id)):
             raise HTTPException(404, f"no schedule {schedule_id!r} on node {node!r}")
         log.info("schedule deleted", extra={"node": node, "schedule_id": schedule_id})
@@ -416,6 +503,7 @@ def create_app(
     @app.get("/api/tasks/{name}")
     def get_task(request: Request, name: str) -> JSONResponse:
         require_admin(request)
+        check_name(("path", "name"), name)
         found = in_session(lambda s: _optional_task_json(task_store.get_task(s, name)))
         if found is None:
             raise HTTPException(404, f"no task {name!r}")
@@ -426,6 +514,7 @@ def create_app(
         request: Request, name: str, limit: int = Query(100, ge=1, le=1000)
     ) -> JSONResponse:
         require_admin(request)
+        check_name(("path", "name"), name)
 
         def read(session: Session) -> list[dict[str, Any]] | None:
             if task_store.get_task(session, name) is None:
@@ -441,6 +530,7 @@ def create_app(
     @app.put("/api/tasks/{name}")
     async def put_task(request: Request, name: str) -> Response:
         require_admin(request)
+        check_name(("path", "name"), name)
         data = await read_object(request, "name", name)
         if isinstance(data, Response):
             return data
@@ -459,6 +549,7 @@ def create_app(
     @app.delete("/api/tasks/{name}", status_code=204)
     def delete_task(request: Request, name: str) -> Response:
         require_admin(request)
+        check_name(("path", "name"), name)
         if not in_session(lambda s: task_store.delete_task(s, name)):
             raise HTTPException(404, f"no task {name!r}")
         log.info("task deleted", extra={"task": name})

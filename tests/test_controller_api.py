@@ -505,6 +505,52 @@ def test_numbers_within_a_float64_are_kept_exactly(client: httpx.Client) -> None
     assert [s["params"] for s in pulled if s["id"] == "exact"] == [{**params, "under": 0.0}]
 
 
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_body_nested_too_deep_is_422(client: httpx.Client) -> None:
+    """The body is level 1, so params may nest 99 deep; a RecursionError was a 500."""
+    path = "/api/nodes/deep/schedules/d-1"
+    assert put(client, "deep", row("d-1", params=_nested(99))).status_code == 200
+    error = only_error(put(client, "deep", row("d-1", params=_nested(100))))
+    assert error["field"] == "params" and "deeper than 100" in error["msg"]
+    error = only_error(_raw_put(client, path, '{"params": ' + "[" * 5000 + "]" * 5000 + "}"))
+    assert "deeper than 100" in error["msg"]
+    assert client.get(path, headers=ADMIN).json()["version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "raw", "field", "words"),
+    [
+        ("name", '"a\\u0000b"', "name", "NUL character"),
+        ("storage", '"\\u0000"', "storage", "NUL character"),
+        ("name", '"\\ud800"', "name", "unpaired UTF-16 surrogate"),
+        ("params", '{"x": ["ok", "\\udc00"]}', "params.x.1", "unpaired UTF-16 surrogate"),
+        ("params", '{"\\ud83d": 1}', "params.\\ud83d", "unpaired UTF-16 surrogate"),
+    ],
+)
+def test_text_no_database_holds_is_422_naming_the_field(
+    client: httpx.Client, key: str, raw: str, field: str, words: str
+) -> None:
+    """Postgres text holds no NUL (a 500 there, stored on SQLite); a lone surrogate was a 500."""
+    others = {name: value for name, value in row("t-1").items() if name != key}
+    body = json.dumps(others)[:-1] + f', "{key}": {raw}}}'
+    error = only_error(_raw_put(client, "/api/nodes/text/schedules/t-1", body))
+    assert error["field"] == field and words in error["msg"]
+    assert client.get("/api/nodes/text/schedules/t-1", headers=ADMIN).status_code == 404
+
+
+def test_nul_inside_params_is_kept_as_json_escapes(client: httpx.Client) -> None:
+    """A JSON column stores the escape, so params (unlike text fields) may hold a NUL."""
+    assert put(client, "text", row("nul-ok", params={"a\u0000": "b\u0000"})).status_code == 200
+    got = client.get("/api/nodes/text/schedules/nul-ok", headers=ADMIN)
+    assert got.json()["params"] == {"a\u0000": "b\u0000"}
+
+
 # --- ETag ---------------------------------------------------------------------------------
 
 
@@ -764,6 +810,67 @@ def test_round_trip_on_each_database(database_url: str) -> None:
     finally:
         for engine in engines:
             engine.dispose()
+
+
+LONG = "n" * 201
+NAME_CASES = [  # (method, path, field, words); admin token on each
+    ("PUT", f"/api/nodes/{LONG}/schedules/s-1", "node", "201 characters long; the most is 200"),
+    ("GET", f"/api/nodes/{LONG}/schedules/s-1", "node", "201 characters"),
+    ("DELETE", f"/api/nodes/{LONG}/schedules/s-1", "node", "201 characters"),
+    ("GET", f"/api/nodes/{LONG}/schedules", "node", "201 characters"),
+    ("GET", f"/api/schedules?node={LONG}", "node", "201 characters"),
+    ("PUT", f"/api/nodes/node-a/schedules/{LONG}", "id", "201 characters long"),
+    ("GET", f"/api/nodes/node-a/schedules/{LONG}", "id", "201 characters"),
+    ("DELETE", f"/api/nodes/node-a/schedules/{LONG}", "id", "201 characters"),
+    ("PUT", f"/api/tasks/{LONG}", "name", "201 characters"),
+    ("GET", f"/api/tasks/{LONG}", "name", "201 characters"),
+    ("GET", f"/api/tasks/{LONG}/dispatches", "name", "201 characters"),
+    ("DELETE", f"/api/tasks/{LONG}", "name", "201 characters"),
+    ("PUT", "/api/nodes/a%00b/schedules/s-1", "node", "NUL character"),
+    ("GET", "/api/schedules?node=a%00b", "node", "NUL character"),
+    ("PUT", "/api/nodes/node-a/schedules/s%00", "id", "NUL character"),
+    ("GET", "/api/nodes/node-a/schedules/s%00", "id", "NUL character"),
+    ("PUT", "/api/tasks/t%00", "name", "NUL character"),
+    ("PUT", "/api/nodes/node-a/schedules/s-2", "name", "NUL character"),  # in the body
+    ("PUT", "/api/tasks/t-2", "event", "NUL character"),  # in the body
+]
+
+
+def test_names_no_column_holds_are_422_on_each_database(database_url: str) -> None:
+    """Over 200 characters or with a NUL: 422 naming the field, never 500 (Postgres) or stored.
+
+    SQLite stored such names, while Postgres failed with a 500 on the write
+    (varchar(200), and text cannot hold NUL); now both refuse on every path.
+    """
+    engine = make_engine(database_url)
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as base, \
+                httpx.Client(base_url=base, headers=ADMIN, timeout=30) as client:
+            longest = "\u00e9" * 200  # 200 characters, 400 bytes: fits on both
+            assert put(client, longest, row(longest)).status_code == 200
+            assert client.put(f"/api/tasks/{longest}", json=TASK).status_code == 200
+            for method, path, field, words in NAME_CASES:
+                body = None
+                if method == "PUT":
+                    data = TASK if "/tasks/" in path else row("s-1")
+                    if path.endswith("/s-2"):
+                        data = row("s-2", name="a\u0000b")
+                    elif path.endswith("/t-2"):
+                        data = {**TASK, "event": "a\u0000b"}
+                    else:
+                        data = {k: v for k, v in data.items() if k not in ("id", "name")}
+                    body = json.dumps(data).encode()
+                response = client.request(method, path, content=body)
+                error = only_error(response)
+                assert (error["field"], words in error["msg"]) == (field, True), (path, error)
+            nodes = client.get("/api/nodes").json()["nodes"]
+            tasks = [task["name"] for task in client.get("/api/tasks").json()["tasks"]]
+            got = client.get(f"/api/nodes/{longest}/schedules/{longest}")
+            assert got.status_code == 200 and got.json()["id"] == longest
+    finally:
+        engine.dispose()
+    assert nodes == [longest]
+    assert tasks == [longest]
 
 
 # --- logging --------------------------------------------------------------------------------
