@@ -214,6 +214,15 @@ class TaskIn(SQLModel):
         zone(value)  # an unknown name is a ValueError naming it
         return value
 
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, value: str | None) -> str | None:
+        if value is not None:
+            from controller.timing import check_cron
+
+            check_cron(value)  # a ValueError naming the expression and what is wrong
+        return value
+
     @field_validator("run_at")
     @classmethod
     def _aware_run_at(cls, value: datetime | None) -> datetime | None:
@@ -248,8 +257,4 @@ class TaskIn(SQLModel):
             raise ValueError("exactly one of event or deployment is required")
         if self.schedule is not None and self.schedule.is_event:
             raise ValueError("schedule.on marks an event schedule; a task needs a clock one")
-        if self.cron is not None:
-            from controller.timing import check_cron
-
-            check_cron(self.cron)
         return self

@@ -456,7 +456,7 @@ def test_pull_without_node_is_422_naming_node(client: httpx.Client) -> None:
     ("body", "field", "words"),
     [
         ({**TASK, "timezone": "Mars/Olympus"}, "timezone", "unknown timezone 'Mars/Olympus'"),
-        ({**TASK, "cron": "61 * * * *"}, "", "invalid cron expression '61 * * * *'"),
+        ({**TASK, "cron": "61 * * * *"}, "cron", "invalid cron expression '61 * * * *'"),
         ({"cron": "* * * * *", "payload": {}}, "", "exactly one of event or deployment"),
         ({**TASK, "name": "other-name"}, "name", "differs"),
         ({**TASK, "payload": [1]}, "payload", "dictionary"),

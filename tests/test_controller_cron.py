@@ -70,6 +70,7 @@ def test_a_cron_that_never_matches_is_422_and_keeps_the_last_good_task(
     assert client.put(f"/api/tasks/{name}", json=good, headers=ADMIN).status_code == 200
     bad = client.put(f"/api/tasks/{name}", json={**good, "cron": expr}, headers=ADMIN)
     error = _only_error(bad)
+    assert error["field"] == "cron"
     assert f"cron expression '{expr}' never matches" in error["msg"]
     assert client.get(f"/api/tasks/{name}", headers=ADMIN).json()["cron"] == "0 6 * * *"
 
