@@ -405,13 +405,17 @@ def test_reconcile_emits_schedules_changed(agent: Agent) -> None:
     agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
     reconcile(now=T0)
     reconcile(now=T0 + timedelta(minutes=5))  # nothing changed: no event
-    agent.write_schedules([row("s-2", "backup", {"days": ["Mon"], "hours": ["1"], "minute": "0"})])
+    agent.write_schedules([
+        row("s-3", "backup", EVERY_HOUR_AT_30),
+        row("s-2", "backup", {"days": ["Mon"], "hours": ["1"], "minute": "0"}),
+    ])
     reconcile(now=T0 + timedelta(minutes=10))
     events = _events("sched.schedules.changed", agent.node, 2)
     payloads = sorted((e["payload"] for e in events), key=lambda p: p["removed"])
     assert len(payloads) == 2
     assert payloads[0]["added_ids"] == ["s-1"]
     assert payloads[1]["removed_ids"] == ["s-1"]
+    assert payloads[1]["added_ids"] == ["s-3"]
     assert payloads[1]["rejected"][0]["id"] == "s-2"
     assert "Mon" in payloads[1]["rejected"][0]["reason"]
 
