@@ -450,7 +450,7 @@ def test_job_runs_its_command_and_logs_the_output(agent: Agent) -> None:
     assert state.is_completed()
     summary = state.result()
     assert summary["exit_code"] == 0 and summary["attempts"] == 1
-    assert "backing up r-1" in _logs(state.state_details.flow_run_id, "backing up")
+    assert "backing up r-1" in _logs(state.state_details.flow_run_id, "backing up r-1")
     done, = _events("sched.job.completed", agent.node, 1)
     assert done["payload"]["schedule_id"] == "s-1" and done["payload"]["action"] == "backup"
 
