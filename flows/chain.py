@@ -120,7 +120,10 @@ def advance_chain(
     exclude = (completed_run,) if completed_run else ()
     chain = Chain(scheduler, build_spec(settings, now=at, exclude=exclude))
     fired = chain.on_job_complete(action, now=at)
-    incomplete = chain.incomplete(now=at)
+    # Only stages this run fired or retried: another stage left incomplete
+    # waits for its own conditions (its predecessor draining) without failing
+    # every run until then.
+    incomplete = {name: mark for name, mark in chain.incomplete(now=at).items() if name in fired}
     logger.info("job of %s completed; chain fired stages %s", action, fired or "none")
     if fired:
         lines = [f"### Chain on {settings.node_name}: fired {', '.join(fired)}", ""]

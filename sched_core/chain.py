@@ -14,9 +14,11 @@ Rules:
 5. The markers live in one JSON file, written atomically under a lock, so a
    restart neither re-fires nor skips a stage. A stage some of whose fires
    failed is retried (only the failed schedules) on the next completion of
-   any job, a wave job or not: the wave that let stage 0 fire has usually
-   finished by then, and its day's prune and check must not wait for
-   tomorrow's wave. :meth:`Chain.incomplete` names such stages.
+   any job, a wave job or not, within 24 hours and for the chain day it
+   fired for (the wave that let stage 0 fire has usually finished by then,
+   and its day's prune and check must not wait for tomorrow's wave); stage 0
+   is retried only while the wave is complete, and a new chain day
+   supersedes an incomplete one. :meth:`Chain.incomplete` names such stages.
 """
 
 from __future__ import annotations
@@ -151,12 +153,20 @@ class Chain:
             marks = self._load(now)
             today = now.astimezone(self._tz).date()
             first = marks.get(stages[0].name)
-            retry_first = first is not None and first.day == today and not first.complete
-            first_due = first is None or first.day < today or retry_first
-            wave_or_retry = self._spec.is_wave_job(action) or retry_first
-            if wave_or_retry and first_due and self._spec.wave_complete():
-                retry = first if first is not None and first.day == today else None
-                marks[stages[0].name] = self._fire(stages[0], today, now, retry)
+            if self._spec.is_wave_job(action) and (first is None or first.day < today):
+                # A new chain day (it supersedes an older, incomplete one).
+                if self._spec.wave_complete():
+                    marks[stages[0].name] = self._fire(stages[0], today, now, None)
+                    self._save(marks)
+                    fired_stages.append(stages[0].name)
+            elif (
+                first is not None
+                and not first.complete
+                and now - first.fired_at <= FOLLOW_WINDOW
+                and self._spec.wave_complete()
+            ):
+                # Retry the failed schedules of stage 0 for its own chain day.
+                marks[stages[0].name] = self._fire(stages[0], first.day, now, first)
                 self._save(marks)
                 fired_stages.append(stages[0].name)
             for before, stage in itertools.pairwise(stages):

@@ -211,3 +211,38 @@ def test_corrupt_marker_file_is_moved_aside(tmp_path: Path) -> None:
     (tmp_path / "chain.json").write_text("{oops")
     assert fleet.chain.on_job_complete("backup", now=NIGHT) == ["prune"]
     assert len(list(tmp_path.glob("chain.json.corrupt-*"))) == 1
+
+
+def test_failed_stage_zero_is_retried_after_midnight_for_its_own_day(tmp_path: Path) -> None:
+    """A prune that failed to start at 23:50 is retried at 00:05 under 11-30's key, not 12-01's."""
+    late = datetime(2026, 12, 1, 4, 50, tzinfo=UTC)  # Mon 23:50 EST
+    fleet = Fleet(tmp_path)
+    fleet.fail = {"p2"}
+    assert fleet.chain.on_job_complete("backup", now=late) == ["prune"]
+    fleet.fail.clear()
+    after = late + timedelta(minutes=15)  # Tue 00:05 EST: some job completes
+    assert fleet.chain.on_job_complete("prune", now=after) == ["prune"]
+    assert [f.key for f in fleet.fired] == ["p1@prune@2026-11-30", "p2@prune@2026-11-30"]
+    assert fleet.chain.marks(now=after)["prune"].day.isoformat() == "2026-11-30"
+    fleet.finish("prune")
+    fleet.finish("prune")
+    assert fleet.chain.on_job_complete("prune", now=after + timedelta(minutes=5)) == ["check"]
+    assert fleet.fired[-1].key == "c1@check@2026-11-30"
+    fleet.finish("check")
+    # Tuesday night's wave still gets its own chain.
+    tuesday = late + timedelta(hours=3, minutes=10)  # Tue 03:00 EST
+    assert fleet.chain.on_job_complete("backup", now=tuesday) == ["prune"]
+    assert fleet.fired[-1].key == "p2@prune@2026-12-01"
+
+
+def test_a_new_wave_supersedes_an_incomplete_stage_zero(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path)
+    fleet.fail = {"p1", "p2"}
+    assert fleet.chain.on_job_complete("backup", now=NIGHT) == ["prune"]
+    fleet.wave_done = False  # the next night's wave is running: no retry meanwhile
+    assert fleet.chain.on_job_complete("check", now=NIGHT + timedelta(hours=23)) == []
+    fleet.fail.clear()
+    fleet.wave_done = True
+    assert fleet.chain.on_job_complete("backup", now=NIGHT + timedelta(days=1)) == ["prune"]
+    assert [f.key for f in fleet.fired] == ["p1@prune@2026-12-01", "p2@prune@2026-12-01"]
+    assert fleet.chain.incomplete(now=NIGHT + timedelta(days=1)) == {}
