@@ -154,9 +154,14 @@ _NUL = "contains a NUL character, which PostgreSQL text cannot hold"
 _SURROGATE = "contains an unpaired UTF-16 surrogate, which is not UTF-8 text"
 
 
-def _name_problem(name: str) -> tuple[str, str] | None:
-    """Return (message, type) if name cannot be a node name, schedule id or task name."""
-    if len(name) > MAX_NAME_LENGTH:
+def _name_problem(name: str, *, storing: bool) -> tuple[str, str] | None:
+    """Return (message, type) if name cannot be a node name, schedule id or task name.
+
+    The length limit applies to names being stored (a PUT): reading or deleting
+    by a longer name is just not found, and a row stored on SQLite before the
+    limit existed stays readable and deletable.
+    """
+    if storing and len(name) > MAX_NAME_LENGTH:
         return f"is {len(name)} characters long; the most is {MAX_NAME_LENGTH}", "string_too_long"
     if "\x00" in name:
         return _NUL, "string_nul"
@@ -165,9 +170,9 @@ def _name_problem(name: str) -> tuple[str, str] | None:
     return None
 
 
-def check_name(loc: tuple[str, str], name: str) -> None:
-    """Raise a 422 naming loc's field when name cannot be stored (see :func:`_name_problem`)."""
-    problem = _name_problem(name)
+def check_name(loc: tuple[str, str], name: str, *, storing: bool = False) -> None:
+    """Raise a 422 naming loc's field when name cannot be used (see :func:`_name_problem`)."""
+    problem = _name_problem(name, storing=storing)
     if problem is not None:
         message, kind = problem
         raise HTTPException(422, [_error_entry(loc, f"{loc[-1]} {message}", kind)])
@@ -364,9 +369,9 @@ def create_app(
             raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
         return principal
 
-    def check_schedule_key(node: str, schedule_id: str) -> None:
-        check_name(("path", "node"), node)
-        check_name(("path", "id"), schedule_id)
+    def check_schedule_key(node: str, schedule_id: str, *, storing: bool = False) -> None:
+        check_name(("path", "node"), node, storing=storing)
+        check_name(("path", "id"), schedule_id, storing=storing)
 
     async def read_object(request: Request, key: str, value: str) -> dict[str, Any] | Response:
         """Return the JSON object body with key defaulted to value, or a 413/422 answer."""
@@ -469,7 +474,7 @@ def create_app(
     async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
         request.state.node = node
         require_admin(request)
-        check_schedule_key(node, schedule_id)
+        check_schedule_key(node, schedule_id, storing=True)
         data = await read_object(request, "id", schedule_id)
         if isinstance(data, Response):
             return data
@@ -530,7 +535,7 @@ def create_app(
     @app.put("/api/tasks/{name}")
     async def put_task(request: Request, name: str) -> Response:
         require_admin(request)
-        check_name(("path", "name"), name)
+        check_name(("path", "name"), name, storing=True)
         data = await read_object(request, "name", name)
         if isinstance(data, Response):
             return data
