@@ -19,6 +19,8 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlmodel import create_engine
@@ -175,9 +177,36 @@ def alembic_config(url: str | URL | None = None) -> Config:
     return config
 
 
+def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
+    """Return True when the database is exactly at revision (read without a write lock)."""
+    script = ScriptDirectory.from_config(config)
+    if revision == "head":
+        targets = set(script.get_heads())
+    else:
+        found = script.get_revision(revision)
+        if found is None:
+            return False
+        targets = {found.revision}
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    finally:
+        engine.dispose()
+    return current == targets
+
+
 def migrate(url: str | URL | None = None, revision: str = "head") -> None:
-    """Upgrade the database at url (default: see :func:`database_url`) to revision."""
-    command.upgrade(alembic_config(url), revision)
+    """Upgrade the database at url (default: see :func:`database_url`) to revision.
+
+    A database already there is only read: on SQLite the upgrade itself takes
+    the write lock first, which a routine ``migrate`` at deploy time must not
+    wait for behind a running controller's writes.
+    """
+    config = alembic_config(url)
+    if _already_at(config, url, revision):
+        return
+    command.upgrade(config, revision)
 
 
 def downgrade(url: str | URL | None = None, revision: str = "base") -> None:

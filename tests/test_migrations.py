@@ -222,6 +222,37 @@ def test_concurrent_migrators_on_one_sqlite_file_all_succeed(tmp_path: Path) -> 
     assert _tables(url) == TABLES
 
 
+def test_migrate_at_head_does_not_wait_for_a_running_writer(tmp_path: Path) -> None:
+    """A routine migrate at deploy time only reads: it never queues behind the write lock."""
+    import threading
+
+    url = f"sqlite:///{tmp_path / 'busy.db'}"
+    db.migrate(url)
+    engine = db.make_engine(url)
+    errors: list[BaseException] = []
+
+    def again() -> None:
+        try:
+            db.migrate(url)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        with engine.connect() as writer:  # a controller in the middle of a write
+            writer.execute(
+                text("INSERT INTO node_revision (node, epoch, revision) VALUES ('n', 'e', 1)")
+            )
+            migrator = threading.Thread(target=again)
+            migrator.start()
+            migrator.join(timeout=20)  # the lock's busy timeout is 30 s
+            assert not migrator.is_alive(), "migrate waited for the writer's lock"
+            writer.rollback()
+    finally:
+        engine.dispose()
+    assert errors == []
+    assert _schema(url)["alembic_version"] == ["0003"]
+
+
 def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
     """A pull lists a node's rows in the same (byte) order on SQLite and Postgres."""
     import json
