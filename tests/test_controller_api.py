@@ -392,6 +392,26 @@ def test_invalid_schedule_is_422_naming_the_field(
     assert client.get(f"/api/nodes/valid/schedules/{key}", headers=ADMIN).status_code == 404
 
 
+@pytest.mark.parametrize("expr", ["0 0 30 2 *", "0 0 31 4,6 *"])
+def test_a_cron_that_never_matches_is_422_and_keeps_the_last_good_task(
+    client: httpx.Client, expr: str
+) -> None:
+    name = f"t-never-{expr.replace(' ', '_').replace('*', 'x')}"
+    good = {"cron": "0 6 * * *", "event": "report"}
+    assert client.put(f"/api/tasks/{name}", json=good, headers=ADMIN).status_code == 200
+    bad = client.put(f"/api/tasks/{name}", json={**good, "cron": expr}, headers=ADMIN)
+    error = only_error(bad)
+    assert error["field"] == "cron"
+    assert f"cron expression '{expr}' never matches" in error["msg"]
+    assert client.get(f"/api/tasks/{name}", headers=ADMIN).json()["cron"] == "0 6 * * *"
+
+
+def test_a_new_task_with_a_never_matching_cron_is_not_created(client: httpx.Client) -> None:
+    body = {"cron": "0 0 30 2 *", "event": "report"}
+    only_error(client.put("/api/tasks/t-never-new", json=body, headers=ADMIN))
+    assert client.get("/api/tasks/t-never-new", headers=ADMIN).status_code == 404
+
+
 def test_missing_field_is_named(client: httpx.Client) -> None:
     data = row("no-action")
     del data["action"]
