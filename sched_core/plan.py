@@ -222,10 +222,16 @@ class StartDecision:
 
 
 def _minutes(delta: timedelta) -> str:
+    """Return a duration for people: ``5 min 1 s``, ``3 h``, ``1 h 30 min``, ``45 s``."""
     seconds = int(delta.total_seconds())
-    if seconds < 120:
-        return f"{seconds} s"
-    return f"{seconds // 60} min"
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    parts = [f"{hours} h"] if hours else []
+    if minutes:
+        parts.append(f"{minutes} min")
+    if seconds and not hours:
+        parts.append(f"{seconds} s")
+    return " ".join(parts) or "0 s"
 
 
 def _local(instant: datetime, tz: ZoneInfo) -> str:

@@ -237,14 +237,15 @@ def test_a_late_run_under_skip_never_runs() -> None:
     d = guard(row("s", at(["2"], "30"), miss_policy="skip"),
               first_try=W + GRACE + timedelta(seconds=1))
     assert d.verdict is Verdict.SKIP and not d.stamp
-    assert d.reason == "window 2026-11-30 02:30 EST missed: 5 min late (grace 5 min); miss policy skip"
+    assert d.reason == ("window 2026-11-30 02:30 EST missed: 5 min 1 s late (grace 5 min); "
+                        "miss policy skip")
 
 
 @pytest.mark.parametrize("policy", ["run-once-within-24h", "run-all"])
 def test_a_late_run_of_the_latest_window_runs_under_the_miss_policy(policy: str) -> None:
     d = guard(row("s", at(["2"], "30"), miss_policy=policy), first_try=W + timedelta(hours=3))
     assert d.runs and d.stamp and d.late
-    assert d.reason == (f"window 2026-11-30 02:30 EST: 180 min late (grace 5 min); "
+    assert d.reason == (f"window 2026-11-30 02:30 EST: 3 h late (grace 5 min); "
                         f"run as the latest missed window (miss policy {policy})")
 
 
@@ -264,7 +265,7 @@ def test_a_late_window_beyond_the_catch_up_window_does_not_run() -> None:
     weekly = row("s", at(["2"], "30", ["mon"]))
     d = guard(weekly, first_try=W + timedelta(hours=25), now=W + timedelta(hours=25))
     assert d.verdict is Verdict.SKIP
-    assert d.reason.endswith("older than the 1440 min catch-up window")
+    assert d.reason.endswith("older than the 24 h catch-up window")
 
 
 def test_a_window_runs_once_whatever_the_order_of_its_runs() -> None:
@@ -296,7 +297,7 @@ def test_the_retry_of_an_interrupted_job_runs_its_stamped_window_once_more() -> 
     skip = row("s", at(["2"], "30"), miss_policy="skip")
     d = guard(skip, first_try=W, now=W + timedelta(hours=2), last_fired=W, retry=True)
     assert d.verdict is Verdict.SKIP and d.reason.startswith(
-        "window 2026-11-30 02:30 EST missed: interrupted and 120 min after its window")
+        "window 2026-11-30 02:30 EST missed: interrupted and 2 h after its window")
     assert not guard(NIGHTLY, first_try=W, now=W + timedelta(hours=2),
                      last_fired=W + timedelta(days=1), retry=True).runs
     assert retry_allowed(NIGHTLY, schedule_id="s", window=W, last_fired=W,
