@@ -31,7 +31,7 @@ The design, in four rules:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -344,16 +344,18 @@ def missed(
     now: datetime,
     grace: timedelta,
     tz: ZoneInfo,
+    have: Collection[tuple[str, datetime]] = (),
     lookback: timedelta = LOOKBACK,
 ) -> list[Missed]:
     """Return, per schedule, the windows older than the grace that never had a run (rule 4).
 
     ``planned_through`` is, per schedule, the latest window the planner has
     handled (given a run, or reported missed); windows up to it are not
-    looked at again. Without an entry every eligible window of the last
-    ``lookback`` counts, so the check is safe after the record is lost: a
-    recovery run reuses the window's idempotency key, and a planned run of
-    that window, if any, is what it gets.
+    looked at again. ``have`` holds the (schedule id, window) pairs known to
+    have a run: those are the start guard's, not missed. Without a record
+    every eligible window of the last ``lookback`` counts, so the check is
+    safe after the record is lost: a recovery run reuses the window's
+    idempotency key, and a run of that window, if any, is what it gets.
     """
     found: list[Missed] = []
     lookback_start = now - lookback + _TICK
@@ -370,7 +372,7 @@ def missed(
         start, end = max(bounds), now - grace
         if start >= end:
             continue
-        windows = list(fire_times(row.schedule, start, end, tz))
+        windows = [w for w in fire_times(row.schedule, start, end, tz) if (row.id, w) not in have]
         if not windows:
             continue
         recover: Window | None = None
@@ -378,10 +380,10 @@ def missed(
         if row.miss_policy is not MissPolicy.SKIP:
             latest = windows[-1]
             newest = last_fire(row.schedule, now, tz)
-            # A later window inside the grace has its planned run and runs on
-            # time: recovering an older one just before it would run the
-            # schedule twice in a row.
-            if newest is None or newest < end:
+            # The latest window's own run (if it had one) or a later window's
+            # inside the grace runs under the guard: recovering an older one
+            # as well would run the schedule twice in a row.
+            if newest is None or newest == latest:
                 recover = Window(
                     start=latest, schedule_id=row.id, window=latest,
                     key=window_key(row.id, latest, tz), action=row.action,

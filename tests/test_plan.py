@@ -361,3 +361,16 @@ def test_without_a_record_the_whole_catch_up_window_counts() -> None:
     [m] = lost([row("s", at(["*"], "0"))], utc(2026, 11, 30, 15, 10),
                lookback=timedelta(hours=2))
     assert m.windows == [utc(2026, 11, 30, 14, 0), utc(2026, 11, 30, 15, 0)]
+
+
+def test_windows_that_had_a_run_are_the_guards_not_missed() -> None:
+    hourly = row("s", at(["*"], "0"))
+    now = utc(2026, 11, 30, 15, 10)
+    ran = {("s", utc(2026, 11, 30, 13, 0)), ("s", utc(2026, 11, 30, 15, 0))}
+    [m] = lost([hourly], now, planned_through={"s": utc(2026, 11, 30, 11, 0)}, have=ran)
+    # 12:00 and 14:00 never had a run; 15:00 has its own (late) run: no recovery.
+    assert m.windows == [utc(2026, 11, 30, 12, 0), utc(2026, 11, 30, 14, 0)]
+    assert m.recover is None
+    [m] = lost([hourly], now, planned_through={"s": utc(2026, 11, 30, 11, 0)},
+               have={("s", utc(2026, 11, 30, 13, 0))})
+    assert m.recover is not None and m.recover.window == utc(2026, 11, 30, 15, 0)
