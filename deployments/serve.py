@@ -1,4 +1,4 @@
-"""Serve the agent's four deployments from one process: the embedded default.
+"""Serve the agent's three deployments from one process: the embedded default.
 
 The same deployments as ``prefect.yaml`` (names, schedules, trigger,
 concurrency limits), registered and run by ``prefect.serve`` against the
@@ -19,20 +19,16 @@ from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
-from prefect.schedules import Cron, Interval
+from prefect.schedules import Interval
 
-from flows.agent import EVENT_JOB_COMPLETED, EVENT_JOB_FAILED
 from flows.chain import advance_chain
 from flows.job import run_job
 from flows.reconcile import reconcile
+from flows.runtime import EVENT_JOB_COMPLETED, EVENT_JOB_FAILED, EVENT_SCHEDULES_UPDATED
 from flows.settings import AgentSettings, load_settings
-from flows.tick import fire_tick
 from sched_core import SchedError
 
 ONE_AT_A_TIME = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
-DROP_OVERLAP = ConcurrencyLimitConfig(
-    limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
-)
 
 
 def chain_trigger(node: str) -> DeploymentEventTrigger:
@@ -49,34 +45,39 @@ def chain_trigger(node: str) -> DeploymentEventTrigger:
     )
 
 
+def pull_trigger(node: str) -> DeploymentEventTrigger:
+    """Return the trigger that runs reconcile when the controller changed node's schedules."""
+    return DeploymentEventTrigger(
+        enabled=True,
+        match={"prefect.resource.id": f"sched.agent.{node}"},
+        expect={EVENT_SCHEDULES_UPDATED},
+    )
+
+
 def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
-    """Return fire-tick, reconcile, run-job and advance-chain, named after the node."""
+    """Return reconcile, run-job and advance-chain, named after the node."""
     node = settings.node_name
     tags = ["sched-agent"]
     built: list[object] = [
-        fire_tick.to_deployment(
-            name=node,
-            schedules=[Cron("* * * * *", timezone="UTC")],
-            concurrency_limit=ONE_AT_A_TIME,
-            tags=tags,
-            description="Fire every schedule due this minute: one run-job run per window.",
-        ),
         reconcile.to_deployment(
             name=node,
-            schedules=[Interval(300)],
-            concurrency_limit=DROP_OVERLAP,
+            schedules=[Interval(settings.reconcile_interval)],
+            triggers=[pull_trigger(node)],
+            # One at a time, queued: a change the controller announces while a
+            # reconcile runs must still be pulled after it.
+            concurrency_limit=ONE_AT_A_TIME,
             tags=tags,
-            description="Pull the schedule list, apply the miss policy, report what changed.",
+            description="Pull the schedule list and plan the coming windows' run-job runs.",
         ),
         run_job.to_deployment(
             name=node,
             # The node's job slots: a limit on run-job only, so eight long
-            # backups never keep a tick, a reconcile or the chain from starting.
+            # backups never keep a reconcile or the chain from starting.
             concurrency_limit=ConcurrencyLimitConfig(
                 limit=settings.job_limit, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE
             ),
             tags=tags,
-            description="Run one action of one schedule and window.",
+            description="Run one action of one schedule and window (planned ahead by reconcile).",
         ),
         advance_chain.to_deployment(
             name=node,
@@ -99,8 +100,8 @@ def main() -> int:
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
-    # No runner-wide limit: it would be one pool of slots for all four
-    # deployments, and long jobs holding them would keep the tick from firing.
+    # No runner-wide limit: it would be one pool of slots for all three
+    # deployments, and long jobs holding them would keep reconcile from planning.
     # Jobs are limited by run-job's own concurrency limit (job_limit).
     serve(*build_deployments(settings), limit=None)
     return 0

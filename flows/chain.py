@@ -12,7 +12,7 @@ The run that triggered this one is left out of the active counts (its event is
 emitted once its terminal state is recorded, so this only guards replays). An
 event without an action (an ad hoc run started by schedule id) takes it from
 that run's ``action:`` tag.
-Stage fires go through the same dispatcher as the tick, keyed per schedule,
+Stage fires become run-job runs started now, keyed per schedule,
 stage and chain day, so a replayed event cannot start a stage twice.
 """
 
@@ -26,18 +26,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 
-from flows.agent import (
-    ACTIVE_STATES,
-    ADVANCE_CHAIN,
-    FINISHED_STATES,
-    Dispatcher,
-    agent_settings,
-    build_scheduler,
-    count_jobs,
-    deployment_name,
-    logical_now,
-    slug,
-)
+from flows.dispatch import ChainDispatcher, build_scheduler
+from flows.registry import ACTIVE_STATES, FINISHED_STATES, count_jobs
+from flows.runtime import ADVANCE_CHAIN, agent_settings, deployment_name, logical_now, slug
 from flows.settings import AgentSettings, StageSpec
 from sched_core import Chain, LocalSchedule, Spec, Stage
 
@@ -68,15 +59,15 @@ def build_spec(settings: AgentSettings, *, now: datetime, exclude: tuple[str, ..
             return row.schedule.on == spec.on and row.action == spec.action
 
         def active() -> bool:
-            return count_jobs(node, [spec.action], ACTIVE_STATES, exclude=exclude) > 0
+            return count_jobs(node, [spec.action], ACTIVE_STATES, now=now, exclude=exclude) > 0
 
         return Stage(name=spec.name, trigger_key=spec.key(), match=match, active=active)
 
     def wave_complete() -> bool:
-        if count_jobs(node, settings.wave, ACTIVE_STATES, exclude=exclude):
+        if count_jobs(node, settings.wave, ACTIVE_STATES, now=now, exclude=exclude):
             return False
         since = now - settings.wave_lookback
-        return count_jobs(node, settings.wave, FINISHED_STATES, ended_after=since) > 0
+        return count_jobs(node, settings.wave, FINISHED_STATES, now=now, ended_after=since) > 0
 
     return Spec(
         stages=[stage(item) for item in settings.stages],
@@ -115,8 +106,10 @@ def advance_chain(
         logger.info("the event named no action; run %s was a %s job", completed_run,
                     action or "(untagged)")
     at = logical_now(now)
-    dispatcher = Dispatcher(node=settings.node_name, deployment=deployment_name(settings))
-    scheduler = build_scheduler(settings, dispatcher, now=at)
+    dispatcher = ChainDispatcher(
+        node=settings.node_name, deployment=deployment_name(settings), now=at
+    )
+    scheduler = build_scheduler(settings, now=at, dispatcher=dispatcher)
     exclude = (completed_run,) if completed_run else ()
     chain = Chain(scheduler, build_spec(settings, now=at, exclude=exclude))
     fired = chain.on_job_complete(action, now=at)
@@ -128,9 +121,8 @@ def advance_chain(
     if fired:
         lines = [f"### Chain on {settings.node_name}: fired {', '.join(fired)}", ""]
         lines += [
-            f"- `{item.fire.schedule.id}` ({item.fire.schedule.action}, "
-            f"{item.fire.trigger_key}): run `{item.flow_run_name}`"
-            for item in dispatcher.dispatched
+            f"- `{fire.schedule.id}` ({fire.schedule.action}, {fire.trigger_key}): run `{name}`"
+            for fire, _run_id, name in dispatcher.dispatched
         ]
         create_markdown_artifact(
             key=f"advance-chain-{slug(settings.node_name)}",

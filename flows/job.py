@@ -1,19 +1,25 @@
 """The ``run-job`` flow: run one action for one schedule and window.
 
-1. Resolve the schedule (passed in by the dispatcher, or looked up in the
-   node's cache by id for an ad hoc run) and fill the action's argv template;
-   a missing value fails the run here, before anything is started.
-2. Run the command without a shell in a task with the action's retries; every
+1. Read the row from the node's cache (a run carries the schedule id, never
+   the row). A window run (trigger ``schedule`` or ``schedule-recovery``)
+   first passes the start guard (:mod:`flows.guard`): removed, disabled,
+   changed, already run, or late beyond what the miss policy allows, it ends
+   ``Skipped`` with the reason, runs nothing and emits no job event.
+2. Fill the action's argv template; a missing or refused value fails the run
+   here, before anything is started.
+3. Run the command without a shell in a task with the action's retries; every
    output line goes to the run's logs; a timeout kills the command's group.
-3. Publish the exit code and duration as an artifact, and on the terminal
-   state emit ``sched.job.completed`` or ``sched.job.failed`` (failed, crashed
-   or cancelled; from state hooks, so the run is already terminal in the API
-   when the chain looks).
+4. Publish the exit code and duration as an artifact, and on the terminal
+   state emit exactly one ``sched.job.completed`` or ``sched.job.failed``
+   (failed, crashed or cancelled; from state hooks, so the run is already
+   terminal in the API when the chain looks).
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import logging
+import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +29,31 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run as current_run
+from prefect.states import Completed
 
 from flows.actions import CommandResult, render_argv, run_command, window_stamp
-from flows.agent import (
+from flows.dispatch import JobRef, job_run_name
+from flows.guard import cached_row, first_try_of, start_window
+from flows.registry import SKIPPED, tag_values
+from flows.runtime import (
     EVENT_JOB_COMPLETED,
     EVENT_JOB_FAILED,
     RUN_JOB,
     agent_settings,
     emit,
-    job_run_name,
-    job_tags,
+    logical_now,
     slug,
 )
-from flows.settings import AgentSettings
-from sched_core import ConfigError, LocalSchedule
-from sched_core.cache import load_cache
+from sched_core import ConfigError, LocalSchedule, SchedError
+from sched_core.plan import WINDOW_TRIGGERS
+
+log = logging.getLogger(__name__)
+
+TERMINAL_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
+"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
 
 
-class JobFailed(RuntimeError):
+class JobFailed(SchedError, RuntimeError):
     """The job's command exited non-zero or timed out."""
 
 
@@ -67,48 +80,31 @@ def run_attempt(
     return result
 
 
-def resolve_schedule(
-    settings: AgentSettings, schedule: LocalSchedule | None, schedule_id: str | None
-) -> LocalSchedule:
-    """Return the schedule passed in, or the cached one with schedule_id."""
-    if schedule is not None:
-        return schedule
-    if not schedule_id:
-        raise ConfigError("run-job needs a schedule or a schedule_id")
-    cache = load_cache(settings.cache_path, now=datetime.now(UTC))
-    for row in cache.schedules:
-        if row.id == schedule_id:
-            return row
-    known = ", ".join(sorted(row.id for row in cache.schedules)) or "none"
-    raise ConfigError(
-        f"no schedule {schedule_id!r} in the cache {settings.cache_path} (known: {known})"
-    )
+def _parse_window(value: object) -> datetime | None:
+    if isinstance(value, str) and value:
+        value = datetime.fromisoformat(value)
+    return value if isinstance(value, datetime) else None
 
 
 def _run_name() -> str:
+    """Name an ad hoc run like a planned one: ``backup-s-1-20261202T0730Z``."""
     params: dict[str, Any] = current_run.parameters or {}
-    row = params.get("schedule")
-    if isinstance(row, LocalSchedule):
-        row = row.model_dump(mode="json")
-    if not isinstance(row, dict):
-        row = {"action": _cached_action(params.get("schedule_id")) or "job",
-               "id": params.get("schedule_id") or "unknown"}
-    window = params.get("window")
-    if isinstance(window, str):
-        window = datetime.fromisoformat(window)
-    action, schedule_id = str(row.get("action", "job")), str(row.get("id", "unknown"))
+    schedule_id = params.get("schedule_id")
+    action = _cached_action(schedule_id) or "job"
     try:
-        return job_run_name(action, schedule_id, window if isinstance(window, datetime) else None)
-    except ConfigError:  # a window without an offset: the run fails, saying so
-        return f"{action}-{schedule_id}-bad-window"
+        window = _parse_window(params.get("window"))
+        return job_run_name(action, str(schedule_id or "unknown"), window)
+    except (ConfigError, ValueError):  # a bad window: the run fails, saying so
+        return f"{action}-{schedule_id or 'unknown'}-bad-window"
 
 
 def _cached_action(schedule_id: object) -> str | None:
-    """Return the action of the cached schedule an ad hoc run names by id; None if unknown."""
+    """Return the action of the cached schedule a run names by id; None if unknown."""
     if not isinstance(schedule_id, str) or not schedule_id:
         return None
     try:
-        return resolve_schedule(agent_settings(), None, schedule_id).action
+        settings = agent_settings()
+        return cached_row(settings, schedule_id, now=logical_now(None)).action
     except Exception:  # the run itself reports a bad id or configuration, with details
         return None
 
@@ -123,23 +119,27 @@ def _ensure_tags(tags: list[str]) -> None:
         client.update_flow_run(run_id, tags=sorted(have | set(tags)))
 
 
+_emitted: set[str] = set()
+"""Runs this process already emitted a terminal job event for (Cancelling, then Crashed)."""
+
+
 def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
-    """State hook: emit the job event once the run's terminal state is recorded."""
+    """State hook: emit the run's one job event once its terminal state is recorded.
+
+    A skipped run emits nothing (the chain must not see it). Prefect may call
+    several terminal hooks for one run (a stop seen as Cancelling, then
+    Crashed); the event's id is derived from the run's id, and this process
+    emits it once, so the chain sees one event per run.
+    """
     run = flow_run
+    if state.name == SKIPPED or str(run.id) in _emitted:
+        return
+    _emitted.add(str(run.id))
     params: dict[str, Any] = dict(run.parameters or {})
-    row = params.get("schedule") or {}
-    if isinstance(row, LocalSchedule):
-        row = row.model_dump(mode="json")
-    action = str(row.get("action", "")) if isinstance(row, dict) else ""
-    tags = {tag.split(":", 1)[0]: tag.split(":", 1)[1] for tag in run.tags if ":" in tag}
+    tags = tag_values(run)
     node = tags.get("node", "")
-    action = action or tags.get("action", "")
-    schedule_id = str(row.get("id", "")) if isinstance(row, dict) else ""
-    schedule_id = schedule_id or str(params.get("schedule_id") or "")
-    if not action and schedule_id:
-        # An ad hoc run by id: its action tag was added while it ran, after this
-        # copy of the run was read, so look the action up like the run did.
-        action = _cached_action(schedule_id) or ""
+    schedule_id = str(params.get("schedule_id") or tags.get("schedule", ""))
+    action = tags.get("action", "") or _cached_action(schedule_id) or ""
     if not node:
         try:
             node = agent_settings().node_name
@@ -158,7 +158,19 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
             "flow_run_name": run.name,
             "state": state.name or "",
         },
+        event_id=uuid.uuid5(TERMINAL_EVENT_NAMESPACE, str(run.id)),
     )
+
+
+def _skip(node: str, schedule_id: str, window: datetime | None, reason: str) -> State:
+    """End the run without running: a Completed state named Skipped, with the reason."""
+    create_markdown_artifact(
+        key=f"job-{slug(node)}-{slug(schedule_id)}",
+        markdown=f"### `{schedule_id}`: skipped, nothing ran\n\n{reason}\n\n"
+                 f"window: {window.isoformat() if window else 'none'}",
+        description=f"{schedule_id}: skipped",
+    )
+    return Completed(name=SKIPPED, message=reason)
 
 
 @flow(
@@ -170,18 +182,50 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
     on_cancellation=[_emit_terminal],
 )
 def run_job(
-    schedule: LocalSchedule | None = None,
     schedule_id: str | None = None,
     trigger_key: str = "manual",
     window: datetime | None = None,
     key: str = "",
-) -> dict[str, Any]:
-    """Run the schedule's action (the whole row, or a cached schedule_id for ad hoc runs)."""
+    retry_of: str | None = None,
+    schedule: dict[str, Any] | None = None,
+    now: datetime | None = None,
+) -> Any:
+    """Run the cached schedule's action for its window (or ad hoc, ``trigger_key`` manual).
+
+    ``now`` replaces the clock, and the time Prefect first tried the run, for
+    the start guard (tests and replays); planned runs never pass it.
+    """
     logger = get_run_logger()
     window_stamp(window)  # a window without a UTC offset fails here, before anything runs
     settings = agent_settings()
-    row = resolve_schedule(settings, schedule, schedule_id)
-    _ensure_tags(job_tags(settings.node_name, row.action, row.id, trigger_key))
+    at = logical_now(now)
+    if schedule is not None:
+        if not settings.allow_row_parameter:
+            raise ConfigError(
+                "run-job takes a schedule_id, not a whole schedule row: only the node's "
+                "cache decides what runs (set allow_row_parameter = true on this node to "
+                "accept rows from whoever can create runs)"
+            )
+        row = LocalSchedule.model_validate(schedule)
+    elif not schedule_id:
+        raise ConfigError("run-job needs a schedule_id (the cached schedule to run)")
+    elif trigger_key in WINDOW_TRIGGERS:
+        if window is None:
+            raise ConfigError(f"a {trigger_key} run needs the window it runs")
+        tried = at if now is not None else first_try_of(current_run.id, fallback=at)
+        start = start_window(settings, schedule_id=schedule_id, window=window, tried=tried,
+                             now=at, retry=bool(retry_of))
+        if not start.decision.runs:
+            logger.info("skipped: %s", start.decision.reason)
+            return _skip(settings.node_name, schedule_id, window, start.decision.reason)
+        logger.info("start guard: %s", start.decision.reason)
+        assert start.row is not None
+        row = start.row
+    else:
+        row = cached_row(settings, schedule_id, now=at)
+    ref = JobRef(node=settings.node_name, action=row.action, schedule_id=row.id,
+                 trigger_key=trigger_key, window=window, key=key, retry_of=retry_of)
+    _ensure_tags(ref.tags())
     spec = settings.action(row.action)
     argv = render_argv(
         spec,
@@ -192,9 +236,9 @@ def run_job(
         trigger_key=trigger_key,
     )
     logger.info(
-        "job %s of schedule %s (%s), window %s, trigger %s, key %s",
+        "job %s of schedule %s (%s), window %s, trigger %s, key %s%s",
         row.action, row.id, row.name, window.isoformat() if window else "none",
-        trigger_key, key or "none",
+        trigger_key, key or "none", f", re-run of {retry_of}" if retry_of else "",
     )
     attempts: list[CommandResult] = []
     attempt = run_attempt.with_options(
@@ -237,7 +281,7 @@ def run_job(
             "",
             f"argv: `{' '.join(argv)}`  ",
             f"window: {window.isoformat() if window else 'none'}; trigger: {trigger_key}; "
-            f"key: `{key or 'none'}`",
+            f"key: `{key or 'none'}`" + (f"; re-run of `{retry_of}`" if retry_of else ""),
         ]),
         description=f"{row.action} {row.id}: exit code and duration",
     )

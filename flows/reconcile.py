@@ -1,18 +1,25 @@
-"""The ``reconcile`` flow: pull the schedule list, then run the missed-run check.
+"""The ``reconcile`` flow: pull the schedule list, then plan the node's runs.
 
 1. Pull in a task with retries and exponential backoff (``pull_retries``,
    ``pull_retry_delay``). A pull that still fails changes nothing: the cache
-   and its schedules keep firing, and the run ends Failed so it shows. The
-   pull does not hold the node lock, so its retries never hold up a tick.
-2. Run the missed-run check whether or not the pull succeeded: the miss
-   policy works from the cache, not from the controller.
-3. Publish a markdown artifact of what changed (added, removed, changed,
-   rejected rows with reasons) and emit ``sched.schedules.changed`` when the
-   list changed.
+   and its planned runs stay, and the run ends Failed so it shows. The pull
+   does not hold the node lock, so a slow controller holds up nothing.
+2. Plan from the cache whether or not the pull succeeded (:mod:`flows.planner`):
+   create the runs of the coming windows, delete those no longer windows of
+   their rows, recover and report windows that never had a run, and run again
+   jobs interrupted by the node's own stop.
+3. Publish a markdown artifact (what the pull changed; per schedule its next
+   windows in local time with DST notes; what the planner created and
+   deleted), emit ``sched.schedules.changed`` when the list changed, and one
+   ``sched.window.missed`` per schedule with windows that never had a run.
+
+Runs every ``reconcile_interval`` (15 minutes by default), on demand, and at
+once on the controller's ``sched.schedules.updated`` event.
 """
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from prefect import flow, get_run_logger, task
@@ -20,12 +27,14 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from flows.agent import (
+from flows.dispatch import build_scheduler, runs_of
+from flows.planner import PlanReport, plan_node
+from flows.reports import plan_lines, pull_lines
+from flows.runtime import (
     EVENT_SCHEDULES_CHANGED,
+    EVENT_WINDOW_MISSED,
     RECONCILE,
-    Dispatcher,
     agent_settings,
-    build_scheduler,
     deployment_name,
     emit,
     logical_now,
@@ -33,7 +42,9 @@ from flows.agent import (
     run_name,
     slug,
 )
-from sched_core import PullError, PullResult, Scheduler, TickReport
+from sched_core import PullError, PullResult, Scheduler
+
+MISSED_EVENT_NAMESPACE = uuid.UUID("0b6f5f52-8a46-4d57-bd1e-6a3e0a3f7c11")
 
 
 @task(name="pull-schedules", cache_policy=NO_CACHE)
@@ -42,52 +53,12 @@ def pull_schedules(scheduler: Scheduler, now: datetime) -> PullResult:
     return scheduler.pull(now)
 
 
-def change_markdown(
-    node: str,
-    result: PullResult | None,
-    error: str | None,
-    recovered: TickReport,
-    scheduler: Scheduler,
-) -> str:
-    """Return the reconcile artifact: the pull's changes and the missed-run check's fires."""
-    names = {row.id: row.name for row in scheduler.schedules()}
-    lines = [f"### Reconcile on {node}", ""]
-    if result is None:
-        lines += [f"**Pull failed; the last good list is kept and keeps firing.** {error}", ""]
-    else:
-        lines += [
-            f"{len(names)} schedules; {len(result.added)} added, {len(result.removed)} removed, "
-            f"{len(result.changed)} changed, {len(result.rejected)} rejected.",
-            "",
-            "| change | schedule | name / reason |",
-            "|---|---|---|",
-        ]
-        lines += [f"| added | `{rid}` | {names.get(rid, '')} |" for rid in result.added]
-        lines += [f"| removed | `{rid}` | |" for rid in result.removed]
-        lines += [f"| changed | `{rid}` | {names.get(rid, '')} |" for rid in result.changed]
-        lines += [
-            f"| rejected{' (last good kept)' if rid in result.kept_last_good else ''} "
-            f"| `{rid}` | {reason} |"
-            for rid, reason in result.rejected
-        ]
-        lines.append("")
-    lines.append(f"Missed-run check: {len(recovered.fired)} recovered, "
-                 f"{len(recovered.failed)} failed.")
-    for fire in recovered.fired:
-        window = fire.window.isoformat() if fire.window else "none"
-        lines.append(f"- recovered `{fire.schedule.id}` window {window}")
-    for fire, reason in recovered.failed:
-        lines.append(f"- could not recover `{fire.schedule.id}`: {reason}")
-    return "\n".join(lines)
-
-
 @flow(name=RECONCILE, flow_run_name=run_name("reconcile"))
 def reconcile(now: datetime | None = None) -> dict[str, int]:
-    """Pull the schedule list and apply the miss policy; return the counts of what changed."""
+    """Pull the schedule list and plan the node's runs; return the counts of what changed."""
     logger = get_run_logger()
     settings = agent_settings()
     at = logical_now(now)
-    dispatcher = Dispatcher(node=settings.node_name, deployment=deployment_name(settings))
     pull = pull_schedules.with_options(
         retries=settings.pull_retries,
         retry_delay_seconds=exponential_backoff(
@@ -96,30 +67,38 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     )
     result: PullResult | None = None
     error: str | None = None
-    scheduler = build_scheduler(settings, dispatcher, now=at)
-    # The pull runs outside the node lock: its retries and timeouts (a minute
-    # and more against an unreachable controller) must never hold up a tick.
-    # Its merge holds the cache file's lock, which ticks take too.
+    scheduler = build_scheduler(settings, now=at)
     try:
         result = pull(scheduler, at)
     except PullError as exc:
         error = str(exc)
         logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
-    with node_lock(settings):
-        recovered = scheduler.missed_run_report(at)
-    markdown = change_markdown(settings.node_name, result, error, recovered, scheduler)
+    with node_lock(settings), runs_of(deployment_name(settings)) as runs:
+        cache = scheduler.cache()
+        report = plan_node(settings, cache, runs, now=at)
+    names = {row.id: row.name for row in cache.schedules}
+    markdown = "\n".join([
+        f"### Reconcile on {settings.node_name} at {at.isoformat()}", "",
+        *pull_lines(result, error, names),
+        *plan_lines(report, cache.schedules, now=at, tz=settings.tz),
+    ])
     create_markdown_artifact(
         key=f"reconcile-{slug(settings.node_name)}",
         markdown=markdown,
         description=f"Reconcile at {at.isoformat()} on {settings.node_name}",
     )
     counts = {
-        "schedules": len(scheduler.schedules()),
+        "schedules": len(cache.schedules),
         "added": len(result.added) if result else 0,
         "removed": len(result.removed) if result else 0,
         "changed": len(result.changed) if result else 0,
         "rejected": len(result.rejected) if result else 0,
-        "recovered": len(recovered.fired),
+        "planned": report.planned,
+        "created": len(report.created),
+        "deleted": len(report.deleted),
+        "missed": sum(item.count for item in report.missed),
+        "recovered": len(report.recovered),
+        "retried": len(report.retried),
     }
     if result is not None and (result.changed_anything or result.rejected):
         emit(
@@ -134,10 +113,34 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
                 "rejected": [{"id": rid, "reason": reason} for rid, reason in result.rejected],
             },
         )
+    emit_missed(settings.node_name, report)
     logger.info("reconcile: %s", counts)
     if error is not None:
         raise PullError(error)
-    if recovered.failed:
-        raise RuntimeError(f"{len(recovered.failed)} recovery fire(s) failed; retried next time")
+    if report.failed:
+        raise RuntimeError(
+            f"{len(report.failed)} run(s) could not be created or deleted; the next reconcile "
+            f"tries again (first: {report.failed[0][0]}: {report.failed[0][1]})"
+        )
     return counts
 
+
+def emit_missed(node: str, report: PlanReport) -> None:
+    """Emit one ``sched.window.missed`` per schedule with windows that never had a run."""
+    for item in report.missed:
+        emit(
+            EVENT_WINDOW_MISSED,
+            node,
+            {
+                "node": node,
+                "schedule_id": item.schedule_id,
+                "count": item.count,
+                "windows": [w.isoformat() for w in item.windows],
+                "recovered": item.recover.window.isoformat() if item.recover else None,
+                "truncated": item.truncated,
+            },
+            event_id=uuid.uuid5(
+                MISSED_EVENT_NAMESPACE,
+                f"{node}:{item.schedule_id}:{item.windows[0].isoformat()}:{item.count}",
+            ),
+        )

@@ -15,7 +15,7 @@ import socket
 import string
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Self
 from zoneinfo import ZoneInfo
 
 from pydantic import (
@@ -26,6 +26,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
@@ -150,6 +151,12 @@ class AgentSettings(BaseSettings):
     stages: list[StageSpec] = Field(default_factory=_default_stages)
     wave_lookback: Seconds = timedelta(hours=12)
     job_limit: int = Field(default=8, ge=1)
+    # The planner: runs created ahead of their windows (docs/agent.md, "The planner").
+    reconcile_interval: Seconds = timedelta(minutes=15)
+    plan_horizon: Seconds = timedelta(hours=1)
+    plan_min_windows: int = Field(default=3, ge=0, le=100)
+    plan_max_runs: int = Field(default=2000, ge=1)
+    allow_row_parameter: bool = False
 
     @classmethod
     def settings_customise_sources(
@@ -164,6 +171,17 @@ class AgentSettings(BaseSettings):
         if cls._toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
         return tuple(sources)
+
+    @model_validator(mode="after")
+    def _check_plan(self) -> Self:
+        # Each reconcile must plan past the next one, or windows in between
+        # would never get a run before they are due.
+        if self.plan_horizon <= self.reconcile_interval:
+            raise ValueError(
+                f"plan_horizon ({self.plan_horizon.total_seconds():g} s) must be longer than "
+                f"reconcile_interval ({self.reconcile_interval.total_seconds():g} s)"
+            )
+        return self
 
     @field_validator("timezone")
     @classmethod

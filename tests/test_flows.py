@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -108,6 +109,16 @@ def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Agent:
     return Agent(tmp_path, monkeypatch)
 
 
+def cache_rows(agent: Agent, rows: list[dict[str, Any]] | None, now: datetime = T0) -> None:
+    """Put rows (or the schedule file as it is) into the node's cache: a pull, no planning."""
+    from flows.dispatch import build_scheduler
+    from flows.settings import load_settings
+
+    if rows is not None:
+        agent.write_schedules(rows)
+    build_scheduler(load_settings(agent.config), now=now).pull(now)
+
+
 def set_state(run_id: Any, state: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Completed, Failed, Running
@@ -117,138 +128,224 @@ def set_state(run_id: Any, state: str) -> None:
         client.set_flow_run_state(run_id, new, force=True)
 
 
-# -- fire-tick ------------------------------------------------------------------------
+# -- the planner (reconcile) -----------------------------------------------------------
+
+NIGHTLY_0230 = {"days": ["*"], "hours": ["2"], "minute": "30"}
 
 
-def test_due_schedule_gives_one_run_even_when_ticked_twice_or_retried(agent: Agent) -> None:
-    from flows.reconcile import reconcile
-    from flows.tick import fire_tick
-
-    agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
-    agent.register()
-    assert reconcile(now=T0)["added"] == 1
-    assert fire_tick(now=WINDOW + timedelta(seconds=2)) == 1
-    # The same minute again (a second tick, a worker starting the run early/late).
-    assert fire_tick(now=WINDOW + timedelta(seconds=40)) == 0
-    # A retried or restarted tick that crashed after the fire but before the stamp:
-    # the cache says unfired, the scheduler fires again, the idempotency key dedupes.
-    cache = agent.cache()
-    cache["last_fired_at"] = {}
-    (agent.tmp / "state" / "cache.json").write_text(json.dumps(cache))
-    assert fire_tick(now=WINDOW + timedelta(seconds=50)) == 1
-    runs = agent.runs("backup")
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.name == "backup-s-1-20261202T1530Z"
-    assert {f"node:{agent.node}", "action:backup", "schedule:s-1", "trigger:schedule"} <= set(
-        run.tags
-    )
-    assert run.parameters["window"] == WINDOW.isoformat()
-    assert run.state.is_scheduled()
+def scheduled(agent: Agent) -> list[Any]:
+    """Return the node's Scheduled runs, by start time."""
+    runs = [run for run in agent.runs() if run.state.type.value == "SCHEDULED"]
+    return sorted(runs, key=lambda run: (run.expected_start_time, run.name))
 
 
-def test_many_due_windows_are_created_in_bulk_once(agent: Agent) -> None:
-    from flows.reconcile import reconcile
-    from flows.tick import fire_tick
-
-    agent.write_schedules([row(f"s-{i:02d}", "backup", EVERY_HOUR_AT_30) for i in range(25)])
-    agent.register()
-    reconcile(now=T0)
-    assert fire_tick(now=WINDOW + timedelta(seconds=2)) == 25
-    cache = agent.cache()
-    cache["last_fired_at"] = {}
-    (agent.tmp / "state" / "cache.json").write_text(json.dumps(cache))
-    assert fire_tick(now=WINDOW + timedelta(seconds=30)) == 25  # bulk again, same keys
-    runs = agent.runs("backup")
-    assert len(runs) == 25
-    assert sorted(run.name for run in runs)[0] == "backup-s-00-20261202T1530Z"
-    assert all(run.idempotency_key.startswith(f"{agent.node}:s-") for run in runs)
+def starts(runs: list[Any]) -> list[tuple[str, datetime]]:
+    return [(run.parameters["schedule_id"], run.expected_start_time.astimezone(UTC))
+            for run in runs]
 
 
-def test_bulk_entries_reported_failed_are_retried_in_bulk_without_duplicates(
-    agent: Agent, monkeypatch: pytest.MonkeyPatch
+def test_reconcile_plans_each_window_as_a_named_scheduled_run_at_its_exact_instant(
+    agent: Agent,
 ) -> None:
-    """A bulk request that lost SQLite's write race is retried in bulk, not run by run.
-
-    The first bulk answer is doctored: every other entry reads FAILED although
-    the server did create it, the worst case for a retry. The retry must send
-    only those entries, get the same runs back by their idempotency keys, and
-    never fall back to run_deployment.
-    """
-    import httpx
-    from prefect.client.orchestration import SyncPrefectClient
-
-    import flows.agent
+    """New York's spring-forward day: 02:30 does not exist, so the nightly runs at 03:00 EDT."""
     from flows.reconcile import reconcile
-    from flows.tick import fire_tick
+    from sched_core.matcher import fire_times
+    from sched_core.model import Schedule
 
-    real_request = SyncPrefectClient.request
-    sent: list[list[str]] = []
-
-    def first_answer_half_failed(
-        self: SyncPrefectClient, method: str, path: str, *args: Any, **kwargs: Any
-    ) -> httpx.Response:
-        response: httpx.Response = real_request(self, method, path, *args, **kwargs)  # type: ignore[arg-type]
-        if not path.endswith("/create_flow_run/bulk"):
-            return response
-        sent.append([entry["idempotency_key"] for entry in kwargs["json"]])
-        if len(sent) > 1:
-            return response
-        results = response.json()["results"]
-        for result in results[::2]:
-            result.update(status="FAILED", flow_run_id=None, error="database is locked")
-        return httpx.Response(200, json={"results": results})
-
-    def slow_path(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("run_deployment called: a fire left the bulk path")
-
-    monkeypatch.setattr(SyncPrefectClient, "request", first_answer_half_failed)
-    monkeypatch.setattr(flows.agent, "run_deployment", slow_path)
-    monkeypatch.setattr(flows.agent, "BULK_RETRY_DELAYS", (0.0, 0.0, 0.0))
-    agent.write_schedules([row(f"s-{i:02d}", "backup", EVERY_HOUR_AT_30) for i in range(25)])
+    every_20 = {"days": None, "hours": None, "minute": "", "interval_minutes": 20}
+    agent.write_schedules([row("n", "backup", NIGHTLY_0230), row("i", "copy", every_20)])
     agent.register()
-    reconcile(now=T0)
-    assert fire_tick(now=WINDOW + timedelta(seconds=2)) == 25
-    assert len(sent[0]) == 25
-    assert sent[1] == sent[0][::2]
-    # The server itself may lose the race again (seen here): more retries, fewer entries.
-    assert all(set(later) <= set(sent[1]) for later in sent[2:])
-    runs = agent.runs("backup")
-    assert len(runs) == 25
-    assert len({run.idempotency_key for run in runs}) == 25
+    now = datetime(2026, 3, 8, 6, 10, tzinfo=UTC)  # 01:10 EST
+    counts = reconcile(now=now)
+    assert counts["created"] == counts["planned"] == 3 + 3  # nightly: 3 days; i: 01:20..03:00 EDT
+    runs = scheduled(agent)
+    tz = ZoneInfo("America/New_York")
+    nightly_times = fire_times(Schedule.model_validate(NIGHTLY_0230), now,
+                               now + timedelta(days=3), tz)
+    interval_times = fire_times(Schedule.model_validate(every_20), now - timedelta(minutes=5),
+                                now + timedelta(hours=1), tz)
+    expected = sorted([("n", w) for w in nightly_times] + [("i", w) for w in interval_times],
+                      key=lambda item: (item[1], item[0]))
+    assert sorted(starts(runs), key=lambda item: (item[1], item[0])) == expected
+    assert ("n", datetime(2026, 3, 8, 7, 0, tzinfo=UTC)) in expected  # 03:00 EDT
+    nightly = next(run for run in runs if run.parameters["schedule_id"] == "n")
+    assert nightly.name == "backup-n-20260308T0700Z"
+    assert {f"node:{agent.node}", "action:backup", "schedule:n", "trigger:schedule"} <= set(
+        nightly.tags)
+    assert nightly.parameters == {"schedule_id": "n", "trigger_key": "schedule",
+                                  "window": "2026-03-08T07:00:00+00:00",
+                                  "key": "n@2026-03-08T03:00-04:00"}
+    assert nightly.idempotency_key == f"{agent.node}:n@2026-03-08T03:00-04:00"
 
 
-def test_tick_artifact_shows_fired_late_and_missed(agent: Agent) -> None:
+def test_planning_again_makes_no_second_run_and_a_changed_row_replaces_only_its_own(
+    agent: Agent,
+) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("a", "backup", EVERY_HOUR_AT_30),
+                           row("b", "copy", NIGHTLY_0230)])
+    agent.register()
+    first = reconcile(now=T0)
+    before = {run.id: run.parameters["schedule_id"] for run in scheduled(agent)}
+    assert first["created"] == len(before) == 3 + 3  # at least 3 windows each
+    again = reconcile(now=T0 + timedelta(seconds=30))
+    assert again["created"] == 0 and again["deleted"] == 0
+    assert {run.id for run in scheduled(agent)} == set(before)
+
+    # b moves to 03:30: only b's runs are touched; a params-only change keeps a's.
+    agent.write_schedules([
+        {**row("a", "backup", EVERY_HOUR_AT_30), "params": {"x": 1}, "version": 2},
+        row("b", "copy", {"days": ["*"], "hours": ["3"], "minute": "30"}),
+    ])
+    changed = reconcile(now=T0 + timedelta(minutes=1))
+    assert changed["changed"] == 2 and changed["deleted"] == 3 and changed["created"] == 3
+    after = scheduled(agent)
+    kept = [run.id for run in after if run.parameters["schedule_id"] == "a"]
+    assert kept == [rid for rid, sid in before.items() if sid == "a"]
+    assert {run.expected_start_time.astimezone(UTC).hour for run in after
+            if run.parameters["schedule_id"] == "b"} == {8}  # 03:30 EST
+
+    # Removed and disabled rows lose their planned runs.
+    agent.write_schedules([{**row("b", "copy", NIGHTLY_0230), "enabled": False}])
+    reconcile(now=T0 + timedelta(minutes=2))
+    assert scheduled(agent) == []
+
+
+def test_the_cap_plans_the_nearest_windows_and_the_rest_later(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_config(extra="plan_max_runs = 10")
+    agent.write_schedules([row("m", "copy", {"days": None, "hours": None, "minute": "",
+                                             "interval_minutes": 1})])
+    agent.register()
+    counts = reconcile(now=T0)
+    runs = scheduled(agent)
+    assert counts["created"] == 10 and len(runs) == 10
+    # From the minute it was first seen (15:29) on, nearest first; 51 held back.
+    assert [run.expected_start_time.astimezone(UTC).minute for run in runs] == list(range(29, 39))
+    # 15:41:05: the ten nearest are now 15:37..15:46, of which 15:37 and 15:38 exist.
+    assert reconcile(now=T0 + timedelta(minutes=12))["created"] == 8
+
+
+def test_windows_that_never_had_a_run_are_recovered_once_and_reported(agent: Agent) -> None:
+    """The node was down 3 hours, longer than the horizon: one recovery, every window named."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.reconcile import reconcile
-    from flows.tick import fire_tick
 
-    late = {"days": ["*"], "hours": ["*"], "minute": "28"}
-    agent.write_schedules([
-        row("on-time", "backup", EVERY_HOUR_AT_30),
-        row("late", "copy", late),
-        row("missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "24"}),
-        row("long-missed", "copy", {"days": ["*"], "hours": ["*"], "minute": "10"}),
-    ])
+    agent.write_schedules([row("h", "backup", EVERY_HOUR_AT_30),
+                           {**row("s", "copy", EVERY_HOUR_AT_30), "miss_policy": "skip"}])
     agent.register()
-    reconcile(now=T0 - timedelta(hours=1))
-    # The missed-run check at T0 - 1 h recovered 14:24 and 14:10; nothing since.
-    # At 15:30:03 the 15:24 window has just left the 5-minute grace (reported
-    # once); 15:10 left it long ago (reported by an earlier tick, not again).
-    assert fire_tick(now=WINDOW + timedelta(seconds=3)) == 2
+    reconcile(now=T0)  # plans 15:30, 16:30 and 17:30 (at least 3 windows each)
+    later = T0 + timedelta(hours=4, minutes=40)  # 20:09:05: 18:30 and 19:30 never had a run
+    counts = reconcile(now=later)
+    assert counts["missed"] == 4 and counts["recovered"] == 1
+    recovery = [run for run in agent.runs() if "trigger:schedule-recovery" in run.tags]
+    assert [run.name for run in recovery] == ["backup-h-20261202T1930Z"]
+    events = _events("sched.window.missed", agent.node, 2)
+    by_id = {e["payload"]["schedule_id"]: e["payload"] for e in events}
+    assert by_id["h"]["count"] == 2 and by_id["h"]["recovered"] == "2026-12-02T19:30:00+00:00"
+    assert by_id["s"]["count"] == 2 and by_id["s"]["recovered"] is None
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"fire-tick-{agent.node}"]))
-        )
-    table = artifacts[-1].data
-    rows = json.loads(table) if isinstance(table, str) else table
-    outcomes = {item["schedule"]: item["outcome"] for item in rows}
-    assert outcomes["on-time"] == "fired"
-    assert outcomes["late"] == "fired late"
-    assert outcomes["missed"] == "missed: run-once-within-24h"
-    assert "long-missed" not in outcomes
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"reconcile-{agent.node}"])))
+    text = str(max(artifacts, key=lambda artifact: artifact.created).data)
+    assert "`h`: 2 missed" in text and "recovered Wed 2026-12-02 14:30 EST" in text
+    assert "`s`: 2 missed" in text and "not recovered (miss policy)" in text
+    # Reported once: the next reconcile finds nothing new to recover or report.
+    assert reconcile(now=later + timedelta(minutes=1))["missed"] == 0
+
+
+# -- the start guard (run-job) ----------------------------------------------------------
+
+
+def planned(agent: Agent, sid: str, window: datetime) -> Any:
+    run, = [r for r in agent.runs() if r.parameters.get("schedule_id") == sid
+            and r.parameters.get("window") == window.isoformat()]
+    return run
+
+
+def run_planned(run: Any, now: datetime) -> Any:
+    """Run a planned run's parameters in this process at logical time now."""
+    from flows.job import run_job
+
+    return run_job(**run.parameters, now=now, return_state=True)
+
+
+def test_a_planned_window_runs_once_and_a_second_run_of_it_is_skipped(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
+    agent.register()
+    reconcile(now=T0)
+    run = planned(agent, "s-1", WINDOW)
+    state = run_planned(run, WINDOW + timedelta(seconds=2))
+    assert state.is_completed() and state.name == "Completed"
+    assert agent.cache()["last_fired_at"]["s-1"] == "2026-12-02T15:30:00Z"
+    second = run_planned(run, WINDOW + timedelta(seconds=40))
+    assert second.is_completed() and second.name == "Skipped"
+    assert second.message == "window 2026-12-02 10:30 EST already ran"
+    events = _events("sched.job.completed", agent.node, 2)
+    assert len(events) == 1  # the skipped run emitted nothing
+
+
+def test_late_runs_follow_the_miss_policy_and_say_why(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("once", "backup", EVERY_HOUR_AT_30),
+                           {**row("never", "copy", EVERY_HOUR_AT_30), "miss_policy": "skip"}])
+    agent.register()
+    reconcile(now=T0)
+    back = WINDOW + timedelta(hours=1, minutes=15)  # 16:45: both 15:30 and 16:30 are late
+    s = run_planned(planned(agent, "never", WINDOW), back)
+    assert s.name == "Skipped"
+    assert "missed: 1 h 15 min late (grace 5 min); miss policy skip" in s.message
+    old = run_planned(planned(agent, "once", WINDOW), back)
+    assert old.name == "Skipped" and old.message.endswith(
+        "coalesced into 2026-12-02 11:30 EST (the latest missed window)")
+    latest = run_planned(planned(agent, "once", WINDOW + timedelta(hours=1)), back)
+    assert latest.name == "Completed"
+    assert agent.cache()["last_fired_at"] == {"once": "2026-12-02T16:30:00Z"}
+
+
+def test_a_row_removed_or_changed_after_planning_runs_in_its_new_version_or_not_at_all(
+    agent: Agent,
+) -> None:
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30),
+                           row("s-2", "copy", EVERY_HOUR_AT_30)])
+    agent.register()
+    reconcile(now=T0)
+    run1, run2 = planned(agent, "s-1", WINDOW), planned(agent, "s-2", WINDOW)
+    agent.write_schedules([{**row("s-1", "backup", EVERY_HOUR_AT_30), "repo_id": "r-new"}])
+    from flows.dispatch import build_scheduler
+
+    build_scheduler(agent_settings_for(agent), now=T0).pull(T0 + timedelta(seconds=1))
+    gone = run_planned(run2, WINDOW)
+    assert gone.name == "Skipped"
+    assert gone.message == "schedule s-2 was removed from this node's list"
+    state = run_planned(run1, WINDOW)
+    assert state.name == "Completed"
+    assert "backing up r-new" in _logs(state.state_details.flow_run_id, "backing up r-new")
+
+
+def agent_settings_for(agent: Agent) -> Any:
+    from flows.settings import load_settings
+
+    return load_settings(agent.config)
+
+
+def test_a_whole_row_as_a_parameter_is_refused_unless_the_node_allows_it(agent: Agent) -> None:
+    from flows.job import run_job
+
+    state = run_job(schedule=row("s-1", "backup", EVERY_HOUR_AT_30), return_state=True)
+    assert state.is_failed() and "takes a schedule_id, not a whole schedule row" in state.message
+    agent.write_config(extra="allow_row_parameter = true")
+    state = run_job(schedule=row("s-1", "backup", EVERY_HOUR_AT_30), return_state=True)
+    assert state.is_completed()
 
 
 # -- reconcile ------------------------------------------------------------------------
@@ -322,11 +419,10 @@ def test_pull_that_fails_503_twice_then_succeeds_updates_the_cache(
     assert [item["id"] for item in agent.cache()["schedules"]] == ["s-1"]
 
 
-def test_garbage_pull_keeps_the_cache_and_the_schedules_firing(
+def test_garbage_pull_keeps_the_cache_and_the_planned_runs(
     agent: Agent, controller: FlakyController
 ) -> None:
     from flows.reconcile import reconcile
-    from flows.tick import fire_tick
 
     agent.write_config(pull_url=controller.url)
     agent.register()
@@ -341,16 +437,17 @@ def test_garbage_pull_keeps_the_cache_and_the_schedules_firing(
     )
     assert controller.hits == 1 + 4  # the first pull, then 1 + 3 retries of the garbage
     assert agent.cache()["schedules"] == before
-    assert fire_tick(now=WINDOW + timedelta(seconds=1)) == 1
-    assert len(agent.runs("backup")) == 1
+    # The plan is made from the cache all the same, and the window still runs.
+    assert len(scheduled(agent)) == 3
+    assert run_planned(planned(agent, "s-1", WINDOW), WINDOW + timedelta(seconds=1)).name == (
+        "Completed")
 
 
-def test_a_slow_pull_never_holds_up_the_tick(
+def test_a_slow_pull_never_holds_up_a_job_start(
     agent: Agent, controller: FlakyController
 ) -> None:
-    """The tick fires while a reconcile waits on an unresponsive controller."""
+    """A planned job starts while a reconcile waits on an unresponsive controller."""
     from flows.reconcile import reconcile
-    from flows.tick import fire_tick
 
     agent.write_config(pull_url=controller.url, extra="pull_timeout = 120")
     agent.register()
@@ -364,19 +461,17 @@ def test_a_slow_pull_never_holds_up_the_tick(
         while controller.hits < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert controller.hits == 2 and controller.answered == 1  # the pull is waiting
-        ticked: list[int] = []
-        tick = threading.Thread(
-            target=lambda: ticked.append(fire_tick(now=WINDOW + timedelta(seconds=1)))
-        )
-        tick.start()
-        tick.join(timeout=45)
-        assert ticked == [1], "the tick waited for the reconcile's pull"
-        assert controller.answered == 1  # still no answer: the tick did not wait for one
+        started: list[str] = []
+        job = threading.Thread(target=lambda: started.append(
+            run_planned(planned(agent, "s-1", WINDOW), WINDOW + timedelta(seconds=1)).name))
+        job.start()
+        job.join(timeout=45)
+        assert started == ["Completed"], "the job waited for the reconcile's pull"
+        assert controller.answered == 1  # still no answer: the job did not wait for one
     finally:
         controller.hold.set()
         pulling.join(timeout=60)
     assert not pulling.is_alive()
-    assert len(agent.runs("backup")) == 1
 
 
 def test_token_from_a_prefect_secret_block(
@@ -390,8 +485,11 @@ def test_token_from_a_prefect_secret_block(
     Secret(value="from-the-block").save(block, overwrite=True)
     agent.write_config(pull_url=controller.url, extra=f'token_secret_block = "{block}"')
     controller.body = b"[]"
+    state = reconcile(now=T0, return_state=True)  # no run-job deployment: planning fails
+    assert state.is_failed() and f"no deployment run-job/{agent.node}" in str(state.message)
+    agent.register()
     assert reconcile(now=T0)["schedules"] == 0
-    assert controller.auth == ["Bearer from-the-block"]
+    assert controller.auth == ["Bearer from-the-block"] * 2
 
 
 def _events(name: str, node: str, count: int) -> list[dict[str, Any]]:
@@ -403,6 +501,7 @@ def test_reconcile_emits_schedules_changed(agent: Agent) -> None:
     from flows.reconcile import reconcile
 
     agent.write_schedules([row("s-1", "backup", EVERY_HOUR_AT_30)])
+    agent.register()
     reconcile(now=T0)
     reconcile(now=T0 + timedelta(minutes=5))  # nothing changed: no event
     agent.write_schedules([
@@ -443,10 +542,9 @@ def _logs(run_id: Any, expect: str) -> list[str]:
 def test_job_runs_its_command_and_logs_the_output(agent: Agent) -> None:
     from flows.job import run_job
 
-    agent.write_schedules([])
-    schedule = row("s-1", "backup", EVERY_HOUR_AT_30)
-    state = run_job(schedule=schedule, trigger_key="schedule", window=WINDOW,
-                    key="s-1@x", return_state=True)
+    cache_rows(agent, [row("s-1", "backup", EVERY_HOUR_AT_30)])
+    state = run_job(schedule_id="s-1", trigger_key="schedule", window=WINDOW,
+                    key="s-1@x", now=WINDOW, return_state=True)
     assert state.is_completed()
     summary = state.result()
     assert summary["exit_code"] == 0 and summary["attempts"] == 1
@@ -461,7 +559,8 @@ def test_failing_job_is_retried_as_configured_and_shows_failed(agent: Agent) -> 
 
     from flows.job import run_job
 
-    state = run_job(schedule=row("s-f", "fail", EVERY_HOUR_AT_30), return_state=True)
+    cache_rows(agent, [row("s-f", "fail", EVERY_HOUR_AT_30)])
+    state = run_job(schedule_id="s-f", return_state=True)
     assert state.is_failed()
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
@@ -482,7 +581,8 @@ def test_failing_job_is_retried_as_configured_and_shows_failed(agent: Agent) -> 
 def test_missing_template_parameter_fails_before_anything_runs(agent: Agent) -> None:
     from flows.job import run_job
 
-    state = run_job(schedule=row("s-n", "needs", EVERY_HOUR_AT_30), return_state=True)
+    cache_rows(agent, [row("s-n", "needs", EVERY_HOUR_AT_30)])
+    state = run_job(schedule_id="s-n", return_state=True)
     assert state.is_failed()
     assert "no parameter 'missing'" in str(state.message)
 
@@ -495,14 +595,14 @@ def test_window_without_an_offset_fails_before_anything_runs(
     from flows.job import run_job
     from sched_core import ConfigError
 
+    cache_rows(agent, [row("s-naive", "backup", EVERY_HOUR_AT_30)])
     monkeypatch.setenv("TZ", "Asia/Tokyo")
     time.tzset()
     try:
         naive = datetime(2026, 3, 8, 2, 30)
         with pytest.raises(ConfigError, match="no UTC offset"):
             window_stamp(naive)
-        state = run_job(schedule=row("s-naive", "backup", EVERY_HOUR_AT_30), window=naive,
-                        return_state=True)
+        state = run_job(schedule_id="s-naive", window=naive, return_state=True)
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
@@ -522,23 +622,24 @@ def test_cancelled_job_emits_failed_and_counts_as_finished_for_the_wave(agent: A
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelled, Running
 
-    from flows.agent import ACTIVE_STATES, FINISHED_STATES, count_jobs, job_tags
+    from flows.dispatch import job_tags
     from flows.job import _emit_terminal, run_job
+    from flows.registry import ACTIVE_STATES, FINISHED_STATES, count_jobs
 
     assert _emit_terminal in run_job.on_cancellation_hooks
     before = datetime.now(UTC) - timedelta(seconds=5)
-    schedule = row("s-c", "backup", EVERY_HOUR_AT_30)
+    now = datetime.now(UTC)
     with get_client(sync_client=True) as client:
         run = client.create_flow_run(
-            run_job, parameters={"schedule": schedule, "trigger_key": "schedule"},
+            run_job, parameters={"schedule_id": "s-c", "trigger_key": "schedule"},
             tags=job_tags(agent.node, "backup", "s-c", "schedule"), state=Running(),
         )
-        assert count_jobs(agent.node, ["backup"], ACTIVE_STATES) == 1
+        assert count_jobs(agent.node, ["backup"], ACTIVE_STATES, now=now) == 1
         client.set_flow_run_state(run.id, Cancelled(), force=True)
         run = client.read_flow_run(run.id)
     assert run.state is not None and run.state.is_cancelled()
-    assert count_jobs(agent.node, ["backup"], ACTIVE_STATES) == 0
-    assert count_jobs(agent.node, ["backup"], FINISHED_STATES, ended_after=before) == 1
+    assert count_jobs(agent.node, ["backup"], ACTIVE_STATES, now=now) == 0
+    assert count_jobs(agent.node, ["backup"], FINISHED_STATES, now=now, ended_after=before) == 1
 
     _emit_terminal(run_job, run, run.state)
     failed, = _events("sched.job.failed", agent.node, 1)
@@ -553,7 +654,6 @@ def test_cancelled_job_emits_failed_and_counts_as_finished_for_the_wave(agent: A
 def test_wave_runs_prune_then_check_once_a_day_never_before_it_drains(agent: Agent) -> None:
     from flows.chain import advance_chain
     from flows.reconcile import reconcile
-    from flows.tick import fire_tick
 
     agent.write_schedules([
         row("b-1", "backup", EVERY_HOUR_AT_30),
@@ -573,10 +673,9 @@ def test_wave_runs_prune_then_check_once_a_day_never_before_it_drains(agent: Age
         row("k-1", "check", {"on": "after_wave"}),
         row("k-2", "check", {"on": "something_else"}),
     ])
-    reconcile(now=now - timedelta(seconds=30))
-    assert fire_tick(now=now) == 2
-    backup, = agent.runs("backup")
-    copy, = agent.runs("copy")
+    reconcile(now=now - timedelta(seconds=30))  # plans this minute's backup and copy
+    backup = planned(agent, "b-1", minute)
+    copy = planned(agent, "c-1", minute)
 
     # The backup finishes, the copy is still scheduled: the wave has not drained.
     set_state(backup.id, "completed")
@@ -619,7 +718,6 @@ def test_stage_that_could_not_fire_fails_the_run_and_is_retried_on_the_next_comp
 
     from flows.chain import advance_chain
     from flows.job import run_job
-    from flows.reconcile import reconcile
 
     agent.write_schedules([
         row("b-1", "backup", EVERY_HOUR_AT_30),
@@ -627,7 +725,7 @@ def test_stage_that_could_not_fire_fails_the_run_and_is_retried_on_the_next_comp
         row("k-1", "check", {"on": "after_wave"}),
     ])
     now = datetime.now(UTC)
-    reconcile(now=now - timedelta(minutes=1))
+    cache_rows(agent, None, now=now - timedelta(minutes=1))  # no run-job deployment yet
     with get_client(sync_client=True) as client:
         backup = client.create_flow_run(
             run_job, parameters={"schedule_id": "b-1"},

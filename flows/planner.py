@@ -1,0 +1,235 @@
+"""The planner's shell: carry :mod:`sched_core.plan`'s answers to Prefect.
+
+At every reconcile, under the node lock, from the cache as it is (whether the
+pull succeeded or not):
+
+1. Read the node's window runs from Prefect: one query, every run whose
+   window is at most the grace old (Prefect is the record of what exists).
+2. Plan (:func:`sched_core.plan.plan_windows`) and create, in bulk, the
+   runs of planned windows that have none; delete the untried runs whose
+   window is no longer one of its row's (:func:`sched_core.plan.obsolete`).
+3. Windows older than the grace that never had a run
+   (:func:`sched_core.plan.missed`): the latest gets a recovery run when
+   the miss policy says so; every one is reported and sent as
+   ``sched.window.missed``.
+4. Jobs interrupted by the node's own shutdown or a crash get their one re-run
+   (:func:`sched_core.plan.retry_allowed`).
+5. Record, per schedule, the latest window handled (``plan.json`` in the state
+   folder), so a window is reported missed once.
+
+Every step is idempotent: a run's idempotency key is its window's, so planning
+twice, from two processes, or after a crash between 2 and 5 never makes a
+second run of a window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from flows.dispatch import JobRef, Planned, Runs
+from flows.registry import Interrupted, list_interrupted, list_window_runs
+from flows.settings import AgentSettings
+from sched_core.cache import locked, write_atomic
+from sched_core.misses import LOOKBACK
+from sched_core.model import Cache, format_go_time, parse_go_time
+from sched_core.plan import (
+    TRIGGER_RECOVERY,
+    TRIGGER_SCHEDULE,
+    Missed,
+    PlannedRun,
+    Window,
+    missed,
+    obsolete,
+    plan_windows,
+    retry_allowed,
+)
+
+log = logging.getLogger(__name__)
+
+LIST_SLACK = timedelta(minutes=1)
+"""How much older than the grace a run may be and still be listed (clock skew)."""
+
+
+@dataclass
+class PlanReport:
+    """What one planning pass did, for the reconcile artifact and its events."""
+
+    planned: int = 0
+    """Windows the plan holds (within the horizon, or a schedule's next few)."""
+    created: list[tuple[JobRef, datetime, str]] = field(default_factory=list)
+    """(run, scheduled start, flow run id) created now."""
+    existing: int = 0
+    deleted: list[tuple[PlannedRun, str]] = field(default_factory=list)
+    held_back: int = 0
+    missed: list[Missed] = field(default_factory=list)
+    recovered: list[tuple[JobRef, str]] = field(default_factory=list)
+    retried: list[tuple[JobRef, str]] = field(default_factory=list)
+    not_retried: list[tuple[Interrupted, str]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """(run name or id, error) for each create or delete that failed."""
+
+
+def load_planned_through(path: Path) -> dict[str, datetime]:
+    """Return the per-schedule record of the latest window handled; empty when missing or bad."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable plan state %s: %r", path, exc,
+                    extra={"path": str(path), "error": repr(exc)})
+        return {}
+    raw = data.get("planned_through") if isinstance(data, dict) else None
+    found: dict[str, datetime] = {}
+    for key, value in (raw or {}).items() if isinstance(raw, dict) else ():
+        try:
+            parsed = parse_go_time(value)
+        except ValueError:
+            continue
+        if isinstance(key, str) and parsed is not None:
+            found[key] = parsed
+    return found
+
+
+def save_planned_through(path: Path, planned: dict[str, datetime]) -> None:
+    """Write the record atomically (under the file's lock)."""
+    body = {"planned_through": {key: format_go_time(planned[key]) for key in sorted(planned)}}
+    with locked(path):
+        write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
+
+
+def plan_node(
+    settings: AgentSettings, cache: Cache, runs: Runs, *, now: datetime
+) -> PlanReport:
+    """Run one planning pass (the module's steps 1 to 5) and return what it did."""
+    node, tz, grace = settings.node_name, settings.tz, settings.grace
+    report = PlanReport()
+    rows = cache.schedules
+    deployment_id = runs.deployment_id()
+    record_path = settings.state_dir / "plan.json"
+    planned_through = load_planned_through(record_path)
+    # List back to the oldest window not yet handled (after downtime), at most
+    # the catch-up window: those runs are the guard's, not missed.
+    since = max(now - LOOKBACK, min([now - grace, *planned_through.values()])) - LIST_SLACK
+    existing = list_window_runs(runs.client, deployment_id, node, since=since)
+    have = {(run.schedule_id, run.window) for run in existing}
+    report.existing = sum(1 for run in existing if run.window >= now - grace)
+
+    plan = plan_windows(
+        rows,
+        last_fired=cache.last_fired_at,
+        first_seen=cache.first_seen_at,
+        now=now,
+        grace=grace,
+        horizon=settings.plan_horizon,
+        min_windows=settings.plan_min_windows,
+        max_runs=settings.plan_max_runs,
+        tz=tz,
+    )
+    report.planned, report.held_back = len(plan.windows), plan.held_back
+    to_create = [
+        Planned(ref=_ref(node, window, TRIGGER_SCHEDULE), start=window.start)
+        for window in plan.windows
+        if (window.schedule_id, window.window) not in have
+    ]
+
+    report.missed = missed(
+        rows,
+        last_fired=cache.last_fired_at,
+        first_seen=cache.first_seen_at,
+        planned_through=planned_through,
+        now=now,
+        grace=grace,
+        tz=tz,
+        have=have,
+    )
+    recoveries = [
+        Planned(ref=_ref(node, item.recover, TRIGGER_RECOVERY), start=now)
+        for item in report.missed
+        if item.recover is not None
+    ]
+
+    by_id = {row.id: row for row in rows}
+    retries: list[Planned] = []
+    for item in list_interrupted(runs.client, deployment_id, node, since=now - LOOKBACK):
+        row = by_id.get(item.schedule_id)
+        decision = retry_allowed(
+            row, schedule_id=item.schedule_id, window=item.window,
+            last_fired=cache.last_fired_at.get(item.schedule_id), now=now, grace=grace, tz=tz,
+        )
+        if not decision.runs or row is None:
+            report.not_retried.append((item, decision.reason))
+            continue
+        ref = JobRef(node=node, action=row.action, schedule_id=row.id,
+                     trigger_key=item.trigger_key, window=item.window, key=item.key,
+                     retry_of=item.run_id)
+        retries.append(Planned(ref=ref, start=now))
+
+    created = runs.create(to_create + recoveries + retries)
+    for item, error in created.failed:
+        report.failed.append((item.ref.name, error))
+    done = {key for key in created.runs}
+    for item in to_create:
+        if item.ref.idempotency_key in done:
+            report.created.append((item.ref, item.start, created.runs[item.ref.idempotency_key]))
+    for item in recoveries:
+        if item.ref.idempotency_key in done:
+            report.recovered.append((item.ref, created.runs[item.ref.idempotency_key]))
+    for item in retries:
+        if item.ref.idempotency_key in done:
+            report.retried.append((item.ref, created.runs[item.ref.idempotency_key]))
+
+    stale = obsolete(existing, rows, tz=tz)
+    failed_deletes = dict(runs.delete(run.run_id for run, _ in stale))
+    report.deleted = [(run, why) for run, why in stale if run.run_id not in failed_deletes]
+    report.failed += [(run_id, error) for run_id, error in failed_deletes.items()]
+
+    _log(report, node)
+    # A window is handled once it has a run or has been reported missed. A
+    # create that failed leaves its schedule's record where it was, so the
+    # window is planned (or reported) again at the next reconcile.
+    failed_ids = {item.ref.schedule_id for item, _ in created.failed}
+    handled = dict(planned_through)
+    for row in rows:
+        if row.id in failed_ids:
+            continue
+        mark = now - grace
+        handled[row.id] = max(handled.get(row.id, mark), mark)
+    for window in plan.windows:
+        if window.schedule_id not in failed_ids and window.window > handled.get(
+            window.schedule_id, window.window
+        ):
+            handled[window.schedule_id] = window.window
+    handled = {key: value for key, value in handled.items() if key in by_id}
+    save_planned_through(record_path, handled)
+    return report
+
+
+def _ref(node: str, window: Window, trigger_key: str) -> JobRef:
+    return JobRef(node=node, action=window.action, schedule_id=window.schedule_id,
+                  trigger_key=trigger_key, window=window.window, key=window.key)
+
+
+def _log(report: PlanReport, node: str) -> None:
+    log.info(
+        "planned %d windows: %d created, %d existed, %d deleted, %d held back by the cap, "
+        "%d recovered, %d interrupted jobs re-run, %d failed",
+        report.planned, len(report.created), report.existing, len(report.deleted),
+        report.held_back, len(report.recovered), len(report.retried), len(report.failed),
+        extra={"node": node, "planned": report.planned, "runs_created": len(report.created),
+               "deleted": len(report.deleted), "held_back": report.held_back,
+               "recovered": len(report.recovered), "retried": len(report.retried),
+               "failed": len(report.failed)},
+    )
+    for item in report.missed:
+        log.warning(
+            "schedule %s missed %d window(s) that never had a run (%s .. %s); %s",
+            item.schedule_id, item.count, item.windows[0].isoformat(),
+            item.windows[-1].isoformat(),
+            "the latest is recovered" if item.recover else "none is recovered (miss policy)",
+            extra={"node": node, "schedule_id": item.schedule_id, "missed": item.count},
+        )

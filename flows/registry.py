@@ -1,0 +1,239 @@
+"""The job registry: the Prefect API, read for this node's run-job runs.
+
+A run-job run is recognised by its tags (``node:<node>``, ``action:<action>``,
+``schedule:<id>``, ``trigger:<key>``) and its parameters (``schedule_id``,
+``window``, ``key``). Planned runs wait in Scheduled for hours: they are not
+active jobs until their start time has come. A run the start guard ended
+without running (state name ``Skipped``) is neither active nor finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterEndTime,
+    FlowRunFilterExpectedStartTime,
+    FlowRunFilterId,
+    FlowRunFilterState,
+    FlowRunFilterStateName,
+    FlowRunFilterStateType,
+    FlowRunFilterTags,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import FlowRunSort
+
+from flows.runtime import RUN_JOB
+from sched_core.plan import WINDOW_TRIGGERS, PlannedRun
+from sched_core.scheduler import as_utc
+
+log = logging.getLogger(__name__)
+
+SKIPPED = "Skipped"
+"""The state name of a run the start guard ended without running."""
+
+ACTIVE_STATES = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+"""States of a job that is active; a Scheduled one only once its start time has come."""
+FINISHED_STATES = [StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED]
+
+PAGE = 200
+"""Runs per page when listing (the server's default limit)."""
+
+
+def tag_values(run: FlowRun) -> dict[str, str]:
+    """Return a run's ``name:value`` tags as a dict (``{"node": "node-a", ...}``)."""
+    return {tag.split(":", 1)[0]: tag.split(":", 1)[1] for tag in run.tags if ":" in tag}
+
+
+def run_window(run: FlowRun) -> datetime | None:
+    """Return the window a run-job run was created for, from its parameters (None: no window)."""
+    value = (run.parameters or {}).get("window")
+    if isinstance(value, str) and value:
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return as_utc(value)
+    return None
+
+
+def _job_filter(
+    tags: list[str],
+    *,
+    types: list[StateType],
+    exclude: tuple[str, ...] = (),
+    ended_after: datetime | None = None,
+    started_before: datetime | None = None,
+) -> FlowRunFilter:
+    """Return a filter for runs with all of tags in one of types, never Skipped ones."""
+    flt = FlowRunFilter(
+        tags=FlowRunFilterTags(all_=tags),
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=types),
+            name=FlowRunFilterStateName(not_any_=[SKIPPED]),
+        ),
+    )
+    if exclude:
+        flt.id = FlowRunFilterId(not_any_=[UUID(item) for item in exclude])
+    if ended_after is not None:
+        flt.end_time = FlowRunFilterEndTime(after_=ended_after)
+    if started_before is not None:
+        flt.expected_start_time = FlowRunFilterExpectedStartTime(before_=started_before)
+    return flt
+
+
+def count_jobs(
+    node: str,
+    actions: list[str],
+    states: list[StateType],
+    *,
+    now: datetime,
+    exclude: tuple[str, ...] = (),
+    ended_after: datetime | None = None,
+) -> int:
+    """Return how many run-job runs of node with one of actions are in one of states.
+
+    A Scheduled run counts only once its start time has come (``now``): a
+    planned run hours ahead is not an active job. Skipped runs never count.
+    """
+    flows = FlowFilter(name=FlowFilterName(any_=[RUN_JOB]))
+    others = [state for state in states if state is not StateType.SCHEDULED]
+    total = 0
+    with get_client(sync_client=True) as client:
+        for action in actions:
+            tags = [f"node:{node}", f"action:{action}"]
+            queries = []
+            if others:
+                queries.append(_job_filter(tags, types=others, exclude=exclude,
+                                           ended_after=ended_after))
+            if StateType.SCHEDULED in states:
+                queries.append(_job_filter(tags, types=[StateType.SCHEDULED], exclude=exclude,
+                                           ended_after=ended_after, started_before=now))
+            for flt in queries:
+                total += client.count_flow_runs(flow_filter=flows, flow_run_filter=flt)
+    return total
+
+
+def _pages(client: SyncPrefectClient, flt: FlowRunFilter, sort: FlowRunSort) -> Iterator[FlowRun]:
+    offset = 0
+    while True:
+        page = client.read_flow_runs(flow_run_filter=flt, sort=sort, limit=PAGE, offset=offset)
+        yield from page
+        if len(page) < PAGE:
+            return
+        offset += PAGE
+
+
+def list_window_runs(
+    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime
+) -> list[PlannedRun]:
+    """Return this node's window runs (any state) whose scheduled start is since or later."""
+    flt = FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+        tags=FlowRunFilterTags(all_=[f"node:{node}"]),
+        expected_start_time=FlowRunFilterExpectedStartTime(after_=since),
+    )
+    found: list[PlannedRun] = []
+    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
+        item = planned_run(run)
+        if item is not None:
+            found.append(item)
+    return found
+
+
+def planned_run(run: FlowRun) -> PlannedRun | None:
+    """Return a run-job run as the kit's :class:`PlannedRun`, or None if it has no window."""
+    tags = tag_values(run)
+    trigger = tags.get("trigger", "")
+    window = run_window(run)
+    schedule_id = (run.parameters or {}).get("schedule_id") or tags.get("schedule")
+    if trigger not in WINDOW_TRIGGERS or window is None or not isinstance(schedule_id, str):
+        return None
+    return PlannedRun(
+        run_id=str(run.id),
+        schedule_id=schedule_id,
+        window=window,
+        trigger_key=trigger,
+        state_name=run.state.name if run.state is not None else "",
+    )
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A window job the node's own shutdown or a crash stopped, to be run once more."""
+
+    run_id: str
+    run_name: str
+    schedule_id: str
+    window: datetime
+    key: str
+    trigger_key: str
+    state_name: str
+
+
+def list_interrupted(
+    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime
+) -> list[Interrupted]:
+    """Return this node's window jobs that ended Crashed, or Cancelled by its own shutdown.
+
+    A run an operator cancelled is not interrupted: it stays cancelled. A
+    run that is itself a re-run (tag ``retry``) is never re-run again.
+    """
+    flt = FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+        tags=FlowRunFilterTags(all_=[f"node:{node}"]),
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.CRASHED, StateType.CANCELLED])
+        ),
+        end_time=FlowRunFilterEndTime(after_=since),
+    )
+    found: list[Interrupted] = []
+    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
+        if "retry" in run.tags:
+            continue
+        item = planned_run(run)
+        key = (run.parameters or {}).get("key")
+        if item is None or not isinstance(key, str) or not key:
+            continue
+        if not interrupted_by_the_node(client, run):
+            continue
+        found.append(Interrupted(
+            run_id=item.run_id, run_name=run.name, schedule_id=item.schedule_id,
+            window=item.window, key=key, trigger_key=item.trigger_key,
+            state_name=item.state_name,
+        ))
+    return found
+
+
+def interrupted_by_the_node(client: SyncPrefectClient, run: FlowRun) -> bool:
+    """Return whether a Crashed or Cancelled run was stopped by the node, not by an operator."""
+    state = run.state
+    if state is None:
+        return False
+    if state.type is StateType.CRASHED:
+        return True
+    return False
+
+
+def first_try(states: list[Any]) -> datetime | None:
+    """Return when Prefect first tried to start a run, from its state history.
+
+    The first state after the run's Scheduled (or Late) ones: Pending, or
+    AwaitingConcurrencySlot when its job slot was taken. None while untried.
+    """
+    tried = [
+        state.timestamp for state in states
+        if state.timestamp is not None and state.name not in ("Scheduled", "Late")
+    ]
+    return as_utc(min(tried)) if tried else None

@@ -1,0 +1,129 @@
+"""The reconcile artifact: pure markdown over the kit's and the planner's reports.
+
+Pure: no clock reads, no I/O; times are shown in the node's zone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from flows.planner import PlanReport
+from sched_core import PullResult
+from sched_core.matcher import fire_times, matches
+from sched_core.model import LocalSchedule
+
+NEXT_SHOWN = 3
+"""How many next windows the artifact shows per schedule."""
+
+
+def dst_note(row: LocalSchedule, window: datetime, tz: ZoneInfo) -> str:
+    """Return why a window is not where its wall time says (DST), or ""."""
+    local = window.astimezone(tz)
+    if not matches(row.schedule, window, tz):
+        return "moved here by DST (its wall time does not exist that day)"
+    if local.fold == 1:
+        return "second copy of a repeated hour (DST fall-back)"
+    twin = (window + timedelta(hours=1)).astimezone(tz)
+    if twin.replace(tzinfo=None) == local.replace(tzinfo=None):
+        return "first copy of a repeated hour (DST fall-back)"
+    return ""
+
+
+def local(instant: datetime, tz: ZoneInfo) -> str:
+    """Return an instant as the node's local time: ``Wed 2026-12-02 10:30 EST``."""
+    return instant.astimezone(tz).strftime("%a %Y-%m-%d %H:%M %Z")
+
+
+def pull_lines(result: PullResult | None, error: str | None, names: dict[str, str]) -> list[str]:
+    """Return the pull's part of the artifact: what changed, or why it failed."""
+    if result is None:
+        return [f"**Pull failed; the last good list is kept and keeps running.** {error}", ""]
+    lines = [
+        f"{len(names)} schedules; {len(result.added)} added, {len(result.removed)} removed, "
+        f"{len(result.changed)} changed, {len(result.rejected)} rejected.",
+        "",
+    ]
+    if result.added or result.removed or result.changed or result.rejected:
+        lines += ["| change | schedule | name / reason |", "|---|---|---|"]
+        lines += [f"| added | `{rid}` | {names.get(rid, '')} |" for rid in result.added]
+        lines += [f"| removed | `{rid}` | |" for rid in result.removed]
+        lines += [f"| changed | `{rid}` | {names.get(rid, '')} |" for rid in result.changed]
+        lines += [
+            f"| rejected{' (last good kept)' if rid in result.kept_last_good else ''} "
+            f"| `{rid}` | {reason} |"
+            for rid, reason in result.rejected
+        ]
+        lines.append("")
+    return lines
+
+
+def plan_lines(
+    report: PlanReport, rows: Sequence[LocalSchedule], *, now: datetime, tz: ZoneInfo
+) -> list[str]:
+    """Return the plan's part: each schedule's next windows, then what the planner did."""
+    lines = ["#### Plan", "",
+             f"{report.planned} windows planned ({len(report.created)} runs created now, "
+             f"{report.existing} already there), {len(report.deleted)} deleted"
+             + (f", {report.held_back} held back by plan_max_runs" if report.held_back else "")
+             + ".", ""]
+    clock_rows = [row for row in rows if not row.schedule.is_event]
+    if clock_rows:
+        lines += ["| schedule | name | action | next windows (local) | notes |",
+                  "|---|---|---|---|---|"]
+        for row in sorted(clock_rows, key=lambda r: (r.name, r.id)):
+            if not row.enabled:
+                lines.append(f"| `{row.id}` | {row.name} | {row.action} | disabled | |")
+                continue
+            upcoming = []
+            for count, window in enumerate(fire_times(row.schedule, now, now + timedelta(days=8),
+                                                      tz)):
+                if count >= NEXT_SHOWN:
+                    break
+                upcoming.append(window)
+            shown = "<br>".join(local(w, tz) for w in upcoming) or "none within 8 days"
+            notes = "<br>".join(
+                f"{local(w, tz)}: {note}" for w in upcoming if (note := dst_note(row, w, tz))
+            )
+            lines.append(f"| `{row.id}` | {row.name} | {row.action} | {shown} | {notes} |")
+        lines.append("")
+    if report.created:
+        lines += ["Created:", ""]
+        lines += [f"- `{ref.name}` at {local(start, tz)}" for ref, start, _ in report.created[:50]]
+        if len(report.created) > 50:
+            lines.append(f"- ... and {len(report.created) - 50} more")
+        lines.append("")
+    if report.deleted:
+        lines += ["Deleted (no longer a window of its schedule):", ""]
+        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {why}"
+                  for run, why in report.deleted]
+        lines.append("")
+    if report.missed:
+        lines += ["**Missed** (windows that never had a run: the node or Prefect was down "
+                  "for longer than the plan horizon):", ""]
+        for item in report.missed:
+            shown = ", ".join(local(w, tz) for w in item.windows)
+            hidden = item.count - len(item.windows)
+            more = f" and {hidden} more" if hidden else ""
+            fate = (f"recovered {local(item.recover.window, tz)}" if item.recover else
+                    "not recovered (miss policy)")
+            if item.truncated:
+                fate += f", {item.truncated} older dropped (run-all)"
+            lines.append(f"- `{item.schedule_id}`: {item.count} missed ({shown}{more}); {fate}")
+        lines.append("")
+    if report.recovered:
+        lines += [f"- recovery run `{ref.name}`" for ref, _ in report.recovered] + [""]
+    if report.retried:
+        lines += ["Interrupted jobs run again:", ""]
+        lines += [f"- `{ref.name}` (re-run of `{ref.retry_of}`)" for ref, _ in report.retried]
+        lines.append("")
+    if report.not_retried:
+        lines += ["Interrupted jobs not run again:", ""]
+        lines += [f"- `{item.run_name}`: {why}" for item, why in report.not_retried]
+        lines.append("")
+    if report.failed:
+        lines += ["**Failed** (retried at the next reconcile):", ""]
+        lines += [f"- `{name}`: {error}" for name, error in report.failed]
+        lines.append("")
+    return lines
