@@ -100,11 +100,27 @@ def main() -> int:
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
+    deployments = build_deployments(settings)
+    reconcile_now(deployments)
     # No runner-wide limit: it would be one pool of slots for all three
     # deployments, and long jobs holding them would keep reconcile from planning.
     # Jobs are limited by run-job's own concurrency limit (job_limit).
-    serve(*build_deployments(settings), limit=None)
+    serve(*deployments, limit=None)
     return 0
+
+
+def reconcile_now(deployments: list[RunnerDeployment]) -> None:
+    """Register the deployments and ask for a reconcile now: the node plans at start.
+
+    Without it a fresh node would wait for the first interval run of reconcile
+    (up to ``reconcile_interval``) before any window had a run.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    ids = {item.flow_name: item.apply() for item in deployments}
+    with get_client(sync_client=True) as client:
+        client.create_flow_run_from_deployment(ids["reconcile"], state=Scheduled())
 
 
 if __name__ == "__main__":

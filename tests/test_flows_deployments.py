@@ -1,4 +1,4 @@
-"""prefect.yaml and deployments/serve.py describe the same four deployments (no server)."""
+"""prefect.yaml and deployments/serve.py describe the same three deployments (no server)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ def _yaml() -> dict[str, Any]:
     return data
 
 
-def test_prefect_yaml_deploys_the_four_flows_per_node() -> None:
+def test_prefect_yaml_deploys_the_three_flows_per_node() -> None:
     deployments = {d["entrypoint"]: d for d in _yaml()["deployments"]}
     assert set(deployments) == {
-        "flows/tick.py:fire_tick", "flows/reconcile.py:reconcile",
-        "flows/job.py:run_job", "flows/chain.py:advance_chain",
+        "flows/reconcile.py:reconcile", "flows/job.py:run_job", "flows/chain.py:advance_chain",
     }
     for item in deployments.values():
         assert item["name"] == "{{ $SCHED_NODE_NAME }}"
@@ -30,10 +29,12 @@ def test_prefect_yaml_deploys_the_four_flows_per_node() -> None:
         assert item["work_pool"]["work_queue_name"] == "{{ $SCHED_NODE_NAME }}"
         env = item["work_pool"]["job_variables"]["env"]
         assert env["PREFECT_LOGGING_EXTRA_LOGGERS"] == "sched_core,flows"
-    tick = deployments["flows/tick.py:fire_tick"]
-    assert tick["schedules"] == [{"cron": "* * * * *", "timezone": "UTC"}]
-    assert tick["concurrency_limit"]["limit"] == 1
-    assert deployments["flows/reconcile.py:reconcile"]["schedules"] == [{"interval": 300}]
+    reconcile = deployments["flows/reconcile.py:reconcile"]
+    assert reconcile["schedules"] == [{"interval": 900}]  # the default reconcile_interval
+    assert reconcile["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    pull, = reconcile["triggers"]
+    assert pull["expect"] == ["sched.schedules.updated"]
+    assert pull["match"] == {"prefect.resource.id": "sched.agent.{{ $SCHED_NODE_NAME }}"}
     job = deployments["flows/job.py:run_job"]
     assert job["schedules"] == []
     assert job["concurrency_limit"] == {"limit": 8, "collision_strategy": "ENQUEUE"}
@@ -53,23 +54,23 @@ def test_serve_builds_the_same_deployments(
     monkeypatch.delenv("SCHED_CONFIG", raising=False)
     settings = load_settings(pull_url="schedules.json", node_name="node-a", state_dir=tmp_path)
     built = {d.flow_name: d for d in build_deployments(settings)}
-    assert set(built) == {"fire-tick", "reconcile", "run-job", "advance-chain"}
+    assert set(built) == {"reconcile", "run-job", "advance-chain"}
     assert {d.name for d in built.values()} == {"node-a"}
-    tick_schedule = built["fire-tick"].schedules[0].schedule
-    assert getattr(tick_schedule, "cron", None) == "* * * * *"
-    assert getattr(tick_schedule, "timezone", None) == "UTC"
     interval = built["reconcile"].schedules[0].schedule
-    assert getattr(interval, "interval", None).total_seconds() == 300
+    assert getattr(interval, "interval", None).total_seconds() == 900
+    pull, = built["reconcile"].triggers
+    assert pull.match.root == {"prefect.resource.id": "sched.agent.node-a"}
+    assert pull.expect == {"sched.schedules.updated"}
     assert built["run-job"].schedules in (None, [])
     trigger, = built["advance-chain"].triggers
     assert trigger.match.root == {"prefect.resource.id": "sched.agent.node-a"}
     assert trigger.expect == {"sched.job.completed", "sched.job.failed"}
-    for name in ("fire-tick", "reconcile", "advance-chain"):
+    for name in ("reconcile", "advance-chain"):
         limit = built[name].concurrency_limit
         assert getattr(limit, "limit", limit) == 1
 
 
-def test_only_jobs_are_limited_so_long_jobs_never_hold_back_the_tick(
+def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """run-job has the node's job slots; serve itself runs with no runner-wide limit."""
@@ -94,7 +95,8 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_the_tick(
         served["options"] = options
 
     monkeypatch.setattr(serve_module, "serve", fake_serve)
+    monkeypatch.setattr(serve_module, "reconcile_now", lambda deployments: None)
     assert serve_module.main() == 0
     assert served["options"] == {"limit": None}
     limited = {name: d.concurrency_limit for name, d in served["deployments"].items()}
-    assert limited == {"fire-tick": 1, "reconcile": 1, "run-job": 3, "advance-chain": 1}
+    assert limited == {"reconcile": 1, "run-job": 3, "advance-chain": 1}
