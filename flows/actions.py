@@ -268,6 +268,7 @@ def render_argv(
         in_regex = before in REGEX_OPTIONS or option in REGEX_OPTIONS
         out: list[str] = []
         first: tuple[_Slot, str] | None = None
+        last: _Slot | None = None
         for literal, field, name, _conv in pieces:
             out.append(literal)
             if field is None:
@@ -298,13 +299,16 @@ def render_argv(
                 raise slot.refuse(
                     text, f"it lands in a regex ({template!r}), where {REGEX_CHARS} are not allowed"
                 )
-            if first is None and not "".join(out):
-                first = (slot, text)
+            if first is None and text and not "".join(out):
+                first = (slot, text)  # the value the element starts with
+            last = slot
             out.append(text)
         element = "".join(out)
         if first is not None:
             whole = not literals and sum(field is not None for _, field, _, _ in pieces) == 1
             _check_element_start(first[0], first[1], whole=whole)
+        elif not element and last is not None:
+            raise last.refuse(element, "an argv element may not be empty")
         argv.append(element)
     return argv
 
@@ -319,8 +323,6 @@ def _check_element_start(slot: _Slot, text: str, *, whole: bool) -> None:
             "read it as an option (values are data: declare the param with allow_dash and "
             "a pattern if it is meant to be one)",
         )
-    if whole and text == "":
-        raise slot.refuse(text, "an argv element may not be empty")
     if whole and text in FIND_OPERATORS:
         words = " ".join(sorted(FIND_OPERATORS))
         raise slot.refuse(text, f"a whole argv element may not be one of {words}")
