@@ -86,9 +86,9 @@ def window_stamp(window: datetime | None) -> str:
 def _show(text: object) -> str:
     """Return a value for an error message: its repr, cut short when long."""
     shown = repr(text)
-    if len(shown) > 80:
-        size = len(text.encode()) if isinstance(text, str) else len(shown)
-        shown = f"{shown[:60]}... ({size} bytes)"
+    if len(shown) > 200:
+        size = len(text.encode("utf-8", "surrogatepass")) if isinstance(text, str) else None
+        shown = f"{shown[:160]}..." + (f" ({size} bytes)" if size is not None else "")
     return shown
 
 
@@ -169,11 +169,12 @@ def _checked_path(slot: _Slot, rule: ParamSpec, value: str, cwd: Path | None) ->
     """Return the resolved path of value once it stays under one of the rule's roots."""
     if not value or value.startswith("-"):
         raise slot.refuse(value, "a path may not be empty or start with '-'")
-    if not os.path.isabs(value):
+    path = value
+    if not os.path.isabs(path):
         if cwd is None:
             raise slot.refuse(value, "a relative path needs the action's cwd; give an absolute one")
-        value = os.path.join(cwd, value)
-    resolved = os.path.realpath(os.path.normpath(value))
+        path = os.path.join(cwd, path)
+    resolved = os.path.realpath(os.path.normpath(path))
     roots = [os.path.realpath(root) for root in rule.under or ()]
     for root in roots:
         if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
