@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import time
 import uuid
 from datetime import UTC, datetime
@@ -502,20 +501,35 @@ def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
 
 @pytest.mark.prefect
 @pytest.mark.usefixtures("prefect_server")
-def test_run_job_of_a_good_demo_row_writes_a_private_archive(
+def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shipped demo backup still runs through run-job: its archive is 0600 in a 0700 folder."""
+    """The demo table still runs through run-job: tar, cp, find -delete, gzip -t and tar -t.
+
+    Its archive is 0600 in a 0700 state folder, its mirror 0700 with nothing open to others.
+    """
     node = Node(tmp_path, monkeypatch, "agent.toml")
     node.cache([_demo("good", "backup", source="demo-data"),
-                _demo("good-copy", "copy", source="demo-data")])
+                _demo("good-copy", "copy", source="demo-data"),
+                _demo("good-prune", "prune", keep_minutes=30),
+                _demo("good-check", "check")])
     state = node.run("good")
     assert state.is_completed(), state.message
+    assert state.result()["argv"][-2:] == ["--", "."]
     [archive] = node.state.glob("archive-demo-*.tar.gz")
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     assert stat.S_IMODE(node.state.stat().st_mode) == 0o700
     assert node.run("good-copy").is_completed()
     mirror = node.state / "mirror-demo"
     assert stat.S_IMODE(mirror.stat().st_mode) == 0o700
+    assert sorted(p.name for p in mirror.rglob("*")) == sorted(
+        p.name for p in (node.home / "demo-data").rglob("*"))
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in mirror.rglob("*"))
-    assert sys.executable  # the jobs ran tar and cp, not python
+    old = node.state / "archive-demo-20261201T0730Z.tar.gz"
+    shutil.copy2(archive, old)  # a real archive: the check gunzips and lists every one
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    checked = node.run("good-check")
+    assert checked.is_completed(), checked.message
+    prune = node.run("good-prune")
+    assert prune.is_completed(), prune.message
+    assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
