@@ -205,7 +205,7 @@ def _slot_value(
                 f"schedule {schedule.id!r} ({schedule.action}) has no parameter {name!r} "
                 f"that its argv template names as {{param:{name}}}"
             )
-        slot = _Slot(where, f"params.{name}", field, spec.params.get(name), program)
+        slot = _Slot(where, f"params.{_name(name)}", field, spec.params.get(name), program)
         if slot.rule is None and spec.strict_params is not False:
             raise slot.refuse(params[name], _undeclared(schedule.action, name))
         return slot, params[name]
@@ -253,22 +253,16 @@ def render_argv(
         for name in sorted(schedule.params or {}):
             if name not in spec.params:
                 raise ValueRefused(
-                    f"{where}: params.{name} refused: {_undeclared(schedule.action, name)}"
+                    f"{where}: params.{_name(name)} refused: "
+                    f"{_undeclared(schedule.action, _name(name))}"
                 )
     fixed = {"state_dir": str(state_dir), "window": window_stamp(window)}
     argv: list[str] = []
     for index, template in enumerate(spec.argv):
         pieces = _parse(template)
-        literals = "".join(literal for literal, *_ in pieces)
-        in_state = any(field == "state_dir" for _, field, _, _ in pieces)
-        before = spec.argv[index - 1] if index else ""
-        head = pieces[0][0] if pieces else ""
-        option = head.split("=", 1)[0] if "=" in head else ""
-        in_glob = (any(c in literals for c in "*?[")
-                   or before in PATTERN_OPTIONS or option in PATTERN_OPTIONS)
-        in_regex = before in REGEX_OPTIONS or option in REGEX_OPTIONS
+        place = _Place.of(spec.argv, index, pieces)
         out: list[str] = []
-        first: tuple[_Slot, str] | None = None
+        first: tuple[_Slot, str] | None = None  # the value the element starts with
         last: _Slot | None = None
         for literal, field, name, _conv in pieces:
             out.append(literal)
@@ -284,34 +278,71 @@ def render_argv(
             else:
                 text = _plain_text(slot, value)
                 _check_text(slot, text)
-            if in_state and ("/" in text or ".." in text or text in ("", ".")
-                             or any(c in GLOB_CHARS for c in text)):
-                raise slot.refuse(
-                    text,
-                    "inside a {state_dir} path a value may not be empty or '.', nor hold "
-                    "'/', '..' or any of *?[]\\ (it must not leave the state folder or "
-                    "match other files)",
-                )
-            if in_glob and any(c in GLOB_CHARS for c in text):
-                raise slot.refuse(
-                    text, f"it lands in a pattern ({template!r}), where *?[]\\ are not allowed"
-                )
-            if in_regex and any(c in REGEX_CHARS for c in text):
-                raise slot.refuse(
-                    text, f"it lands in a regex ({template!r}), where {REGEX_CHARS} are not allowed"
-                )
+            place.check(slot, text)
             if first is None and text and not "".join(out):
-                first = (slot, text)  # the value the element starts with
+                first = (slot, text)
             last = slot
             out.append(text)
         element = "".join(out)
         if first is not None:
-            whole = not literals and sum(field is not None for _, field, _, _ in pieces) == 1
-            _check_element_start(first[0], first[1], whole=whole)
+            _check_element_start(first[0], first[1], whole=place.single)
         elif not element and last is not None:
             raise last.refuse(element, "an argv element may not be empty")
         argv.append(element)
     return argv
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where in the argv an element's values land: a {state_dir} path, a pattern, a regex."""
+
+    template: str
+    in_state: bool
+    in_glob: bool
+    in_regex: bool
+    single: bool  # the element is one placeholder and nothing else
+
+    @classmethod
+    def of(cls, argv: list[str], index: int,
+           pieces: list[tuple[str, str | None, str, str | None]]) -> _Place:
+        literals = "".join(literal for literal, *_ in pieces)
+        fields = [field for _, field, _, _ in pieces if field is not None]
+        before = argv[index - 1] if index else ""
+        head = pieces[0][0] if pieces else ""
+        option = head.split("=", 1)[0] if "=" in head else ""  # --exclude={param:x}
+        return cls(
+            template=argv[index],
+            in_state="state_dir" in fields,
+            in_glob=(any(c in literals for c in "*?[")
+                     or before in PATTERN_OPTIONS or option in PATTERN_OPTIONS),
+            in_regex=before in REGEX_OPTIONS or option in REGEX_OPTIONS,
+            single=not literals and len(fields) == 1,
+        )
+
+    def check(self, slot: _Slot, text: str) -> None:
+        """Refuse a value that would leave the state folder or widen a pattern."""
+        if self.in_state and ("/" in text or ".." in text or text in ("", ".")
+                              or any(c in GLOB_CHARS for c in text)):
+            raise slot.refuse(
+                text,
+                "inside a {state_dir} path a value may not be empty or '.', nor hold "
+                "'/', '..' or any of *?[]\\ (it must not leave the state folder or "
+                "match other files)",
+            )
+        if self.in_glob and any(c in GLOB_CHARS for c in text):
+            raise slot.refuse(
+                text, f"it lands in a pattern ({self.template!r}), where *?[]\\ are not allowed"
+            )
+        if self.in_regex and any(c in REGEX_CHARS for c in text):
+            raise slot.refuse(
+                text,
+                f"it lands in a regex ({self.template!r}), where {REGEX_CHARS} are not allowed",
+            )
+
+
+def _name(name: str) -> str:
+    """Return a param name for a message: as is when plain, else its repr, cut short."""
+    return name if IDENTIFIER_RE.fullmatch(name) else _show(name)
 
 
 def _check_element_start(slot: _Slot, text: str, *, whole: bool) -> None:

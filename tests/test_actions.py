@@ -139,6 +139,11 @@ def test_strict_params_refuses_a_row_param_the_action_does_not_declare() -> None
     with pytest.raises(ValueRefused, match="declares no param 'b'"):
         _render(_spec("tool", "{param:b}"), _row(b="x"))
     assert _render(_spec("tool", "{param:b}", strict_params=False), _row(b="x")) == ["tool", "x"]
+    # A param name is shown escaped: no terminal sequence reaches a log line raw.
+    with pytest.raises(ValueRefused) as caught:
+        _render(spec, _row(a=3, **{"\x1b[2Jx": 1}))
+    assert "params.'\\x1b[2Jx' refused" in str(caught.value)
+    assert "\x1b" not in str(caught.value)
 
 
 @pytest.mark.parametrize(
