@@ -172,7 +172,9 @@ def _checked_path(slot: _Slot, rule: ParamSpec, value: str, cwd: Path | None) ->
     path = value
     if not os.path.isabs(path):
         if cwd is None:
-            raise slot.refuse(value, "a relative path needs the action's cwd; give an absolute one")
+            raise slot.refuse(
+                value, "it is not an absolute path (a relative one needs the action's cwd)"
+            )
         path = os.path.join(cwd, path)
     resolved = os.path.realpath(os.path.normpath(path))
     roots = [os.path.realpath(root) for root in rule.under or ()]

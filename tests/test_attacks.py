@@ -316,9 +316,9 @@ def test_demo_params_are_data(
     ("backup", "param:path", "/etc/sched-agent/restic-password", "is not under"),
     ("backup", "param:path", "/home/../root", "it resolves to /root"),
     ("backup", "storage", "/tmp/attacker-repo", "is not under /srv/restic"),
-    ("backup", "storage", "sftp:-oProxyCommand=id:/r", "relative path"),
-    ("backup", "storage", "rest:https://attacker.example/r", "relative path"),
-    ("copy", "param:copy_to", "sftp:attacker:/stolen", "relative path"),
+    ("backup", "storage", "sftp:-oProxyCommand=id:/r", "not an absolute path"),
+    ("backup", "storage", "rest:https://attacker.example/r", "not an absolute path"),
+    ("copy", "param:copy_to", "sftp:attacker:/stolen", "not an absolute path"),
     ("copy", "param:copy_to", "/tmp/stolen", "is not under /mnt/offsite/restic"),
     ("prune", "param:keep_daily", 0, "below the minimum 1"),
     ("check", "param:read_subset", "--help", "does not match the pattern"),
@@ -493,7 +493,8 @@ def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
         "r-key": "params.path = '/etc/sched-agent/restic-password' refused: it is not under "
                  "/home or /srv/data",
         "r-store": "storage = \"--password-command=sh -c 'id > ",
-        "r-exfil": "params.copy_to = 'sftp:attacker.example:/stolen' refused: a relative path",
+        "r-exfil": "params.copy_to = 'sftp:attacker.example:/stolen' refused: it is not an "
+                   "absolute path",
         "r-keep": "params.keep_daily = '7 --keep-last 0' refused: declared int, it is a str",
         "r-subset": "params.read_subset = '--password-command=id>",
     })
