@@ -64,12 +64,14 @@ def run_attempt(
     env: dict[str, str],
     cwd: str | None,
     attempts: list[CommandResult],
+    umask: int = 0o077,
 ) -> CommandResult:
     """Run the command once; raise JobFailed on a non-zero exit so the task retries."""
     logger = get_run_logger()
     logger.info("running %s", argv)
     result = run_command(
-        argv, timeout_s=timeout_s, env=env, cwd=None if cwd is None else Path(cwd), log=logger.info
+        argv, timeout_s=timeout_s, env=env, cwd=None if cwd is None else Path(cwd), log=logger.info,
+        umask=umask,
     )
     attempts.append(result)
     if result.timed_out:
@@ -252,6 +254,7 @@ def run_job(
             spec.env,
             str(spec.cwd) if spec.cwd else None,
             attempts,
+            settings.job_umask,
         )
     except Exception as exc:
         error = exc

@@ -10,12 +10,14 @@ resolved against the TOML file's folder, or the working directory without one.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 import string
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 from zoneinfo import ZoneInfo
 
 from pydantic import (
@@ -37,6 +39,8 @@ from pydantic_settings import (
 
 from sched_core import ConfigError
 from sched_core.matcher import zone
+
+log = logging.getLogger(__name__)
 
 CONFIG_ENV = "SCHED_CONFIG"
 """The environment variable naming the TOML configuration file."""
@@ -89,8 +93,83 @@ Seconds = Annotated[timedelta, BeforeValidator(_seconds)]
 """A duration given as seconds (``300``, ``"0.5"``) or ISO 8601 (``"PT5M"``)."""
 
 
+def _octal(value: object) -> object:
+    """Accept a umask as an int (TOML ``0o077``) or octal text (``"077"``, ``"0o077"``)."""
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            raise ValueError(f"{value!r} is not an octal umask such as \"077\"")
+        return int(text, 8)
+    return value
+
+
+Umask = Annotated[int, BeforeValidator(_octal), Field(ge=0, le=0o777)]
+"""A umask: an int (TOML ``0o077``) or octal text (``"077"``)."""
+
+
+MAX_VALUE_BYTES = 4096
+"""The longest value (in UTF-8 bytes) a row may put into one argv element."""
+
+ROW_FIELDS = ("repo_id", "storage", "schedule_id", "action", "node", "trigger_key")
+"""The placeholders other than ``{param:NAME}`` whose values an action may declare."""
+
+class ParamSpec(BaseModel):
+    """What one value may be: ``[actions.backup.params.path] type = "path", under = [...]``.
+
+    ``string``: text, optionally one of ``choices`` or matching ``pattern`` (the
+    whole value, Python ``re``), at most ``max_length`` characters; it may start
+    with ``-`` only with ``allow_dash = true``, which needs ``pattern`` or
+    ``choices``. ``int``: a whole number within ``min``/``max``. ``bool``:
+    true or false (written ``true``/``false``). ``path``: an absolute path, or
+    one relative to the action's ``cwd``, that (normalised, symlinks resolved)
+    stays under one of the ``under`` roots; the command gets the resolved path.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["string", "int", "bool", "path"]
+    pattern: str | None = None
+    choices: list[str] | None = None
+    allow_dash: bool = False
+    max_length: int | None = Field(default=None, ge=1, le=MAX_VALUE_BYTES)
+    min: int | None = None
+    max: int | None = None
+    under: list[Path] | None = None
+
+    @model_validator(mode="after")
+    def _check_rule(self) -> Self:
+        only = {"pattern": "string", "choices": "string", "allow_dash": "string",
+                "max_length": "string", "min": "int", "max": "int", "under": "path"}
+        for key, kind in only.items():
+            if key in self.model_fields_set and self.type != kind:
+                raise ValueError(f"{key} applies to type = {kind!r} only, not {self.type!r}")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {self.pattern!r} is not a valid regex: {exc}") from exc
+        if self.choices is not None and not self.choices:
+            raise ValueError("choices is empty: list the values allowed")
+        if self.allow_dash and self.pattern is None and self.choices is None:
+            raise ValueError(
+                "allow_dash needs a pattern or choices: a value that may start with '-' "
+                "becomes an option of the command, so say which ones"
+            )
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}")
+        if self.type == "path" and not self.under:
+            raise ValueError('type = "path" needs under = ["/root/it/must/stay/in", ...]')
+        return self
+
+
 class ActionSpec(BaseModel):
-    """How to run one action: an argv template, executed without a shell."""
+    """How to run one action: an argv template, executed without a shell.
+
+    ``params`` declares the row's ``params`` the action takes (a ParamSpec
+    each), ``fields`` adds rules for row fields (``storage``, ``repo_id``, ...);
+    with ``strict_params`` (None: the agent's setting, true by default) a row
+    with a param not declared here fails the job.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -100,13 +179,57 @@ class ActionSpec(BaseModel):
     retry_delay: Seconds = timedelta(seconds=30)
     env: dict[str, str] = Field(default_factory=dict)
     cwd: Path | None = None
+    params: dict[str, ParamSpec] = Field(default_factory=dict)
+    fields: dict[str, ParamSpec] = Field(default_factory=dict)
+    strict_params: bool | None = None
 
     @field_validator("argv")
     @classmethod
     def _check_templates(cls, argv: list[str]) -> list[str]:
         for item in argv:
             template_fields(item)
+        if template_fields(argv[0]):
+            raise ValueError(
+                f"argv[0] {argv[0]!r} must be a fixed program, not a template: "
+                "a row must never choose what runs"
+            )
         return argv
+
+    @field_validator("fields")
+    @classmethod
+    def _check_fields(cls, fields: dict[str, ParamSpec]) -> dict[str, ParamSpec]:
+        for name, rule in fields.items():
+            if name not in ROW_FIELDS:
+                raise ValueError(
+                    f"{name!r} is no row field an argv template names "
+                    f"(one of {', '.join(ROW_FIELDS)}; declare params under params)"
+                )
+            if rule.type not in ("string", "path"):
+                raise ValueError(f"{name}: a row field is text: type string or path")
+        return fields
+
+    @model_validator(mode="after")
+    def _check_state_paths(self) -> Self:
+        # A value inside {state_dir}/... may hold no '/', so a path rule there never passes.
+        for item in self.argv:
+            names = template_fields(item)
+            if ("state_dir", "") not in names:
+                continue
+            for field, spec in names:
+                label = f"param:{spec}" if field == "param" else field
+                rule = self.rule(label)
+                if rule is not None and rule.type == "path":
+                    raise ValueError(
+                        f"argv element {item!r}: {{{label}}} is declared a path, but a value "
+                        "inside a {state_dir} path may hold no '/'"
+                    )
+        return self
+
+    def rule(self, label: str) -> ParamSpec | None:
+        """Return the declared rule of a placeholder (``param:path``, ``storage``), if any."""
+        if label.startswith("param:"):
+            return self.params.get(label.removeprefix("param:"))
+        return self.fields.get(label)
 
 
 class StageSpec(BaseModel):
@@ -157,6 +280,10 @@ class AgentSettings(BaseSettings):
     plan_min_windows: int = Field(default=3, ge=0, le=100)
     plan_max_runs: int = Field(default=2000, ge=1)
     allow_row_parameter: bool = False
+
+    # -- what a row may make a node execute (flows/actions.py checks every value) --
+    strict_params: bool = True
+    job_umask: Umask = 0o077
 
     @classmethod
     def settings_customise_sources(
@@ -273,5 +400,34 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> AgentSe
     for spec in settings.actions.values():
         if spec.cwd is not None:
             spec.cwd = _resolve(base, spec.cwd)
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+        if spec.strict_params is None:
+            spec.strict_params = settings.strict_params
+        for rule in [*spec.params.values(), *spec.fields.values()]:
+            if rule.under:
+                rule.under = [_resolve(base, root) for root in rule.under]
+    make_private_dir(settings.state_dir, 0o777 & ~settings.job_umask)
     return settings
+
+
+def make_private_dir(path: Path, mode: int) -> None:
+    """Create path with mode (0700 under the default umask); tighten an existing one.
+
+    An existing folder with bits beyond mode (a 0755 state folder from an older
+    version) is chmod-ed to drop them, with a warning; if that fails (not its
+    owner) the warning says so and the folder is used as it is.
+    """
+    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    current = path.stat().st_mode & 0o777
+    if current & ~mode:
+        try:
+            path.chmod(current & mode)
+        except OSError as exc:
+            log.warning(
+                "state folder is readable by others and could not be tightened",
+                extra={"path": str(path), "mode": oct(current), "error": str(exc)},
+            )
+            return
+        log.warning(
+            "state folder tightened",
+            extra={"path": str(path), "was": oct(current), "now": oct(current & mode)},
+        )

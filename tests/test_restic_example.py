@@ -34,11 +34,17 @@ def _rows() -> dict[str, dict[str, Any]]:
 
 
 def _settings(tmp: Path, *, password: Path | None = None) -> AgentSettings:
-    """Load a copy of the example with its node paths moved under tmp."""
+    """Load a copy of the example with its node paths (and, with password, roots) under tmp."""
     text = EXAMPLE.read_text()
     if password is not None:
         text = text.replace("/etc/sched-agent/restic-password", str(password))
         text = text.replace("/var/cache/restic", str(tmp / "cache"))
+        # The declared roots: what may be backed up, the repositories, the off-site copies.
+        for root in ("/srv/data", "/srv/restic", "/mnt/offsite/restic"):
+            assert f'"{root}"' in text, root
+        text = text.replace('"/srv/data"', f'"{tmp / "data"}"')
+        text = text.replace('"/srv/restic"', f'"{tmp / "repo"}"')
+        text = text.replace('"/mnt/offsite/restic"', f'"{tmp / "offsite"}"')
     config = tmp / "agent.toml"
     config.write_text(text)
     return load_settings(config, state_dir=str(tmp / "state"), node_name="backup-01")
@@ -64,8 +70,8 @@ def test_every_action_renders_for_the_sample_rows(
     assert set(rows) == set(settings.actions) == set(ACTIONS)
     rendered = {action: _argv(settings, rows[action]) for action in ACTIONS}
     assert rendered == {
-        "backup": ["restic", "--repo", "/srv/restic/r-9", "backup", "/home", "--tag", "r-9",
-                   "--host", "backup-01", "--one-file-system"],
+        "backup": ["restic", "--repo", "/srv/restic/r-9", "backup", "--tag", "r-9",
+                   "--host", "backup-01", "--one-file-system", "--", "/home"],
         "copy": ["restic", "--repo", "/mnt/offsite/restic/r-9", "copy",
                  "--from-repo", "/srv/restic/r-9", "--tag", "r-9"],
         "prune": ["restic", "--repo", "/srv/restic/r-9", "forget", "--tag", "r-9",

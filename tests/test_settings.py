@@ -119,7 +119,8 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
 
 def test_render_fills_schedule_fields_and_params() -> None:
     spec = ActionSpec(argv=["tool", "--repo={repo_id}", "{param:threads}", "{param:fast}",
-                            "-exec", "x", "{{}}", "{window}", "{state_dir}/{node}"])
+                            "-exec", "x", "{{}}", "{window}", "{state_dir}/{node}"],
+                      strict_params=False)  # undeclared params: text, after the common checks
     argv = render_argv(
         spec, _row(threads=4.0, fast=True), state_dir=Path("/st"), node="n",
         window=datetime(2026, 12, 2, 7, 30, tzinfo=UTC), trigger_key="schedule",
@@ -140,8 +141,8 @@ def test_render_rejects_missing_values_before_running(
     template: str, row: LocalSchedule, message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
-        render_argv(ActionSpec(argv=["x", template]), row, state_dir=Path("/st"), node="n",
-                    window=None, trigger_key="manual")
+        render_argv(ActionSpec(argv=["x", template], strict_params=False), row,
+                    state_dir=Path("/st"), node="n", window=None, trigger_key="manual")
 
 
 def test_run_command_uses_no_shell_and_streams_output() -> None:

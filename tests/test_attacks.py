@@ -1,0 +1,536 @@
+"""Issue 10's attacks, tried as an attacker would, against the shipped action tables.
+
+A schedule row comes from the network (the controller, its admin token, a
+pull file): it must never choose what a node executes. Three layers:
+
+1. Every placeholder of examples/agent.toml and examples/agent-restic.toml,
+   filled with hostile values (a leading ``-``, ``..``, ``/``, globs, NUL,
+   newline, 200 KiB), against ``render_argv``: each is refused, naming the
+   schedule, the field and the rule.
+2. The payloads are live: run unguarded (the argv the old code built) with the
+   real tools, they do what the attacker wants (a marker file appears,
+   another repository's archives go, a copy lands outside the state folder);
+   through ``render_argv`` they are refused and the marker never appears.
+3. Through ``run-job`` on a real Prefect server, by ``schedule_id`` from the
+   node's cache (a hostile row written into it): the run fails naming what
+   was refused, no command ran (no task run), no marker file exists, and a
+   snapshot of the whole throwaway folder is unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.actions import ValueRefused, render_argv, run_command
+from flows.settings import AgentSettings, load_settings, template_fields
+from sched_core import ConfigError, LocalSchedule
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+WINDOW = datetime(2026, 12, 2, 7, 30, tzinfo=UTC)
+HAS_RESTIC = shutil.which("restic") is not None
+# Not scanned for: the placeholders fixed by the agent itself.
+OURS = {"state_dir", "window"}
+
+
+def hostile(marker: Path) -> dict[str, Any]:
+    """Return the hostile values by name; the shell ones would create marker."""
+    return {
+        "dash": "--help",
+        "password-command": f"--password-command=sh -c 'id > {marker}; echo pw'",
+        "to-command": f"--to-command=sh -c 'id > {marker}'",
+        "restic-o": f"-o sftp.command=sh -c 'id > {marker}'",
+        "dotdot": "..",
+        "escape": "q/../../escaped",
+        "slash": "/",
+        "ssh-keys": "/root/.ssh",
+        "password-file": "/etc/sched-agent/restic-password",
+        "star": "*",
+        "question": "?",
+        "class": "[a-z]",
+        "nul": "a\x00b",
+        "newline": "a\nb",
+        "huge": "x" * (200 * 1024),
+        "negative": -1,
+        "enormous": 10**12,
+        "list": ["--help"],
+    }
+
+
+def _shipped(name: str, tmp: Path) -> AgentSettings:
+    return load_settings(EXAMPLES / name, state_dir=str(tmp / "state"), node_name="node-a")
+
+
+def _sample_rows(name: str) -> dict[str, dict[str, Any]]:
+    """Return one sample row per action from the example's schedule file."""
+    source = "schedules.json" if name == "agent.toml" else "restic-schedules.json"
+    rows: dict[str, dict[str, Any]] = {}
+    for row in json.loads((EXAMPLES / source).read_text())["schedules"]:
+        rows.setdefault(row["action"], row)
+    return rows
+
+
+def _placeholders(settings: AgentSettings, action: str) -> list[str]:
+    """Return the placeholders an action's argv names: "repo_id", "param:path", ..."""
+    found: list[str] = []
+    for item in settings.actions[action].argv:
+        for field, spec in template_fields(item):
+            label = f"param:{spec}" if field == "param" else field
+            if field not in OURS and label not in found:
+                found.append(label)
+    return found
+
+
+def _render(settings: AgentSettings, row: dict[str, Any], *, node: str = "node-a",
+            trigger_key: str = "schedule") -> list[str]:
+    return render_argv(settings.action(row["action"]), LocalSchedule.model_validate(row),
+                       state_dir=settings.state_dir, node=node, window=WINDOW,
+                       trigger_key=trigger_key)
+
+
+def _with(
+    row: dict[str, Any], placeholder: str, value: Any
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Return row with placeholder set to value, and the render keywords that carry it."""
+    row = json.loads(json.dumps(row))
+    if placeholder.startswith("param:"):
+        row["params"] = {**(row.get("params") or {}), placeholder[6:]: value}
+        return row, {}
+    if placeholder in ("node", "trigger_key"):
+        return row, {placeholder: value}
+    row["id" if placeholder == "schedule_id" else placeholder] = value
+    return row, {}
+
+
+LABELS = {"schedule_id": "id", "node": "node (node_name)",
+          "trigger_key": "trigger_key (run parameter)"}
+
+
+def _cases() -> list[tuple[str, str, str, str]]:
+    cases = []
+    with_tmp = Path("/nonexistent-sched-attack")
+    for name in ("agent.toml", "agent-restic.toml"):
+        settings = load_settings(EXAMPLES / name, state_dir=str(with_tmp), node_name="node-a")
+        for action in sorted(settings.actions):
+            for placeholder in _placeholders(settings, action):
+                for kind, value in hostile(with_tmp).items():
+                    # The node name and the trigger key are text (a setting, a run parameter).
+                    if placeholder in ("node", "trigger_key") and not isinstance(value, str):
+                        continue
+                    cases.append((name, action, placeholder, kind))
+    shutil.rmtree(with_tmp, ignore_errors=True)
+    return cases
+
+
+# -- 1. every placeholder of the shipped tables against render_argv -------------------
+
+
+@pytest.mark.parametrize("name", ["agent.toml", "agent-restic.toml"])
+def test_the_sample_rows_render(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control for the matrix: the shipped rows pass, so a refusal is the value's doing."""
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped(name, tmp_path)
+    rows = _sample_rows(name)
+    assert set(rows) == set(settings.actions)
+    for row in rows.values():
+        assert _render(settings, row)[0] in ("tar", "cp", "find", "restic")
+
+
+@pytest.mark.parametrize(("name", "action", "placeholder", "kind"), _cases())
+def test_every_placeholder_refuses_every_hostile_value(
+    name: str, action: str, placeholder: str, kind: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped(name, tmp_path)
+    value = hostile(tmp_path / "marker")[kind]
+    row, keywords = _with(_sample_rows(name)[action], placeholder, value)
+    try:
+        LocalSchedule.model_validate(row)
+    except ValueError:
+        # The row model refuses it first (a list where a string goes, or an
+        # identifier rule in the kit): it never reaches a command either.
+        return
+    with pytest.raises(ConfigError) as caught:
+        _render(settings, row, **keywords)
+    message = str(caught.value)
+    label = (f"params.{placeholder[6:]}" if placeholder.startswith("param:")
+             else LABELS.get(placeholder, placeholder))
+    assert isinstance(caught.value, ValueRefused), message
+    assert message.startswith(f"schedule {row['id']!r} ({action}): {label} = "), message
+    assert " refused: " in message
+    assert len(message) < 600  # a 200 KiB value is cut short in the message
+    assert not (tmp_path / "marker").exists()
+
+
+# -- 2. the payloads are live; refused, they never run --------------------------------
+
+
+def _restic_settings(tmp: Path, password: Path) -> AgentSettings:
+    """The restic example with RESTIC_PASSWORD_COMMAND (as the issue's attack had it)."""
+    text = (EXAMPLES / "agent-restic.toml").read_text()
+    text = text.replace('RESTIC_PASSWORD_FILE = "/etc/sched-agent/restic-password"',
+                        f'RESTIC_PASSWORD_COMMAND = "cat {password}"')
+    text = text.replace("/var/cache/restic", str(tmp / "cache"))
+    text = text.replace('"/srv/data"', f'"{tmp / "data"}"')
+    text = text.replace('"/srv/restic"', f'"{tmp / "repos"}"')
+    assert "RESTIC_PASSWORD_FILE" not in text.split("[actions.backup]")[1].split("\n[")[0]
+    config = tmp / "agent.toml"
+    config.write_text(text)
+    return load_settings(config, state_dir=str(tmp / "state"), node_name="node-a")
+
+
+@pytest.mark.skipif(not HAS_RESTIC, reason="restic is not on PATH (apt-get install restic)")
+def test_restic_password_command_runs_unguarded_and_is_refused_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    password = tmp_path / "pw"
+    password.write_text("pw\n")
+    settings = _restic_settings(tmp_path, password)
+    env = settings.actions["backup"].env
+    repo, data, marker = tmp_path / "repos" / "r-9", tmp_path / "data", tmp_path / "marker"
+    data.mkdir()
+    (data / "a").write_text("a")
+    assert run_command(["restic", "init", "--repo", str(repo)], timeout_s=60,
+                       env=env).exit_code == 0
+    payload = hostile(marker)["password-command"]
+    # Unguarded: the argv the old template built runs the attacker's shell.
+    run_command(["restic", "--repo", str(repo), "backup", payload, "--tag", "r-9"],
+                timeout_s=60, env=env)
+    assert marker.read_text().startswith("uid="), "the payload is live"
+    marker.unlink()
+    row = {**_sample_rows("agent-restic.toml")["backup"], "storage": str(repo),
+           "params": {"path": payload}}
+    with pytest.raises(ValueRefused, match=(
+            r"schedule 'r-9-backup' \(backup\): params.path = \"--password-command=sh -c "
+            r"'id > .*marker; echo pw'\" refused: a path may not be empty or start with '-'")):
+        _render(settings, row)
+    # The backup the row should have been still runs, with the shipped template.
+    row["params"] = {"path": str(data)}
+    argv = _render(settings, row)
+    assert argv[-2:] == ["--", str(data)]
+    result = run_command(argv, timeout_s=120, env=env)
+    assert result.exit_code == 0 and not marker.exists()
+
+
+def _archive(folder: Path, repo: str, stamp: str = "20261202T0730Z", age_s: float = 3600) -> Path:
+    path = folder / f"archive-{repo}-{stamp}.tar.gz"
+    path.write_bytes(b"x")
+    old = time.time() - age_s
+    os.utime(path, (old, old))
+    return path
+
+
+def test_demo_prune_star_deletes_other_repos_unguarded_and_is_refused_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped("agent.toml", tmp_path)
+    state = settings.state_dir
+    other = _archive(state, "other")
+    # Unguarded: the old template, find -name archive-{repo_id}-*.tar.gz with repo_id "*".
+    run_command(["find", str(state), "-maxdepth", "1", "-name", "archive-*-*.tar.gz",
+                 "-mmin", "+1", "-print", "-delete"], timeout_s=30)
+    assert not other.exists(), "the payload is live"
+    other = _archive(state, "other")
+    row = {**_sample_rows("agent.toml")["prune"], "repo_id": "*"}
+    with pytest.raises(ValueRefused, match=r": repo_id = '\*' refused: an identifier is"):
+        _render(settings, row)
+    assert other.exists()
+
+
+def test_demo_prune_of_repo_r_spares_repo_r_9(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped pattern spells out the stamp: "r" no longer matches "r-9-<stamp>"."""
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped("agent.toml", tmp_path)
+    mine, theirs = _archive(settings.state_dir, "r"), _archive(settings.state_dir, "r-9")
+    fresh = _archive(settings.state_dir, "r", "20261202T0930Z", age_s=0)
+    row = {**_sample_rows("agent.toml")["prune"], "repo_id": "r", "params": {"keep_minutes": 10}}
+    lines: list[str] = []
+    result = run_command(_render(settings, row), timeout_s=30, log=lines.append)
+    assert result.exit_code == 0
+    assert lines == [str(mine)]
+    assert not mine.exists() and theirs.exists() and fresh.exists()
+
+
+def test_demo_copy_escape_writes_outside_unguarded_and_is_refused_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped("agent.toml", tmp_path)
+    source = EXAMPLES / "demo-data"
+    (settings.state_dir / "mirror-q").mkdir()
+    escaped = tmp_path / "escaped"
+    # Unguarded: cp -Rv -T SRC {state_dir}/mirror-{repo_id} with repo_id "q/../../escaped".
+    target = f"{settings.state_dir}/mirror-q/../../escaped"
+    assert run_command(["cp", "-Rv", "-T", str(source), target], timeout_s=30).exit_code == 0
+    assert escaped.is_dir() and not escaped.is_relative_to(settings.state_dir), "live"
+    shutil.rmtree(escaped)
+    row = {**_sample_rows("agent.toml")["copy"], "repo_id": "q/../../escaped"}
+    with pytest.raises(ValueRefused, match=r": repo_id = 'q/../../escaped' refused"):
+        _render(settings, row)
+    # The same folder name one level down, through the param: out of its root.
+    row = {**_sample_rows("agent.toml")["copy"], "params": {"source": "demo-data/../.."}}
+    with pytest.raises(ValueRefused, match=r"params.source = 'demo-data/../..' refused: it is "
+                                           r"not under .*demo-data"):
+        _render(settings, row)
+    assert not escaped.exists()
+
+
+@pytest.mark.parametrize(("action", "param", "value", "rule"), [
+    ("backup", "source", "--to-command=sh -c 'id > M'", "may not be empty or start with '-'"),
+    ("copy", "source", "--help", "may not be empty or start with '-'"),
+    ("backup", "source", "/root/.ssh", "is not under"),
+    ("copy", "source", "/etc", "is not under"),
+    ("prune", "keep_minutes", "0 -o -exec sh -c id ;", "declared int, it is a str"),
+    ("prune", "keep_minutes", 0, "below the minimum 1"),
+])
+def test_demo_params_are_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, param: str, value: Any,
+    rule: str,
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped("agent.toml", tmp_path)
+    row = {**_sample_rows("agent.toml")[action], "params": {param: value}}
+    with pytest.raises(ValueRefused, match=rf"params.{param} = .* refused: .*{rule}"):
+        _render(settings, row)
+
+
+@pytest.mark.parametrize(("action", "target", "value", "rule"), [
+    ("backup", "param:path", "/root/.ssh", "is not under /home or /srv/data"),
+    ("backup", "param:path", "/etc/sched-agent/restic-password", "is not under"),
+    ("backup", "param:path", "/home/../root", "it resolves to /root"),
+    ("backup", "storage", "/tmp/attacker-repo", "is not under /srv/restic"),
+    ("backup", "storage", "sftp:-oProxyCommand=id:/r", "not an absolute path"),
+    ("backup", "storage", "rest:https://attacker.example/r", "not an absolute path"),
+    ("copy", "param:copy_to", "sftp:attacker:/stolen", "not an absolute path"),
+    ("copy", "param:copy_to", "/tmp/stolen", "is not under /mnt/offsite/restic"),
+    ("prune", "param:keep_daily", 0, "below the minimum 1"),
+    ("check", "param:read_subset", "--help", "does not match the pattern"),
+    ("check", "param:read_subset", "101%", "does not match the pattern"),
+    ("backup", "node", "-o", "an identifier is"),
+])
+def test_restic_values_stay_inside_their_declarations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, target: str, value: Any,
+    rule: str,
+) -> None:
+    monkeypatch.delenv("SCHED_CONFIG", raising=False)
+    settings = _shipped("agent-restic.toml", tmp_path)
+    row, keywords = _with(_sample_rows("agent-restic.toml")[action], target, value)
+    with pytest.raises(ValueRefused, match="refused: .*" + re.escape(rule)):
+        _render(settings, row, **keywords)
+
+
+# -- 3. through run-job on a real Prefect server, by schedule_id ------------------------
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[Any, ...]]:
+    """Return every path under folder with its type, mode, size, mtime and content hash."""
+    seen: dict[str, tuple[Any, ...]] = {}
+    for path in sorted(folder.rglob("*")):
+        info = path.lstat()
+        digest = ""
+        if stat.S_ISREG(info.st_mode):
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        seen[str(path.relative_to(folder))] = (
+            stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode), info.st_size,
+            info.st_mtime_ns, digest,
+        )
+    return seen
+
+
+class Node:
+    """A throwaway node from a shipped example: config, data and state under one folder."""
+
+    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch, example: str) -> None:
+        self.name = f"atk-{uuid.uuid4().hex[:8]}"
+        self.world = tmp / "world"
+        self.home = self.world / "node"
+        self.home.mkdir(parents=True)
+        text = (EXAMPLES / example).read_text()
+        if example == "agent.toml":
+            shutil.copytree(EXAMPLES / "demo-data", self.home / "demo-data")
+        else:
+            password = self.world / "restic-password"
+            password.write_text("pw\n")
+            text = text.replace('RESTIC_PASSWORD_FILE = "/etc/sched-agent/restic-password"',
+                                f'RESTIC_PASSWORD_COMMAND = "cat {password}"')
+            text = text.replace("/var/cache/restic", str(self.world / "cache"))
+        self.config = self.home / "agent.toml"
+        self.config.write_text(text)
+        self.state = self.home / "state"
+        self.marker = self.world / "marker"
+        monkeypatch.setenv("SCHED_CONFIG", str(self.config))
+        monkeypatch.setenv("SCHED_NODE_NAME", self.name)
+        monkeypatch.setenv("SCHED_STATE_DIR", str(self.state))
+        monkeypatch.setenv("SCHED_PULL_URL", str(self.home / "none.json"))
+        load_settings()  # creates the state folder
+
+    def cache(self, rows: list[dict[str, Any]]) -> None:
+        """Write rows into the node's cache as a pull would have (raw JSON, hostile or not)."""
+        self.state.joinpath("cache.json").write_text(json.dumps({
+            "schedules": rows, "last_fired_at": {},
+            "last_fetched_at": "2026-12-02T07:00:00Z",
+        }))
+
+    def run(self, schedule_id: str) -> Any:
+        from flows.job import run_job
+
+        return run_job(schedule_id=schedule_id, return_state=True)
+
+
+def _task_runs(run_id: Any) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return list(client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))))
+
+
+def _demo(sid: str, action: str, repo_id: str = "demo", **params: Any) -> dict[str, Any]:
+    return {"id": sid, "name": f"hostile {sid}", "repo_id": repo_id, "action": action,
+            "schedule": {"on": "manual"}, "miss_policy": "skip", "enabled": True,
+            "params": params or None, "version": 1}
+
+
+def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) -> None:
+    """Run each row's job by id; each fails with its expected text; nothing changed."""
+    node.cache(rows)
+    before = _snapshot(node.world)
+    for sid, text in expect.items():
+        state = node.run(sid)
+        message = str(state.message)
+        assert state.is_failed(), (sid, message)
+        assert any(part in message for part in text.split(" | ")), (sid, message)
+        assert _task_runs(state.state_details.flow_run_id) == [], f"{sid}: a command ran"
+    assert not node.marker.exists()
+    assert _snapshot(node.world) == before
+
+
+# A row the kit's model may refuse (identifier rules) is dropped when the cache
+# loads, so its job fails as unknown: refused either way, and nothing runs.
+DROPPED = "no schedule "
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_run_job_refuses_hostile_demo_rows_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = Node(tmp_path, monkeypatch, "agent.toml")
+    mark = node.marker
+    _archive(node.state, "other")
+    rows = [
+        _demo("a-tar", "backup", source=f"--to-command=sh -c 'id > {mark}'"),
+        _demo("a-cp-help", "copy", source="--help"),
+        _demo("a-ssh", "backup", source="/root/.ssh"),
+        _demo("a-up", "copy", source="demo-data/../../.."),
+        _demo("a-nul", "backup", source="demo-data\x00x"),
+        _demo("a-nl", "backup", source="demo-data\nx"),
+        _demo("a-huge", "backup", source="d" * (200 * 1024)),
+        _demo("a-undeclared", "backup", source="demo-data", exec="sh -c id"),
+        _demo("a-escape", "copy", repo_id="q/../../escaped", source="demo-data"),
+        _demo("a-star", "prune", repo_id="*", keep_minutes=1),
+    ]
+    _run_attack(node, rows, {
+        "a-tar": "params.source = \"--to-command=sh -c 'id > ",
+        "a-cp-help": "params.source = '--help' refused: a path may not be empty or start "
+                     "with '-'",
+        "a-ssh": "params.source = '/root/.ssh' refused: it is not under ",
+        "a-up": "params.source = 'demo-data/../../..' refused: it is not under ",
+        "a-nul": "params.source = 'demo-data\\x00x' refused: it holds a NUL character",
+        "a-nl": "params.source = 'demo-data\\nx' refused: it holds a newline",
+        "a-huge": "bytes long, more than the 4096 allowed",
+        "a-undeclared": "params.exec refused: action 'backup' declares no param 'exec' "
+                        "(strict_params)",
+        "a-escape": "repo_id = 'q/../../escaped' refused: an identifier is | " + DROPPED,
+        "a-star": "repo_id = '*' refused: an identifier is | " + DROPPED,
+    })
+    assert not (node.home / "escaped").exists()
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = Node(tmp_path, monkeypatch, "agent-restic.toml")
+    mark = node.marker
+    repo = "/srv/restic/r-9"
+
+    def restic(sid: str, action: str, storage: str = repo, **params: Any) -> dict[str, Any]:
+        return {**_demo(sid, action, repo_id="r-9", **params), "storage": storage}
+
+    rows = [
+        restic("r-pwcmd", "backup", path=f"--password-command=sh -c 'id > {mark}; echo pw'"),
+        restic("r-opt", "backup", path=f"-o sftp.command=sh -c 'id > {mark}'"),
+        restic("r-key", "backup", path="/etc/sched-agent/restic-password"),
+        restic("r-store", "backup", storage=f"--password-command=sh -c 'id > {mark}'",
+               path="/home"),
+        restic("r-exfil", "copy", copy_to="sftp:attacker.example:/stolen"),
+        restic("r-keep", "prune", keep_daily="7 --keep-last 0", keep_weekly=4),
+        restic("r-subset", "check", read_subset=f"--password-command=id>{mark}"),
+    ]
+    _run_attack(node, rows, {
+        "r-pwcmd": "params.path = \"--password-command=sh -c 'id > ",
+        "r-opt": "refused: a path may not be empty or start with '-'",
+        "r-key": "params.path = '/etc/sched-agent/restic-password' refused: it is not under "
+                 "/home or /srv/data",
+        "r-store": "storage = \"--password-command=sh -c 'id > ",
+        "r-exfil": "params.copy_to = 'sftp:attacker.example:/stolen' refused: it is not an "
+                   "absolute path",
+        "r-keep": "params.keep_daily = '7 --keep-last 0' refused: declared int, it is a str",
+        "r-subset": "params.read_subset = '--password-command=id>",
+    })
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo table still runs through run-job: tar, cp, find -delete, gzip -t and tar -t.
+
+    Its archive is 0600 in a 0700 state folder, its mirror 0700 with nothing open to others.
+    """
+    node = Node(tmp_path, monkeypatch, "agent.toml")
+    node.cache([_demo("good", "backup", source="demo-data"),
+                _demo("good-copy", "copy", source="demo-data"),
+                _demo("good-prune", "prune", keep_minutes=30),
+                _demo("good-check", "check")])
+    state = node.run("good")
+    assert state.is_completed(), state.message
+    assert state.result()["argv"][-2:] == ["--", "."]
+    [archive] = node.state.glob("archive-demo-*.tar.gz")
+    assert stat.S_IMODE(archive.stat().st_mode) == 0o600
+    assert stat.S_IMODE(node.state.stat().st_mode) == 0o700
+    assert node.run("good-copy").is_completed()
+    mirror = node.state / "mirror-demo"
+    assert stat.S_IMODE(mirror.stat().st_mode) == 0o700
+    assert sorted(p.name for p in mirror.rglob("*")) == sorted(
+        p.name for p in (node.home / "demo-data").rglob("*"))
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in mirror.rglob("*"))
+    old = node.state / "archive-demo-20261201T0730Z.tar.gz"
+    shutil.copy2(archive, old)  # a real archive: the check gunzips and lists every one
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    checked = node.run("good-check")
+    assert checked.is_completed(), checked.message
+    prune = node.run("good-prune")
+    assert prune.is_completed(), prune.message
+    assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
