@@ -190,8 +190,8 @@ AGENT = """
 import json
 from flows.job import run_job
 from flows.reconcile import reconcile
-out = {"schedules": reconcile()["schedules"]}
 run_job.to_deployment(name=NODE).apply()
+out = {"schedules": reconcile()["schedules"]}
 state = run_job(schedule_id="s-1", return_state=True)
 out["completed"] = state.is_completed()
 out["run_id"] = str(state.state_details.flow_run_id)
