@@ -38,6 +38,9 @@ Pydantic serializes about 250 levels at most; a pull answer or a cache file,
 whose rows sit at level 3, allows ``MAX_DEPTH + 2``.
 """
 
+MAX_LIST_DEPTH = MAX_DEPTH + 2
+"""The deepest nesting of a schedule list: a pull answer or a cache file, rows at level 3."""
+
 NUL_TEXT = "contains a NUL character, which PostgreSQL text cannot hold"
 SURROGATE_TEXT = "contains an unpaired UTF-16 surrogate, which is not UTF-8 text"
 
