@@ -46,6 +46,11 @@ IDENTIFIER_RULE = (
 )
 """What an identifier (a schedule id, repo_id, action, node name) may be, in words."""
 
+STORED_BEFORE_RULES = "stored_before_rules"
+"""A validation context key: ``{STORED_BEFORE_RULES: True}`` reads a row a database stored
+before the identifier rule, so it stays readable and deletable. Every row from outside (a
+request body, a pull, a cache file) is validated without it, and so checked."""
+
 _IDENTIFIER = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{IDENTIFIER_MAX_LENGTH - 1}}}")
 
 _GO_ESCAPES = {
@@ -207,15 +212,14 @@ class LocalSchedule(_WireModel):
     params: dict[str, Any] | None = None
     version: int = 0
 
-    @field_validator("id", "action")
+    @field_validator("id", "action", "repo_id")
     @classmethod
     def _identifier(cls, value: str, info: ValidationInfo) -> str:
+        if info.context is not None and info.context.get(STORED_BEFORE_RULES):
+            return value
+        if info.field_name == "repo_id" and not value:
+            return value  # repo_id is optional
         return check_identifier(value, info.field_name or "identifier")
-
-    @field_validator("repo_id")
-    @classmethod
-    def _optional_identifier(cls, value: str) -> str:
-        return check_identifier(value, "repo_id") if value else value
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
