@@ -212,6 +212,13 @@ class LocalSchedule(_WireModel):
     params: dict[str, Any] | None = None
     version: int = 0
 
+    @field_validator("params")
+    @classmethod
+    def _empty_params_are_none(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Written as absent (omitempty), so read as absent: the copy in memory then
+        # equals what the file loads back as.
+        return value or None
+
     @field_validator("id", "action", "repo_id")
     @classmethod
     def _identifier(cls, value: str, info: ValidationInfo) -> str:
