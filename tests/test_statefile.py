@@ -101,3 +101,26 @@ def test_importing_the_kit_loads_neither_httpx_nor_the_shell() -> None:
         "assert 'sched_core.scheduler' in sys.modules and 'httpx' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"stages": {"prune": {"date": "2026-11-30", "fired_at": NaN}}}',
+     '{"stages": ' + "[" * 5000 + "]" * 5000 + "}",
+     '{"stages": {"\\ud800": {"date": "2026-11-30"}}}'],
+)
+def test_a_marker_file_breaking_a_wire_rule_is_moved_aside(tmp_path: Path, content: str) -> None:
+    agent = Agent(tmp_path, [row("p", action="prune", schedule={"on": "after_wave"})])
+    agent.scheduler.pull(now=T0)
+    marker = tmp_path / "chain.json"
+    marker.write_text(content)
+    chain = Chain(agent.scheduler, Spec(
+        stages=[Stage(name="prune", trigger_key="chain-prune",
+                      match=lambda s: s.action == "prune", active=lambda: False)],
+        is_wave_job=lambda action: action == "backup", wave_complete=lambda: True,
+        marker_path=marker,
+    ))
+    assert chain.on_job_complete("backup", now=T0) == ["prune"]
+    (aside,) = tmp_path.glob("chain.json.corrupt-*")
+    assert aside.read_text() == content
+    assert set(chain.marks(now=T0)) == {"prune"}
