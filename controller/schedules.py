@@ -104,9 +104,10 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
         return [], '"empty"'
     etag = _etag(rows[0].epoch, rows[0].revision)
     # One validation call for the whole list: rows were validated on the way in,
-    # this keeps a hand-edited bad row from ever reaching an agent.
+    # this keeps a hand-edited bad row from ever reaching an agent (identifiers
+    # excepted: rows stored before that rule stay listable; an agent's pull drops them).
     wire = [dict(zip(_WIRE_FIELDS, row[2:], strict=True)) for row in rows if row.id is not None]
-    return _WIRE_LIST.validate_python(wire), etag
+    return _WIRE_LIST.validate_python(wire, context={STORED_BEFORE_RULES: True}), etag
 
 
 _LIST_WIRE_SQL = (
