@@ -35,9 +35,7 @@ and its text fields hold no NUL (Postgres text cannot) and nothing but UTF-8.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -57,6 +55,15 @@ from controller import schedules as schedule_store
 from controller import store as task_store
 from controller.auth import Principal, Tokens, bearer_token
 from controller.models import NodeRevision, TaskIn
+from sched_core.errors import WireError
+from sched_core.jsonwire import (
+    MAX_DEPTH,
+    NUL_TEXT,
+    SURROGATE_TEXT,
+    find_problem,
+    is_utf8,
+    parse_strict,
+)
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -68,7 +75,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_NAME_LENGTH = 200
 """The longest node name, schedule id or task name: their columns are ``varchar(200)``."""
 
-MAX_JSON_DEPTH = 100
+MAX_JSON_DEPTH = MAX_DEPTH
 """The deepest nesting of a body (``params`` is level 2); pydantic serializes ~250 at most."""
 
 _DRAIN_LIMIT = 16 * MAX_BODY_BYTES
@@ -116,42 +123,9 @@ def _unprocessable(loc: tuple[str, ...], msg: str, kind: str = "value_error") ->
     return JSONResponse({"detail": [_error_entry(loc, msg, kind)]}, status_code=422)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (Go's encoding/json refuses it too)")
-
-
-def _out_of_range(text: str) -> ValueError:
-    shown = text if len(text) <= 40 else f"{text[:20]}...{text[-10:]}"
-    return ValueError(f"number {shown} is beyond a float64 (Go's encoding/json refuses it too)")
-
-
-def _finite_float(text: str) -> float:
-    """Return the JSON number text as a float; one beyond a float64 is a ValueError."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise _out_of_range(text)
-    return value
-
-
-def _float64_int(text: str) -> int:
-    """Return the JSON integer text as an int; one beyond a float64 (Go's) is a ValueError."""
-    # float() first: it rounds as Go does, and never hits int()'s 4,300-digit limit.
-    if not math.isfinite(float(text)):
-        raise _out_of_range(text)
-    return int(text)
-
-
-def _is_utf8(text: str) -> bool:
-    """Return whether text encodes as UTF-8 (a JSON ``\\ud800`` decodes to one that does not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-_NUL = "contains a NUL character, which PostgreSQL text cannot hold"
-_SURROGATE = "contains an unpaired UTF-16 surrogate, which is not UTF-8 text"
+_NUL = NUL_TEXT
+_SURROGATE = SURROGATE_TEXT
+_is_utf8 = is_utf8
 
 
 def _name_problem(name: str, *, storing: bool) -> tuple[str, str] | None:
@@ -181,32 +155,15 @@ def check_name(loc: tuple[str, str], name: str, *, storing: bool = False) -> Non
 def _body_problem(data: dict[str, Any]) -> tuple[tuple[Any, ...], str, str] | None:
     """Return (loc, message, type) of the first part of a parsed body no database can store.
 
-    Every string, key or value, must be UTF-8; a top-level string (a text
-    column) must hold no NUL (JSON columns escape it); no object or array may
-    nest deeper than MAX_JSON_DEPTH, the body itself being level 1.
+    The rules are :mod:`sched_core.jsonwire`'s (UTF-8 text, at most
+    MAX_JSON_DEPTH levels, the body itself being level 1), plus no NUL in a
+    top-level string (a text column; JSON columns escape it).
     """
-    for key, value in data.items():
-        if isinstance(value, str) and "\x00" in value and _is_utf8(key):
-            return ("body", key), f"{key} {_NUL}", "string_nul"
-    # Iterative, so that any depth is a 422 here and never a RecursionError.
-    stack: list[tuple[tuple[Any, ...], Any]] = [(("body",), data)]
-    while stack:
-        loc, value = stack.pop()
-        if isinstance(value, str):
-            if not _is_utf8(value):
-                return loc, f"{_field_name(loc) or 'body'} {_SURROGATE}", "string_unicode"
-            continue
-        if isinstance(value, dict | list) and len(loc) > MAX_JSON_DEPTH:
-            return loc[:2], f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_invalid"
-        if isinstance(value, dict):
-            for key in value:
-                if not _is_utf8(key):
-                    shown = key.encode("utf-8", "backslashreplace").decode()
-                    return (*loc, shown), f"key {shown!r} {_SURROGATE}", "string_unicode"
-            stack.extend(((*loc, key), item) for key, item in value.items())
-        elif isinstance(value, list):
-            stack.extend(((*loc, index), item) for index, item in enumerate(value))
-    return None
+    problem = find_problem(data, max_depth=MAX_JSON_DEPTH, root="body", nul_free_top_level=True)
+    if problem is None:
+        return None
+    loc = problem.loc[:1] if problem.rule == "depth" else problem.loc
+    return ("body", *loc), problem.reason, problem.kind
 
 
 def schedules_body(rows: list[LocalSchedule]) -> bytes:
@@ -388,14 +345,9 @@ def create_app(
         if size > MAX_BODY_BYTES:
             return JSONResponse({"detail": f"body over {MAX_BODY_BYTES} bytes"}, status_code=413)
         try:
-            data = json.loads(b"".join(chunks), parse_constant=_reject_constant,
-                              parse_float=_finite_float, parse_int=_float64_int)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _unprocessable(("body",), f"invalid JSON: {exc}", "json_invalid")
-        except RecursionError:
-            return _unprocessable(
-                ("body",), f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "json_invalid"
-            )
+            data = parse_strict(b"".join(chunks), max_depth=MAX_JSON_DEPTH)
+        except WireError as exc:
+            return _unprocessable(("body",), exc.reason, exc.kind)
         if not isinstance(data, dict):
             return _unprocessable(("body",), "expected a JSON object", "model_type")
         problem = _body_problem(data)

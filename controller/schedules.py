@@ -25,7 +25,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 
 from controller.models import AgentSchedule, NodeRevision, utc_now
-from sched_core.model import LocalSchedule
+from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
 
 _SCHEDULE_TABLE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION_TABLE: Table = NodeRevision.__table__  # type: ignore[attr-defined]
@@ -49,7 +49,10 @@ _WIRE_LIST: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])
 
 
 def _to_wire(row: Any) -> LocalSchedule:
-    return LocalSchedule.model_validate(dict(zip(_WIRE_FIELDS, row, strict=True)))
+    # A row stored before the identifier rule stays readable (and so deletable).
+    return LocalSchedule.model_validate(
+        dict(zip(_WIRE_FIELDS, row, strict=True)), context={STORED_BEFORE_RULES: True}
+    )
 
 
 def _etag(epoch: str, revision: int) -> str:
@@ -101,9 +104,10 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
         return [], '"empty"'
     etag = _etag(rows[0].epoch, rows[0].revision)
     # One validation call for the whole list: rows were validated on the way in,
-    # this keeps a hand-edited bad row from ever reaching an agent.
+    # this keeps a hand-edited bad row from ever reaching an agent (identifiers
+    # excepted: rows stored before that rule stay listable; an agent's pull drops them).
     wire = [dict(zip(_WIRE_FIELDS, row[2:], strict=True)) for row in rows if row.id is not None]
-    return _WIRE_LIST.validate_python(wire), etag
+    return _WIRE_LIST.validate_python(wire, context={STORED_BEFORE_RULES: True}), etag
 
 
 _LIST_WIRE_SQL = (

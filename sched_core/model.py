@@ -22,17 +22,36 @@ from pydantic import (
     Field,
     SerializationInfo,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_serializer,
     model_validator,
 )
 
+from sched_core.errors import ScheduleError
+
 DAY_NAMES: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 """Go's three-letter lowercase weekday names, indexed like ``datetime.weekday()``."""
 
 GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 """How Go writes a ``time.Time`` that was never set."""
+
+IDENTIFIER_MAX_LENGTH = 128
+"""The longest identifier: with a prefix and a date it still fits a 255-byte file name."""
+
+IDENTIFIER_RULE = (
+    f"1 to {IDENTIFIER_MAX_LENGTH} ASCII letters, digits, '.', '_' or '-', "
+    "not starting with '.' or '-'"
+)
+"""What an identifier (a schedule id, repo_id, action, node name) may be, in words."""
+
+STORED_BEFORE_RULES = "stored_before_rules"
+"""A validation context key: ``{STORED_BEFORE_RULES: True}`` reads a row a database stored
+before the identifier rule, so it stays readable and deletable. Every row from outside (a
+request body, a pull, a cache file) is validated without it, and so checked."""
+
+_IDENTIFIER = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{IDENTIFIER_MAX_LENGTH - 1}}}")
 
 _GO_ESCAPES = {
     "<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029",
@@ -46,7 +65,11 @@ def format_go_time(value: datetime | None) -> str:
     if value is None:
         return GO_ZERO_TIME
     value = value.astimezone(UTC)
-    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    # Not strftime: it writes year 1 as "1", and Go (and fromisoformat) want 4 digits.
+    text = (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
+        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}"
+    )
     if value.microsecond:
         text += ("." + f"{value.microsecond:06d}").rstrip("0")
     return text + "Z"
@@ -71,6 +94,22 @@ def parse_go_time(value: object) -> datetime | None:
     if parsed.year == 1 and parsed.month == 1 and parsed.day == 1 and parsed.hour == 0:
         return None
     return parsed
+
+
+def check_identifier(value: str, what: str) -> str:
+    """Return value if it is an identifier (see IDENTIFIER_RULE); else raise ScheduleError.
+
+    Identifiers end up in argv elements, file names, ``find -name`` patterns,
+    tags and log lines, so they are held to a conservative pattern: no path
+    separator, no ``..`` start, no glob or shell character, no option-like
+    leading ``-``, nothing invisible. The error names what, the value and the rule.
+    """
+    if isinstance(value, str) and _IDENTIFIER.fullmatch(value) is not None:
+        return value
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:45] + "..." + shown[-10:]
+    raise ScheduleError(f"{what} {shown} is not an identifier: {IDENTIFIER_RULE}")
 
 
 def go_escape(text: str) -> str:
@@ -172,6 +211,22 @@ class LocalSchedule(_WireModel):
     enabled: bool
     params: dict[str, Any] | None = None
     version: int = 0
+
+    @field_validator("params")
+    @classmethod
+    def _empty_params_are_none(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Written as absent (omitempty), so read as absent: the copy in memory then
+        # equals what the file loads back as.
+        return value or None
+
+    @field_validator("id", "action", "repo_id")
+    @classmethod
+    def _identifier(cls, value: str, info: ValidationInfo) -> str:
+        if info.context is not None and info.context.get(STORED_BEFORE_RULES):
+            return value
+        if info.field_name == "repo_id" and not value:
+            return value  # repo_id is optional
+        return check_identifier(value, info.field_name or "identifier")
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:

@@ -25,7 +25,7 @@ from controller.db import make_engine, migrate
 from controller.models import TaskIn
 from controller.server import serve_in_thread
 from sched_core.errors import ConfigError, PullError
-from sched_core.model import LocalSchedule
+from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
 from sched_core.scheduler import Config, Fire, Scheduler
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
@@ -428,6 +428,23 @@ def test_body_id_differing_from_path_is_422(client: httpx.Client) -> None:
     assert "'body-id'" in error["msg"] and "'path-id'" in error["msg"]
     assert client.get("/api/nodes/valid/schedules/path-id", headers=ADMIN).status_code == 404
     assert client.get("/api/nodes/valid/schedules/body-id", headers=ADMIN).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repo_id", "q/../../escaped"), ("repo_id", "*"), ("action", "-o"), ("action", "back up"),
+     ("id", ".hidden"), ("id", "a" * 129)],
+)
+def test_hostile_identifier_is_422_naming_the_field(
+    client: httpx.Client, field: str, value: str
+) -> None:
+    """Identifiers end up in argv, file names and find patterns: they are checked here."""
+    sid = value if field == "id" else "ident-1"
+    response = client.put(f"/api/nodes/valid/schedules/{sid}",
+                          json=row(sid, **{field: value}), headers=ADMIN)
+    error = only_error(response)
+    assert error["field"] == field and "is not an identifier" in error["msg"]
+    assert client.get(f"/api/nodes/valid/schedules/{sid}", headers=ADMIN).status_code == 404
 
 
 @pytest.mark.parametrize(
@@ -859,7 +876,12 @@ def test_names_no_column_holds_are_422_on_each_database(database_url: str) -> No
         with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as base, \
                 httpx.Client(base_url=base, headers=ADMIN, timeout=30) as client:
             longest = "\u00e9" * 200  # 200 characters, 400 bytes: fits on both
-            assert put(client, longest, row(longest)).status_code == 200
+            # A schedule id is an identifier (ASCII, at most 128 characters): such an id
+            # is refused naming the field; the node name still fills its column.
+            refused = only_error(put(client, longest, row(longest)))
+            assert refused["field"] == "id" and "is not an identifier" in refused["msg"]
+            longest_id = "s" * 128
+            assert put(client, longest, row(longest_id)).status_code == 200
             assert client.put(f"/api/tasks/{longest}", json=TASK).status_code == 200
             for method, path, field, words in NAME_CASES:
                 body = None
@@ -891,8 +913,8 @@ def test_names_no_column_holds_are_422_on_each_database(database_url: str) -> No
             assert client.get(f"/api/schedules?node={LONG}").json() == {"schedules": []}
             nodes = client.get("/api/nodes").json()["nodes"]
             tasks = [task["name"] for task in client.get("/api/tasks").json()["tasks"]]
-            got = client.get(f"/api/nodes/{longest}/schedules/{longest}")
-            assert got.status_code == 200 and got.json()["id"] == longest
+            got = client.get(f"/api/nodes/{longest}/schedules/{longest_id}")
+            assert got.status_code == 200 and got.json()["id"] == longest_id
     finally:
         engine.dispose()
     assert nodes == [longest]
@@ -1081,9 +1103,10 @@ def test_a_long_name_stored_before_the_limit_stays_readable_and_deletable(tmp_pa
     legacy = "x" * 250
     try:
         with Session(engine) as session:
-            schedule_store.put_schedule(
-                session, "node-a", LocalSchedule.model_validate({**row(legacy), "version": 1})
-            )
+            # Stored before the limits (and the identifier rule): as a legacy database holds it.
+            schedule_store.put_schedule(session, "node-a", LocalSchedule.model_validate(
+                {**row(legacy), "version": 1}, context={STORED_BEFORE_RULES: True}
+            ))
         with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as base, \
                 httpx.Client(base_url=base, headers=ADMIN, timeout=30) as client:
             pulled = client.get("/api/schedules?node=node-a").json()["schedules"]

@@ -261,9 +261,11 @@ def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
     from sqlmodel import Session
 
     from controller import schedules
-    from sched_core.model import LocalSchedule
+    from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
 
     db.migrate(empty_url)
+    # "été" and "~y" are no identifiers now (the API refuses them), but rows stored
+    # before the rule still list in byte order: they are read as such rows.
     ids = ["b-1", "B-2", "a_1", "a-2", "a1", "\u00e9t\u00e9", "Z", "_x", "~y"]
     engine = db.make_engine(empty_url)
     try:
@@ -273,7 +275,7 @@ def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
                     "id": schedule_id, "name": schedule_id, "action": "backup",
                     "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
                     "miss_policy": "skip", "enabled": True,
-                }))
+                }, context={STORED_BEFORE_RULES: True}))
             listed, _ = schedules.list_schedules(session, "n")
             wire, _ = schedules.list_wire(session, "n")
         assert [row.id for row in listed] == sorted(ids)
