@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from uuid import UUID
 
 from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -119,8 +120,10 @@ def reconcile_now(deployments: list[RunnerDeployment]) -> None:
     from prefect.states import Scheduled
 
     ids = {item.flow_name: item.apply() for item in deployments}
+    reconcile_id = ids["reconcile"]
+    assert isinstance(reconcile_id, UUID)  # apply is sync here
     with get_client(sync_client=True) as client:
-        client.create_flow_run_from_deployment(ids["reconcile"], state=Scheduled())
+        client.create_flow_run_from_deployment(reconcile_id, state=Scheduled())
 
 
 if __name__ == "__main__":

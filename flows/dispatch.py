@@ -282,11 +282,19 @@ def run_parameters(run: FlowRun) -> dict[str, Any]:
 
 
 def build_scheduler(
-    settings: AgentSettings, *, now: datetime, dispatcher: ChainDispatcher | None = None
+    settings: AgentSettings,
+    *,
+    now: datetime,
+    dispatcher: ChainDispatcher | None = None,
+    pulls: bool = True,
 ) -> Scheduler:
-    """Return a Scheduler over this node's cache: it pulls, and fires chain stages."""
+    """Return a Scheduler over this node's cache: it pulls, and fires chain stages.
+
+    ``pulls=False`` for a caller that only reads or stamps the cache (run-job):
+    no HTTP client, no token looked up.
+    """
     client: httpx.Client | None = None
-    if settings.pull_url.startswith(("http://", "https://")):
+    if pulls and settings.pull_url.startswith(("http://", "https://")):
         token = settings.bearer_token()
         client = httpx.Client(
             headers={"Authorization": f"Bearer {token}"} if token else {},

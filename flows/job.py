@@ -215,14 +215,13 @@ def run_job(
         if window is None:
             raise ConfigError(f"a {trigger_key} run needs the window it runs")
         tried = at if now is not None else first_try_of(current_run.id, fallback=at)
-        start = start_window(settings, schedule_id=schedule_id, window=window, tried=tried,
-                             now=at, retry=bool(retry_of))
-        if not start.decision.runs:
-            logger.info("skipped: %s", start.decision.reason)
-            return _skip(settings.node_name, schedule_id, window, start.decision.reason)
-        logger.info("start guard: %s", start.decision.reason)
-        assert start.row is not None
-        row = start.row
+        decision, found = start_window(settings, schedule_id=schedule_id, window=window,
+                                       tried=tried, now=at, retry=bool(retry_of))
+        if not decision.runs or found is None:
+            logger.info("skipped: %s", decision.reason)
+            return _skip(settings.node_name, schedule_id, window, decision.reason)
+        logger.info("start guard: %s", decision.reason)
+        row = found
     else:
         row = cached_row(settings, schedule_id, now=at)
     ref = JobRef(node=settings.node_name, action=row.action, schedule_id=row.id,

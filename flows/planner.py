@@ -155,18 +155,18 @@ def plan_node(
 
     by_id = {row.id: row for row in rows}
     retries: list[Planned] = []
-    for item in list_interrupted(runs.client, deployment_id, node, since=now - LOOKBACK):
-        row = by_id.get(item.schedule_id)
+    for stopped in list_interrupted(runs.client, deployment_id, node, since=now - LOOKBACK):
+        row = by_id.get(stopped.schedule_id)
         decision = retry_allowed(
-            row, schedule_id=item.schedule_id, window=item.window,
-            last_fired=cache.last_fired_at.get(item.schedule_id), now=now, grace=grace, tz=tz,
+            row, schedule_id=stopped.schedule_id, window=stopped.window,
+            last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace, tz=tz,
         )
         if not decision.runs or row is None:
-            report.not_retried.append((item, decision.reason))
+            report.not_retried.append((stopped, decision.reason))
             continue
         ref = JobRef(node=node, action=row.action, schedule_id=row.id,
-                     trigger_key=item.trigger_key, window=item.window, key=item.key,
-                     retry_of=item.run_id)
+                     trigger_key=stopped.trigger_key, window=stopped.window, key=stopped.key,
+                     retry_of=stopped.run_id)
         retries.append(Planned(ref=ref, start=now))
 
     created = runs.create(to_create + recoveries + retries)

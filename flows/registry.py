@@ -10,7 +10,7 @@ without running (state name ``Skipped``) is neither active nor finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -71,7 +71,7 @@ def run_window(run: FlowRun) -> datetime | None:
 def _job_filter(
     tags: list[str],
     *,
-    types: list[StateType],
+    types: Sequence[StateType],
     exclude: tuple[str, ...] = (),
     ended_after: datetime | None = None,
     started_before: datetime | None = None,
@@ -165,7 +165,7 @@ def planned_run(run: FlowRun) -> PlannedRun | None:
         schedule_id=schedule_id,
         window=window,
         trigger_key=trigger,
-        state_name=run.state.name if run.state is not None else "",
+        state_name=(run.state.name or "") if run.state is not None else "",
     )
 
 

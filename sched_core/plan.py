@@ -37,8 +37,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from zoneinfo import ZoneInfo
 
+from sched_core.clock import floor_minute
 from sched_core.matcher import fire_times, last_fire, window_key
-from sched_core.misses import LOOKBACK, eligible_after, floor_minute
+from sched_core.misses import LOOKBACK, eligible_after
 from sched_core.model import LocalSchedule, MissPolicy
 
 PLAN_AHEAD_LIMIT = timedelta(days=8)

@@ -51,6 +51,7 @@ from sched_core.errors import ConfigError, PullError
 from sched_core.index import DueIndex
 from sched_core.matcher import DEFAULT_TZ, window_key, zone
 from sched_core.model import Cache, LocalSchedule
+from sched_core.plan import StartDecision, decide_start
 from sched_core.pull import (
     MAX_PAYLOAD,
     PullResult,
@@ -466,6 +467,47 @@ class Scheduler:
         """Fire every enabled schedule pred selects, on demand; return how many fired."""
         fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
         return len(fired)
+
+    def start_window(
+        self,
+        schedule_id: str,
+        window: datetime,
+        *,
+        first_try: datetime,
+        now: datetime | None = None,
+        retry: bool = False,
+    ) -> tuple[StartDecision, LocalSchedule | None]:
+        """Decide whether a planned run of window runs, and stamp the window if it does.
+
+        The start guard of :func:`sched_core.plan.decide_start`, in one locked
+        step with the stamp: two runs of one window can never both pass.
+        Returns the decision and a copy of the row it was made on (None when
+        the schedule is gone).
+        """
+        now = now_or_clock(now)
+        window = as_utc(window, "window")
+        with self._locked():
+            self._reload(now)
+            row = next((item for item in self._cache.schedules if item.id == schedule_id), None)
+            last = self._cache.last_fired_at.get(schedule_id)
+            decision = decide_start(
+                row,
+                schedule_id=schedule_id,
+                window=window,
+                last_fired=last,
+                first_seen=self._cache.first_seen_at.get(schedule_id),
+                first_try=as_utc(first_try, "first_try"),
+                now=now,
+                grace=self._config.fire_grace,
+                tz=self._tz,
+                retry=retry,
+            )
+            if decision.stamp:
+                self._cache.last_fired_at[schedule_id] = window if last is None else max(
+                    last, window
+                )
+                self._save()
+        return decision, None if row is None else _copy_row(row)
 
     def fire_matching_report(
         self,
