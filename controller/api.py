@@ -53,8 +53,8 @@ from sqlmodel import Session, select
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from controller import claims, tasks
 from controller import schedules as schedule_store
-from controller import store as task_store
 from controller.auth import Principal, Tokens, bearer_token
 from controller.models import NodeRevision, TaskIn
 from sched_core.model import LocalSchedule
@@ -502,14 +502,14 @@ def create_app(
     @app.get("/api/tasks")
     def list_tasks(request: Request) -> JSONResponse:
         require_admin(request)
-        tasks = in_session(lambda s: [_task_json(t) for t in task_store.list_tasks(s)])
-        return JSONResponse({"tasks": tasks})
+        found = in_session(lambda s: [_task_json(t) for t in tasks.list_tasks(s)])
+        return JSONResponse({"tasks": found})
 
     @app.get("/api/tasks/{name}")
     def get_task(request: Request, name: str) -> JSONResponse:
         require_admin(request)
         check_name(("path", "name"), name)
-        found = in_session(lambda s: _optional_task_json(task_store.get_task(s, name)))
+        found = in_session(lambda s: _optional_task_json(tasks.get_task(s, name)))
         if found is None:
             raise HTTPException(404, f"no task {name!r}")
         return JSONResponse(found)
@@ -522,10 +522,10 @@ def create_app(
         check_name(("path", "name"), name)
 
         def read(session: Session) -> list[dict[str, Any]] | None:
-            if task_store.get_task(session, name) is None:
+            if tasks.get_task(session, name) is None:
                 return None
             return [r.model_dump(mode="json")
-                    for r in task_store.list_dispatches(session, name, newest=limit)]
+                    for r in claims.list_dispatches(session, name, newest=limit)]
 
         found = in_session(read)
         if found is None:
@@ -544,7 +544,7 @@ def create_app(
         except ValidationError as exc:
             return JSONResponse({"detail": _body_errors(exc)}, status_code=422)
         stored = await run_in_threadpool(
-            in_session, lambda s: _task_json(task_store.save_task(s, task))
+            in_session, lambda s: _task_json(tasks.save_task(s, task))
         )
         log.info("task saved", extra={"task": name})
         if on_task_saved is not None:
@@ -555,7 +555,7 @@ def create_app(
     def delete_task(request: Request, name: str) -> Response:
         require_admin(request)
         check_name(("path", "name"), name)
-        if not in_session(lambda s: task_store.delete_task(s, name)):
+        if not in_session(lambda s: tasks.delete_task(s, name)):
             raise HTTPException(404, f"no task {name!r}")
         log.info("task deleted", extra={"task": name})
         return Response(status_code=204)

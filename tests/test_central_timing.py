@@ -17,8 +17,9 @@ from zoneinfo import ZoneInfo
 import pytest
 from cronsim import CronSim
 
-from controller.timing import check_cron, next_cron, next_run, next_shape, next_shape_by_minutes
+from controller.timing import check_cron, next_cron, next_run, next_shape
 from sched_core.model import Schedule
+from tests.oracles import next_shape_by_minutes
 
 NY = "America/New_York"
 

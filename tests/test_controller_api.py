@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from controller import schedules as schedule_store
-from controller import store
+from controller import tasks
 from controller.api import PullCache, create_app, etag_matches, schedules_body
 from controller.auth import Principal, Tokens, bearer_token, parse_node_tokens
 from controller.db import make_engine, migrate
 from controller.models import TaskIn
-from controller.server import serve_in_thread
+from controller.testing import serve_in_thread
 from sched_core.errors import ConfigError, PullError
 from sched_core.model import LocalSchedule
 from sched_core.scheduler import Config, Fire, Scheduler
@@ -317,17 +317,19 @@ def test_task_dispatches_list_the_newest_records_first(base_url: str, db_url: st
     """What an operator reads after a missed run: each dispatch, its status and error."""
     from sqlmodel import Session
 
-    from controller.central import CentralScheduler
-    from controller.dispatch import RecordingDispatcher
+    from controller.central import CentralScheduler, CentralSettings
+    from controller.testing import RecordingDispatcher
 
     t0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
     engine = make_engine(db_url)
     try:
         with Session(engine) as session:
             task = TaskIn(name="t-dispatches", cron="0 * * * *", event="x")
-            store.save_task(session, task, now=t0 - timedelta(minutes=1))
-        scheduler = CentralScheduler(engine, worker_id="w-api", max_attempts=1,
-                                     dispatcher=RecordingDispatcher(fail_names={"t-dispatches"}))
+            tasks.save_task(session, task, now=t0 - timedelta(minutes=1))
+        scheduler = CentralScheduler(
+            engine, CentralSettings(max_attempts=1), worker_id="w-api",
+            dispatcher=RecordingDispatcher(fail_names={"t-dispatches"}),
+        )
         try:
             assert scheduler.run_once(now=t0) == 1  # fails: gives up on 12:00
             scheduler.dispatcher = RecordingDispatcher()

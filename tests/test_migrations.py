@@ -69,10 +69,16 @@ def test_migrate_is_idempotent(empty_url: str) -> None:
     assert _tables(empty_url) == TABLES
 
 
-def test_database_url_defaults_and_normalises(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_database_url_defaults_and_normalises(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("SCHED_DATABASE_URL", raising=False)
-    assert db.database_url().database == str(db.DEFAULT_SQLITE_PATH)
-    assert db.DEFAULT_SQLITE_PATH.parent.name == ".data"
+    monkeypatch.chdir(tmp_path)
+    assert db.database_url().database == str(db.default_sqlite_path())
+    assert db.default_sqlite_path().parent.name == ".data"
+    # The working directory's .data, never the package's folder (site-packages in a wheel).
+    assert db.default_sqlite_path() == tmp_path / ".data" / "controller.db"
+    assert Path(db.__file__).resolve().parent.parent not in db.default_sqlite_path().parents
     monkeypatch.setenv("SCHED_DATABASE_URL", "postgresql://u:secret@h:5432/sched")
     url = db.database_url()
     assert url.drivername == "postgresql+psycopg" and url.password == "secret"
