@@ -15,6 +15,7 @@ import uuid
 from typing import Any, Protocol
 
 from controller.claims import Claim
+from controller.errors import DeploymentNotFound, DispatchError
 from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class PrefectDispatcher:
         elif claim.deployment:
             self._run_deployment(claim)
         else:
-            raise ValueError(f"task {claim.name!r} has neither an event nor a deployment")
+            raise DispatchError(f"task {claim.name!r} has neither an event nor a deployment")
 
     def _emit(self, claim: Claim) -> None:
         from prefect.client.orchestration import get_client
@@ -125,7 +126,7 @@ class PrefectDispatcher:
             )
         except ObjectNotFound:
             # Prefect's own message is "None": name what is missing, and where.
-            raise LookupError(
+            raise DeploymentNotFound(
                 f"deployment {claim.deployment!r} not found on {prefect_api_url()} "
                 "(expected <flow name>/<deployment name>, as `prefect deployment ls` shows)"
             ) from None
