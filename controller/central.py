@@ -66,7 +66,12 @@ from controller.db import (
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
 from controller.dispatch import PrefectDispatcher, TaskDispatcher
 from controller.listener import Listener, backoff
-from controller.timing import Completion, plan_after_dispatch, plan_after_give_up
+from controller.timing import (
+    Completion,
+    plan_after_dispatch,
+    plan_after_give_up,
+    plan_catch_up,
+)
 from controller.wakeups import subscribe_saves, unsubscribe_saves
 from sched_core.errors import ConfigError
 
@@ -115,7 +120,9 @@ class CentralSettings:
     Times are seconds.
 
     :param poll_interval: the longest wait between passes.
-    :param lease: how long a claim is held before another instance may claim it.
+    :param lease: how long a claim is held before another instance may claim it; renewed
+        every ``heartbeat_interval`` while its dispatch is in flight, so a killed instance's
+        claims are taken over about ``lease`` seconds after its last renewal.
     :param batch_size: tasks claimed per pass.
     :param retry_delay: backoff base of reconnects and failed passes (``SCHED_RETRY_DELAY``
         in :meth:`from_env`), doubling up to ``max_retry_delay``.
@@ -123,7 +130,10 @@ class CentralSettings:
     :param dispatch_retry_delay: backoff base after a failed dispatch, doubling up to
         ``max_dispatch_retry_delay``.
     :param max_dispatch_retry_delay: the cap of that backoff.
-    :param stale_after: when a dispatch record left "dispatching" is taken over.
+    :param stale_after: when a dispatch record left "dispatching" is taken over: once
+        neither its start nor its worker's last renewal is that recent.
+    :param heartbeat_interval: how often leases in flight are renewed (None: a third
+        of the lease, at most ``stale_after`` / 2 when that is shorter).
     :param listen_timeout: how long the listener waits for a notification at a time
         (and so how long it takes to stop).
     :param health_interval: how often the listener checks its connection.
@@ -140,13 +150,14 @@ class CentralSettings:
     """
 
     poll_interval: float = 5.0
-    lease: float = 60.0
+    lease: float = 10.0
     batch_size: int = 100
     retry_delay: float = DEFAULT_RETRY_DELAY
     max_retry_delay: float = 30.0
     dispatch_retry_delay: float = 10.0
     max_dispatch_retry_delay: float = 600.0
-    stale_after: float = 600.0
+    stale_after: float = 10.0
+    heartbeat_interval: float | None = None
     listen_timeout: float = 0.25
     health_interval: float = 30.0
     wake_on_local_saves: bool = True
@@ -166,6 +177,12 @@ class CentralSettings:
             raise ConfigError(
                 f"stale_after={self.stale_after!r} must be 0 or more seconds"
             )
+        heartbeat = self.heartbeat_interval
+        if heartbeat is not None and not (
+            isinstance(heartbeat, int | float) and heartbeat > 0 and math.isfinite(heartbeat)
+        ):
+            raise ConfigError(f"heartbeat_interval={heartbeat!r} must be a positive number "
+                              "of seconds (or None: a third of the lease)")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size} must be 1 or more")
         if self.max_attempts < 0:
@@ -189,6 +206,16 @@ class CentralSettings:
         values: dict[str, Any] = {"retry_delay": retry_delay_from_env()}
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def renew_every(self) -> float:
+        """Seconds between lease renewals of the claims in flight."""
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        bound = self.lease / 3
+        if self.stale_after > 0:
+            bound = min(bound, self.stale_after / 2)
+        return max(bound, 0.01)
 
     def but(self, **changes: Any) -> CentralSettings:
         """Return a copy with changes (validated again)."""
@@ -247,6 +274,13 @@ class CentralScheduler:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._pass_lock = threading.Lock()
+        self._in_flight: dict[int, Claim] = {}
+        """The claims of the pass under way whose leases the heartbeat renews."""
+        self._in_flight_lock = threading.Lock()
+        self.renewals = 0
+        """How many lease renewals this instance wrote (tests wait on it)."""
+        self.skipped = 0
+        """How many claims this instance skipped under the catch-up rule."""
 
     # ------------------------------------------------------------ lifecycle
 
@@ -279,8 +313,9 @@ class CentralScheduler:
                 self._engine = make_engine(
                     self.url,
                     application_name=self.application_name,
+                    # The pass's session, its completion, and the heartbeat's renewal.
                     pool_size=2,
-                    max_overflow=1,
+                    max_overflow=2,
                     pool_pre_ping=False,
                 )
                 if self.is_postgres:
@@ -325,7 +360,7 @@ class CentralScheduler:
         self._stopping.clear()
         self.listener.reset()
         self._ensure_engine()
-        targets = [("loop", self._run_loop)]
+        targets = [("loop", self._run_loop), ("heartbeat", self._run_heartbeat)]
         if self.is_postgres:
             targets.insert(0, ("listen", self.listener.run))
         for role, target in targets:
@@ -445,53 +480,122 @@ class CentralScheduler:
         """Claim one batch and handle every claim; return how many were claimed.
 
         1. Claim due tasks and record their dispatches (one statement on Postgres).
-        2. Dispatch each claim this worker owns; on failure record the error and
-           hold the task for a backoff delay. A claim another worker is still
-           dispatching is left alone; one already dispatched is only completed.
+        2. Skip each recurring claim already followed by another due window (the
+           catch-up rule, :func:`controller.timing.plan_catch_up`); dispatch each
+           other claim this worker owns; on failure record the error and hold the
+           task for a backoff delay. A claim another worker is still dispatching
+           is left alone; one already dispatched is only completed.
         3. Plan each finished claim (:func:`controller.timing.plan_after_dispatch`)
            and complete the batch: reschedule recurring tasks, stop one-shot ones.
 
-        ``now`` pins the time authority (tests); None reads the database's clock.
-        Passes of one instance never overlap (the loop's and the listener's).
+        A batch that skipped claims is followed at once by another, which
+        claims the latest windows they moved to. ``now`` pins the time
+        authority (tests); None reads the database's clock. Passes of one
+        instance never overlap (the loop's and the listener's).
         """
         engine = self._ensure_engine()
         settings = self.settings
+        claimed = 0
         with self._pass_lock:
-            # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
-            with Session(self._claimer or engine) as session:
-                pairs = claims.claim_for_dispatch(
-                    session, worker_id=self.worker_id, now=now, lease=settings.lease,
-                    limit=settings.batch_size, stale_after=settings.stale_after,
-                )
-            self._process(pairs, now=now)
-        return len(pairs)
+            while True:
+                # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
+                with Session(self._claimer or engine) as session:
+                    pairs = claims.claim_for_dispatch(
+                        session, worker_id=self.worker_id, now=now, lease=settings.lease,
+                        limit=settings.batch_size, stale_after=settings.stale_after,
+                    )
+                claimed += len(pairs)
+                if not self._process(pairs, now=now) or self._stopping.is_set():
+                    return claimed
 
     def _process(
         self, pairs: list[tuple[Claim, DispatchOutcome]], *, now: datetime | None
-    ) -> None:
-        """Dispatch the claims this worker owns and complete the batch (steps 2 and 3)."""
+    ) -> int:
+        """Dispatch the claims this worker owns and complete the batch (steps 2 and 3).
+
+        Returns how many claims were skipped under the catch-up rule.
+        """
         if not pairs:
-            return
+            return 0
         engine = self._ensure_engine()
         finished: list[Claim] = []
-        with Session(engine) as session:
+        skipped = 0
+        self._hold([c for c, outcome in pairs if outcome is not DispatchOutcome.BUSY])
+        try:
+            with Session(engine) as session:
+                try:
+                    for index, (claim, outcome) in enumerate(pairs):
+                        if self._stopping.is_set():
+                            rest = [c for c, _ in pairs[index:]]
+                            released = claims.release(session, rest)
+                            log.info("released claims on stop",
+                                     extra=self._log_extra(count=released))
+                            break
+                        if outcome is DispatchOutcome.OWNED and self._skip(session, claim, now):
+                            skipped += 1
+                            continue
+                        if self._handle(session, claim, outcome, now=now):
+                            finished.append(claim)
+                finally:
+                    # One statement on Postgres, committed durably (the pool's
+                    # connections), which also makes the batch's claim durable.
+                    with Session(self._autocommit or engine) as completer:
+                        claims.complete_many(
+                            completer, self._plan(completer, finished, now), now=now
+                        )
+        finally:
+            self._release_hold(pairs)
+        return skipped
+
+    def _skip(self, session: Session, claim: Claim, now: datetime | None) -> bool:
+        """Skip claim under the catch-up rule if a later window is already due; True if so."""
+        if not claim.is_recurring:
+            return False
+        # The database's clock when the claim was made: its lease ends lease seconds later.
+        at = now or claim.locked_until - timedelta(seconds=self.settings.lease)
+        catch_up = plan_catch_up(claim, at)
+        if catch_up is None:
+            return False
+        if claims.skip(session, catch_up, now=now):
+            self.skipped += 1
+        return True
+
+    def _hold(self, held: list[Claim]) -> None:
+        with self._in_flight_lock:
+            for claim in held:
+                self._in_flight[claim.task_id] = claim
+
+    def _release_hold(self, pairs: list[tuple[Claim, DispatchOutcome]]) -> None:
+        with self._in_flight_lock:
+            for claim, _ in pairs:
+                if self._in_flight.get(claim.task_id) is claim:
+                    del self._in_flight[claim.task_id]
+
+    def renew_leases(self) -> int:
+        """Renew the leases (and records) of the claims in flight now; return how many."""
+        with self._in_flight_lock:
+            held = list(self._in_flight.values())
+        if not held:
+            return 0
+        with Session(self._ensure_engine()) as session:
+            renewed = claims.renew(session, held, lease=self.settings.lease)
+        self.renewals += 1
+        return renewed
+
+    def _run_heartbeat(self) -> None:
+        """Renew the leases of the claims in flight every ``renew_every`` seconds, until stopped.
+
+        A killed instance stops renewing, so its claims are taken over about a
+        lease after its last renewal; a failure here is logged and retried at
+        the next beat (the lease has three beats of slack).
+        """
+        every = self.settings.renew_every
+        while not self._stopping.wait(every):
             try:
-                for index, (claim, outcome) in enumerate(pairs):
-                    if self._stopping.is_set():
-                        rest = [c for c, _ in pairs[index:]]
-                        released = claims.release(session, rest)
-                        log.info("released claims on stop",
-                                 extra=self._log_extra(count=released))
-                        break
-                    if self._handle(session, claim, outcome, now=now):
-                        finished.append(claim)
-            finally:
-                # One statement on Postgres, committed durably (the pool's
-                # connections), which also makes the batch's claim durable.
-                with Session(self._autocommit or engine) as completer:
-                    claims.complete_many(
-                        completer, self._plan(completer, finished, now), now=now
-                    )
+                self.renew_leases()
+            except Exception as exc:
+                log.warning("renewing the leases in flight failed; retrying",
+                            extra=self._log_extra(error=f"{type(exc).__name__}: {exc}"))
 
     @staticmethod
     def _plan(session: Session, finished: list[Claim], now: datetime | None) -> list[Completion]:

@@ -12,7 +12,8 @@ The protocol, for one (task, scheduled time) and any number of instances:
    LOCKED`` on Postgres, a single compare-and-set ``UPDATE`` on SQLite) and
    inserts each one's dispatch record, unique per (task name, scheduled time).
    A lease is held while ``now <= locked_until``; the task can be claimed again
-   once ``now > locked_until``. Only the worker whose record insert wins
+   once ``now > locked_until``; a worker renews the leases of the claims it
+   is still dispatching (:func:`renew`). Only the worker whose record insert wins
    dispatches (:attr:`DispatchOutcome.OWNED`), so an expired lease (a second
    worker claiming the same row) cannot dispatch twice. Losing the race
    returns ``[]``. A single claim is a batch of one.
@@ -21,7 +22,9 @@ The protocol, for one (task, scheduled time) and any number of instances:
    or :func:`fail` records the error and holds the task until a retry delay
    has passed; or :func:`give_up` stops retrying that time. All are fenced on
    ``next_run_at`` still being the scheduled time, so a late worker changes
-   nothing.
+   nothing. A recurring claim whose time is already followed by another due
+   window is not dispatched: :func:`skip` moves it to the latest one (the
+   catch-up rule, :func:`controller.timing.plan_catch_up`).
 
 The two databases differ in how steps 1 and 2 run, and only there: a
 :class:`ClaimBackend` per dialect (:class:`PostgresClaims`, one statement from
@@ -29,10 +32,11 @@ The two databases differ in how steps 1 and 2 run, and only there: a
 write lock), chosen once per dialect by :func:`backend_for`.
 
 Crash window: a worker that dies after recording a dispatch and before
-completing it leaves the record "dispatching"; after ``stale_after`` another
-worker takes it over and dispatches again with the same idempotency key (a
-deployment run with that key is not created twice; an event carries an id
-derived from it). A worker still dispatching within ``stale_after`` is never
+completing it leaves the record "dispatching" and stops renewing it; once
+neither its start nor its last renewal is within ``stale_after`` (and its
+lease has run out), another worker takes it over and dispatches again with the
+same idempotency key (a deployment run with that key is not created twice; an
+event carries an id derived from it). A worker still renewing is never
 doubled, whatever its lease says.
 """
 
@@ -181,6 +185,20 @@ def _log_disabled(completion: Completion) -> None:
     )
 
 
+def _log_skipped(completion: Completion, why: str) -> None:
+    claim = completion.claim
+    first, last = completion.first_skipped, completion.last_skipped
+    log.warning(
+        "skipped %d missed window(s) of task %s (%s to %s): %s; next run %s",
+        completion.skipped, claim.name, first.isoformat() if first else "-",
+        last.isoformat() if last else "-", why,
+        completion.next_run_at.isoformat() if completion.next_run_at else "none",
+        extra={"task_name": claim.name, "skipped": completion.skipped,
+               "first_skipped": first, "last_skipped": last,
+               "next_run_at": completion.next_run_at},
+    )
+
+
 def _is_broken(completion: Completion) -> bool:
     return completion.claim.is_recurring and completion.status == TaskStatus.DISABLED
 
@@ -282,6 +300,7 @@ class PostgresClaims:
             "following": [c.next_run_at for c in completions],
             "statuses": [c.status.value for c in completions],
             "errors": [c.error for c in completions],
+            "skipped": [c.skipped for c in completions],
         }
         _, rows = _driver_rows(session, sql.query("complete_many"), params)
         return len(rows)
@@ -334,8 +353,9 @@ class SqliteClaims:
         """Record claim's dispatch in the open transaction; return the outcome.
 
         1. Insert the record, unique per (task name, scheduled time).
-        2. On conflict, take the record over only if its dispatch failed, or if
-           it has been "dispatching" for longer than stale_after.
+        2. On conflict, take the record over only if its dispatch failed or was
+           skipped, or if it has been "dispatching" with neither its start nor
+           its worker's last renewal within stale_after.
         3. If neither, report DONE (already dispatched) or BUSY (in flight elsewhere).
         """
         stale_before = now - timedelta(seconds=stale_after)
@@ -356,10 +376,13 @@ class SqliteClaims:
                 "error": None,
             },
             where=or_(
-                _record.status == DispatchStatus.FAILED.value,
+                _record.status.in_(
+                    [DispatchStatus.FAILED.value, DispatchStatus.SKIPPED.value]
+                ),
                 and_(
                     _record.status == DispatchStatus.DISPATCHING.value,
-                    _record.started_at < literal(stale_before, UtcDateTime),
+                    func.coalesce(_record.renewed_at, _record.started_at)
+                    < literal(stale_before, UtcDateTime),
                 ),
             ),
         ).returning(_record.id)
@@ -388,6 +411,7 @@ class SqliteClaims:
                 "new_next_run": c.next_run_at,
                 "new_status": c.status.value,
                 "new_error": c.error,
+                "new_skipped": c.skipped,
             }
             for c in completions
         ]
@@ -403,6 +427,7 @@ class SqliteClaims:
                     last_run_at=scheduled,
                     attempts=0,
                     last_error=bindparam("new_error", type_=String),
+                    skipped_windows=_task.skipped_windows + bindparam("new_skipped"),
                     updated_at=stamp,
                 ),
                 rows,
@@ -549,6 +574,8 @@ def complete_many(
     for completion in completions:
         if _is_broken(completion):
             _log_disabled(completion)
+        if completion.skipped:
+            _log_skipped(completion, "passed over while the dispatch was late")
     return moved
 
 
@@ -641,6 +668,87 @@ def give_up(
     )
 
 
+def skip(session: Session, catch_up: Completion, *, now: datetime | None = None) -> bool:
+    """Skip a claim under the catch-up rule: move its task to a later window; commits.
+
+    The completion comes from :func:`controller.timing.plan_catch_up`: the task
+    moves to ``catch_up.next_run_at`` (the latest missed window, due at once;
+    its lease is released so any instance claims it), ``skipped_windows`` grows
+    by ``catch_up.skipped``, and the claim's dispatch record becomes
+    ``skipped``, naming the windows. Logged at WARNING. Fenced like
+    :func:`complete_many`; False when the task moved on meanwhile.
+    """
+    now = now or db_now(session)
+    claim = catch_up.claim
+    first, last = catch_up.first_skipped, catch_up.last_skipped
+    message = (
+        f"skipped: {catch_up.skipped} missed window(s) from "
+        f"{first.isoformat() if first else '-'} to {last.isoformat() if last else '-'}; "
+        "only the latest missed window "
+        f"({catch_up.next_run_at.isoformat() if catch_up.next_run_at else '-'}) is dispatched"
+    )
+    moved = _finish(
+        session,
+        claim,
+        {
+            "next_run_at": catch_up.next_run_at,
+            "locked_by": None,
+            "locked_until": None,
+            "skipped_windows": _task.skipped_windows + catch_up.skipped,
+            "updated_at": now,
+        },
+        {"status": DispatchStatus.SKIPPED.value, "finished_at": now, "error": message},
+        only_dispatching=True,
+    )
+    if moved:
+        _log_skipped(catch_up, "only the latest missed window is dispatched")
+    return moved
+
+
+def renew(
+    session: Session,
+    held: list[Claim],
+    *,
+    lease: timedelta | float,
+    now: datetime | None = None,
+) -> int:
+    """Extend the leases of claims still being dispatched, and stamp their records; commits.
+
+    Each task's ``locked_until`` becomes ``now + lease`` while the claim's
+    worker still holds it on the claim's time; each of the worker's records
+    still "dispatching" gets ``renewed_at = now``, so no other instance takes
+    it over (see ``stale_after``). Returns how many leases were renewed.
+    """
+    if not held:
+        return 0
+    now = now or db_now(session)
+    until = now + timedelta(seconds=_seconds(lease))
+    claimed_time = bindparam("claimed_time", type_=UtcDateTime)
+    rows = [
+        {"claimed_id": c.task_id, "claimed_name": c.name, "claimed_time": c.scheduled_at,
+         "claimed_by": c.worker_id}
+        for c in held
+    ]
+    with transaction(session):
+        renewed = session.execute(
+            update(TASKS)
+            .where(_task.id == bindparam("claimed_id"), _task.next_run_at == claimed_time,
+                   _task.locked_by == bindparam("claimed_by"))
+            .values(locked_until=literal(until, UtcDateTime)),
+            rows,
+        )
+        session.execute(
+            update(DISPATCHES)
+            .where(_record.task_name == bindparam("claimed_name"),
+                   _record.scheduled_at == claimed_time,
+                   _record.worker_id == bindparam("claimed_by"),
+                   _record.status == DispatchStatus.DISPATCHING.value)
+            .values(renewed_at=literal(now, UtcDateTime)),
+            rows,
+        )
+    return int(cast(CursorResult[Any], renewed).rowcount or 0)
+
+
 def release(session: Session, claims: list[Claim]) -> int:
     """Give back claims this worker will not process (e.g. on shutdown); commits.
 
@@ -701,7 +809,7 @@ def prune_dispatches(
 ) -> int:
     """Delete finished dispatch records scheduled before ``before``; return how many; commits.
 
-    Finished means dispatched or failed: a record still ``dispatching`` is the
+    Finished means dispatched, failed or skipped: a record still ``dispatching`` is the
     exactly-once guard of a dispatch in flight and is never deleted. Deletes in
     batches of ``batch`` rows, one transaction each, so a large backlog never
     holds one long lock; ``max_batches`` stops after that many (the caller

@@ -15,7 +15,7 @@ same DST rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
@@ -115,16 +115,25 @@ def next_run(
     return None
 
 
+_TICK = timedelta(microseconds=1)
+
 MAX_ERROR_LENGTH = 2000
 """The longest ``last_error`` (and dispatch record error) the controller stores."""
 
 
+MAX_CATCH_UP_SCAN = 100_000
+"""The most missed windows counted for one task at once (69 days of a per-minute cron)."""
+
+
 @dataclass(slots=True)
 class Completion:
-    """What a finished claim's task becomes: the store writes it, fenced on the claim's time.
+    """What a claimed task becomes: the store writes it, fenced on the claim's time.
 
     ``error`` is the task's ``last_error`` (None clears it); ``attempts`` its
-    new count of failed dispatches of the next scheduled time.
+    new count of failed dispatches of the next scheduled time. ``skipped``
+    windows (``first_skipped`` .. ``last_skipped``) were never dispatched
+    under the catch-up rule (see :func:`plan_catch_up`); the store adds them
+    to the task's ``skipped_windows`` and logs them.
     """
 
     claim: Claim
@@ -132,6 +141,54 @@ class Completion:
     status: TaskStatus
     error: str | None = None
     attempts: int = 0
+    skipped: int = 0
+    first_skipped: datetime | None = None
+    last_skipped: datetime | None = None
+
+
+def _windows_through(claim: Claim, first: datetime, now: datetime) -> tuple[int, datetime]:
+    """Return how many of claim's windows from first fall at or before now, and the last one.
+
+    first is a window at or before now; at most MAX_CATCH_UP_SCAN are counted.
+    """
+    count, last = 1, first
+    while count < MAX_CATCH_UP_SCAN:
+        following = claim.next_after(last)
+        if following is None or following > now:
+            break
+        count, last = count + 1, following
+    return count, last
+
+
+def plan_catch_up(claim: Claim, now: datetime) -> Completion | None:
+    """Return how a recurring claim catches up after missed windows; None if it is current.
+
+    The catch-up rule: of the windows of a recurring task that came due while
+    no instance could dispatch it, only the latest is dispatched. A claim whose
+    scheduled time is already followed by a later window at or before now is
+    not dispatched: its task moves to the latest window at or before now (due
+    at once), and every window before that one, the claim's own included, is
+    skipped (counted and logged, never silent). A one-shot task, or a task
+    whose next window is still ahead, is dispatched as it is (None). A task
+    whose next run cannot be computed is left to :func:`plan_after_dispatch`.
+    """
+    if not claim.is_recurring:
+        return None
+    try:
+        first = claim.next_after(claim.scheduled_at)
+        if first is None or first > now:
+            return None
+        later, latest = _windows_through(claim, first, now)
+        before_latest = claim.scheduled_at
+        if later > 1:
+            # The window just before the latest: step from the one before it.
+            _, before_latest = _windows_through(claim, first, latest - _TICK)
+    except Exception:
+        return None
+    return Completion(
+        claim, latest, TaskStatus.ACTIVE, skipped=later, first_skipped=claim.scheduled_at,
+        last_skipped=before_latest,
+    )
 
 
 def plan_after_dispatch(claim: Claim, now: datetime | None) -> Completion:
@@ -139,7 +196,8 @@ def plan_after_dispatch(claim: Claim, now: datetime | None) -> Completion:
 
     A one-shot task is done (now is not needed). A recurring task moves to its
     first time after the later of now and its scheduled time, so a late
-    dispatch never replays the times it missed. A recurring task whose next
+    dispatch never replays the times it missed: those it passed over are
+    counted as skipped (see :func:`plan_catch_up`). A recurring task whose next
     run cannot be computed (e.g. a row stored before its cron expression was
     checked, or a timezone gone from the tz database) never raises: it stays
     at its scheduled time and becomes ``disabled`` with the reason as its
@@ -151,7 +209,11 @@ def plan_after_dispatch(claim: Claim, now: datetime | None) -> Completion:
     if now is None:
         raise ValueError(f"planning recurring task {claim.name!r} needs now")
     try:
-        following = claim.next_after(max(now, claim.scheduled_at))
+        first = claim.next_after(claim.scheduled_at)
+        if first is None or first > now:
+            following = first
+        else:
+            following = claim.next_after(now)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         error = f"disabled: cannot compute the run after {claim.scheduled_at.isoformat()}: {reason}"
@@ -159,7 +221,13 @@ def plan_after_dispatch(claim: Claim, now: datetime | None) -> Completion:
             claim, claim.scheduled_at, TaskStatus.DISABLED, error[:MAX_ERROR_LENGTH]
         )
     status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
-    return Completion(claim, following, status)
+    if first is None or first > now:
+        return Completion(claim, following, status)
+    # Late: the windows from the next one through now were passed over.
+    skipped, last = _windows_through(claim, first, now)
+    return Completion(
+        claim, following, status, skipped=skipped, first_skipped=first, last_skipped=last
+    )
 
 
 def plan_after_give_up(

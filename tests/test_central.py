@@ -7,6 +7,7 @@ generous deadlines and assert what happened, never how long it took.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -195,7 +196,7 @@ def test_settings_are_checked_naming_the_field() -> None:
     settings = CentralSettings()
     with pytest.raises(AttributeError):
         settings.lease = 1  # type: ignore[misc]
-    assert settings.but(lease=5).lease == 5 and settings.lease == 60
+    assert settings.but(lease=5).lease == 5 and settings.lease == 10
 
 
 def test_the_attempt_limit_and_retention_are_checked() -> None:
@@ -315,9 +316,21 @@ def test_a_stepped_fixed_hour_job_runs_through_the_fall_back_hour(engine: Engine
         _at(5, 45), _at(6, 0), _at(6, 15), _at(6, 30), _at(6, 45)]
     assert len([name for name, _ in keys if name == "every-minute"]) == len(passes)
     assert _task(engine, "quarterly-1am").next_run_at == _at(6, 0, day=2)  # 01:00 EST
+    # Each pass dispatches the latest missed minute (the catch-up rule): 05:45, then
+    # 05:50 (05:46-05:49 skipped), 06:00 (05:51-05:59 skipped), ...
+    assert [at for name, at in keys if name == "every-minute"] == [
+        _at(5, 45), _at(5, 50), _at(6, 0), _at(6, 15), _at(6, 30), _at(6, 45), _at(7, 0)]
     with Session(engine) as session:
-        assert {r.status for r in claims.list_dispatches(session)} == {"dispatched"}
+        records = claims.list_dispatches(session)
+        assert {(r.task_name, r.scheduled_at) for r in records
+                if r.status == "dispatched"} == set(keys)
+        skipped = [r for r in records if r.status == "skipped"]
+        assert {r.task_name for r in skipped} == {"every-minute"}
+        assert all(r.error and r.error.startswith("skipped: ") for r in skipped)
+        assert {r.status for r in records} == {"dispatched", "skipped"}
         assert all(t.locked_by is None for t in tasks.list_tasks(session))
+    assert _task(engine, "every-minute").skipped_windows == 4 + 9 + 14 * 4
+    assert _task(engine, "quarterly-1am").skipped_windows == 0
 
 
 def test_a_pass_completes_the_rest_of_a_batch_around_a_broken_task(
@@ -512,3 +525,62 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     assert deployment == {"parameters": {"agent": "node-b"}, "timeout": 0,
                           "idempotency_key": "prune:2026-12-02T12:00:00+00:00",
                           "as_subflow": False}
+
+
+# ---------------------------------------------------------------- failover and catch-up
+
+
+def test_a_killed_instances_claim_is_dispatched_by_another_a_lease_later(
+    engine: Engine,
+) -> None:
+    """Defaults: a 10 s lease and stale_after: a dead worker's claim waits 10 s, not 10 min."""
+    _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0)
+    settings = CentralSettings()
+    with Session(engine) as session:  # the dead instance: claimed, recorded, never finished
+        [(claim, outcome)] = claims.claim_for_dispatch(
+            session, worker_id="dead", now=T0, lease=settings.lease,
+            stale_after=settings.stale_after,
+        )
+    assert outcome is claims.DispatchOutcome.OWNED and claim.worker_id == "dead"
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, settings, worker_id="w1", dispatcher=recorder)
+    try:
+        assert scheduler.run_once(now=T0 + timedelta(seconds=10)) == 0  # still leased
+        assert scheduler.run_once(now=T0 + timedelta(seconds=10, microseconds=1)) == 1
+    finally:
+        scheduler.stop()
+    assert recorder.keys() == [("once", T0)]
+    assert _task(engine, "once").status == TaskStatus.DONE
+
+
+def test_the_heartbeat_renews_a_slow_dispatch_so_nobody_takes_it_over(
+    postgres_url: str,
+) -> None:
+    """A dispatch far slower than the lease keeps its claim: nothing is sent twice."""
+    settings = CentralSettings(lease=0.6, stale_after=0.6, poll_interval=0.05)
+    release = threading.Event()
+    slow = RecordingDispatcher(on_dispatch=lambda _record: release.wait(DEADLINE))
+    quick = RecordingDispatcher()
+    first = CentralScheduler(postgres_url, settings, worker_id="w-slow", dispatcher=slow)
+    second = CentralScheduler(postgres_url, settings, worker_id="w-other", dispatcher=quick)
+    engine = db.make_engine(postgres_url, application_name="sched-test-heartbeat")
+    try:
+        first.start()
+        _save(engine, {"name": "slow", "run_at": datetime.now(UTC), "event": "x"})
+        assert _wait_until(lambda: first.renewals >= 5)  # 5 renewals: 3+ leases long
+        second.start()
+        assert _wait_until(lambda: second.waiting.is_set())
+        assert _wait_until(lambda: first.renewals >= 10)
+        assert quick.keys() == []
+        release.set()
+        assert slow.wait_for(1, DEADLINE)
+        assert _wait_until(lambda: _task(engine, "slow").status == TaskStatus.DONE)
+        with Session(engine) as session:
+            [record] = claims.list_dispatches(session, "slow")
+        assert record.status == "dispatched" and record.renewed_at is not None
+    finally:
+        release.set()
+        first.stop()
+        second.stop()
+        engine.dispose()
+    assert quick.keys() == [] and [name for name, _ in slow.keys()] == ["slow"]

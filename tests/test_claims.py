@@ -20,7 +20,7 @@ from sqlmodel import Session
 from controller import claims, db, tasks
 from controller.claims import DispatchOutcome
 from controller.models import TaskStatus
-from controller.timing import plan_after_give_up
+from controller.timing import plan_after_give_up, plan_catch_up
 from tests.factories import T0, claimed, complete, complete_all, cron_task, one_shot
 
 US = timedelta(microseconds=1)
@@ -430,3 +430,79 @@ def test_release_gives_claims_back_and_drops_unsent_records(session: Session) ->
     assert claims.list_dispatches(session) == []
     [(again, outcome)] = claims.claim_for_dispatch(session, worker_id="w2", now=T0, lease=60)
     assert outcome is DispatchOutcome.OWNED and again.name == "a"
+
+
+# ---------------------------------------------------------------- renewal, catch-up
+
+
+def test_a_renewed_claim_is_neither_claimable_nor_taken_over_until_renewals_stop(
+    session: Session,
+) -> None:
+    tasks.save_task(session, one_shot("t"), now=T0)
+    [(held, outcome)] = claims.claim_for_dispatch(
+        session, worker_id="alive", now=T0, lease=10, stale_after=10
+    )
+    assert outcome is DispatchOutcome.OWNED
+    # The worker renews at T0+8 and T0+16: its lease runs to T0+26.
+    for beat in (8, 16):
+        assert claims.renew(session, [held], lease=10, now=T0 + timedelta(seconds=beat)) == 1
+    [record] = claims.list_dispatches(session, "t")
+    assert record.renewed_at == T0 + timedelta(seconds=16)
+    assert claimed(session, worker_id="other", now=T0 + timedelta(seconds=26),
+                   stale_after=10) == []
+    # Renewals stop (the worker was killed): a microsecond after its lease ends,
+    # another worker claims it. The record counts as alive for stale_after after
+    # its last renewal: with 20 s it is still busy, with 10 s (the lease) it is
+    # taken over at once.
+    [(late, outcome)] = claims.claim_for_dispatch(
+        session, worker_id="other", now=T0 + timedelta(seconds=26) + US, lease=0, stale_after=20
+    )
+    assert late.scheduled_at == T0 and outcome is DispatchOutcome.BUSY
+    [(late, outcome)] = claims.claim_for_dispatch(
+        session, worker_id="other", now=T0 + timedelta(seconds=26) + 2 * US, lease=0,
+        stale_after=10,
+    )
+    assert outcome is DispatchOutcome.OWNED
+    # The dead worker's renewal no longer touches what it lost.
+    assert claims.renew(session, [held], lease=10, now=T0 + timedelta(seconds=27)) == 0
+
+
+def test_skip_moves_a_task_to_its_latest_missed_window_and_counts_the_rest(
+    session: Session, caplog: pytest.LogCaptureFixture
+) -> None:
+    tasks.save_task(session, cron_task("t"), now=T0 - timedelta(minutes=1))  # next: T0
+    now = T0 + timedelta(minutes=17)  # 12:05, 12:10 and 12:15 came due too
+    [(claim, outcome)] = claims.claim_for_dispatch(session, worker_id="w", now=now, lease=30)
+    assert outcome is DispatchOutcome.OWNED
+    catch_up = plan_catch_up(claim, now)
+    assert catch_up is not None
+    assert (catch_up.next_run_at, catch_up.skipped) == (T0 + timedelta(minutes=15), 3)
+    with caplog.at_level(logging.WARNING, logger="controller"):
+        assert claims.skip(session, catch_up, now=now) is True
+    task = tasks.get_task(session, "t")
+    assert task is not None and task.skipped_windows == 3 and task.locked_by is None
+    assert task.next_run_at == T0 + timedelta(minutes=15) and task.status == TaskStatus.ACTIVE
+    [record] = claims.list_dispatches(session, "t")
+    assert (record.scheduled_at, record.status) == (T0, "skipped")
+    assert record.error is not None and "3 missed window(s)" in record.error
+    [logged] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert (logged.task_name, logged.skipped) == ("t", 3)  # type: ignore[attr-defined]
+    assert logged.first_skipped == T0  # type: ignore[attr-defined]
+    assert logged.last_skipped == T0 + timedelta(minutes=10)  # type: ignore[attr-defined]
+    # The latest window is due at once, and dispatched as usual.
+    [(latest, outcome)] = claims.claim_for_dispatch(session, worker_id="w", now=now, lease=30)
+    assert latest.scheduled_at == T0 + timedelta(minutes=15) and outcome is DispatchOutcome.OWNED
+    assert plan_catch_up(latest, now) is None
+    assert complete(session, latest, now=now) is True
+    task = tasks.get_task(session, "t")
+    assert task is not None and task.next_run_at == T0 + timedelta(minutes=20)
+    assert task.skipped_windows == 3
+
+
+def test_a_late_completion_counts_the_windows_it_passed_over(session: Session) -> None:
+    tasks.save_task(session, cron_task("t"), now=T0 - timedelta(minutes=1))
+    [claim] = claimed(session, worker_id="w", now=T0, lease=30)
+    assert complete(session, claim, now=T0 + timedelta(minutes=12)) is True
+    task = tasks.get_task(session, "t")
+    assert task is not None and task.next_run_at == T0 + timedelta(minutes=15)
+    assert task.skipped_windows == 2  # 12:05 and 12:10

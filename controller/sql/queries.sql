@@ -17,8 +17,9 @@
 --    another claimer has locked.
 -- 2. claimed: lease them to %(worker_id)s until now + %(lease)s seconds.
 -- 3. recorded: insert one dispatch record per (task, scheduled time); take over
---    an existing one only if it failed, or if it has been dispatching for longer
---    than %(stale_after)s seconds. The rows returned here are ours to dispatch.
+--    an existing one only if it failed or was skipped, or if it has been
+--    dispatching with neither its start nor its worker's last renewal within
+--    %(stale_after)s seconds. The rows returned here are ours to dispatch.
 -- 4. Report which claims are ours (owned). The rest (rare: a record another
 --    worker holds or finished) are looked up afterwards with record_status,
 --    which keeps this hot statement to the three steps above.
@@ -51,10 +52,11 @@ WITH picked AS (
         started_at = excluded.started_at,
         finished_at = NULL,
         error = NULL
-    WHERE d.status = 'failed'
+    WHERE d.status IN ('failed', 'skipped')
        OR (d.status = 'dispatching'
-           AND d.started_at < excluded.started_at
-                              - make_interval(secs => CAST(%(stale_after)s AS double precision)))
+           AND coalesce(d.renewed_at, d.started_at)
+               < excluded.started_at
+                 - make_interval(secs => CAST(%(stale_after)s AS double precision)))
     RETURNING d.task_name
 )
 SELECT c.*, r.task_name IS NOT NULL AS owned
@@ -69,9 +71,10 @@ SELECT task_name, scheduled_at, status FROM task_dispatch WHERE task_name = ANY(
 
 -- name: complete_many
 -- Complete a batch of claims in one statement (Postgres): for each (id, name,
--- scheduled_at, next_run_at, status, last_error) row, move the task on (fenced
--- on its next_run_at still being scheduled_at) and mark its dispatch record
--- dispatched. Returns one row per task moved.
+-- scheduled_at, next_run_at, status, last_error, skipped) row, move the task on
+-- (fenced on its next_run_at still being scheduled_at), add the windows its
+-- plan skipped to skipped_windows, and mark its dispatch record dispatched.
+-- Returns one row per task moved.
 WITH batch AS (
     SELECT *
     FROM unnest(
@@ -80,8 +83,9 @@ WITH batch AS (
         CAST(%(scheduled)s AS timestamptz[]),
         CAST(%(following)s AS timestamptz[]),
         CAST(%(statuses)s AS text[]),
-        CAST(%(errors)s AS text[])
-    ) AS b(id, name, scheduled_at, next_run_at, status, last_error)
+        CAST(%(errors)s AS text[]),
+        CAST(%(skipped)s AS integer[])
+    ) AS b(id, name, scheduled_at, next_run_at, status, last_error, skipped)
 ), recorded AS (
     UPDATE task_dispatch AS d
     SET status = 'dispatched',
@@ -99,6 +103,7 @@ SET next_run_at = batch.next_run_at,
     last_run_at = batch.scheduled_at,
     attempts = 0,
     last_error = batch.last_error,
+    skipped_windows = t.skipped_windows + batch.skipped,
     updated_at = coalesce(CAST(%(now)s AS timestamptz), now())
 FROM batch
 WHERE t.id = batch.id AND t.next_run_at = batch.scheduled_at
