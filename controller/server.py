@@ -1,6 +1,8 @@
 """The controller process: the HTTP API under uvicorn, the central scheduler, or both.
 
-Rule: this is the imperative shell. It opens the one engine of the process,
+Rule: this is the imperative shell. It opens the API's engine (the central
+scheduler opens its own from the same URL: its claiming and listening
+connections carry settings of their own, see :mod:`controller.central`),
 starts what was asked for, waits for SIGINT/SIGTERM (uvicorn's, or ours when
 there is no API), then stops the scheduler and disposes the engine, in that
 order, whatever failed in between.
@@ -32,7 +34,7 @@ log = logging.getLogger("controller.server")
 def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """Return the uvicorn settings the controller runs with.
 
-    uvicorn's own access log is off: :class:`controller.api.AccessLogMiddleware`
+    uvicorn's own access log is off: :class:`controller.api.access_log.AccessLogMiddleware`
     logs each request with its node and principal and never a header.
     """
     return uvicorn.Config(
