@@ -46,4 +46,5 @@ def test_killed_instances_lose_and_double_nothing_in_prefect(
     assert result.lost == []
     assert result.duplicated == {}
     assert result.one_shots == 40
-    assert len(result.delays) == result.runs >= result.expected > result.one_shots
+    # The crons add their windows that fell within the 20 s, if a minute turned.
+    assert len(result.delays) == result.runs >= result.expected >= result.one_shots
