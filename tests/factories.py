@@ -6,17 +6,14 @@ store's batch API, as the scheduler does: a single claim is a batch of one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from controller import claims, db, tasks
+from controller import claims
 from controller.claims import Claim
-from controller.models import ScheduledTask, TaskIn
+from controller.models import TaskIn
 from controller.timing import plan_after_dispatch
 from sched_core.model import LocalSchedule
 
@@ -52,18 +49,6 @@ def cron_task(name: str, cron: str = "*/5 * * * *", **kw: object) -> TaskIn:
     )
 
 
-def save(engine: Engine, body: dict[str, Any], now: datetime | None = None) -> None:
-    """Save the task body describes (validated as a client's would be)."""
-    with Session(engine) as session:
-        tasks.save_task(session, TaskIn.model_validate(body), now=now)
-
-
-def stored_task(engine: Engine, name: str) -> ScheduledTask | None:
-    """Return the task called name as stored."""
-    with Session(engine) as session:
-        return tasks.get_task(session, name)
-
-
 def claimed(session: Session, **kw: Any) -> list[Claim]:
     """Return the claims of :func:`controller.claims.claim_for_dispatch`, without outcomes."""
     return [found for found, _ in claims.claim_for_dispatch(session, **kw)]
@@ -79,13 +64,3 @@ def complete_all(session: Session, batch: list[Claim], *, now: datetime) -> int:
     return claims.complete_many(
         session, [plan_after_dispatch(found, now) for found in batch], now=now
     )
-
-
-@contextmanager
-def engine_for(url: str, application_name: str) -> Iterator[Engine]:
-    """Yield an engine on url, disposed afterwards."""
-    engine = db.make_engine(url, application_name=application_name)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
