@@ -384,6 +384,7 @@ class Node:
         text = (EXAMPLES / example).read_text()
         if example == "agent.toml":
             shutil.copytree(EXAMPLES / "demo-data", self.home / "demo-data")
+            shutil.copy2(EXAMPLES / "check-archives.py", self.home / "check-archives.py")
         else:
             password = self.world / "restic-password"
             password.write_text("pw\n")
@@ -538,7 +539,7 @@ def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
 def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The demo table still runs through run-job: tar, cp, find -delete, gzip -t and tar -t.
+    """The demo table still runs through run-job: tar, cp, find -delete and check-archives.py.
 
     Its archive is 0600 in a 0700 state folder, its mirror 0700 with nothing open to others.
     """
@@ -547,6 +548,10 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
                 _demo("good-copy", "copy", source="demo-data"),
                 _demo("good-prune", "prune", keep_minutes=30),
                 _demo("good-check", "check")])
+    # A check that finds no archive has checked nothing: it fails, saying so.
+    nothing = node.run("good-check")
+    assert nothing.is_failed(), nothing.message
+    assert "exited with code 1" in str(nothing.message)
     state = node.run("good")
     assert state.is_completed(), state.message
     assert state.result()["argv"][-2:] == ["--", "."]
@@ -564,6 +569,10 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     checked = node.run("good-check")
     assert checked.is_completed(), checked.message
+    corrupt = node.state / "archive-demo-20261130T0730Z.tar.gz"
+    corrupt.write_bytes(archive.read_bytes()[:-20])  # cut short: gzip's end is gone
+    assert node.run("good-check").is_failed()
+    corrupt.unlink()
     prune = node.run("good-prune")
     assert prune.is_completed(), prune.message
     assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
