@@ -35,6 +35,9 @@ from sched_core.model import Schedule
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
 
+TIMEZONE_MAX_LENGTH = 64
+"""The longest timezone name a task stores (its column); real IANA names are under 40."""
+
 TASK_EVENT_PREFIX = "sched.task."
 """Every event a task emits is in this domain."""
 
@@ -134,7 +137,7 @@ class ScheduledTask(SQLModel, table=True):
     name: str = Field(max_length=200, unique=True, sa_type=NAME_TYPE)
     cron: str | None = Field(default=None, sa_type=Text)
     schedule: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
-    timezone: str = Field(default=DEFAULT_TIMEZONE, max_length=64)
+    timezone: str = Field(default=DEFAULT_TIMEZONE, max_length=TIMEZONE_MAX_LENGTH)
     run_at: datetime | None = Field(default=None, sa_column=Column(UtcDateTime, nullable=True))
     event: str | None = Field(default=None, sa_type=Text)
     deployment: str | None = Field(default=None, sa_type=Text)
@@ -219,7 +222,20 @@ class TaskIn(SQLModel):
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
-        zone(value)  # an unknown name is a ValueError naming it
+        shown = value if len(value) <= 60 else value[:45] + "..." + value[-10:]
+        if len(value) > TIMEZONE_MAX_LENGTH:
+            raise ValueError(
+                f"timezone {shown!r} is {len(value)} characters long; the most is "
+                f"{TIMEZONE_MAX_LENGTH}"
+            )
+        try:
+            zone(value)  # an unknown name is a ValueError naming it
+        except (ValueError, OSError):
+            # OSError: a folder of the zone database ("Europe"), a name too long
+            # for a file name: not zones either.
+            raise ValueError(
+                f"unknown timezone {shown!r} (expected an IANA name such as Europe/Paris)"
+            ) from None
         return value
 
     @field_validator("cron")
@@ -234,9 +250,16 @@ class TaskIn(SQLModel):
     @field_validator("run_at")
     @classmethod
     def _aware_run_at(cls, value: datetime | None) -> datetime | None:
-        if value is not None and value.tzinfo is None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
             raise ValueError("run_at has no UTC offset")
-        return value.astimezone(UTC) if value is not None else None
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:  # 0001-01-01T00:00:00+01:00 is before year 1 in UTC
+            raise ValueError(
+                f"run_at {value.isoformat()} is out of range in UTC (years 1 to 9999)"
+            ) from None
 
     @field_validator("event")
     @classmethod
