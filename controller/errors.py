@@ -7,6 +7,7 @@ The tree (each also the built-in it resembles)::
     ├── NotFound(LookupError)          no such task, schedule or node row: HTTP 404
     ├── InvalidInput(ValueError)       a body, name or parameter refused: HTTP 422
     ├── BodyTooLarge(ValueError)       a request body over the limit: HTTP 413
+    ├── ClientGone(ConnectionError)    the client left (or was cut off) before its body was in
     └── DispatchError(RuntimeError)    a claim could not be handed on (recorded, retried)
         └── DeploymentNotFound(LookupError)
 
@@ -34,6 +35,10 @@ class InvalidInput(SchedError, ValueError):
 
 class BodyTooLarge(SchedError, ValueError):
     """The request body is larger than the controller accepts."""
+
+
+class ClientGone(SchedError, ConnectionError):
+    """The client disconnected, or was cut off as too slow, before its request body was in."""
 
 
 class DispatchError(SchedError, RuntimeError):

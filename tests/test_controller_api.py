@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -450,6 +451,57 @@ def test_hostile_identifier_is_422_naming_the_field(
 
 
 @pytest.mark.parametrize(
+    "node", [".hidden", "-o", "a b", "a*b", "x\x1b[2Jy", "\u00e9t\u00e9", "n" * 129, "~n"],
+)
+def test_a_node_name_that_is_no_identifier_is_422_on_a_write(
+    client: httpx.Client, node: str
+) -> None:
+    """Node names follow the kit's identifier rule when stored: 422 naming node, nothing stored."""
+    response = client.put(f"/api/nodes/{quote(node, safe='')}/schedules/s-1", json=row("s-1"),
+                          headers=ADMIN)
+    error = only_error(response)
+    assert error["field"] == "node" and error["loc"] == ["path", "node"]
+    assert "is not an identifier" in error["msg"]
+    assert node not in client.get("/api/nodes", headers=ADMIN).json()["nodes"]
+
+
+def test_a_node_stored_before_the_identifier_rule_stays_readable_and_deletable(
+    db_url: str, client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the length rule: reads and deletes of a stored legacy node name keep working."""
+    from sqlmodel import Session
+
+    caplog.set_level(logging.INFO)
+    legacy = ["\u00e9t\u00e9", "x\x1b[2Jy"]
+    engine = make_engine(db_url)
+    try:
+        with Session(engine) as session:
+            for node in legacy:
+                schedule_store.put_schedule(session, node, LocalSchedule.model_validate(
+                    {**row("legacy-1"), "version": 1}, context={STORED_BEFORE_RULES: True}
+                ))
+            session.commit()
+    finally:
+        engine.dispose()
+    listed = client.get("/api/nodes", headers=ADMIN).json()["nodes"]
+    assert set(legacy) <= set(listed)
+    for node in legacy:
+        pulled = client.get("/api/schedules", params={"node": node}, headers=ADMIN)
+        assert [r["id"] for r in pulled.json()["schedules"]] == ["legacy-1"]
+        path = f"/api/nodes/{quote(node, safe='')}/schedules/legacy-1"
+        assert client.get(path, headers=ADMIN).status_code == 200
+        assert client.delete(path, headers=ADMIN).status_code == 204
+        # A write to it is refused: the row cannot be re-created under that name.
+        only_error(client.put(path, json=row("legacy-1"), headers=ADMIN))
+    # The escape sequence reached no log line raw: the access log's and the delete's.
+    for record in caplog.records:
+        assert "\x1b" not in record.getMessage(), record.getMessage()
+        assert all("\x1b" not in str(v) for v in record.__dict__.values()), record.__dict__
+    deleted = [r for r in caplog.records if r.getMessage() == "schedule deleted"]
+    assert [r.__dict__["node"] for r in deleted] == ["\u00e9t\u00e9", "x\\x1b[2Jy"]
+
+
+@pytest.mark.parametrize(
     ("content", "words"),
     [(b"{not json", "invalid JSON"), (b"[1, 2]", "JSON object"),
      (b'{"name": "n", "params": {"x": NaN}}', "NaN is not JSON"), (b"\xff", "invalid JSON")],
@@ -499,6 +551,15 @@ def test_pull_without_node_is_422_naming_node(client: httpx.Client) -> None:
         ({"cron": "* * * * *", "payload": {}}, "", "exactly one of event or deployment"),
         ({**TASK, "name": "other-name"}, "name", "differs"),
         ({**TASK, "payload": [1]}, "payload", "dictionary"),
+        # These answered 500: a folder of the zone database, a name too long for a
+        # file name, an instant before year 1 once in UTC.
+        ({**TASK, "timezone": "Europe"}, "timezone", "unknown timezone 'Europe'"),
+        ({**TASK, "timezone": "America/"}, "timezone", "unknown timezone 'America/'"),
+        ({**TASK, "timezone": "Z" * 256}, "timezone", "256 characters long; the most is 64"),
+        ({**TASK, "timezone": "Europe/" + "P" * 300}, "timezone", "307 characters long"),
+        ({"run_at": "0001-01-01T00:00:00+01:00", "event": "x"}, "run_at",
+         "run_at 0001-01-01T00:00:00+01:00 is out of range in UTC"),
+        ({"run_at": "9999-12-31T23:30:00-01:00", "event": "x"}, "run_at", "out of range"),
     ],
 )
 def test_invalid_task_is_422_naming_the_problem(
@@ -878,12 +939,21 @@ def test_names_no_column_holds_are_422_on_each_database(database_url: str) -> No
         with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as base, \
                 httpx.Client(base_url=base, headers=ADMIN, timeout=30) as client:
             longest = "\u00e9" * 200  # 200 characters, 400 bytes: fits on both
-            # A schedule id is an identifier (ASCII, at most 128 characters): such an id
-            # is refused naming the field; the node name still fills its column.
-            refused = only_error(put(client, longest, row(longest)))
+            # A node name and a schedule id being stored are identifiers (ASCII, at most
+            # 128 characters): such names are refused naming the field...
+            refused = only_error(put(client, longest, row("s-1")))
+            assert refused["field"] == "node" and "is not an identifier" in refused["msg"]
+            refused = only_error(put(client, "node-a", row(longest)))
             assert refused["field"] == "id" and "is not an identifier" in refused["msg"]
             longest_id = "s" * 128
-            assert put(client, longest, row(longest_id)).status_code == 200
+            # ...while a node name stored before the rule still fills its column.
+            from sqlmodel import Session
+
+            with Session(engine) as session:
+                schedule_store.put_schedule(session, longest, LocalSchedule.model_validate(
+                    {**row(longest_id), "version": 1}, context={STORED_BEFORE_RULES: True}
+                ))
+                session.commit()
             assert client.put(f"/api/tasks/{longest}", json=TASK).status_code == 200
             for method, path, field, words in NAME_CASES:
                 body = None

@@ -9,13 +9,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controller.auth import Principal
+from controller.logtext import printable as _printable
 
 access_log = logging.getLogger("controller.access")
-
-
-def _printable(text: str) -> str:
-    """Return text with control characters escaped, so a request cannot forge log lines."""
-    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 class AccessLogMiddleware:

@@ -24,10 +24,18 @@ from starlette.concurrency import run_in_threadpool
 
 from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
-from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
+from controller.api.jsonbody import (
+    _unprocessable,
+    check_name,
+    check_node,
+    read_model,
+    validation_entries,
+)
+from controller.api.openapi import install_openapi, json_body
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
-from controller.errors import BodyTooLarge, InvalidInput, NotFound
+from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
+from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn
 from sched_core.model import LocalSchedule
 
@@ -98,9 +106,15 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=413)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        # Nobody reads this answer (the connection is closed, or was answered 408 by
+        # the connection guard); it only gives the access log its status.
+        return Response(status_code=408, headers={"connection": "close"})
+
 
 def _check_schedule_key(node: str, schedule_id: str, *, storing: bool = False) -> None:
-    check_name(("path", "node"), node, storing=storing)
+    check_node(("path", "node"), node, storing=storing)
     check_name(("path", "id"), schedule_id, storing=storing)
 
 
@@ -147,13 +161,20 @@ def schedule_router(
             raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
         return Response(row.model_dump_json(), media_type="application/json")
 
-    @router.put("/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node])
+    @router.put(
+        "/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node],
+        openapi_extra=json_body(
+            LocalSchedule, "The row in the agents' wire format; `id` may be left out "
+            "(the path's), `version` is ignored (the stored one is bumped)."
+        ),
+    )
     async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
         _check_schedule_key(node, schedule_id, storing=True)
         row = await read_model(request, LocalSchedule, "id", schedule_id)
         stored = await run_in_threadpool(
             in_session, lambda s: schedules.put_schedule(s, node, row)
         )
+        # Both are identifiers by now (the node's path rule, the row's id rule).
         log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
                                            "version": stored.version})
         return Response(stored.model_dump_json(), media_type="application/json")
@@ -166,7 +187,8 @@ def schedule_router(
         _check_schedule_key(node, schedule_id)
         if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id)):
             raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
-        log.info("schedule deleted", extra={"node": node, "schedule_id": schedule_id})
+        log.info("schedule deleted", extra={"node": printable(node),
+                                             "schedule_id": printable(schedule_id)})
         return Response(status_code=204)
 
     return router
@@ -215,14 +237,17 @@ def task_router(
             raise NotFound(f"no task {name!r}")
         return JSONResponse({"dispatches": found})
 
-    @router.put("/api/tasks/{name}")
+    @router.put(
+        "/api/tasks/{name}",
+        openapi_extra=json_body(TaskIn, "The task; `name` may be left out (the path's)."),
+    )
     async def put_task(request: Request, name: str) -> Response:
         check_name(("path", "name"), name, storing=True)
         task = await read_model(request, TaskIn, "name", name)
         stored = await run_in_threadpool(
             in_session, lambda s: _task_json(tasks.save_task(s, task))
         )
-        log.info("task saved", extra={"task": name})
+        log.info("task saved", extra={"task": printable(name)})
         if on_task_saved is not None:
             on_task_saved(name)
         return JSONResponse(stored)
@@ -232,7 +257,7 @@ def task_router(
         check_name(("path", "name"), name)
         if not in_session(lambda s: tasks.delete_task(s, name)):
             raise NotFound(f"no task {name!r}")
-        log.info("task deleted", extra={"task": name})
+        log.info("task deleted", extra={"task": printable(name)})
         return Response(status_code=204)
 
     return router
@@ -254,9 +279,11 @@ def create_app(
     ``on_task_saved(name)`` is called after a task is saved, so an in-process
     central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
     """
-    app = FastAPI(title="sched controller", version="1", docs_url="/docs", redoc_url=None)
+    # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
+    app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     _install_error_handlers(app)
+    install_openapi(app, [LocalSchedule, TaskIn])
     auth = Auth(tokens)
 
     def in_session(work: Callable[[Session], T]) -> T:

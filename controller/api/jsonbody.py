@@ -5,8 +5,10 @@ number beyond a float64, nested at most 100 deep, its text fields hold no NUL
 (Postgres text cannot) and nothing but UTF-8; a node name, schedule id or task
 name that no database column holds (over 200 characters, or with a NUL) is
 refused on every path that takes one, so SQLite and Postgres answer alike.
-Every refusal is an :class:`controller.errors.InvalidInput` (422) naming the
-field, or a :class:`controller.errors.BodyTooLarge` (413); the app maps them.
+A node name being stored is also an identifier (the kit's rule). Every
+refusal is an :class:`controller.errors.InvalidInput` (422) naming the field,
+or a :class:`controller.errors.BodyTooLarge` (413); a client that leaves before
+its body is in is a :class:`controller.errors.ClientGone`; the app maps them.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from controller.errors import BodyTooLarge, InvalidInput
-from sched_core.errors import WireError
+from controller.errors import BodyTooLarge, ClientGone, InvalidInput
+from sched_core.errors import ScheduleError, WireError
 from sched_core.jsonwire import (
     MAX_DEPTH,
     NUL_TEXT,
@@ -26,6 +28,7 @@ from sched_core.jsonwire import (
     is_utf8,
     parse_strict,
 )
+from sched_core.model import check_identifier
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -107,6 +110,22 @@ def check_name(loc: tuple[str, str], name: str, *, storing: bool = False) -> Non
         raise InvalidInput([_error_entry(loc, f"{loc[-1]} {message}", kind)])
 
 
+def check_node(loc: tuple[str, str], node: str, *, storing: bool = False) -> None:
+    """Raise InvalidInput (422) naming loc's field if node cannot be used as a node name.
+
+    Every name is held to :func:`check_name`; a node name being stored (a
+    write) must also be an identifier (:func:`sched_core.model.check_identifier`,
+    the kit's rule, which the agents' pull also applies). Reading or deleting a
+    node stored before the rule stays possible, as the length rule allows.
+    """
+    check_name(loc, node, storing=storing)
+    if storing:
+        try:
+            check_identifier(node, loc[-1])
+        except ScheduleError as exc:
+            raise InvalidInput([_error_entry(loc, str(exc), "value_error")]) from None
+
+
 def _body_problem(data: dict[str, Any]) -> tuple[tuple[Any, ...], str, str] | None:
     """Return (loc, message, type) of the first part of a parsed body no database can store.
 
@@ -138,14 +157,18 @@ async def read_object(request: Request, key: str, value: str) -> dict[str, Any]:
     """
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= MAX_BODY_BYTES:
-            chunks.append(chunk)
-        elif size > _DRAIN_LIMIT:
-            break
-        # Past the limit the rest is read and dropped (never buffered), so the
-        # client gets its 413 instead of a reset connection.
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= MAX_BODY_BYTES:
+                chunks.append(chunk)
+            elif size > _DRAIN_LIMIT:
+                break
+            # Past the limit the rest is read and dropped (never buffered), so the
+            # client gets its 413 instead of a reset connection.
+    except ClientDisconnect:
+        # Gone, or cut off by the connection guard's body deadline: nothing to answer.
+        raise ClientGone("the client left before its request body was in") from None
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge(f"body over {MAX_BODY_BYTES} bytes")
     try:
