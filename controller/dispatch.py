@@ -6,13 +6,22 @@ returns normally when the hand-over succeeded and raises on failure (the
 scheduler then records the error and retries after a delay). Every dispatch
 carries the claim's idempotency key, ``"<task>:<scheduled time>"``, so a
 retry after a crash cannot start the same job twice.
+
+A dispatch that cannot reach Prefect fails naming the Prefect API it tried
+(the URL without any password), so the error recorded on the task and logged
+says where to look.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
+
+import httpx
 
 from controller.claims import Claim
 from controller.errors import DeploymentNotFound, DispatchError
@@ -46,6 +55,88 @@ def prefect_api_url() -> str:
             "would start a temporary server and every dispatch would be lost with it"
         )
     return str(url)
+
+
+def shown_url(url: str) -> str:
+    """Return url without its user and password, for messages."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        return "<an invalid URL>"
+    if parsed.userinfo:
+        parsed = parsed.copy_with(username=None, password=None)
+    return str(parsed)
+
+
+@contextmanager
+def naming_prefect_api(action: str) -> Iterator[None]:
+    """Turn a failed call to Prefect into a DispatchError naming the API's URL and the action."""
+    try:
+        yield
+    except httpx.HTTPStatusError as exc:
+        raise DispatchError(
+            f"{action}: the Prefect API at {shown_url(prefect_api_url())} answered "
+            f"{exc.response.status_code} to {exc.request.method} {exc.request.url.path}"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise DispatchError(
+            f"{action}: the Prefect API at {shown_url(prefect_api_url())} did not answer "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def check_prefect_api(timeout: float = 5.0) -> str | None:
+    """Return why the configured Prefect API does not answer its health check, or None.
+
+    The check goes through Prefect's own client, so it uses the same settings
+    as a dispatch (``PREFECT_API_URL``, ``PREFECT_API_AUTH_STRING``, TLS).
+    """
+    try:
+        url = prefect_api_url()
+    except ConfigError as exc:
+        return str(exc)
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(httpx_settings={"timeout": timeout}, sync_client=True) as client:
+            problem = client.api_healthcheck()
+    except Exception as exc:  # a client that cannot even be built
+        problem = exc
+    if problem is None:
+        return None
+    if isinstance(problem, httpx.HTTPStatusError):
+        detail = f"it answered {problem.response.status_code} to GET /health"
+    else:
+        detail = f"{type(problem).__name__}: {problem}"
+    return f"the Prefect API at {shown_url(url)} does not answer ({detail})"
+
+
+def warn_if_prefect_unreachable(
+    check: Callable[[], str | None] = check_prefect_api,
+) -> threading.Thread:
+    """Check the Prefect API in a thread and log a warning naming it if it does not answer.
+
+    Start-up does not wait for it: the scheduler retries every failed dispatch anyway.
+    """
+
+    def run() -> None:
+        problem = check()
+        if problem is None:
+            log.info("the Prefect API answers", extra={"prefect_api": _safe_api_url()})
+        else:
+            log.warning("%s; tasks are dispatched once it does (each failure is retried)",
+                        problem, extra={"prefect_api": _safe_api_url()})
+
+    thread = threading.Thread(target=run, name="prefect-api-check", daemon=True)
+    thread.start()
+    return thread
+
+
+def _safe_api_url() -> str:
+    try:
+        return shown_url(prefect_api_url())
+    except ConfigError:
+        return "-"
 
 
 def event_id(claim: Claim) -> uuid.UUID:
@@ -108,7 +199,8 @@ class PrefectDispatcher:
     def _emit(self, claim: Claim) -> None:
         from prefect.client.orchestration import get_client
 
-        with get_client(sync_client=True) as client:
+        with naming_prefect_api(f"event {claim.event!r} of task {claim.name!r}"), \
+                get_client(sync_client=True) as client:
             # The client raises on a refused connection or an error status.
             client.request("POST", "/events", json=[task_event(claim)])
 
@@ -117,16 +209,17 @@ class PrefectDispatcher:
         from prefect.exceptions import ObjectNotFound
 
         try:
-            run_deployment(
-                claim.deployment or "",
-                parameters=dict(claim.payload),
-                timeout=0,
-                idempotency_key=claim.idempotency_key,
-                as_subflow=False,
-            )
+            with naming_prefect_api(f"run of deployment {claim.deployment!r}"):
+                run_deployment(
+                    claim.deployment or "",
+                    parameters=dict(claim.payload),
+                    timeout=0,
+                    idempotency_key=claim.idempotency_key,
+                    as_subflow=False,
+                )
         except ObjectNotFound:
             # Prefect's own message is "None": name what is missing, and where.
             raise DeploymentNotFound(
-                f"deployment {claim.deployment!r} not found on {prefect_api_url()} "
+                f"deployment {claim.deployment!r} not found on {shown_url(prefect_api_url())} "
                 "(expected <flow name>/<deployment name>, as `prefect deployment ls` shows)"
             ) from None

@@ -37,6 +37,7 @@ from controller import claims, db, tasks
 from controller.central import CentralScheduler, CentralSettings
 from controller.claims import Claim
 from controller.dispatch import PrefectDispatcher, event_id
+from controller.errors import DispatchError
 from controller.models import DispatchStatus, TaskIn
 
 DEADLINE = 60.0  # seconds; only ever reached when something is broken
@@ -226,15 +227,49 @@ def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
     """No server needed: an event that cannot be delivered must not count as dispatched."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{_closed_port()}/api"}):
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    with temporary_settings({PREFECT_API_URL: url}):
         claim = Claim(task_id=0, name="lost", scheduled_at=FAILED_AT, worker_id="test",
                       locked_until=FAILED_AT, event="sched.task.probe.lost", deployment=None)
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(DispatchError) as info:
             PrefectDispatcher()(claim)
+        assert isinstance(info.value.__cause__, httpx.ConnectError)
+        # The error names where it tried, and what it was sending.
+        assert f"the Prefect API at {url} did not answer" in str(info.value)
+        assert "event 'sched.task.probe.lost' of task 'lost'" in str(info.value)
         task, records = _one_pass(engine, "lost")
     assert (task.status, task.attempts, task.next_run_at) == ("active", 1, FAILED_AT)
     assert task.last_error is not None and "ConnectError" in task.last_error
+    assert f"the Prefect API at {url} did not answer" in task.last_error
     assert [r.status for r in records] == [DispatchStatus.FAILED]
+
+
+def test_an_unreachable_server_fails_a_deployment_run_naming_the_url(engine: Engine) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    port = _closed_port()
+    with temporary_settings({PREFECT_API_URL: f"http://user:pw-secret@127.0.0.1:{port}/api"}):
+        claim = Claim(task_id=0, name="lost-run", scheduled_at=FAILED_AT, worker_id="test",
+                      locked_until=FAILED_AT, event=None, deployment="flow/dep")
+        with pytest.raises(DispatchError) as info:
+            PrefectDispatcher()(claim)
+    message = str(info.value)
+    where = f"the Prefect API at http://127.0.0.1:{port}/api did not answer"
+    assert f"run of deployment 'flow/dep': {where}" in message
+    assert "pw-secret" not in message
+
+
+def test_the_prefect_api_check_names_the_url_and_the_problem(prefect_server: str) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from controller.dispatch import check_prefect_api
+
+    assert check_prefect_api() is None  # the session's server answers
+    url = f"http://127.0.0.1:{_closed_port()}/api"
+    with temporary_settings({PREFECT_API_URL: url}):
+        problem = check_prefect_api(timeout=5)
+    assert problem is not None and problem.startswith(f"the Prefect API at {url} does not answer")
+    assert "ConnectError" in problem
 
 
 def test_without_a_prefect_api_every_dispatch_fails_naming_the_setting(
