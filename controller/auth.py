@@ -19,7 +19,13 @@ Tokens may also come from a TOML or JSON file named by ``SCHED_TOKENS_FILE``::
     node-b = ["tok2", "tok2-next"]                # several, for rotation
 
 The file and the environment are merged. A token that maps to two principals
-is a configuration error, as is an empty token.
+is a configuration error, as is an empty token, and so is a tokens file that
+its group or other users may read or write (``chmod 600`` it).
+
+The file is reloaded while the controller runs (:class:`TokensReloader`): when
+it changes on disk (checked every few seconds) or on ``SIGHUP``, one mechanism.
+A new file that fails to load keeps the tokens in force and logs an error
+naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import json
 import logging
 import os
 import stat
+import threading
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 from sched_core.errors import ConfigError
 
@@ -105,6 +113,14 @@ class Tokens:
         self._entries = list(entries.items())
         self.insecure = insecure
 
+    def replace_with(self, other: Tokens) -> None:
+        """Take other's tokens in place of these, at once (a reload).
+
+        One attribute is rebound, so a request being authenticated meanwhile
+        sees either the old list or the new one, never a mix.
+        """
+        self._entries = other._entries
+
     @property
     def has_admin(self) -> bool:
         """True when at least one admin token is configured."""
@@ -127,6 +143,7 @@ class Tokens:
         presented = _digest(token)
         found: Principal | None = None
         # No early exit: every configured digest is compared, whatever matches.
+        # self._entries is read once: a reload rebinds it, never changes it.
         for digest, principal in self._entries:
             if hmac.compare_digest(presented, digest):
                 found = principal
@@ -169,6 +186,21 @@ def parse_node_tokens(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
+OPEN_TO_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
+"""Mode bits that refuse a tokens file: read or write by its group or anyone else."""
+
+
+def open_to(mode: int) -> str:
+    """Say who besides the owner may read or write a file of this mode, e.g. ``group may read``."""
+    said = []
+    for who, read, write in (("group", stat.S_IRGRP, stat.S_IWGRP),
+                             ("others", stat.S_IROTH, stat.S_IWOTH)):
+        can = [verb for verb, bit in (("read", read), ("write", write)) if mode & bit]
+        if can:
+            said.append(f"{who} may {' and '.join(can)}")
+    return ", ".join(said) or "owner only"
+
+
 def _token_list(value: object, where: str) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -180,13 +212,16 @@ def _token_list(value: object, where: str) -> list[str]:
 def load_tokens_file(path: Path) -> tuple[list[str], dict[str, list[str]]]:
     """Return (admin tokens, node tokens) from a TOML or JSON file (by its suffix)."""
     try:
-        raw = path.read_bytes()
-        mode = path.stat().st_mode
+        with path.open("rb") as handle:  # the mode checked is the file's that is read
+            mode = os.fstat(handle.fileno()).st_mode
+            raw = handle.read()
     except OSError as exc:
         raise ConfigError(f"cannot read tokens file {path}: {exc.strerror}") from exc
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("tokens file is readable by other users; chmod 600 it",
-                    extra={"path": str(path), "mode": oct(stat.S_IMODE(mode))})
+    if mode & OPEN_TO_OTHERS:
+        raise ConfigError(
+            f"tokens file {path} is open to other users ({open_to(mode)}; "
+            f"mode {stat.S_IMODE(mode):04o}): chmod 600 {path}"
+        )
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(raw)
@@ -219,3 +254,126 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
+
+
+class TokensReloader:
+    """Reload the tokens file into the live :class:`Tokens` when it changes, or on request.
+
+    Rule: one mechanism for both. A thread wakes every ``interval`` seconds, or
+    at once when :meth:`request` is called (the ``SIGHUP`` handler does only
+    that), and calls :meth:`check`: it stats the file and reloads it when its
+    modification time, size, inode or mode changed since the last look, or
+    when a reload was requested.
+
+    A reload builds the whole token set again (the environment read at start,
+    plus the file) and puts it in force at once. A file that fails to load
+    (missing, unreadable, open to other users, not valid TOML/JSON, a token for
+    two principals, or no admin token left when one is required) keeps the
+    tokens in force and logs one error naming the file and the problem; an
+    unchanged bad file is not reported again until it changes or is requested.
+    Never a token in a log line: only counts.
+    """
+
+    def __init__(
+        self,
+        tokens: Tokens | None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        interval: float = 2.0,
+        require_admin: bool = True,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        self.tokens = tokens
+        self.environ = dict(os.environ if environ is None else environ)
+        file_name = self.environ.get(TOKENS_FILE_ENV, "").strip()
+        self.path = Path(file_name) if file_name and tokens is not None else None
+        self.interval = interval
+        self.require_admin = require_admin
+        self.reloads = 0
+        self.failures = 0
+        self._seen = self._signature()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _signature(self) -> tuple[int, ...] | str | None:
+        """Return what identifies the file's version: (mtime, size, inode, mode), or the error."""
+        if self.path is None:
+            return None
+        try:
+            st = self.path.stat()
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_ctime_ns)
+
+    def request(self) -> None:
+        """Ask for a reload now (safe in a signal handler: it only sets an event)."""
+        self._wake.set()
+
+    def check(self, *, force: bool = False) -> bool | None:
+        """Reload if the file changed (or force): True reloaded, False refused, None no change."""
+        if self.path is None or self.tokens is None:
+            if force:
+                log.info("nothing to reload: no tokens file (%s is not set)", TOKENS_FILE_ENV)
+            return None
+        signature = self._signature()
+        if not force and signature == self._seen:
+            return None
+        self._seen = signature
+        try:
+            fresh = Tokens.from_env(self.environ)
+            if self.require_admin and not fresh.has_admin:
+                raise ConfigError(
+                    f"tokens file {self.path}: no admin token left (in the file or "
+                    f"{ADMIN_TOKEN_ENV})"
+                )
+        except ConfigError as exc:
+            self.failures += 1
+            log.error("tokens file %s not reloaded; the tokens in force are kept: %s",
+                      self.path, exc)
+            return False
+        self.tokens.replace_with(fresh)
+        self.reloads += 1
+        log.info("tokens file reloaded", extra={
+            "path": str(self.path), "admin_tokens": sum(p.is_admin for _, p in fresh._entries),
+            "nodes": len(fresh.nodes), "requested": force,
+        })
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            requested = self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.check(force=requested)
+            except Exception:  # never let the watcher die: the next look retries
+                log.exception("checking the tokens file failed", extra={"path": str(self.path)})
+
+    def start(self) -> TokensReloader:
+        """Start the watching thread (a daemon); return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokens-reload", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the watching thread and wait for it."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> TokensReloader:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
