@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from controller.claims import Claim
+from controller.connections import ConnectionLimits
 from controller.server import uvicorn_config
 
 
@@ -76,17 +77,26 @@ class RecordingDispatcher:
 
 
 @contextmanager
-def serve_in_thread(app: object, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def serve_in_thread(
+    app: object,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: ConnectionLimits | None = None,
+) -> Iterator[str]:
     """Serve app with uvicorn in a thread while the block runs; yield its base URL.
 
     The socket is bound first (port 0 picks a free one), so the URL is known
-    before the server starts.
+    before the server starts. Connections are guarded as ``sched controller
+    serve`` guards them (``limits``, or the defaults).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn_config(app, host=host, port=port, log_level="warning", limits=limits)
+    )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
     )

@@ -1,0 +1,358 @@
+"""Slow and odd clients against a real controller over loopback (controller.connections).
+
+uvicorn alone kept a connection that never finished its headers, or never
+sent anything, forever, never answered a PUT whose body never finished, and
+had no ceiling on open connections. Each test here waits for the server to act
+(a socket read with a generous timeout is the event), never for a fixed time.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controller.api import create_app
+from controller.auth import Tokens
+from controller.connections import ConnectionLimits, Notices, QuietRepeats
+from controller.db import make_engine, migrate
+from controller.testing import serve_in_thread
+
+ADMIN_TOKEN = "conn-admin-token-2718"
+LIVENESS = 30.0
+"""How long a test waits for the server to act before calling it stuck (never reached)."""
+
+LIMITS = ConnectionLimits(max_connections=40, header_timeout=1.0, body_timeout=1.5,
+                          write_timeout=2.0, notice_interval=3600)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('conn') / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
+                             limits=LIMITS) as base_url:
+            yield base_url
+    finally:
+        engine.dispose()
+
+
+def connect(base_url: str) -> socket.socket:
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=LIVENESS)
+    return sock
+
+
+def read_response(sock: socket.socket, timeout: float = LIVENESS) -> bytes:
+    """Return one whole response (headers and a Content-Length body), however it is split."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def read_until_closed(sock: socket.socket, timeout: float = LIVENESS) -> bytes:
+    """Return everything the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def test_an_idle_connection_is_answered_408_and_closed(base: str) -> None:
+    with connect(base) as sock:
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert b"request headers not received within 1 s" in answer
+
+
+def test_headers_trickling_in_are_cut_off_at_the_deadline_however_they_trickle(
+    base: str,
+) -> None:
+    """Each byte arrives well within the deadline; the whole header never does: 408, closed."""
+    with connect(base) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        answer = b""
+        while time.monotonic() - started < LIVENESS:
+            ready, _, _ = select.select([sock], [], [], 0.2)
+            if ready:
+                answer = read_until_closed(sock)
+                break
+            try:
+                sock.sendall(b"X-Slow: a\r\n")  # a new header line every 0.2 s
+            except OSError:
+                answer = read_until_closed(sock)
+                break
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
+def test_a_put_whose_body_never_finishes_is_answered_408_and_nothing_is_stored(
+    base: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    with connect(base) as sock:
+        sock.sendall(
+            b"PUT /api/nodes/node-a/schedules/slow-1 HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"name\": "
+        )
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"request body not received within 1.5 s" in answer
+    got = httpx.get(f"{base}/api/nodes/node-a/schedules/slow-1",
+                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=LIVENESS)
+    assert got.status_code == 404
+    # The handler saw a disconnect, not an error: no traceback, no ERROR line.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert ADMIN_TOKEN not in caplog.text
+
+
+def test_a_body_still_trickling_after_an_early_answer_is_cut_off(base: str) -> None:
+    """A PUT without a token gets its 401 before its body; the body may not hold the line."""
+    with connect(base) as sock:
+        sock.sendall(b"PUT /api/tasks/t HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        first = read_response(sock)
+        assert first.startswith(b"HTTP/1.1 401 ") and first.endswith(b"}"), first
+        started = time.monotonic()
+        closed = False
+        while not closed and time.monotonic() - started < LIVENESS:
+            ready, _, _ = select.select([sock], [], [], 0.2)
+            if ready:
+                closed = read_until_closed(sock) == b""
+                break
+            try:
+                sock.sendall(b" ")  # still "sending its body", a byte every 0.2 s
+            except OSError:
+                closed = True
+    assert closed
+
+
+def test_a_keep_alive_connection_gets_a_header_deadline_for_its_next_request(base: str) -> None:
+    with connect(base) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = read_response(sock)
+        assert first.startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+        answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
+def test_past_the_ceiling_connections_are_refused_and_logged_once(
+    base: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(LIMITS.max_connections + 20):
+            sock = connect(base)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # half a request
+            held.append(sock)
+        answers = [read_until_closed(sock) for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
+    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+    timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408 ")]
+    # Earlier tests' connections may still be closing: a few more may be refused.
+    assert 20 <= len(refused) <= 25 and len(refused) + len(timed_out) == len(answers)
+    assert b"too many open connections" in refused[0]
+    # Once they are gone, the API answers again.
+    assert httpx.get(f"{base}/healthz", timeout=LIVENESS).status_code == 200
+    lines = [r for r in caplog.records if r.name == "controller.connections"]
+    # One line per kind for ~60 connections (the interval is an hour here), each with its count.
+    kinds = sorted(r.__dict__["kind"] for r in lines)
+    assert kinds in (["header_timeout", "refused"], ["refused"]), kinds
+
+
+def test_notices_write_one_line_per_interval_with_the_count() -> None:
+    """Pure: a flood of events writes the first line at once, then one summary per interval."""
+    now = [0.0]
+    notices = Notices(60, clock=lambda: now[0])
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("controller.connections")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        for step in range(1000):  # 1,000 refused connections over 100 s
+            now[0] = step * 0.1
+            notices.note("refused", LIMITS)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.__dict__["count"] for r in records] == [1, 600]
+    assert notices.totals["refused"] == 1000
+
+
+def test_quiet_repeats_passes_one_line_per_interval_and_counts_the_rest() -> None:
+    now = [0.0]
+    quiet = QuietRepeats(("Invalid HTTP request received.",), 60, clock=lambda: now[0])
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, (), None)
+
+    passed = []
+    for step in range(500):
+        now[0] = step * 0.25
+        line = record("Invalid HTTP request received.")
+        if quiet.filter(line):
+            passed.append(line.getMessage())
+    assert passed == ["Invalid HTTP request received.",
+                      "Invalid HTTP request received. (239 more such lines suppressed)",
+                      "Invalid HTTP request received. (239 more such lines suppressed)"]
+    assert quiet.filter(record("Exception in ASGI application\n"))  # never held back
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_off(tmp_path: Path) -> None:
+    """A big pull answer to a client that never reads: the write deadline frees the connection."""
+    from sqlmodel import Session
+
+    from controller import schedules
+    from sched_core.model import LocalSchedule
+
+    ROWS, PAD = 16, 1 << 20  # a 16 MiB answer: more than every socket buffer holds
+    url = f"sqlite:///{tmp_path / 'big.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        with Session(engine) as session:
+            for index in range(ROWS):
+                schedules.put_schedule(session, "big", LocalSchedule.model_validate({
+                    "id": f"s-{index}", "name": "n", "action": "backup",
+                    "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+                    "miss_policy": "skip", "enabled": True, "params": {"pad": "x" * PAD},
+                }))
+            session.commit()
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
+                             limits=LIMITS) as base_url:
+            sock = connect(base_url)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET /api/schedules?node=big HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\r\n\r\n")
+            # Never read until the server gives up; then the socket shows a reset or an end.
+            ready, _, _ = select.select([sock], [], [], LIVENESS)
+            assert ready
+            received = 0
+            try:
+                sock.settimeout(LIVENESS)
+                while chunk := sock.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            sock.close()
+            assert received < ROWS * PAD  # cut off before the whole answer
+            assert httpx.get(f"{base_url}/healthz", timeout=LIVENESS).status_code == 200
+    finally:
+        engine.dispose()
+
+
+def test_slowloris_the_controller_answers_a_normal_client_while_many_slow_ones_hang(
+    tmp_path: Path,
+) -> None:
+    """200 connections trickle their headers a byte at a time; a normal client is still served.
+
+    Every slow connection is still open (it has had no answer) when the normal
+    client's requests are answered, and each is then closed with a 408 at its
+    header deadline, without one log line per connection.
+    """
+    SLOW = 200
+    # A header deadline long enough for the normal client's rounds on a loaded machine.
+    limits = ConnectionLimits(max_connections=SLOW + 50, header_timeout=8.0,
+                              body_timeout=8.0, write_timeout=8.0, notice_interval=3600)
+    url = f"sqlite:///{tmp_path / 'slowloris.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep()
+    logging.getLogger().addHandler(keep)
+    slow: list[socket.socket] = []
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
+                             limits=limits) as base_url:
+            for index in range(SLOW):
+                sock = connect(base_url)
+                sock.sendall(b"GET /api/nodes HTTP/1.1\r\nHost: x\r\nX-Slow-" +
+                             str(index).encode())
+                slow.append(sock)
+            admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            with httpx.Client(base_url=base_url, headers=admin, timeout=LIVENESS) as client:
+                for round_ in range(3):
+                    for sock in slow:  # one more byte from each: they are "alive"
+                        sock.sendall(b"x")
+                    assert client.get("/healthz").status_code == 200
+                    put = client.put(f"/api/nodes/node-a/schedules/s-{round_}", json={
+                        "name": "n", "action": "backup",
+                        "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+                        "miss_policy": "skip", "enabled": True,
+                    })
+                    assert put.status_code == 200, put.text
+                    # With one fresh connection per request too (not only a kept-alive one).
+                    assert httpx.get(f"{base_url}/api/nodes", headers=admin,
+                                     timeout=LIVENESS).json() == {"nodes": ["node-a"]}
+                    # ... while every slow connection still hangs, unanswered and open.
+                    assert select.select(slow, [], [], 0)[0] == []
+            answers = [read_until_closed(sock) for sock in slow]
+            assert all(a.startswith(b"HTTP/1.1 408 Request Timeout\r\n") for a in answers)
+    finally:
+        for sock in slow:
+            sock.close()
+        logging.getLogger().removeHandler(keep)
+        engine.dispose()
+    ours = [r for r in records if r.name == "controller.connections"]
+    assert len(ours) <= 2 and sum(r.__dict__["count"] for r in ours) <= SLOW
+    assert [r.__dict__["kind"] for r in ours][:1] == ["header_timeout"]
+    assert not [r for r in records if r.name.startswith("uvicorn") and r.levelno >= logging.WARNING]
+
+
+def test_the_ceiling_fits_the_open_file_limit_and_bad_limits_are_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="controller.connections")
+    limits = ConnectionLimits(max_connections=1000)
+    assert limits.within_file_limit(soft_limit=5000) is limits
+    lowered = limits.within_file_limit(soft_limit=1024)
+    assert lowered.max_connections == 1024 - 128
+    assert (lowered.header_timeout, lowered.body_timeout) == (
+        limits.header_timeout, limits.body_timeout)
+    assert "max_connections lowered to fit the open-file limit" in caplog.text
+    tiny = ConnectionLimits(max_connections=10).within_file_limit(soft_limit=64)
+    assert tiny.max_connections == 1
+    with pytest.raises(ValueError, match="max_connections must be at least 1, got 0"):
+        ConnectionLimits(max_connections=0)
+    with pytest.raises(ValueError, match="header_timeout must be a positive number"):
+        ConnectionLimits(header_timeout=0)
+    with pytest.raises(ValueError, match="body_timeout must be a positive number"):
+        ConnectionLimits(body_timeout=float("nan"))
