@@ -259,11 +259,11 @@ def bearer_token(authorization: str | None) -> str | None:
 class TokensReloader:
     """Reload the tokens file into the live :class:`Tokens` when it changes, or on request.
 
-    Rule: one mechanism for both. A thread wakes every ``interval`` seconds, or
-    at once when :meth:`request` is called (the ``SIGHUP`` handler does only
-    that), and calls :meth:`check`: it stats the file and reloads it when its
-    modification time, size, inode or mode changed since the last look, or
-    when a reload was requested.
+    Rule: one mechanism for both. A thread wakes every ``interval`` seconds
+    (never, with 0: then only on request), or at once when :meth:`request` is
+    called (the ``SIGHUP`` handler does only that), and calls :meth:`check`: it
+    stats the file and reloads it when its modification time, size, inode or
+    mode changed since the last look, or when a reload was requested.
 
     A reload builds the whole token set again (the environment read at start,
     plus the file) and puts it in force at once. A file that fails to load
@@ -282,8 +282,10 @@ class TokensReloader:
         interval: float = 2.0,
         require_admin: bool = True,
     ) -> None:
-        if not interval > 0:
-            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        if not interval >= 0:
+            raise ValueError(
+                f"interval must be 0 or a positive number of seconds, got {interval!r}"
+            )
         self.tokens = tokens
         self.environ = dict(os.environ if environ is None else environ)
         file_name = self.environ.get(TOKENS_FILE_ENV, "").strip()
@@ -343,7 +345,7 @@ class TokensReloader:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            requested = self._wake.wait(self.interval)
+            requested = self._wake.wait(self.interval or None)  # 0: on request only
             self._wake.clear()
             if self._stop.is_set():
                 return

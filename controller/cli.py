@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import typer
 
 from controller.auth import Tokens
+from controller.connections import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_WRITE_TIMEOUT,
+    ConnectionLimits,
+)
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
+from controller.logtext import printable
 from sched_core.errors import ConfigError
 
 app = typer.Typer(
@@ -33,15 +42,18 @@ _SELF_DESCRIBING = frozenset({"controller.access"})
 
 
 class ContextFormatter(logging.Formatter):
-    """The message, then each ``extra`` field of the record as ``key=value``.
+    """The message, then each ``extra`` field of the record as ``key=value``, one line each.
 
     The controller logs its context (task, scheduled time, worker, error,
     attempts, retry delay) as extra fields; without this a plain format would
     drop them and leave "dispatch failed; will retry" with no task named.
+    Every character that is not printable (a newline, a terminal escape
+    sequence in a task name or a node name) is escaped, in the message and
+    in each field; a traceback keeps its newlines and nothing else.
     """
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        text = super().formatMessage(record)
+        text = printable(super().formatMessage(record))
         if record.name in _SELF_DESCRIBING:
             return text
         context = [
@@ -50,10 +62,18 @@ class ContextFormatter(logging.Formatter):
         ]
         return f"{text} {' '.join(context)}" if context else text
 
+    def formatException(self, ei: Any) -> str:
+        return printable(super().formatException(ei), keep_newlines=True)
+
+    def formatStack(self, stack_info: str) -> str:
+        return printable(super().formatStack(stack_info), keep_newlines=True)
+
 
 def _field(value: object) -> str:
     text = value.isoformat() if hasattr(value, "isoformat") else str(value)
-    return repr(text) if not text or any(c.isspace() or c in "'\"=" for c in text) else text
+    if not text or any(c.isspace() or c in "'\"=" for c in text):
+        text = repr(text)
+    return printable(text)
 
 
 def _setup_logging(level: str) -> None:
@@ -97,11 +117,49 @@ def serve(
         help="Make each claim wait for the WAL flush on Postgres (slower wake-up; a claim "
         "lost in a database crash is otherwise re-dispatched under the same idempotency key).",
     ),
+    ssl_certfile: str | None = typer.Option(
+        None, "--ssl-certfile", help="Serve HTTPS with this PEM certificate (chain)."
+    ),
+    ssl_keyfile: str | None = typer.Option(
+        None, "--ssl-keyfile", help="The certificate's PEM private key (chmod 600)."
+    ),
+    max_connections: int = typer.Option(
+        DEFAULT_MAX_CONNECTIONS, min=1,
+        help="Open connections at most; past it a new one gets 503 and is closed "
+        "(lowered to fit the open-file limit).",
+    ),
+    header_timeout: float = typer.Option(
+        DEFAULT_HEADER_TIMEOUT, min=0.1,
+        help="Seconds a client has to send its request line and headers (408, then closed).",
+    ),
+    body_timeout: float = typer.Option(
+        DEFAULT_BODY_TIMEOUT, min=0.1,
+        help="Seconds a client has to send a request body once its headers are in (408).",
+    ),
+    write_timeout: float = typer.Option(
+        DEFAULT_WRITE_TIMEOUT, min=0.1,
+        help="Seconds a client may leave its answer unread before it is cut off.",
+    ),
+    tokens_check_interval: float = typer.Option(
+        2.0, min=0,
+        help="Seconds between looks at the tokens file for a change (0: reload on SIGHUP only).",
+    ),
 ) -> None:
-    """Run the API and the central scheduler in one process (or either alone, to scale)."""
+    """Run the API and the central scheduler in one process (or either alone, to scale).
+
+    SIGINT or SIGTERM stops it; SIGHUP reloads the tokens file (which is also
+    reloaded when it changes on disk).
+    """
     if api_only and scheduler_only:
         raise typer.BadParameter("--api-only and --scheduler-only exclude each other")
     _setup_logging(log_level)
+    from controller.server import check_tls_files
+
+    try:
+        check_tls_files(ssl_certfile, ssl_keyfile)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     tokens: Tokens | None = None
     if not scheduler_only:
         try:
@@ -152,6 +210,12 @@ def serve(
         log_level=log_level,
         pull_cache_bytes=pull_cache_mb << 20,
         scheduler_settings=settings,
+        limits=ConnectionLimits(max_connections=max_connections,
+                                header_timeout=header_timeout, body_timeout=body_timeout,
+                                write_timeout=write_timeout),
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+        tokens_check_interval=tokens_check_interval,
     )
 
 

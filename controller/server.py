@@ -5,16 +5,25 @@ scheduler opens its own from the same URL: its claiming and listening
 connections carry settings of their own, see :mod:`controller.central`),
 starts what was asked for, waits for SIGINT/SIGTERM (uvicorn's, or ours when
 there is no API), then stops the scheduler and disposes the engine, in that
-order, whatever failed in between.
+order, whatever failed in between. ``SIGHUP`` never stops it: it asks the
+:class:`controller.auth.TokensReloader` to reload the tokens file.
+
+uvicorn runs each connection with :class:`controller.connections.GuardedH11Protocol`
+(deadlines for slow clients, a ceiling on open connections), optionally over
+TLS (``ssl_certfile``/``ssl_keyfile``), and logs through the root logger like
+everything else (no dictConfig of its own), so one formatter escapes every line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -22,8 +31,10 @@ import uvicorn
 from sqlalchemy.engine import Engine
 
 from controller.api import PULL_CACHE_BYTES, create_app
-from controller.auth import Tokens
+from controller.auth import Tokens, TokensReloader
+from controller.connections import ConnectionLimits, guarded_protocol, quiet_repeated_lines
 from controller.db import make_engine, safe_url
+from sched_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from controller.central import CentralSettings
@@ -31,22 +42,74 @@ if TYPE_CHECKING:
 log = logging.getLogger("controller.server")
 
 
-def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+def uvicorn_config(
+    app: object,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    limits: ConnectionLimits | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+) -> uvicorn.Config:
     """Return the uvicorn settings the controller runs with.
 
     uvicorn's own access log is off: :class:`controller.api.access_log.AccessLogMiddleware`
-    logs each request with its node and principal and never a header.
+    logs each request with its node and principal and never a header. Connections
+    are guarded by ``limits`` (:mod:`controller.connections`; defaults when None),
+    lowered to fit the process's open-file limit.
     """
+    limits = (limits or ConnectionLimits()).within_file_limit()
+    quiet_repeated_lines(limits.notice_interval)
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
+        http=guarded_protocol(limits),
         access_log=False,
         ws="none",
         lifespan="off",
         log_level=log_level,
+        log_config=None,
         server_header=False,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
+
+
+def check_tls_files(certfile: str | None, keyfile: str | None) -> None:
+    """Raise ConfigError naming the file if a TLS certificate or key cannot be used.
+
+    A key file other users may read is served anyway, with a warning (group
+    read is common, e.g. the ``ssl-cert`` group).
+    """
+    if keyfile and not certfile:
+        raise ConfigError("--ssl-keyfile needs --ssl-certfile")
+    for flag, name in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not name:
+            continue
+        path = Path(name)
+        try:
+            with path.open("rb") as handle:
+                mode = os.fstat(handle.fileno()).st_mode
+                handle.read(1)
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it: {exc.strerror}") from None
+        if flag == "--ssl-keyfile" and mode & stat.S_IROTH:
+            log.warning("TLS key file is readable by other users; chmod 600 it",
+                        extra={"path": str(path), "mode": f"{stat.S_IMODE(mode):04o}"})
+    if certfile:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(certfile, keyfile)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"--ssl-certfile {certfile}"
+                + (f" / --ssl-keyfile {keyfile}" if keyfile else "")
+                + f": not a certificate and key that belong together ({exc})"
+            ) from None
 
 
 @contextmanager
@@ -97,6 +160,27 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
+@contextmanager
+def on_sighup(callback: Callable[[], None]) -> Iterator[None]:
+    """Call callback on SIGHUP while the block runs (it must only set a flag or an event).
+
+    SIGHUP's default action ends the process; a controller keeps running and
+    reloads its tokens instead. uvicorn handles only SIGINT and SIGTERM.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum: int, _frame: FrameType | None) -> None:
+        callback()
+
+    previous = signal.signal(signal.SIGHUP, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def run(
     *,
     url: str | None,
@@ -108,15 +192,33 @@ def run(
     log_level: str = "info",
     pull_cache_bytes: int = PULL_CACHE_BYTES,
     scheduler_settings: CentralSettings | None = None,
+    limits: ConnectionLimits | None = None,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    tokens_check_interval: float = 2.0,
+    check_prefect: bool = True,
 ) -> None:
-    """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
+    """Run the API and/or the central scheduler until SIGINT or SIGTERM.
+
+    ``environ`` (default ``os.environ``) names the tokens file to watch; a
+    ``tokens`` built with ``insecure`` has none. With the scheduler on and
+    ``check_prefect``, the Prefect API is checked once in the background and a
+    warning names it if it does not answer.
+    """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
-                                            "scheduler": scheduler})
+                                            "scheduler": scheduler,
+                                            "tls": bool(ssl_certfile)})
+    watched = tokens if tokens is not None and not tokens.insecure else None
+    reloader = TokensReloader(watched, environ, interval=tokens_check_interval)
     try:
-        with stop_on_signals() as stop, central_scheduler(
-            engine, scheduler, scheduler_settings
-        ) as central:
+        with stop_on_signals() as stop, reloader, on_sighup(reloader.request), \
+                central_scheduler(engine, scheduler, scheduler_settings) as central:
+            if scheduler and check_prefect:
+                from controller.dispatch import warn_if_prefect_unreachable
+
+                warn_if_prefect_unreachable()
             if not api:
                 stop.wait()
                 return
@@ -129,8 +231,11 @@ def run(
                 on_task_saved=(lambda _name: wake()) if wake else None,
                 pull_cache_bytes=pull_cache_bytes,
             )
+            config = uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                    limits=limits, ssl_certfile=ssl_certfile,
+                                    ssl_keyfile=ssl_keyfile)
             if not stop.is_set():  # a signal during start-up
-                uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+                uvicorn.Server(config).run()
     finally:
         engine.dispose()
         log.info("controller stopped")

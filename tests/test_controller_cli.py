@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sqlite3
+import ssl
 import subprocess
 import sys
 import time
@@ -120,6 +122,14 @@ def test_api_only_and_scheduler_only_exclude_each_other() -> None:
     assert "exclude each other" in result.stderr
 
 
+_PIDS: dict[str, int] = {}
+"""The process id of each running `serving` block, by its base URL."""
+
+
+def _serve_pid(base: str) -> int:
+    return _PIDS[base]
+
+
 @contextmanager
 def serving(tmp_path: Path, *args: str, **env: str) -> Iterator[tuple[str, Path]]:
     """Run `serve` as a subprocess until the block ends; yield its URL and stderr file."""
@@ -133,19 +143,25 @@ def serving(tmp_path: Path, *args: str, **env: str) -> Iterator[tuple[str, Path]
             env=clean_env(SCHED_DATABASE_URL=url, **env),
             stdout=log_file, stderr=subprocess.STDOUT,
         )
-    base = f"http://127.0.0.1:{port}"
+    tls = "--ssl-certfile" in args
+    base = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    verify: ssl.SSLContext | bool = True
+    if tls:
+        verify = ssl.create_default_context(cafile=args[args.index("--ssl-certfile") + 1])
     try:
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
             try:
-                if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
+                if httpx.get(f"{base}/healthz", timeout=5, verify=verify).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.05)  # polling for the server to come up
+        _PIDS[base] = proc.pid
         yield base, log_path
     finally:
+        _PIDS.pop(base, None)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
@@ -277,3 +293,243 @@ def test_log_lines_carry_their_context_fields() -> None:
                                "GET /healthz node=- principal=- status=200 1.0ms", (), None)
     access.__dict__.update(method="GET", path="/healthz", status=200)  # already in the text
     assert ContextFormatter("%(message)s").format(access) == access.getMessage()
+
+
+def test_log_lines_escape_what_a_client_chose() -> None:
+    """A name holding a terminal escape or a newline cannot drive the terminal or forge a line."""
+    import logging
+    import sys as _sys
+
+    from controller.cli import ContextFormatter
+
+    record = logging.LogRecord("controller.api", logging.INFO, __file__, 1,
+                               "task saved %s", ("t\x1b]0;owned\x07",), None)
+    record.__dict__.update(task="x\x1b[2Jy", node="a\nINFO forged", other="\u202eevil")
+    line = ContextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line == ("INFO controller.api: task saved t\\x1b]0;owned\\x07 task=x\\x1b[2Jy "
+                    "node='a\\nINFO forged' other=\\u202eevil")
+    try:
+        raise ValueError("bad \x1b[31mname\x1b[0m")
+    except ValueError:
+        failed = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (),
+                                   _sys.exc_info())
+    text = ContextFormatter("%(message)s").format(failed)
+    assert "\x1b" not in text and "bad \\x1b[31mname" in text
+    assert text.count("\n") >= 2  # the traceback keeps its lines
+
+
+def _write_tokens(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a tokens file as an operator should: a new file renamed over the old one."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_text(text)
+    fresh.chmod(mode)
+    fresh.replace(path)
+
+
+def _wait_for_line(log_path: Path, text: str, count: int = 1) -> str:
+    deadline = time.monotonic() + 60
+    while (log := log_path.read_text()).count(text) < count:
+        assert time.monotonic() < deadline, log
+        time.sleep(0.05)  # polling the process's log for the line
+    return log
+
+
+def test_sighup_reloads_the_tokens_file_of_a_running_controller(tmp_path: Path) -> None:
+    """Rotation without a restart: SIGHUP puts a new file in force; a broken one changes nothing."""
+    tokens_file = tmp_path / "tokens.toml"
+    _write_tokens(tokens_file, 'admin = "adm-old-1111"\n[nodes]\nnode-a = "na-old-1111"\n')
+    # No looking at the file between signals: only SIGHUP can reload it here.
+    with serving(tmp_path, "--api-only", "--tokens-check-interval", "0",
+                 SCHED_TOKENS_FILE=str(tokens_file)) as (base, log_path):
+        pid = _serve_pid(base)
+
+        def status(token: str) -> int:
+            return httpx.get(f"{base}/api/schedules?node=node-a",
+                             headers={"Authorization": f"Bearer {token}"}).status_code
+
+        assert (status("adm-old-1111"), status("na-old-1111"), status("adm-new-2222")) == (
+            200, 200, 401)
+        _write_tokens(tokens_file, 'admin = "adm-new-2222"\n[nodes]\nnode-a = "na-new-2222"\n')
+        assert status("adm-old-1111") == 200  # not before the signal
+        os.kill(pid, signal.SIGHUP)
+        _wait_for_line(log_path, "tokens file reloaded")
+        assert (status("adm-old-1111"), status("na-old-1111")) == (401, 401)
+        assert (status("adm-new-2222"), status("na-new-2222")) == (200, 200)
+
+        # A broken file: the last good tokens stay, the log says which file and why.
+        _write_tokens(tokens_file, 'admin = "adm-broken-3333"\n[nodes\n')
+        os.kill(pid, signal.SIGHUP)
+        log = _wait_for_line(log_path, "not reloaded")
+        assert f"tokens file {tokens_file} not reloaded; the tokens in force are kept" in log
+        assert "is not valid .toml" in log
+        _write_tokens(tokens_file, 'admin = "adm-open-4444"\n', mode=0o644)
+        os.kill(pid, signal.SIGHUP)
+        log = _wait_for_line(log_path, "not reloaded", count=2)
+        assert "open to other users (group may read, others may read; mode 0644)" in log
+        assert (status("adm-new-2222"), status("adm-broken-3333"), status("adm-open-4444")) == (
+            200, 401, 401)
+    log = log_path.read_text()
+    for secret in ("adm-old-1111", "na-old-1111", "adm-new-2222", "na-new-2222",
+                   "adm-broken-3333", "adm-open-4444"):
+        assert secret not in log
+
+
+def test_a_changed_tokens_file_is_reloaded_without_a_signal(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "tokens.json"
+    _write_tokens(tokens_file, '{"admin": "adm-json-1"}')
+    with serving(tmp_path, "--api-only", "--tokens-check-interval", "0.2",
+                 SCHED_TOKENS_FILE=str(tokens_file)) as (base, log_path):
+        _write_tokens(tokens_file, '{"admin": "adm-json-2"}')
+        _wait_for_line(log_path, "tokens file reloaded")
+        get = lambda token: httpx.get(  # noqa: E731
+            f"{base}/api/nodes", headers={"Authorization": f"Bearer {token}"}).status_code
+        assert (get("adm-json-1"), get("adm-json-2")) == (401, 200)
+
+
+def test_serve_refuses_a_tokens_file_others_may_read(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "tokens.toml"
+    _write_tokens(tokens_file, 'admin = "adm-open-5555"\n', mode=0o640)
+    result = run_cli("serve", "--api-only", "--port", str(free_port()),
+                     env=clean_env(SCHED_TOKENS_FILE=str(tokens_file),
+                                   SCHED_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}"))
+    assert result.returncode == 2
+    assert (f"error: tokens file {tokens_file} is open to other users (group may read; "
+            f"mode 0640): chmod 600 {tokens_file}") in result.stderr
+    assert "adm-open-5555" not in result.stdout + result.stderr
+
+
+def make_self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """Return (certificate, key) PEM files for 127.0.0.1 and localhost, made here.
+
+    With the ``cryptography`` package if installed, else with ``openssl``; else
+    the test is skipped, saying why.
+    """
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    try:
+        import datetime as dt
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("neither the cryptography package nor openssl is installed: "
+                        "no certificate to serve TLS with")
+        subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+             "-keyout", str(key), "-out", str(cert)],
+            check=True, capture_output=True, timeout=60,
+        )
+        key.chmod(0o600)
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(private.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost"),
+        ]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ))
+    key.chmod(0o600)
+    return cert, key
+
+
+def test_serve_over_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
+    cert, key = make_self_signed_cert(tmp_path)
+    with serving(tmp_path, "--api-only", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                 SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (base, log_path):
+        assert base.startswith("https://")
+        trusted = ssl.create_default_context(cafile=str(cert))
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        put = httpx.put(f"{base}/api/nodes/node-a/schedules/s-1", json=SCHEDULE,
+                        headers=admin, verify=trusted)
+        assert put.status_code == 200, put.text
+        assert httpx.get(f"{base}/api/nodes", headers=admin,
+                         verify=trusted).json() == {"nodes": ["node-a"]}
+        # A client that does not trust the certificate refuses it...
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{base}/healthz")
+        # ... and plain HTTP to the TLS port gets no HTTP answer (nor the token through).
+        with pytest.raises(httpx.TransportError):
+            httpx.get(base.replace("https://", "http://") + "/api/nodes", headers=admin)
+    log = log_path.read_text()
+    assert "tls=True" in log and "Uvicorn running on https://" in log
+    assert ADMIN_TOKEN not in log
+
+
+@pytest.mark.parametrize("case", ["key-only", "missing-cert", "wrong-key", "not-a-cert"])
+def test_serve_refuses_tls_files_it_cannot_use_naming_them(tmp_path: Path, case: str) -> None:
+    cert, key = make_self_signed_cert(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _other_cert, other_key = make_self_signed_cert(other)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    args, named = {
+        "key-only": (["--ssl-keyfile", str(key)], "--ssl-keyfile needs --ssl-certfile"),
+        "missing-cert": (["--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile",
+                          str(key)], f"--ssl-certfile {tmp_path / 'nope.pem'}: cannot read it"),
+        "wrong-key": (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)],
+                      f"--ssl-certfile {cert} / --ssl-keyfile {other_key}: not a certificate "
+                      "and key that belong together"),
+        "not-a-cert": (["--ssl-certfile", str(junk), "--ssl-keyfile", str(key)],
+                       f"--ssl-certfile {junk} / --ssl-keyfile {key}: not a certificate"),
+    }[case]
+    result = run_cli("serve", "--api-only", "--port", str(free_port()), *args,
+                     env=clean_env(SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
+                                   SCHED_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}"))
+    assert result.returncode == 2, result.stderr
+    assert f"error: {named}" in result.stderr
+
+
+def test_serve_warns_at_start_up_when_its_prefect_api_does_not_answer(tmp_path: Path) -> None:
+    """The real start-up path: the warning names the URL (no password) and the API still serves."""
+    port = free_port()  # nothing listens there
+    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
+                 PREFECT_API_URL=f"http://sched:pw-secret-77@127.0.0.1:{port}/api") as (
+            base, log_path):
+        log = _wait_for_line(log_path, "does not answer")
+        assert httpx.get(f"{base}/api/tasks",
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+    line = next(x for x in log.splitlines() if "does not answer" in x)
+    assert " WARNING controller.dispatch: the Prefect API at " in line, line
+    assert f"the Prefect API at http://127.0.0.1:{port}/api does not answer (ConnectError" in line
+    assert "tasks are dispatched once it does" in line
+    assert "pw-secret-77" not in log_path.read_text()
+
+
+def test_serve_says_when_its_prefect_api_answers(tmp_path: Path, prefect_server: str) -> None:
+    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
+                 PREFECT_API_URL=prefect_server) as (_base, log_path):
+        log = _wait_for_line(log_path, "the Prefect API answers")
+    assert "does not answer" not in log
+
+
+def test_serve_applies_its_connection_limits(tmp_path: Path) -> None:
+    """The flags reach the running server: an idle connection gets the 408 of --header-timeout."""
+    with serving(tmp_path, "--api-only", "--header-timeout", "1.5", "--max-connections", "50",
+                 SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (base, _log_path):
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # and never the rest
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+    assert answer.endswith(b"request headers not received within 1.5 s")
