@@ -465,6 +465,15 @@ def test_serve_over_tls_with_a_self_signed_certificate(tmp_path: Path) -> None:
         # A client that does not trust the certificate refuses it...
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"{base}/healthz")
+        # An agent's HTTP client (httpx, as the agent's pull uses) trusts it by SSL_CERT_FILE.
+        pull = subprocess.run(
+            [sys.executable, "-c", "import httpx, sys; print(httpx.Client().get(sys.argv[1], "
+             "headers={'Authorization': 'Bearer ' + sys.argv[2]}).status_code)",
+             f"{base}/api/schedules?node=node-a", ADMIN_TOKEN],
+            env=clean_env(SSL_CERT_FILE=str(cert)), capture_output=True, text=True, timeout=60,
+            check=False,
+        )
+        assert pull.stdout.strip() == "200", pull.stderr
         # ... and plain HTTP to the TLS port gets no HTTP answer (nor the token through).
         with pytest.raises(httpx.TransportError):
             httpx.get(base.replace("https://", "http://") + "/api/nodes", headers=admin)
