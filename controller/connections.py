@@ -8,8 +8,12 @@ as is one that never sends anything, and a request body that never finishes
 keeps its handler waiting forever (its keep-alive timer only starts after a
 response). :class:`GuardedH11Protocol` is uvicorn's protocol with:
 
-1. A ceiling: past ``max_connections`` open connections a new one is answered
-   ``503`` and closed at once, before it is read; nothing else is spent on it.
+1. A ceiling: at ``max_connections`` open connections, a new one takes the place
+   of the oldest connection still waiting for its request headers (that one is
+   answered ``503`` and closed), so slow clients holding every slot cannot keep
+   a client that sends its request at once out; when no connection is waiting
+   for headers (every one is sending a body or being answered), the new one is
+   answered ``503`` and closed at once, before it is read.
 2. A header deadline: from the moment a connection opens (or the first byte of
    its next request after a keep-alive pause) its request line and headers must
    arrive within ``header_timeout`` seconds, in total, however they trickle in;
@@ -40,7 +44,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -100,6 +104,8 @@ class ConnectionLimits:
 
 _REASONS = {
     "refused": "connections refused: over the open-connection limit",
+    "evicted": "connections closed to make room for new ones: at the open-connection limit, "
+               "the oldest still sending its request headers",
     "header_timeout": "connections closed: request headers not received in time",
     "body_timeout": "connections closed: request body not received in time",
     "write_timeout": "connections closed: the client stopped reading its answer",
@@ -216,8 +222,11 @@ def _plain_response(status: int, reason: str, text: str) -> bytes:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a connection ceiling and request deadlines (see the module)."""
 
-    limits: ConnectionLimits = ConnectionLimits()
-    notices: Notices = Notices(DEFAULT_NOTICE_INTERVAL)
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits()
+    notices: ClassVar[Notices] = Notices(DEFAULT_NOTICE_INTERVAL)
+    waiting: ClassVar[dict[GuardedH11Protocol, None]] = {}
+    """The server's connections waiting for request headers, oldest wait first
+    (a dict keeps insertion order: O(1) to add, remove and find the oldest)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -229,6 +238,10 @@ class GuardedH11Protocol(H11Protocol):
     # --- opening and closing ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            victim = next(iter(self.waiting), None)
+            if victim is not None:
+                victim._make_room()
         if len(self.connections) >= self.limits.max_connections:
             # Not added to the connection set, nothing parsed: answered and closed.
             self._refused = True
@@ -286,6 +299,19 @@ class GuardedH11Protocol(H11Protocol):
             # MUST_CLOSE, CLOSED, ERROR: nothing more to wait for.
             self._disarm()
 
+    def _make_room(self) -> None:
+        """Close this connection (waiting for its headers) for a new one: 503, closed."""
+        self._disarm()
+        # Out of the count now: its connection_lost comes later, on the next loop turn.
+        self.connections.discard(self)
+        if not self.transport.is_closing():
+            self.transport.write(_plain_response(
+                503, "Service Unavailable",
+                "too many open connections: this one had not sent its request headers",
+            ))
+            self.transport.close()
+        self.notices.note("evicted", self.limits, self.loop)
+
     # --- deadlines --------------------------------------------------------------------------
 
     def _arm(self, phase: str) -> None:
@@ -293,16 +319,20 @@ class GuardedH11Protocol(H11Protocol):
         self._phase = phase
         timeout: float = getattr(self.limits, phase)
         self._deadline = self.loop.call_later(timeout, self._expired, phase)
+        if phase == "header_timeout":
+            self.waiting[self] = None  # the newest wait: last in line to make room
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
         self._deadline = None
         self._phase = None
+        self.waiting.pop(self, None)
 
     def _expired(self, phase: str) -> None:
         self._deadline = None
         self._phase = None
+        self.waiting.pop(self, None)
         if self.transport.is_closing():
             return
         cycle = self.cycle
@@ -364,5 +394,5 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
     uvicorn builds one protocol instance per connection from a class, so the
     limits (and one :class:`Notices` per server) ride on a subclass.
     """
-    attributes = {"limits": limits, "notices": Notices(limits.notice_interval)}
+    attributes = {"limits": limits, "notices": Notices(limits.notice_interval), "waiting": {}}
     return type("GuardedH11Protocol", (GuardedH11Protocol,), attributes)

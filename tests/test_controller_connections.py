@@ -162,31 +162,89 @@ def test_a_keep_alive_connection_gets_a_header_deadline_for_its_next_request(bas
     assert answer.startswith(b"HTTP/1.1 408 "), answer
 
 
-def test_past_the_ceiling_connections_are_refused_and_logged_once(
-    base: str, caplog: pytest.LogCaptureFixture
+@pytest.fixture()
+def small(tmp_path: Path) -> Iterator[str]:
+    """A server of its own with a ceiling of 30 (no other test's connections in its count)."""
+    url = f"sqlite:///{tmp_path / 'small.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    limits = ConnectionLimits(max_connections=30, header_timeout=6.0, body_timeout=6.0,
+                              write_timeout=6.0, notice_interval=3600)
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
+                             limits=limits) as base_url:
+            yield base_url
+    finally:
+        engine.dispose()
+
+
+def test_past_the_ceiling_the_oldest_slow_connections_make_room_logged_once(
+    small: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Slow clients over the ceiling cannot lock a normal client out: the oldest make room."""
     caplog.set_level(logging.INFO)
+    ceiling, over = 30, 20
     held: list[socket.socket] = []
     try:
-        for _ in range(LIMITS.max_connections + 20):
-            sock = connect(base)
-            sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # half a request
+        for _ in range(ceiling + over):
+            sock = connect(small)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # half a request, never finished
             held.append(sock)
+        # The ceiling is full of slow connections: a normal client still gets its answer
+        # (each of its connections takes the place of the oldest slow one).
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        for _ in range(5):
+            assert httpx.get(f"{small}/api/nodes", headers=admin,
+                             timeout=LIVENESS).status_code == 200
         answers = [read_until_closed(sock) for sock in held]
     finally:
         for sock in held:
             sock.close()
-    refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
-    timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408 ")]
-    # Earlier tests' connections may still be closing: a few more may be refused.
-    assert 20 <= len(refused) <= 25 and len(refused) + len(timed_out) == len(answers)
-    assert b"too many open connections" in refused[0]
-    # Once they are gone, the API answers again.
-    assert httpx.get(f"{base}/healthz", timeout=LIVENESS).status_code == 200
+    made_room = [i for i, a in enumerate(answers) if a.startswith(b"HTTP/1.1 503 ")]
+    timed_out = [i for i, a in enumerate(answers) if a.startswith(b"HTTP/1.1 408 ")]
+    # The oldest ones, in the order they came: 20 for the slow newcomers, 1 for the client
+    # (its connection closes after its answer, so its later ones find a free slot).
+    assert made_room == list(range(over + 1)), made_room
+    assert timed_out == list(range(over + 1, ceiling + over))
+    assert answers[0].endswith(
+        b"too many open connections: this one had not sent its request headers")
     lines = [r for r in caplog.records if r.name == "controller.connections"]
-    # One line per kind for ~60 connections (the interval is an hour here), each with its count.
-    kinds = sorted(r.__dict__["kind"] for r in lines)
-    assert kinds in (["header_timeout", "refused"], ["refused"]), kinds
+    # One line per kind for 50 closed connections (the interval is an hour here).
+    assert sorted(r.__dict__["kind"] for r in lines) == ["evicted", "header_timeout"]
+    assert [r.__dict__["count"] for r in lines] == [1, 1]
+
+
+def test_at_the_ceiling_with_no_slow_connection_a_new_one_is_refused(small: str) -> None:
+    """Every slot holds a request being read or answered: nothing to give up, 503 at once."""
+    ceiling = 30
+    held: list[socket.socket] = []
+    try:
+        for index in range(ceiling - 1):
+            sock = connect(small)
+            # Whole headers, a body still to come: the handler waits for it.
+            sock.sendall(
+                f"PUT /api/nodes/node-a/schedules/s-{index} HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {ADMIN_TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{".encode())
+            held.append(sock)
+        # One more request, answered, its connection kept open (idle between requests, not
+        # waiting for headers): the server has read the held ones' headers by then (they
+        # were in its socket buffers before this request was sent).
+        kept = connect(small)
+        held.append(kept)
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(kept).startswith(b"HTTP/1.1 200 ")
+        with connect(small) as extra:
+            answer = read_until_closed(extra)
+        assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer
+        assert answer.endswith(b"too many open connections; try again later")
+        # The requests being read were not disturbed: each gets its body deadline's 408.
+        answers = [read_until_closed(sock) for sock in held[:-1]]
+    finally:
+        for sock in held:
+            sock.close()
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), answers[:3]
+    assert all(b"request body not received" in a for a in answers)
 
 
 def test_notices_write_one_line_per_interval_with_the_count() -> None:
