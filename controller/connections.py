@@ -61,6 +61,35 @@ FD_RESERVE = 128
 """File descriptors kept free of client connections: the database pool, Prefect's
 client, log files, the listening socket."""
 
+ACCEPT_BURST = 2048
+"""Connections asyncio may accept in one go (uvicorn's listen backlog): a connection
+closed to make room for one of them frees its descriptor only on the next turn of the
+loop, so a burst needs this many descriptors beyond the ceiling. Short of them,
+accept fails and asyncio stops accepting for a whole second."""
+
+
+def raise_file_limit(wanted: int) -> int:
+    """Raise this process's soft open-file limit towards wanted (never past the hard one).
+
+    Returns the soft limit in force afterwards. A service's soft limit is often
+    1,024 while its hard limit is far higher; raising the soft one needs no privilege.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target <= soft:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit",
+                    extra={"soft": soft, "hard": hard, "wanted": wanted, "error": str(exc)})
+        return soft
+    log.info("open-file limit raised for the connection ceiling",
+             extra={"from": soft, "to": target, "hard": hard})
+    return target
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
@@ -83,11 +112,14 @@ class ConnectionLimits:
     def within_file_limit(self, soft_limit: int | None = None) -> ConnectionLimits:
         """Return these limits with max_connections lowered to fit the process's file limit.
 
-        Past ``RLIMIT_NOFILE`` every accept fails (and asyncio logs each failure),
-        so the ceiling leaves :data:`FD_RESERVE` descriptors for everything else.
+        Past ``RLIMIT_NOFILE`` every accept fails (and asyncio logs each failure
+        and stops accepting for a second), so the soft limit is first raised (when
+        ``soft_limit`` is not given) to leave room for a burst of accepts and
+        :data:`FD_RESERVE` descriptors for everything else; if the hard limit is
+        lower, the ceiling is lowered to leave :data:`FD_RESERVE`.
         """
         if soft_limit is None:
-            soft_limit, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            soft_limit = raise_file_limit(self.max_connections + FD_RESERVE + ACCEPT_BURST)
         if soft_limit == resource.RLIM_INFINITY:
             return self
         fits = max(1, soft_limit - FD_RESERVE)

@@ -414,3 +414,26 @@ def test_the_ceiling_fits_the_open_file_limit_and_bad_limits_are_refused(
         ConnectionLimits(header_timeout=0)
     with pytest.raises(ValueError, match="body_timeout must be a positive number"):
         ConnectionLimits(body_timeout=float("nan"))
+
+
+def test_the_soft_open_file_limit_is_raised_for_the_ceiling_and_its_accept_bursts() -> None:
+    """A service's soft limit (often 1,024) is raised towards the hard one, not past it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys\n"
+        "from controller.connections import ConnectionLimits\n"
+        "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "limits = ConnectionLimits(max_connections=1000).within_file_limit()\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], limits.max_connections, hard)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    soft, ceiling, hard = (int(x) for x in done.stdout.split())
+    wanted = 1000 + 128 + 2048
+    if hard == -1 or hard >= wanted:  # RLIM_INFINITY is -1
+        assert (soft, ceiling) == (wanted, 1000)
+    else:  # a hard limit below what is wanted: up to it, and the ceiling fits under it
+        assert (soft, ceiling) == (hard, min(1000, hard - 128))
