@@ -77,13 +77,17 @@ def _parse_window(value: object) -> datetime | None:
 
 
 def _run_name() -> str:
-    """Name an ad hoc run like a planned one: ``backup-s-1-20261202T0730Z``."""
+    """Name a run as its creator did (JobRef.name): ``backup-s-1-20261202T0730Z[-retry]``.
+
+    Prefect names every run with this when it starts, planned or ad hoc.
+    """
     params: dict[str, Any] = current_run.parameters or {}
     schedule_id = params.get("schedule_id")
     action = _cached_action(schedule_id) or "job"
+    suffix = "-retry" if params.get("retry_of") else ""
     try:
         window = _parse_window(params.get("window"))
-        return job_run_name(action, str(schedule_id or "unknown"), window)
+        return job_run_name(action, str(schedule_id or "unknown"), window) + suffix
     except (ConfigError, ValueError):  # a bad window: the run fails, saying so
         return f"{action}-{schedule_id or 'unknown'}-bad-window"
 

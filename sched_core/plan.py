@@ -280,7 +280,9 @@ def decide_start(
                 return StartDecision(Verdict.SKIP, f"window {shown} already ran")
             return StartDecision(
                 Verdict.SKIP,
-                f"window {shown} is older than the last fire ({_local(last_fired, tz)})",
+                f"window {shown} is older than the last fire: coalesced into "
+                f"{_local(last_fired, tz)}, which already ran",
+                coalesced_into=last_fired,
             )
     if first_seen is not None and window < floor_minute(first_seen):
         return StartDecision(

@@ -228,6 +228,7 @@ def _at(moment: datetime) -> None:
     time.sleep(max(0.0, (moment - datetime.now(UTC)).total_seconds()))
 
 
+@pytest.mark.timeout(720)
 def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user: User) -> None:
     """One node through `prefect deploy` and a worker, in one timeline (W0 is a minute):
 
