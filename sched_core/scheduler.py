@@ -501,6 +501,7 @@ class Scheduler:
                 grace=self._config.fire_grace,
                 tz=self._tz,
                 retry=retry,
+                node=self._config.node_name,
             )
             if decision.stamp:
                 self._cache.last_fired_at[schedule_id] = window if last is None else max(
