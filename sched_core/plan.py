@@ -196,6 +196,56 @@ def plan_windows(
 
 
 @dataclass(frozen=True)
+class Upcoming:
+    """A row's next windows that will run, and the ones its policies skip among them."""
+
+    windows: list[Window]
+    skipped: list[tuple[datetime, str]]
+    """(window, reason) for each skipped window before the last one shown, at most ``count``."""
+
+
+def upcoming(
+    row: LocalSchedule,
+    *,
+    now: datetime,
+    last_fired: datetime | None,
+    count: int,
+    node: str,
+    tz: ZoneInfo,
+) -> Upcoming:
+    """Return the row's next count windows whose run starts at or after now and that will run.
+
+    The same rules as :func:`plan_windows` (policies, jitter, min_interval
+    counted from the last fire and then from each window before), looking at
+    most 8 days ahead; the windows skipped on the way are returned with why.
+    """
+    if not row.enabled or row.schedule.is_event or count <= 0:
+        return Upcoming([], [])
+    if (row.paused is not None and row.paused.until is None) or (
+            row.not_after is not None and row.not_after < now):
+        return Upcoming([], [])  # nothing will run: the row's policies say why
+    found: list[Window] = []
+    skipped: list[tuple[datetime, str]] = []
+    previous = last_fired
+    z = row_zone(row, tz)
+    scan = now - timedelta(seconds=row.jitter)
+    for window, start in window_starts(row, scan, now + PLAN_AHEAD_LIMIT, node=node, tz=tz):
+        if start < now:
+            continue
+        reason = policy_block(row, window, last_fired=previous, tz=tz)
+        if reason is not None:
+            if len(skipped) < count:
+                skipped.append((window, reason))
+            continue
+        previous = window
+        found.append(Window(start=start, schedule_id=row.id, window=window,
+                            key=window_key(row.id, window, z), action=row.action))
+        if len(found) >= count:
+            break
+    return Upcoming(found, skipped)
+
+
+@dataclass(frozen=True)
 class PlannedRun:
     """A run that exists for a window: its id, window, trigger and state name."""
 
