@@ -250,7 +250,10 @@ def latest_window(
 
 
 def describe_policies(row: LocalSchedule, *, node: str, tz: ZoneInfo) -> list[str]:
-    """Return the row's policies for people, one short phrase each (artifact, preview)."""
+    """Return the row's policies for people, one short phrase each (artifact, preview).
+
+    With a node name the jitter shows that node's offset.
+    """
     z = row_zone(row, tz)
     parts: list[str] = []
     if row.timezone:
@@ -263,10 +266,12 @@ def describe_policies(row: LocalSchedule, *, node: str, tz: ZoneInfo) -> list[st
         parts.append(f"not after {local_text(row.not_after, z)}")
     for blackout in row.blackouts or []:
         parts.append(f"blackout {blackout_text(blackout)}")
-    if row.jitter:
+    if row.jitter and node:
         offset = jitter_offset(node, row.id, row.jitter)
         shown = duration_text(timedelta(seconds=offset))
         parts.append(f"jitter {row.jitter} s (this node: +{shown})")
+    elif row.jitter:
+        parts.append(f"jitter {row.jitter} s (each node its own offset)")
     if row.min_interval:
         parts.append(f"min_interval {duration_text(timedelta(seconds=row.min_interval))}")
     if row.catchup_window is not None:
