@@ -308,9 +308,11 @@ def test_overlap_cancel_other_cancels_the_active_run_through_its_runner(
             wait_for(lambda: client.read_flow_run(active.id).state.is_final(), 30,
                      "the cancelled run to end")
             old = client.read_flow_run(active.id)
+            history = client.read_flow_run_states(active.id)
         assert old.state is not None and old.state.is_cancelled()
-        assert "overlap cancel-other of schedule o" in (old.state.message or "") or (
-            old.state.name == "Cancelled")
+        [asked] = [item for item in history if item.name == "Cancelling"]
+        assert asked.message is not None and asked.message.startswith("cancelled by ")
+        assert asked.message.endswith("overlap cancel-other of schedule o")
         times = intervals(log)
         assert times[("o", "long")][1] is None  # stopped before its end
         # Its command was stopped with it, before the new one started.
