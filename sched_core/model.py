@@ -198,6 +198,11 @@ def hh_mm_minutes(value: str) -> int:
     return int(match.group(1)) * 60 + int(match.group(2))
 
 
+def _unset(value: object) -> bool:
+    """Return whether a policy value is left out of the JSON: unset, empty, zero or false."""
+    return not value
+
+
 class Paused(_WireModel):
     """A pause: no window fires before ``until`` (forever when it is None)."""
 
@@ -356,16 +361,20 @@ class LocalSchedule(_WireModel):
     version: int = 0
     # Policies (issue 12). Every one is left out of the JSON when unset, so a row
     # without them is byte for byte the Go kit's, which ignores them.
-    timezone: str = ""
-    overlap: Overlap | None = None
-    jitter: int = Field(default=0, ge=0, le=JITTER_MAX, strict=True)
-    catchup_window: int | None = Field(default=None, ge=CATCHUP_MIN, le=CATCHUP_MAX, strict=True)
-    paused: Paused | None = None
-    not_before: datetime | None = None
-    not_after: datetime | None = None
-    blackouts: list[Blackout] | None = None
-    min_interval: int = Field(default=0, ge=0, le=MIN_INTERVAL_MAX, strict=True)
-    repo_lock: bool = Field(default=False, strict=True)
+    timezone: str = Field(default="", exclude_if=_unset)
+    overlap: Overlap | None = Field(default=None, exclude_if=_unset)
+    jitter: int = Field(default=0, ge=0, le=JITTER_MAX, strict=True, exclude_if=_unset)
+    catchup_window: int | None = Field(
+        default=None, ge=CATCHUP_MIN, le=CATCHUP_MAX, strict=True, exclude_if=_unset
+    )
+    paused: Paused | None = Field(default=None, exclude_if=_unset)
+    not_before: datetime | None = Field(default=None, exclude_if=_unset)
+    not_after: datetime | None = Field(default=None, exclude_if=_unset)
+    blackouts: list[Blackout] | None = Field(default=None, exclude_if=_unset)
+    min_interval: int = Field(
+        default=0, ge=0, le=MIN_INTERVAL_MAX, strict=True, exclude_if=_unset
+    )
+    repo_lock: bool = Field(default=False, strict=True, exclude_if=_unset)
 
     @field_validator("timezone")
     @classmethod
@@ -386,17 +395,24 @@ class LocalSchedule(_WireModel):
     def _empty_blackouts_are_none(cls, value: list[Blackout] | None) -> list[Blackout] | None:
         return value or None
 
-    @model_validator(mode="after")
-    def _check_policies(self) -> Self:
-        if self.not_before is not None and self.not_after is not None \
-                and self.not_after < self.not_before:
+    # Field validators, not a model validator: they run only for rows that set
+    # the field, so rows without policies validate as fast as before.
+    @field_validator("not_after")
+    @classmethod
+    def _after_not_before(cls, value: datetime | None, info: ValidationInfo) -> datetime | None:
+        before = info.data.get("not_before")
+        if value is not None and before is not None and value < before:
             raise ValueError(
-                f"not_after {format_go_time(self.not_after)} is before not_before "
-                f"{format_go_time(self.not_before)}"
+                f"not_after {format_go_time(value)} is before not_before {format_go_time(before)}"
             )
-        if self.repo_lock and not self.repo_id:
+        return value
+
+    @field_validator("repo_lock")
+    @classmethod
+    def _lock_needs_a_repo(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and not info.data.get("repo_id"):
             raise ValueError("repo_lock is true but repo_id is empty: the lock is per repository")
-        return self
+        return value
 
     @field_validator("params")
     @classmethod
@@ -422,17 +438,7 @@ class LocalSchedule(_WireModel):
                 data.pop("storage", None)
             if not self.params:
                 data.pop("params", None)
-            for name in _POLICY_FIELDS:
-                if not getattr(self, name):
-                    data.pop(name, None)
         return data
-
-
-_POLICY_FIELDS = (
-    "timezone", "overlap", "jitter", "catchup_window", "paused", "not_before", "not_after",
-    "blackouts", "min_interval", "repo_lock",
-)
-"""The row's policy fields: each is left out of the JSON when empty, false or zero."""
 
 
 class Cache(_WireModel):

@@ -256,6 +256,8 @@ class PlannedRun:
     state_name: str
     start: datetime | None = None
     """Its scheduled start (None when unknown)."""
+    retry: bool = False
+    """True for the one re-run of an interrupted job (it starts when it is made)."""
 
     @property
     def untried(self) -> bool:
@@ -301,15 +303,16 @@ def moved(
     """Return the untried planned runs whose start is no longer their window's, with the new one.
 
     That is a jitter the row changed (or a node renamed): the run keeps its
-    window and key, and only its scheduled start moves. Recovery runs start
-    when they are made, so they never move.
+    window and key, and only its scheduled start moves. Recovery runs and the
+    re-runs of interrupted jobs start when they are made, so they never move.
     """
     by_id = {row.id: row for row in rows}
     found: list[tuple[PlannedRun, datetime]] = []
     for run in runs:
         row = by_id.get(run.schedule_id)
-        if (not run.untried or run.trigger_key != TRIGGER_SCHEDULE or run.start is None
-                or row is None or gone_reason(row, run.schedule_id, run.window, tz)):
+        if (not run.untried or run.trigger_key != TRIGGER_SCHEDULE or run.retry
+                or run.start is None or row is None
+                or gone_reason(row, run.schedule_id, run.window, tz)):
             continue
         start = run_start(row, run.window, node=node, tz=tz)
         if abs(start - run.start) >= timedelta(seconds=1):

@@ -199,8 +199,8 @@ def interval_block(
     row: LocalSchedule, window: datetime, *, last_fired: datetime | None, tz: ZoneInfo
 ) -> str | None:
     """Return why min_interval holds the window back, or None (rule 3)."""
-    if not row.min_interval or last_fired is None:
-        return None
+    if not row.min_interval or last_fired is None or window <= last_fired:
+        return None  # a window at or before the last fire is the start guard's to refuse
     z = row_zone(row, tz)
     since = window.astimezone(z).replace(tzinfo=None) - last_fired.astimezone(z).replace(
         tzinfo=None

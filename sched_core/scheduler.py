@@ -164,6 +164,9 @@ def _copy_row(row: LocalSchedule) -> LocalSchedule:
         update={
             "schedule": row.schedule.model_copy(deep=True),
             "params": copy.deepcopy(row.params) if row.params else row.params,
+            "paused": row.paused.model_copy() if row.paused else None,
+            "blackouts": [item.model_copy(deep=True) for item in row.blackouts]
+            if row.blackouts else row.blackouts,
         }
     )
 

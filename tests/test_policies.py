@@ -460,3 +460,15 @@ def test_policies_are_described_for_people() -> None:
         "jitter 3600 s (this node: +41 min 39 s)", "min_interval 7 d", "catchup_window 2 h",
         "overlap buffer-one", "repo_lock r-1",
     ]
+
+
+def test_the_rerun_of_an_interrupted_job_never_moves_and_old_windows_are_the_guards() -> None:
+    r = row("c", NIGHTLY, jitter=600, min_interval=WEEK)
+    window = utc(2026, 11, 30, 7, 30)
+    rerun = PlannedRun("a", "c", window, "schedule", "Scheduled", start=window + HOUR, retry=True)
+    assert moved([rerun], [r], node="node-a", tz=NY) == []
+    # A run of a window before the last fire is left to the guard ("older than the last fire").
+    older = PlannedRun("b", "c", window - DAY, "schedule", "Scheduled")
+    assert obsolete([older], [r], tz=NY, last_fired={"c": window}) == []
+    assert guard(r, window - DAY, first_try=window - DAY, last_fired=window).reason == (
+        "window 2026-11-29 02:30 EST is older than the last fire (2026-11-30 02:30 EST)")
