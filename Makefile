@@ -20,7 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core flows deployments controller
+	$(VENV)/bin/mypy sched_core flows deployments controller sched_cli.py
 
 test: lint typecheck
 	$(VENV)/bin/pytest

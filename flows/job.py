@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,24 +38,13 @@ from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
 from flows.guard import cached_row, first_try_of, start_window
 from flows.overlap import cancel_run, job_slot, longest_run_s
-from flows.registry import SKIPPED, tag_values
+from flows.registry import SKIPPED, still_interrupted, tag_values
 from flows.repolock import repo_lock
-from flows.runtime import (
-    EVENT_JOB_COMPLETED,
-    EVENT_JOB_FAILED,
-    RUN_JOB,
-    agent_settings,
-    emit,
-    logical_now,
-    slug,
-)
+from flows.runtime import RUN_JOB, agent_settings, emit_job_event, logical_now, slug
 from sched_core import ConfigError, LocalSchedule, SchedError
 from sched_core.plan import WINDOW_TRIGGERS
 
 log = logging.getLogger(__name__)
-
-TERMINAL_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
-"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
 
 
 class JobFailed(SchedError, RuntimeError):
@@ -153,8 +141,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
             node = agent_settings().node_name
         except ConfigError:
             node = "unknown"
-    emit(
-        EVENT_JOB_COMPLETED if state.is_completed() else EVENT_JOB_FAILED,
+    emit_job_event(
         node,
         {
             "node": node,
@@ -166,7 +153,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
             "flow_run_name": run.name,
             "state": state.name or "",
         },
-        event_id=uuid.uuid5(TERMINAL_EVENT_NAMESPACE, str(run.id)),
+        completed=state.is_completed(),
     )
 
 
@@ -220,6 +207,12 @@ def run_job(
     elif trigger_key in WINDOW_TRIGGERS:
         if window is None:
             raise ConfigError(f"a {trigger_key} run needs the window it runs")
+        if retry_of:
+            with get_client(sync_client=True) as client:
+                reason = still_interrupted(client, retry_of)
+            if reason is not None:
+                logger.info("skipped: %s", reason)
+                return _skip(settings.node_name, schedule_id, window, reason)
         tried = at if now is not None else first_try_of(current_run.id, fallback=at)
         decision, found = start_window(settings, schedule_id=schedule_id, window=window,
                                        tried=tried, now=at, retry=bool(retry_of))

@@ -36,7 +36,6 @@ from pathlib import Path
 from flows.dispatch import JobRef, Planned, Runs
 from flows.registry import Interrupted, list_interrupted, list_window_runs
 from flows.settings import AgentSettings
-from sched_core.cache import locked, write_atomic
 from sched_core.misses import LOOKBACK
 from sched_core.model import Cache, format_go_time, parse_go_time
 from sched_core.plan import (
@@ -52,6 +51,7 @@ from sched_core.plan import (
     retry_allowed,
 )
 from sched_core.policies import catchup
+from sched_core.statefile import locked, read_json_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -75,24 +75,33 @@ class PlanReport:
     missed: list[Missed] = field(default_factory=list)
     recovered: list[tuple[JobRef, str]] = field(default_factory=list)
     retried: list[tuple[JobRef, str]] = field(default_factory=list)
+    interrupted: list[Interrupted] = field(default_factory=list)
+    """Interrupted jobs found this pass (each handled once: its event, its re-run)."""
     not_retried: list[tuple[Interrupted, str]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     """(run name or id, error) for each create or delete that failed."""
 
 
-def load_planned_through(path: Path) -> dict[str, datetime]:
-    """Return the per-schedule record of the latest window handled; empty when missing or bad."""
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable plan state %s: %r", path, exc,
-                    extra={"path": str(path), "error": repr(exc)})
-        return {}
-    raw = data.get("planned_through") if isinstance(data, dict) else None
+INTERRUPTED_KEPT = timedelta(days=2)
+"""How long the record remembers an interrupted run it handled (its events and re-run)."""
+
+
+@dataclass
+class PlanState:
+    """The planner's record in ``<state_dir>/plan.json``.
+
+    ``planned_through``: per schedule, the latest window handled (given a run,
+    or reported missed). ``interrupted``: the interrupted runs already
+    handled (their job event sent, their re-run created or refused), by id.
+    """
+
+    planned_through: dict[str, datetime] = field(default_factory=dict)
+    interrupted: dict[str, datetime] = field(default_factory=dict)
+
+
+def _times(raw: object) -> dict[str, datetime]:
     found: dict[str, datetime] = {}
-    for key, value in (raw or {}).items() if isinstance(raw, dict) else ():
+    for key, value in raw.items() if isinstance(raw, dict) else ():
         try:
             parsed = parse_go_time(value)
         except ValueError:
@@ -102,9 +111,24 @@ def load_planned_through(path: Path) -> dict[str, datetime]:
     return found
 
 
-def save_planned_through(path: Path, planned: dict[str, datetime]) -> None:
-    """Write the record atomically (under the file's lock)."""
-    body = {"planned_through": {key: format_go_time(planned[key]) for key in sorted(planned)}}
+def load_plan_state(path: Path, *, now: datetime) -> PlanState:
+    """Return the record; a missing file is empty, an unreadable one is moved aside (empty).
+
+    Losing it is safe: windows are then checked against the runs Prefect has,
+    and re-sent events and re-runs keep their ids and idempotency keys.
+    """
+    data = read_json_file(path, now=now, max_depth=4)
+    if not isinstance(data, dict):
+        return PlanState()
+    return PlanState(planned_through=_times(data.get("planned_through")),
+                     interrupted=_times(data.get("interrupted")))
+
+
+def save_plan_state(path: Path, state: PlanState) -> None:
+    """Write the record atomically, under the file's lock."""
+    body = {name: {key: format_go_time(times[key]) for key in sorted(times)}
+            for name, times in (("planned_through", state.planned_through),
+                                ("interrupted", state.interrupted))}
     with locked(path):
         write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
 
@@ -118,7 +142,8 @@ def plan_node(
     rows = cache.schedules
     deployment_id = runs.deployment_id()
     record_path = settings.state_dir / "plan.json"
-    planned_through = load_planned_through(record_path)
+    record = load_plan_state(record_path, now=now)
+    planned_through = record.planned_through
     # List back to the oldest window not yet handled (after downtime), at most
     # the longest catch-up window: those runs are the guard's, not missed.
     reach = max([LOOKBACK, *(catchup(row) for row in rows)])
@@ -166,6 +191,9 @@ def plan_node(
     by_id = {row.id: row for row in rows}
     retries: list[Planned] = []
     for stopped in list_interrupted(runs.client, deployment_id, node, since=now - reach):
+        if stopped.run_id in record.interrupted:
+            continue
+        report.interrupted.append(stopped)
         row = by_id.get(stopped.schedule_id)
         decision = retry_allowed(
             row, schedule_id=stopped.schedule_id, window=stopped.window,
@@ -219,8 +247,14 @@ def plan_node(
             window.schedule_id, window.window
         ):
             handled[window.schedule_id] = window.window
-    handled = {key: value for key, value in handled.items() if key in by_id}
-    save_planned_through(record_path, handled)
+    record.planned_through = {key: value for key, value in handled.items() if key in by_id}
+    retried_failed = {item.ref.retry_of for item, _ in created.failed if item.ref.retry_of}
+    for stopped in report.interrupted:
+        if stopped.run_id not in retried_failed:
+            record.interrupted[stopped.run_id] = now
+    record.interrupted = {key: value for key, value in record.interrupted.items()
+                          if value > now - INTERRUPTED_KEPT}
+    save_plan_state(record_path, record)
     return report
 
 

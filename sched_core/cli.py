@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -116,14 +115,8 @@ def preview(
         typer.echo(line)
 
 
-def _add_subcommands() -> None:
-    """Attach the sub-commands of the optional packages that are installed."""
-    for name, module in (("controller", "controller.cli"),):
-        try:
-            sub = importlib.import_module(module)
-        except ImportError:
-            continue
-        app.add_typer(sub.app, name=name)
-
-
-_add_subcommands()
+@app.callback()
+def main() -> None:
+    """Schedules defined centrally, fired locally (`sched preview`, and what packages add)."""
+    # A callback keeps `sched` a group of commands even with `preview` alone, as the
+    # kit's own app is when no package above has added its commands (see sched_cli.py).

@@ -19,7 +19,7 @@ import pytest
 from controller.api import create_app
 from controller.auth import Tokens
 from controller.db import make_engine, migrate
-from controller.server import serve_in_thread
+from controller.testing import serve_in_thread
 
 ADMIN = {"Authorization": "Bearer admin-secret-token-0123456789"}
 
