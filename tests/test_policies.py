@@ -472,3 +472,37 @@ def test_the_rerun_of_an_interrupted_job_never_moves_and_old_windows_are_the_gua
     assert obsolete([older], [r], tz=NY, last_fired={"c": window}) == []
     assert guard(r, window - DAY, first_try=window - DAY, last_fired=window).reason == (
         "window 2026-11-29 02:30 EST is older than the last fire (2026-11-30 02:30 EST)")
+
+
+def test_on_demand_fires_honour_pause_dates_blackouts_and_min_interval(tmp_path: Any) -> None:
+    """The chain fires its stages with fire_matching: a weekly check, a paused prune."""
+    import json
+    from pathlib import Path
+
+    from sched_core import Config, Scheduler
+
+    folder = Path(str(tmp_path))
+    event = {"days": None, "hours": None, "minute": "", "on": "after_wave"}
+    rows = [
+        {**row("k", event, action="check", min_interval=6 * 86400).model_dump(mode="json")},
+        {**row("p", event, action="prune", paused={"note": "audit"}).model_dump(mode="json")},
+        {**row("n", event, action="prune", blackouts=[
+            {"days": ["*"], "from": "03:00", "to": "04:00"}]).model_dump(mode="json")},
+    ]
+    (folder / "list.json").write_text(json.dumps({"schedules": rows}))
+    fired: list[str] = []
+    scheduler = Scheduler(Config(pull_url=(folder / "list.json").as_uri(), node_name="n-1",
+                                 cache_path=folder / "cache.json",
+                                 fire=lambda fire: fired.append(fire.schedule.id)),
+                          now=utc(2026, 11, 1))
+    scheduler.pull(utc(2026, 11, 1))
+    night = utc(2026, 11, 23, 8, 10)  # Monday 03:10 EST: inside n's blackout
+    assert scheduler.fire_matching("chain-after", lambda r: True, now=night) == 1
+    assert fired == ["k"]
+    after = night + HOUR  # 04:10: n fires; k fired an hour ago, p stays paused
+    scheduler.fire_matching("chain-after", lambda r: True, now=after)
+    assert fired == ["k", "n"]
+    week = night + timedelta(days=6)  # Sunday 03:10 EST, in n's blackout again
+    assert scheduler.fire_matching("chain-after", lambda r: True, now=week - SECOND) == 0
+    assert scheduler.fire_matching("chain-after", lambda r: True, now=week) == 1
+    assert fired == ["k", "n", "k"]  # k exactly 6 days after its last fire
