@@ -471,7 +471,8 @@ def test_the_rerun_of_an_interrupted_job_never_moves_and_old_windows_are_the_gua
     older = PlannedRun("b", "c", window - DAY, "schedule", "Scheduled")
     assert obsolete([older], [r], tz=NY, last_fired={"c": window}) == []
     assert guard(r, window - DAY, first_try=window - DAY, last_fired=window).reason == (
-        "window 2026-11-29 02:30 EST is older than the last fire (2026-11-30 02:30 EST)")
+        "window 2026-11-29 02:30 EST is older than the last fire: coalesced into "
+        "2026-11-30 02:30 EST, which already ran")
 
 
 def test_on_demand_fires_honour_pause_dates_blackouts_and_min_interval(tmp_path: Any) -> None:
