@@ -25,7 +25,9 @@ and after each window; the benchmark sends no request during a window.
    job run (nothing is due).
 3. **What a served node costs with no run at all** (the runner polling the
    server every 10 s), both designs and the new one polling every 60 s: a serve
-   process with nothing due, bracketed by the server alone before and after.
+   process with nothing due, bracketed by the server alone before and after;
+   and the server's CPU per poll, from ``--polls`` of the same request sent by
+   the benchmark.
 4. **Flow runs per idle node-day**, from the same schedules.
 
     .venv/bin/python bench/bench_idle.py [--runs 10] [--every 30] [--idle 120] [--no-write]
@@ -406,6 +408,60 @@ def measure_runs(name: str, kind: str, node: Node, server_pid: int, *, runs: int
     return RunResult(name, kind, runs, before, window, after)
 
 
+@dataclass
+class PollResult:
+    """The server's CPU for the runner's poll request, sent by the benchmark at a steady pace."""
+
+    polls: int
+    window: Window
+    alone_before: Window
+
+    def per_poll(self) -> float:
+        """Return server CPU seconds per poll, less the server's own rate alone over the loop."""
+        return (self.window.server - self.alone_before.server_rate * self.window.seconds) / (
+            self.polls)
+
+
+POLL_PACE_S = 0.5
+"""Seconds between the benchmark's polls: slower than the server's follow-up task per poll."""
+
+
+def measure_polls(work: Path, zone: str, server_pid: int, polls: int,
+                  alone_before: Window) -> PollResult:
+    """Send the runner's poll for a node's three deployments `polls` times; measure the server.
+
+    The request is the one the serve process sends every 10 s
+    (``get_scheduled_flow_runs_for_deployments`` for its deployment ids, scheduled
+    before now + 10 s); the server answers it and marks the deployments ready
+    in a background task, as for the runner.
+    """
+    from prefect.client.orchestration import get_client
+
+    from deployments.serve import build_deployments
+    from flows.settings import load_settings
+
+    config = write_node(work, "poll", zone)
+    os.environ["SCHED_CONFIG"] = str(config)
+    deployments = build_deployments(load_settings())
+    ids: list[Any] = [item.apply() for item in deployments]  # sync here
+    print(f"[runner poll] {polls} polls, one every {POLL_PACE_S:g} s", flush=True)
+    with get_client(sync_client=True) as client:
+        client.get_scheduled_flow_runs_for_deployments(  # a first one, not measured
+            deployment_ids=ids, scheduled_before=datetime.now(UTC) + timedelta(seconds=10))
+        time.sleep(SETTLE_S)
+        server0, started = tree_cpu(server_pid), time.perf_counter()
+        for _ in range(polls):
+            client.get_scheduled_flow_runs_for_deployments(
+                deployment_ids=ids, scheduled_before=datetime.now(UTC) + timedelta(seconds=10))
+            time.sleep(POLL_PACE_S)
+        time.sleep(2)  # the last poll's background task
+        window = Window(time.perf_counter() - started, tree_cpu(server_pid) - server0)
+        for item in ids:
+            client.delete_deployment(item)
+    print(f"[runner poll] {window.describe()}", flush=True)
+    return PollResult(polls, window, alone_before)
+
+
 def runs_per_day(deployments: list[Any]) -> dict[str, float]:
     """Return, per flow, the runs its deployment's schedules make in one day."""
     from prefect.server.schemas import schedules as server_schedules
@@ -444,6 +500,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="runs per measured kind")
     parser.add_argument("--every", type=float, default=30.0, help="seconds between runs")
     parser.add_argument("--idle", type=float, default=120.0, help="seconds of each idle window")
+    parser.add_argument("--polls", type=int, default=240, help="runner polls sent and measured")
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument("--serve-old", choices=("idle", "tick", "reconcile"),
                         help=argparse.SUPPRESS)  # the node's process, started by the bench
@@ -497,6 +554,7 @@ def run(args: argparse.Namespace, work: Path, server_pid: int, url: str) -> None
     ):
         served = node(f"idle-{len(idle)}", cmd, **extra)
         idle[name], alone = measure_idle(f"idle {name}", served, server_pid, args.idle, alone)
+    poll = measure_polls(work, zone, server_pid, args.polls, alone)
     # The new design runs the real serve, its reconcile_interval shortened (the
     # plan_horizon keeps its 1 h). Interleaved, so load changes hit both designs alike.
     runs: dict[str, RunResult] = {}
@@ -508,11 +566,11 @@ def run(args: argparse.Namespace, work: Path, server_pid: int, url: str) -> None
         served = node(name.replace(" ", "-"), cmd, **extra)
         runs[name] = measure_runs(name, kind, served, server_pid, runs=args.runs,
                                   every=args.every, idle_s=args.idle)
-    report(args, idle, runs, zone)
+    report(args, idle, runs, poll, zone)
 
 
 def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str, RunResult],
-           zone: str) -> None:
+           poll: PollResult, zone: str) -> None:
     from bench.legacy_tick import build_deployments as old_deployments
     from deployments.serve import build_deployments as new_deployments
     from flows.settings import AgentSettings
@@ -538,6 +596,7 @@ def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str
         return Cost(server=idle[name].server_hour(), node=idle[name].node_hour())
 
     variant = f"new, polling every {POLL_VARIANT} s"
+    per_poll = poll.per_poll()
     old_h, new_h = flow_hour("old"), flow_hour("new")
     old_p, new_p, var_p = polling("old"), polling("new"), polling(variant)
     old_day_n, new_day_n = sum(old_day.values()), sum(new_day.values())
@@ -561,6 +620,8 @@ def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str
         f"| {old_rec.node:.2f} s |",
         f"| new `reconcile` (pull, plan: nothing to create) | {new_rec.server * 1000:.0f} ms "
         f"| {new_rec.node:.2f} s |",
+        f"| (no flow run) the serve process's poll for scheduled runs, every 10 s "
+        f"| {per_poll * 1000:.1f} ms | |",
     ]
     table = [
         "| per idle node | old: `fire-tick` every minute, `reconcile` every 300 s "
@@ -590,7 +651,38 @@ def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str
         + per_hour["old"]["reconcile"] * new_rec.server,
         node=per_hour["old"]["fire-tick"] * tick.node + per_hour["old"]["reconcile"] * new_rec.node,
     )
+    whole_old = old_h.server + old_p.server
+    budget = whole_old / 10 - new_h.server
+    met_all = [target(old_h.server, new_h.server), target(old_h.node, new_h.node),
+               target(old_day_n, new_day_n)] == ["met"] * 3
+    verdict_lines = [
+        f"**Against the targets (at least 10x less of each):** flow runs per idle node-day "
+        f"{ratio(old_day_n, new_day_n)}, server CPU per idle node-hour from its flow runs "
+        f"{ratio(old_h.server, new_h.server)}, node CPU {ratio(old_h.node, new_h.node)}: "
+        f"{'all met' if met_all else '**not all met**'}. Counting also what a served node "
+        "costs with no run at all, the node's CPU is still "
+        f"{ratio(old_h.node + old_p.node, new_h.node + new_p.node)} less, but the server's "
+        f"only {ratio(whole_old, new_h.server + new_p.server)}: of an idle new node's "
+        f"{new_h.server + new_p.server:.1f} s of server CPU an hour, {new_p.server:.1f} s is "
+        "the serve process polling for scheduled runs, which the old design paid too "
+        f"(a poll costs the server {per_poll * 1000:.1f} ms: 360 an hour are "
+        f"{per_poll * 360:.1f} s). To be 10x less there too, the new node may spend at most "
+        f"{whole_old / 10:.2f} s an hour, so {max(budget, 0):.2f} s on polling: "
+        + (f"one poll every {3600 * per_poll / budget:.0f} s or more at "
+           f"{per_poll * 1000:.1f} ms each. The design change that meets it: serve with a "
+           "longer poll (`PREFECT_RUNNER_POLL_FREQUENCY`, or `serve(..., query_seconds=...)`) "
+           "and `prefetch_seconds` at least as long, so that planned runs still start on "
+           "time (the runner submits a prefetched run early and the server holds it until "
+           "its scheduled time); the cost is that event-triggered runs (`advance-chain` "
+           "after a job, `reconcile` on `sched.schedules.updated`, ad hoc runs) wait up to "
+           "that long. Measured here with polling every "
+           f"{POLL_VARIANT} s: {new_h.server + var_p.server:.1f} s an hour, "
+           f"{ratio(whole_old, new_h.server + var_p.server)} less." if budget > 0 else
+           "the flow runs alone exceed it."),
+    ]
     checks = [f"server alone, before the idle nodes: {idle['old'].alone_before.describe()}"]
+    checks.append(f"{poll.polls} runner polls sent by the benchmark, one every "
+                  f"{POLL_PACE_S:g} s: {poll.window.describe()}")
     for name, result in idle.items():
         checks.append(f"idle node, {name}: {result.node.describe()}")
         checks.append(f"server alone after it: {result.alone_after.describe()}")
@@ -607,6 +699,8 @@ def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str
         *per_run_table,
         "",
         *table,
+        "",
+        *verdict_lines,
         "",
         "How it was measured:",
         "- **Per run.** Each kind of run was served as its design serves it (`prefect.serve` in "
@@ -642,7 +736,10 @@ def report(args: argparse.Namespace, idle: dict[str, IdleResult], runs: dict[str
         "(`PREFECT_RUNNER_POLL_FREQUENCY`); the variant is the real serve with "
         f"`PREFECT_RUNNER_POLL_FREQUENCY={POLL_VARIANT}`. These are differences of a few "
         "seconds an hour between windows of "
-        f"{args.idle:g} s: the noisiest figures here.",
+        f"{args.idle:g} s: the noisiest figures here. The cost of one poll was measured on "
+        f"its own: the benchmark sent the serve process's request ({poll.polls} times, one "
+        f"every {POLL_PACE_S:g} s, for a node's three deployments) and the server's CPU "
+        "less its rate alone was divided by the polls.",
         "- The old design with the new `reconcile` (pull and plan) in place of its own, at its "
         f"300 s cadence: {old_alt.server:.2f} s server and {old_alt.node:.1f} s node CPU an "
         "hour.",
