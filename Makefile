@@ -5,7 +5,10 @@ STAMP   := $(VENV)/.installed-stamp
 
 .PHONY: setup lint typecheck test run bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+SYSTEM_PACKAGES := restic
+
+$(STAMP): pyproject.toml constraints.txt scripts/system-packages.sh
+	bash scripts/system-packages.sh $(SYSTEM_PACKAGES)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
@@ -17,7 +20,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core flows deployments controller
+	$(VENV)/bin/mypy sched_core flows deployments controller sched_cli.py
 
 test: lint typecheck
 	$(VENV)/bin/pytest

@@ -1,7 +1,8 @@
 """Benchmark the controller's central scheduler on a real Postgres, against raw baselines.
 
 1. Claim throughput with 1, 4 and 8 claimer processes over the same due tasks:
-   ``store.claim_due`` and the scheduler's full pass (``CentralScheduler.run_once``:
+   ``claims.claim_for_dispatch`` (the batch claim: lease + dispatch record) and
+   the scheduler's full pass (``CentralScheduler.run_once``:
    claim + dispatch record in one statement, no-op dispatch, batch completion),
    each against a raw ``UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED)``
    loop on the same database in the same run. Every claimed id is collected, so
@@ -47,10 +48,10 @@ import psycopg  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
-from controller import db, store  # noqa: E402
-from controller.central import CentralScheduler  # noqa: E402
-from controller.dispatch import RecordingDispatcher  # noqa: E402
+from controller import claims, db, tasks  # noqa: E402
+from controller.central import CentralScheduler, CentralSettings  # noqa: E402
 from controller.models import TaskIn  # noqa: E402
+from controller.testing import RecordingDispatcher  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- controller:begin -->", "<!-- controller:end -->"
@@ -145,7 +146,7 @@ def _claimer(kind: str, url: str, worker: str, batch: int, start: Any, out: Any)
             claimed.extend(row[0] for row in rows)
         ended = time.monotonic()
         conn.close()
-    elif kind == "claim_due":
+    elif kind == "claim":
         engine = db.make_engine(url, application_name=f"bench-claim:{worker}",
                                 pool_size=1, pool_pre_ping=False)
         # One statement needs no transaction around it: autocommit, like the raw loop.
@@ -154,16 +155,18 @@ def _claimer(kind: str, url: str, worker: str, batch: int, start: Any, out: Any)
             session.commit()
             start.wait()
             began = time.monotonic()
-            while batch_claims := store.claim_due(
+            while batch_claims := claims.claim_for_dispatch(
                 session, worker_id=worker, lease=3600, limit=batch
             ):
-                claimed.extend(c.task_id for c in batch_claims)
+                claimed.extend(c.task_id for c, _ in batch_claims)
             ended = time.monotonic()
         engine.dispose()
     else:
         recorder = RecordingDispatcher()
-        scheduler = CentralScheduler(url, worker_id=worker, dispatcher=recorder,
-                                     lease=3600, batch_size=batch)
+        scheduler = CentralScheduler(
+            url, CentralSettings(lease=3600, batch_size=batch), worker_id=worker,
+            dispatcher=recorder,
+        )
         scheduler.seconds_to_next_due()  # connect before the clock starts
         start.wait()
         began = time.monotonic()
@@ -222,7 +225,7 @@ def paired_ratios(
             ours.per_second / base.per_second
             for ours, base in zip(runs[(kind, instances)], raw, strict=True)
         )
-        for kind in ("claim_due", "pipeline")
+        for kind in ("claim", "pipeline")
     }
 
 
@@ -293,7 +296,7 @@ def _saver(url: str, pipe: Any) -> None:
     with Session(saver) as session:
         while (name := pipe.recv()) is not None:
             due = datetime.now(UTC) - timedelta(seconds=1)
-            store.save_task(session, TaskIn(name=name, run_at=due, event="bench"))
+            tasks.save_task(session, TaskIn(name=name, run_at=due, event="bench"))
             pipe.send(commits[-1])
     saver.dispose()
 
@@ -309,9 +312,11 @@ def scheduler_wake_latency(
     interpreter lock with the listener.
     """
     recorder = RecordingDispatcher()
-    scheduler = CentralScheduler(url, worker_id="bench-wake", dispatcher=recorder,
-                                 poll_interval=60, wake_on_local_saves=False,
-                                 durable_claims=durable_claims)
+    scheduler = CentralScheduler(
+        url,
+        CentralSettings(poll_interval=60, wake_on_local_saves=False, durable_claims=durable_claims),
+        worker_id="bench-wake", dispatcher=recorder,
+    )
     context = multiprocessing.get_context("fork")
     ours, theirs = context.Pipe()
     child = None
@@ -381,21 +386,23 @@ def report(
         "each, raw and ours back to back in alternating order; rates are medians over the "
         "trials and each ratio is the median of the per-trial ratios. The raw baseline is "
         "a bare psycopg loop of `UPDATE ... WHERE id IN (SELECT ... FOR UPDATE SKIP LOCKED) "
-        "RETURNING <the claim's columns>` in autocommit; `claim_due` runs the same statement "
-        "through a SQLModel session and returns `Claim` objects. Every claimed id is "
+        "RETURNING <the claim's columns>` in autocommit; `claim` runs "
+        "`claims.claim_for_dispatch` (the same lease, plus each claim's dispatch record, "
+        "in one statement) through a SQLModel session and returns `Claim` objects. Every "
+        "claimed id is "
         "collected from every process, so duplicates and misses are counted.",
         "",
-        "| instances | raw claims/s | `claim_due` claims/s | vs raw | (per-trial range) | "
+        "| instances | raw claims/s | `claim` claims/s | vs raw | (per-trial range) | "
         "scheduler pass tasks/s | vs raw | duplicates | missing |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in (1, 4, 8):
         ratios = paired_ratios(runs, n)
-        every = [r for kind in ("raw", "claim_due", "pipeline") for r in runs[(kind, n)]]
+        every = [r for kind in ("raw", "claim", "pipeline") for r in runs[(kind, n)]]
         lines.append(
             f"| {n} | {_median_rate(runs[('raw', n)]):,.0f} | "
-            f"{_median_rate(runs[('claim_due', n)]):,.0f} | {ratios['claim_due']:.2f} | "
-            f"{ratio_range(runs, n, 'claim_due')} | "
+            f"{_median_rate(runs[('claim', n)]):,.0f} | {ratios['claim']:.2f} | "
+            f"{ratio_range(runs, n, 'claim')} | "
             f"{_median_rate(runs[('pipeline', n)]):,.0f} | {ratios['pipeline']:.2f} | "
             f"{sum(r.duplicates for r in every)} | {sum(r.missing for r in every)} |"
         )
@@ -411,7 +418,7 @@ def report(
     for label, samples in wakes.items():
         median, p99 = _quantiles(samples)
         lines.append(f"| {WAKE_LABELS[label]} | {len(samples)} | {median:.2f} | {p99:.2f} |")
-    claim_ratios = [paired_ratios(runs, n)["claim_due"] for n in (1, 4, 8)]
+    claim_ratios = [paired_ratios(runs, n)["claim"] for n in (1, 4, 8)]
     duplicates = sum(r.duplicates for results in runs.values() for r in results)
     verdicts = []
     for label in ("scheduler", "durable", "same"):
@@ -422,7 +429,7 @@ def report(
     claim_met = "met" if min(claim_ratios) >= 0.90 and duplicates == 0 else "missed"
     lines += [
         "",
-        f"**This run against the targets.** Claim throughput (`claim_due` at least 0.90 of "
+        f"**This run against the targets.** Claim throughput (`claim` at least 0.90 of "
         f"raw, zero duplicates): {claim_met}, ratios "
         f"{' / '.join(f'{r:.2f}' for r in claim_ratios)} for 1 / 4 / 8 instances and "
         f"{duplicates} duplicates. Wake latency (median under 3 ms, p99 under 10 ms): "
@@ -497,10 +504,10 @@ def main(argv: list[str] | None = None) -> None:
     with postgres(args.database_url) as url:
         engine = db.make_engine(url)
         with Session(engine) as session:
-            server = store.server_version(session)
+            server = db.server_version(session)
         engine.dispose()
         runs: dict[tuple[str, int], list[Throughput]] = {}
-        kinds = ("raw", "claim_due", "pipeline")
+        kinds = ("raw", "claim", "pipeline")
         for instances in (1, 4, 8):
             for trial in range(args.trials):
                 # Alternate the order so drift in the machine's load favours neither side.
@@ -510,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{kind:>10} x{instances}: {result.per_second:8,.0f}/s "
                           f"dup={result.duplicates} missing={result.missing}", flush=True)
             ratios = paired_ratios(runs, instances)
-            print(f"x{instances}: claim_due/raw = {ratios['claim_due']:.2f}, "
+            print(f"x{instances}: claim/raw = {ratios['claim']:.2f}, "
                   f"pass/raw = {ratios['pipeline']:.2f} (medians of per-trial ratios)")
         # The throughput runs leave thousands of dead row versions behind; a claim would
         # wade through their index entries until autovacuum came by.

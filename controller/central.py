@@ -1,7 +1,7 @@
 """The central scheduler: claims due tasks from the store and dispatches each exactly once.
 
 Rule: the database is the only shared state. Any number of instances may run
-against one Postgres; the store's claim protocol (see :mod:`controller.store`)
+against one Postgres; the claim protocol (see :mod:`controller.claims`)
 decides who dispatches each (task, scheduled time), and the database's clock
 decides when something is due.
 
@@ -10,17 +10,18 @@ Each instance runs two threads:
 - the loop: claim a batch, dispatch each claim, complete or fail it, then wait
   for the earliest ``next_run_at``, a wake-up, or the poll interval, whichever
   comes first;
-- on Postgres, the listener: its own psycopg connection doing
-  ``LISTEN sched_task``. On a notification it runs a pass itself, claiming on
-  that connection (its backend is awake already), then wakes the loop; if the
-  loop is mid-pass it only wakes it. After any loss it
-  reconnects with capped exponential backoff (base ``SCHED_RETRY_DELAY``
-  seconds), into a temporary variable that replaces the old connection only
-  once ``LISTEN`` succeeded, closes the old one, and wakes the loop so tasks
-  saved while it was away are picked up at once.
+- on Postgres, the listener (:mod:`controller.listener`): its own psycopg
+  connection doing ``LISTEN sched_task``, kept up whatever happens to it. On a
+  notification it runs a pass itself, claiming on that connection (its
+  backend is awake already), then wakes the loop; if the loop is mid-pass it
+  only wakes it. After a reconnect it wakes the loop, so tasks saved while it
+  was away are picked up at once.
 
 SQLite has no notifications: the loop polls, and a save in the same process
-wakes it (:func:`controller.store.subscribe_saves`).
+wakes it (:func:`controller.wakeups.subscribe_saves`).
+
+What a finished claim's task becomes is decided here, by the pure
+:func:`controller.timing.plan_after_dispatch`; the store only writes it.
 
 Commits on Postgres: the claim (lease + dispatch record) commits asynchronously
 (``synchronous_commit = off`` on the two connections that claim), so a
@@ -38,11 +39,13 @@ nothing for them. ``durable_claims=True`` makes the claim wait for the flush too
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
@@ -51,11 +54,25 @@ import psycopg
 from sqlalchemy.engine import URL, Engine
 from sqlmodel import Session
 
-from controller import store
-from controller.db import connection_options, database_url, libpq_conninfo, make_engine
+from controller import claims
+from controller.claims import Claim, DispatchOutcome
+from controller.db import (
+    connection_options,
+    database_url,
+    db_now,
+    libpq_conninfo,
+    make_engine,
+)
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
-from controller.dispatch import Dispatcher, PrefectDispatcher
-from controller.store import Claim, DispatchOutcome
+from controller.dispatch import PrefectDispatcher, TaskDispatcher
+from controller.listener import Listener, backoff
+from controller.timing import (
+    Completion,
+    plan_after_dispatch,
+    plan_after_give_up,
+    plan_catch_up,
+)
+from controller.wakeups import subscribe_saves, unsubscribe_saves
 from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,6 +84,8 @@ DEFAULT_RETRY_DELAY = 1.0
 PRUNE_BATCH = 10_000
 """Dispatch records deleted per transaction when pruning."""
 _MIN_WAIT = 0.005  # never spin: a due task someone else holds frees up later
+
+__all__ = ["CentralScheduler", "CentralSettings", "backoff", "retry_delay_from_env"]
 
 
 def retry_delay_from_env(default: float = DEFAULT_RETRY_DELAY) -> float:
@@ -83,25 +102,124 @@ def retry_delay_from_env(default: float = DEFAULT_RETRY_DELAY) -> float:
     return value
 
 
-def backoff(failures: int, *, base: float, cap: float) -> float:
-    """Return the wait before retry number failures (1, 2, ...): base doubling, at most cap."""
-    if failures < 1:
-        return 0.0
-    return float(min(cap, base * 2 ** min(failures - 1, 32)))
-
-
 def default_worker_id() -> str:
     """Return a worker id unique to this process: host, pid and a random suffix."""
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def _close_quietly(conn: psycopg.Connection[Any] | None) -> None:
-    if conn is None:
-        return
-    try:
-        conn.close()
-    except Exception:  # pragma: no cover - closing a broken connection can only fail quietly
-        log.debug("closing a broken listen connection failed", exc_info=True)
+_POSITIVE_SECONDS = (
+    "poll_interval", "lease", "retry_delay", "max_retry_delay", "dispatch_retry_delay",
+    "max_dispatch_retry_delay", "listen_timeout", "health_interval", "prune_interval",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CentralSettings:
+    """How a central scheduler behaves; validated when made (ConfigError naming the field).
+
+    Times are seconds.
+
+    :param poll_interval: the longest wait between passes.
+    :param lease: how long a claim is held before another instance may claim it; renewed
+        every ``heartbeat_interval`` while its dispatch is in flight, so a killed instance's
+        claims are taken over about ``lease`` seconds after its last renewal.
+    :param batch_size: tasks claimed per pass.
+    :param retry_delay: backoff base of reconnects and failed passes (``SCHED_RETRY_DELAY``
+        in :meth:`from_env`), doubling up to ``max_retry_delay``.
+    :param max_retry_delay: the cap of that backoff.
+    :param dispatch_retry_delay: backoff base after a failed dispatch, doubling up to
+        ``max_dispatch_retry_delay``.
+    :param max_dispatch_retry_delay: the cap of that backoff.
+    :param stale_after: when a dispatch record left "dispatching" is taken over: once
+        neither its start nor its worker's last renewal is that recent.
+    :param heartbeat_interval: how often leases in flight are renewed (None: a third
+        of the lease, at most ``stale_after`` / 2 when that is shorter).
+    :param listen_timeout: how long the listener waits for a notification at a time
+        (and so how long it takes to stop).
+    :param health_interval: how often the listener checks its connection.
+    :param wake_on_local_saves: wake the loop on a save in this process (SQLite's NOTIFY).
+    :param claim_on_notify: the listener claims on its own connection as soon as a
+        notification arrives, instead of waking the loop.
+    :param durable_claims: claims wait for the WAL flush (see the module docstring for
+        why the default does not).
+    :param max_attempts: failed dispatches of one (task, scheduled time) before giving up
+        on it (:func:`controller.claims.give_up`: a recurring task moves on to its next
+        run, a one-shot task is disabled, the failed record stays); 0 retries forever.
+    :param dispatch_retention: how long finished dispatch records are kept (None: forever).
+    :param prune_interval: how often the loop prunes them.
+    """
+
+    poll_interval: float = 5.0
+    lease: float = 10.0
+    batch_size: int = 100
+    retry_delay: float = DEFAULT_RETRY_DELAY
+    max_retry_delay: float = 30.0
+    dispatch_retry_delay: float = 10.0
+    max_dispatch_retry_delay: float = 600.0
+    stale_after: float = 10.0
+    heartbeat_interval: float | None = None
+    listen_timeout: float = 0.25
+    health_interval: float = 30.0
+    wake_on_local_saves: bool = True
+    claim_on_notify: bool = True
+    durable_claims: bool = False
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    dispatch_retention: float | None = DEFAULT_DISPATCH_RETENTION
+    prune_interval: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
+        if not (isinstance(self.stale_after, int | float) and self.stale_after >= 0
+                and math.isfinite(self.stale_after)):
+            raise ConfigError(
+                f"stale_after={self.stale_after!r} must be 0 or more seconds"
+            )
+        heartbeat = self.heartbeat_interval
+        if heartbeat is not None and not (
+            isinstance(heartbeat, int | float) and heartbeat > 0 and math.isfinite(heartbeat)
+        ):
+            raise ConfigError(f"heartbeat_interval={heartbeat!r} must be a positive number "
+                              "of seconds (or None: a third of the lease)")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be 1 or more")
+        if self.max_attempts < 0:
+            raise ConfigError(f"max_attempts={self.max_attempts} must be 0 (no limit) or more")
+        if self.dispatch_retention is not None and not self.dispatch_retention > 0:
+            raise ConfigError(
+                f"dispatch_retention={self.dispatch_retention} must be a positive number "
+                "of seconds"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> CentralSettings:
+        """Return the defaults with ``SCHED_RETRY_DELAY`` read, then overrides applied.
+
+        ConfigError for an invalid environment value or override, or an unknown name.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown central scheduler setting(s): {', '.join(unknown)}")
+        values: dict[str, Any] = {"retry_delay": retry_delay_from_env()}
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def renew_every(self) -> float:
+        """Seconds between lease renewals of the claims in flight."""
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        bound = self.lease / 3
+        if self.stale_after > 0:
+            bound = min(bound, self.stale_after / 2)
+        return max(bound, 0.01)
+
+    def but(self, **changes: Any) -> CentralSettings:
+        """Return a copy with changes (validated again)."""
+        return replace(self, **changes)
 
 
 class CentralScheduler:
@@ -109,22 +227,9 @@ class CentralScheduler:
 
     ``database`` is an engine (only its URL is used: the scheduler opens and
     disposes its own), a URL, or None for ``SCHED_DATABASE_URL`` / the SQLite
-    default. ``dispatcher`` defaults to :class:`PrefectDispatcher`. Times are
-    seconds: ``poll_interval`` (the longest wait between passes), ``lease``
-    (how long a claim is held), ``retry_delay`` (reconnect/retry backoff base,
-    default ``SCHED_RETRY_DELAY`` or 1 s, capped at ``max_retry_delay``),
-    ``dispatch_retry_delay`` (backoff base after a failed dispatch) and
-    ``stale_after`` (when a dispatch record left "dispatching" is taken over).
-    After ``max_attempts`` failed dispatches of one (task, scheduled time) it
-    gives up on that time (:func:`controller.store.give_up`: a recurring task
-    moves on to its next run, a one-shot task is disabled, the failed dispatch
-    record stays; 0 retries forever). Every ``prune_interval`` seconds the loop
-    deletes finished dispatch records scheduled more than ``dispatch_retention``
-    seconds ago (None keeps them all).
-    With ``claim_on_notify`` (the default) the listener thread claims on its own
-    connection as soon as a notification arrives, instead of waking the loop.
-    ``durable_claims`` makes claims wait for the WAL flush (see the module
-    docstring for why the default does not).
+    default. ``settings`` default to :meth:`CentralSettings.from_env`;
+    ``worker_id`` to one unique to this process; ``dispatcher`` to
+    :class:`controller.dispatch.PrefectDispatcher`.
 
     ``start()`` runs it in background threads, ``stop()`` ends them and closes
     every connection it opened; it is also a context manager. ``run_once()``
@@ -134,63 +239,32 @@ class CentralScheduler:
     def __init__(
         self,
         database: Engine | str | URL | None = None,
+        settings: CentralSettings | None = None,
         *,
         worker_id: str | None = None,
-        dispatcher: Dispatcher | None = None,
-        poll_interval: float = 5.0,
-        lease: float = 60.0,
-        batch_size: int = 100,
-        retry_delay: float | None = None,
-        max_retry_delay: float = 30.0,
-        dispatch_retry_delay: float = 10.0,
-        max_dispatch_retry_delay: float = 600.0,
-        stale_after: float = 600.0,
-        listen_timeout: float = 0.25,
-        health_interval: float = 30.0,
-        wake_on_local_saves: bool = True,
-        claim_on_notify: bool = True,
-        durable_claims: bool = False,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
-        dispatch_retention: float | None = DEFAULT_DISPATCH_RETENTION,
-        prune_interval: float = 3600.0,
+        dispatcher: TaskDispatcher | None = None,
     ) -> None:
-        if max_attempts < 0:
-            raise ConfigError(f"max_attempts={max_attempts} must be 0 (no limit) or more")
-        if dispatch_retention is not None and not dispatch_retention > 0:
-            raise ConfigError(
-                f"dispatch_retention={dispatch_retention} must be a positive number of seconds"
-            )
+        self.settings = settings if settings is not None else CentralSettings.from_env()
         self.url: URL = database.url if isinstance(database, Engine) else database_url(database)
         self.worker_id = worker_id or default_worker_id()
-        self.dispatcher: Dispatcher = dispatcher or PrefectDispatcher()
-        self.poll_interval = poll_interval
-        self.lease = lease
-        self.batch_size = batch_size
-        self.retry_delay = retry_delay if retry_delay is not None else retry_delay_from_env()
-        self.max_retry_delay = max_retry_delay
-        self.dispatch_retry_delay = dispatch_retry_delay
-        self.max_dispatch_retry_delay = max_dispatch_retry_delay
-        self.stale_after = stale_after
-        self.listen_timeout = listen_timeout
-        self.health_interval = health_interval
-        self.wake_on_local_saves = wake_on_local_saves
-        self.claim_on_notify = claim_on_notify
-        self.durable_claims = durable_claims
-        self.max_attempts = max_attempts
-        self.dispatch_retention = dispatch_retention
-        self.prune_interval = prune_interval
+        self.dispatcher: TaskDispatcher = dispatcher or PrefectDispatcher()
+        self.is_postgres = self.url.get_backend_name() == "postgresql"
         self.gave_up = 0
         """How many (task, scheduled time) this instance gave up on."""
-        self.is_postgres = self.url.get_backend_name() == "postgresql"
-
-        self.listen_connects = 0
-        """How many times the listener connected (1 + reconnects)."""
-        self.listening = threading.Event()
-        """Set while a LISTEN connection is up (tests wait on it)."""
         self.dispatched = 0
         """How many dispatches this instance made."""
         self.waiting = threading.Event()
         """Set while the loop is idle, waiting for work (benchmarks wait on it)."""
+        self.listener = Listener(
+            self._open_listen_connection,
+            on_notify=self._on_notify,
+            on_connect=self.wake,
+            retry_delay=self.settings.retry_delay,
+            max_retry_delay=self.settings.max_retry_delay,
+            listen_timeout=self.settings.listen_timeout,
+            health_interval=self.settings.health_interval,
+            log_extra={"worker_id": self.worker_id},
+        )
 
         self._engine: Engine | None = None
         self._claimer: Engine | None = None
@@ -198,11 +272,27 @@ class CentralScheduler:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._listen_conn: psycopg.Connection[Any] | None = None
         self._lock = threading.Lock()
         self._pass_lock = threading.Lock()
+        self._in_flight: dict[int, Claim] = {}
+        """The claims of the pass under way whose leases the heartbeat renews."""
+        self._in_flight_lock = threading.Lock()
+        self.renewals = 0
+        """How many lease renewals this instance wrote (tests wait on it)."""
+        self.skipped = 0
+        """How many claims this instance skipped under the catch-up rule."""
 
     # ------------------------------------------------------------ lifecycle
+
+    @property
+    def listening(self) -> threading.Event:
+        """Set while a LISTEN connection is up (tests wait on it)."""
+        return self.listener.listening
+
+    @property
+    def listen_connects(self) -> int:
+        """How many times the listener connected (1 + reconnects)."""
+        return self.listener.connects
 
     @property
     def application_name(self) -> str:
@@ -223,8 +313,9 @@ class CentralScheduler:
                 self._engine = make_engine(
                     self.url,
                     application_name=self.application_name,
+                    # The pass's session, its completion, and the heartbeat's renewal.
                     pool_size=2,
-                    max_overflow=1,
+                    max_overflow=2,
                     pool_pre_ping=False,
                 )
                 if self.is_postgres:
@@ -242,24 +333,36 @@ class CentralScheduler:
                         options=self._claim_options,
                         isolation_level="AUTOCOMMIT",
                     )
-                if self.wake_on_local_saves:
-                    store.subscribe_saves(self._engine, self._wake)
+                if self.settings.wake_on_local_saves:
+                    subscribe_saves(self._engine, self._wake)
             return self._engine
 
     @property
     def _claim_options(self) -> str | None:
         """Server settings of the connections that claim (see the module docstring)."""
-        return None if self.durable_claims else "-c synchronous_commit=off"
+        return None if self.settings.durable_claims else "-c synchronous_commit=off"
+
+    def _open_listen_connection(self) -> psycopg.Connection[Any]:
+        settings: dict[str, Any] = {
+            "application_name": self.listen_application_name,
+            "connect_timeout": 10,
+            "keepalives": 1,
+            "keepalives_idle": 30,
+            # It claims too, after each notification: the claim connections' settings.
+            "options": connection_options(self._claim_options),
+        }
+        return psycopg.connect(libpq_conninfo(self.url), autocommit=True, **settings)
 
     def start(self) -> None:
         """Start the loop (and, on Postgres, the listener) in background threads."""
         if self._threads:
             raise RuntimeError("scheduler already started")
         self._stopping.clear()
+        self.listener.reset()
         self._ensure_engine()
-        targets = [("loop", self._run_loop)]
+        targets = [("loop", self._run_loop), ("heartbeat", self._run_heartbeat)]
         if self.is_postgres:
-            targets.insert(0, ("listen", self._run_listener))
+            targets.insert(0, ("listen", self.listener.run))
         for role, target in targets:
             thread = threading.Thread(
                 target=target, name=f"sched-{role}-{self.worker_id}", daemon=True
@@ -275,6 +378,7 @@ class CentralScheduler:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the threads and close every connection this instance opened."""
         self._stopping.set()
+        self.listener.stop()
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout)
@@ -282,18 +386,16 @@ class CentralScheduler:
                 log.error("scheduler thread did not stop", extra=self._log_extra(
                     scheduler_thread=thread.name))
         self._threads = []
+        self.listener.close()
         with self._lock:
-            conn, self._listen_conn = self._listen_conn, None
             engine, self._engine = self._engine, None
             claimer, self._claimer = self._claimer, None
             self._autocommit = None
-        _close_quietly(conn)
-        self.listening.clear()
         if claimer is not None:
             claimer.dispose()
         if engine is not None:
-            if self.wake_on_local_saves:
-                store.unsubscribe_saves(engine, self._wake)
+            if self.settings.wake_on_local_saves:
+                unsubscribe_saves(engine, self._wake)
             engine.dispose()
         log.info("central scheduler stopped", extra=self._log_extra())
 
@@ -314,23 +416,24 @@ class CentralScheduler:
     def _run_loop(self) -> None:
         failures = 0
         next_prune = time.monotonic()
+        settings = self.settings
         while not self._stopping.is_set():
             # Cleared before claiming: a save during the pass wakes the next wait.
             self._wake.clear()
             try:
                 count = self.run_once()
-                wait = 0.0 if count >= self.batch_size else self.seconds_to_next_due()
+                wait = 0.0 if count >= settings.batch_size else self.seconds_to_next_due()
                 failures = 0
                 if time.monotonic() >= next_prune:
                     # One batch per pass, after the pass: a backlog of old records
                     # is worked off between passes, never ahead of a due task.
                     if self.prune_dispatches(max_batches=1) < PRUNE_BATCH:
-                        next_prune = time.monotonic() + self.prune_interval
+                        next_prune = time.monotonic() + settings.prune_interval
                     else:
                         wait = 0.0
             except Exception as exc:
                 failures += 1
-                wait = backoff(failures, base=self.retry_delay, cap=self.max_retry_delay)
+                wait = backoff(failures, base=settings.retry_delay, cap=settings.max_retry_delay)
                 log.warning(
                     "scheduler pass failed; retrying",
                     extra=self._log_extra(error=f"{type(exc).__name__}: {exc}", retry_in=wait),
@@ -349,12 +452,12 @@ class CentralScheduler:
         pins the clock (tests); None reads the database's. Several instances
         may prune at once: a record is deleted once either way.
         """
-        if self.dispatch_retention is None:
+        retention = self.settings.dispatch_retention
+        if retention is None:
             return 0
         with Session(self._ensure_engine()) as session:
-            current = now or store.db_now(session)
-            before = current - timedelta(seconds=self.dispatch_retention)
-            deleted = store.prune_dispatches(
+            before = (now or db_now(session)) - timedelta(seconds=retention)
+            deleted = claims.prune_dispatches(
                 session, before=before, batch=PRUNE_BATCH, max_batches=max_batches
             )
         if deleted:
@@ -365,60 +468,148 @@ class CentralScheduler:
     def seconds_to_next_due(self) -> float:
         """Return how long to wait for the earliest due task, at most the poll interval."""
         engine = self._ensure_engine()
+        poll = self.settings.poll_interval
         with Session(self._claimer or engine) as session:
-            earliest = store.earliest_next_run_at(session)
+            earliest = claims.earliest_next_run_at(session)
             if earliest is None:
-                return self.poll_interval
-            now = store.db_now(session)
-        return min(self.poll_interval, max(_MIN_WAIT, (earliest - now).total_seconds()))
+                return poll
+            now = db_now(session)
+        return min(poll, max(_MIN_WAIT, (earliest - now).total_seconds()))
 
     def run_once(self, *, now: datetime | None = None) -> int:
         """Claim one batch and handle every claim; return how many were claimed.
 
         1. Claim due tasks and record their dispatches (one statement on Postgres).
-        2. Dispatch each claim this worker owns; on failure record the error and
-           hold the task for a backoff delay. A claim another worker is still
-           dispatching is left alone; one already dispatched is only completed.
-        3. Complete the batch: reschedule recurring tasks, stop one-shot ones.
+        2. Skip each recurring claim already followed by another due window (the
+           catch-up rule, :func:`controller.timing.plan_catch_up`); dispatch each
+           other claim this worker owns; on failure record the error and hold the
+           task for a backoff delay. A claim another worker is still dispatching
+           is left alone; one already dispatched is only completed.
+        3. Plan each finished claim (:func:`controller.timing.plan_after_dispatch`)
+           and complete the batch: reschedule recurring tasks, stop one-shot ones.
 
-        ``now`` pins the time authority (tests); None reads the database's clock.
-        Passes of one instance never overlap (the loop's and the listener's).
+        A batch that skipped claims is followed at once by another, which
+        claims the latest windows they moved to. ``now`` pins the time
+        authority (tests); None reads the database's clock. Passes of one
+        instance never overlap (the loop's and the listener's).
         """
         engine = self._ensure_engine()
+        settings = self.settings
+        claimed = 0
         with self._pass_lock:
-            # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
-            with Session(self._claimer or engine) as session:
-                pairs = store.claim_for_dispatch(
-                    session, worker_id=self.worker_id, now=now, lease=self.lease,
-                    limit=self.batch_size, stale_after=self.stale_after,
-                )
-            self._process(pairs, now=now)
-        return len(pairs)
+            while True:
+                # The claim is one statement: autocommit saves a BEGIN and a COMMIT round trip.
+                with Session(self._claimer or engine) as session:
+                    pairs = claims.claim_for_dispatch(
+                        session, worker_id=self.worker_id, now=now, lease=settings.lease,
+                        limit=settings.batch_size, stale_after=settings.stale_after,
+                    )
+                claimed += len(pairs)
+                if not self._process(pairs, now=now) or self._stopping.is_set():
+                    return claimed
 
     def _process(
         self, pairs: list[tuple[Claim, DispatchOutcome]], *, now: datetime | None
-    ) -> None:
-        """Dispatch the claims this worker owns and complete the batch (steps 2 and 3)."""
+    ) -> int:
+        """Dispatch the claims this worker owns and complete the batch (steps 2 and 3).
+
+        Returns how many claims were skipped under the catch-up rule.
+        """
         if not pairs:
-            return
+            return 0
         engine = self._ensure_engine()
         finished: list[Claim] = []
-        with Session(engine) as session:
+        skipped = 0
+        self._hold([c for c, outcome in pairs if outcome is not DispatchOutcome.BUSY])
+        try:
+            with Session(engine) as session:
+                try:
+                    for index, (claim, outcome) in enumerate(pairs):
+                        if self._stopping.is_set():
+                            rest = [c for c, _ in pairs[index:]]
+                            released = claims.release(session, rest)
+                            log.info("released claims on stop",
+                                     extra=self._log_extra(count=released))
+                            break
+                        if outcome is DispatchOutcome.OWNED and self._skip(session, claim, now):
+                            skipped += 1
+                            continue
+                        if self._handle(session, claim, outcome, now=now):
+                            finished.append(claim)
+                finally:
+                    # One statement on Postgres, committed durably (the pool's
+                    # connections), which also makes the batch's claim durable.
+                    with Session(self._autocommit or engine) as completer:
+                        claims.complete_many(
+                            completer, self._plan(completer, finished, now), now=now
+                        )
+        finally:
+            self._release_hold(pairs)
+        return skipped
+
+    def _skip(self, session: Session, claim: Claim, now: datetime | None) -> bool:
+        """Skip claim under the catch-up rule if a later window is already due; True if so."""
+        if not claim.is_recurring:
+            return False
+        # The database's clock when the claim was made: its lease ends lease seconds later.
+        at = now or claim.locked_until - timedelta(seconds=self.settings.lease)
+        catch_up = plan_catch_up(claim, at)
+        if catch_up is None:
+            return False
+        if claims.skip(session, catch_up, now=now):
+            self.skipped += 1
+        return True
+
+    def _hold(self, held: list[Claim]) -> None:
+        with self._in_flight_lock:
+            for claim in held:
+                self._in_flight[claim.task_id] = claim
+
+    def _release_hold(self, pairs: list[tuple[Claim, DispatchOutcome]]) -> None:
+        with self._in_flight_lock:
+            for claim, _ in pairs:
+                if self._in_flight.get(claim.task_id) is claim:
+                    del self._in_flight[claim.task_id]
+
+    def renew_leases(self) -> int:
+        """Renew the leases (and records) of the claims in flight now; return how many."""
+        with self._in_flight_lock:
+            held = list(self._in_flight.values())
+        if not held:
+            return 0
+        with Session(self._ensure_engine()) as session:
+            renewed = claims.renew(session, held, lease=self.settings.lease)
+        self.renewals += 1
+        return renewed
+
+    def _run_heartbeat(self) -> None:
+        """Renew the leases of the claims in flight every ``renew_every`` seconds, until stopped.
+
+        A killed instance stops renewing, so its claims are taken over about a
+        lease after its last renewal; a failure here is logged and retried at
+        the next beat (the lease has three beats of slack).
+        """
+        every = self.settings.renew_every
+        while not self._stopping.wait(every):
             try:
-                for index, (claim, outcome) in enumerate(pairs):
-                    if self._stopping.is_set():
-                        rest = [c for c, _ in pairs[index:]]
-                        released = store.release(session, rest)
-                        log.info("released claims on stop",
-                                 extra=self._log_extra(count=released))
-                        break
-                    if self._handle(session, claim, outcome, now=now):
-                        finished.append(claim)
-            finally:
-                # One statement on Postgres, committed durably (the pool's
-                # connections), which also makes the batch's claim durable.
-                with Session(self._autocommit or engine) as completer:
-                    store.complete_many(completer, finished, now=now)
+                self.renew_leases()
+            except Exception as exc:
+                log.warning("renewing the leases in flight failed; retrying",
+                            extra=self._log_extra(error=f"{type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _plan(session: Session, finished: list[Claim], now: datetime | None) -> list[Completion]:
+        """Return each finished claim's completion, reading the clock only if one needs it."""
+        if now is None and any(claim.is_recurring for claim in finished):
+            now = db_now(session)
+        return [plan_after_dispatch(claim, now) for claim in finished]
+
+    def _on_notify(self, conn: psycopg.Connection[Any]) -> None:
+        """Handle a notification: claim on the listening connection, or wake the loop."""
+        if self.settings.claim_on_notify:
+            self._pass_on_listener(conn)
+        else:
+            self._wake.set()
 
     def _pass_on_listener(self, conn: psycopg.Connection[Any]) -> None:
         """Claim on the listening connection itself and dispatch, right after a notification.
@@ -433,10 +624,11 @@ class CentralScheduler:
         if not self._pass_lock.acquire(blocking=False):
             self._wake.set()
             return
+        settings = self.settings
         try:
-            pairs = store.claim_for_dispatch_on(
-                conn, worker_id=self.worker_id, lease=self.lease, limit=self.batch_size,
-                stale_after=self.stale_after,
+            pairs = claims.claim_for_dispatch_on(
+                conn, worker_id=self.worker_id, lease=settings.lease,
+                limit=settings.batch_size, stale_after=settings.stale_after,
             )
             self._process(pairs, now=None)
         except psycopg.OperationalError:
@@ -467,116 +659,42 @@ class CentralScheduler:
         try:
             self.dispatcher(claim)
         except Exception as exc:
-            attempts = claim.attempts + 1
-            error = f"{type(exc).__name__}: {exc}"
-            if self.max_attempts and attempts >= self.max_attempts:
-                store.give_up(session, claim, error, attempts=attempts, now=now)
-                self.gave_up += 1
-                log.error(
-                    "dispatch failed %d times; gave up on this scheduled time (%s)",
-                    attempts,
-                    "the task moves on to its next run" if claim.is_recurring
-                    else "the one-shot task is now disabled",
-                    extra={**extra, "error": error, "attempts": attempts},
-                )
-                return False
-            delay = backoff(
-                attempts, base=self.dispatch_retry_delay, cap=self.max_dispatch_retry_delay,
-            )
-            store.fail(session, claim, error, retry_delay=delay, now=now)
-            log.warning(
-                "dispatch failed; will retry",
-                extra={**extra, "error": error, "retry_in": delay, "attempts": attempts},
-            )
+            self._failed(session, claim, f"{type(exc).__name__}: {exc}", now, extra)
             return False
         self.dispatched += 1
         return True
 
-    # ------------------------------------------------------------ the listener
-
-    def _connect_listener(self) -> psycopg.Connection[Any]:
-        """Return a new connection already listening; close it and raise on any failure."""
-        settings: dict[str, Any] = {
-            "application_name": self.listen_application_name,
-            "connect_timeout": 10,
-            "keepalives": 1,
-            "keepalives_idle": 30,
-        }
-        # It claims too, after each notification: the claim connections' settings.
-        settings["options"] = connection_options(self._claim_options)
-        conn = psycopg.connect(libpq_conninfo(self.url), autocommit=True, **settings)
-        try:
-            conn.execute(f"LISTEN {store.NOTIFY_CHANNEL}")
-        except BaseException:
-            _close_quietly(conn)
-            raise
-        return conn
-
-    def _run_listener(self) -> None:
-        failures = 0
-        try:
-            while not self._stopping.is_set():
-                if failures:
-                    delay = backoff(failures, base=self.retry_delay, cap=self.max_retry_delay)
-                    if self._stopping.wait(delay):
-                        break
-                try:
-                    fresh = self._connect_listener()
-                except Exception as exc:
-                    failures += 1
-                    log.warning(
-                        "listen connection failed; retrying",
-                        extra=self._log_extra(error=f"{type(exc).__name__}: {exc}",
-                                              failures=failures),
-                    )
-                    continue
-                with self._lock:
-                    if self._stopping.is_set():
-                        _close_quietly(fresh)
-                        break
-                    old, self._listen_conn = self._listen_conn, fresh
-                _close_quietly(old)
-                self.listen_connects += 1
-                if self.listen_connects > 1:
-                    log.info("listen connection re-established", extra=self._log_extra(
-                        failures=failures))
-                failures = 0
-                self.listening.set()
-                # Tasks saved while we were not listening: look now, not at the next poll.
-                self._wake.set()
-                try:
-                    self._listen(fresh)
-                except Exception as exc:
-                    failures = 1
-                    log.warning(
-                        "listen connection lost; reconnecting",
-                        extra=self._log_extra(error=f"{type(exc).__name__}: {exc}"),
-                    )
-                finally:
-                    self.listening.clear()
-                    with self._lock:
-                        if self._listen_conn is fresh:
-                            self._listen_conn = None
-                    _close_quietly(fresh)
-        finally:
-            self.listening.clear()
-
-    def _listen(self, conn: psycopg.Connection[Any]) -> None:
-        """Wake the loop on every notification until stopped; raise when conn is lost."""
-        last_check = time.monotonic()
-        while not self._stopping.is_set():
-            notified = False
-            for _notify in conn.notifies(timeout=self.listen_timeout, stop_after=1):
-                notified = True
-            if notified and not self._stopping.is_set():
-                if self.claim_on_notify:
-                    self._pass_on_listener(conn)
-                else:
-                    self._wake.set()
-            if time.monotonic() - last_check >= self.health_interval:
-                # A silent network loss shows up here rather than never.
-                conn.execute("SELECT 1")
-                last_check = time.monotonic()
-            if conn.closed:
-                raise psycopg.OperationalError("listen connection closed")
-
+    def _failed(
+        self,
+        session: Session,
+        claim: Claim,
+        error: str,
+        now: datetime | None,
+        extra: dict[str, Any],
+    ) -> None:
+        """Record a failed dispatch: hold it for a retry, or give up after max_attempts."""
+        settings = self.settings
+        attempts = claim.attempts + 1
+        if settings.max_attempts and attempts >= settings.max_attempts:
+            now = now or db_now(session)
+            completion, message = plan_after_give_up(
+                claim, now, attempts=attempts, error=error
+            )
+            claims.give_up(session, completion, message, now=now)
+            self.gave_up += 1
+            log.error(
+                "dispatch failed %d times; gave up on this scheduled time (%s)",
+                attempts,
+                "the task moves on to its next run" if claim.is_recurring
+                else "the one-shot task is now disabled",
+                extra={**extra, "error": error, "attempts": attempts},
+            )
+            return
+        delay = backoff(
+            attempts, base=settings.dispatch_retry_delay, cap=settings.max_dispatch_retry_delay,
+        )
+        claims.fail(session, claim, error, retry_delay=delay, now=now)
+        log.warning(
+            "dispatch failed; will retry",
+            extra={**extra, "error": error, "retry_in": delay, "attempts": attempts},
+        )

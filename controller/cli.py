@@ -130,8 +130,18 @@ def serve(
             typer.echo(f"error: the central scheduler cannot start: {exc}; or pass --api-only",
                        err=True)
             raise typer.Exit(2) from None
+    from controller.central import CentralSettings
     from controller.server import run
 
+    try:
+        settings = CentralSettings.from_env(
+            max_attempts=max_attempts,
+            dispatch_retention=dispatch_retention_days * 86400 or None,
+            durable_claims=durable_claims,
+        )
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     run(
         url=database_url,
         tokens=tokens,
@@ -141,11 +151,7 @@ def serve(
         scheduler=not api_only,
         log_level=log_level,
         pull_cache_bytes=pull_cache_mb << 20,
-        scheduler_options={
-            "max_attempts": max_attempts,
-            "dispatch_retention": dispatch_retention_days * 86400 or None,
-            "durable_claims": durable_claims,
-        },
+        scheduler_settings=settings,
     )
 
 

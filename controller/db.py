@@ -6,14 +6,22 @@ the same settings (WAL, a busy timeout, foreign keys) in every process. The
 migrations run on :func:`make_migration_engine`'s, whose SQLite transactions
 cover DDL too, so a failed upgrade leaves the database as it found it.
 
-The embedded default is a SQLite file, ``<project>/.data/controller.db``;
+The embedded default is a SQLite file, ``.data/controller.db`` under the
+working directory (``make run`` and the tests run from the checkout), never
+under the installed package, which in a wheel would be ``site-packages``;
 ``SCHED_DATABASE_URL`` selects another database, e.g.
 ``postgresql+psycopg://user:pw@host:5432/sched``.
+
+Sessions: :func:`transaction` is the one commit-or-rollback of every write, and
+:func:`db_now` the time authority's clock.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +29,24 @@ from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import event
+from sqlalchemy import event, func, select, text, type_coerce
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlmodel import create_engine
+from sqlmodel import Session, create_engine
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-"""The checkout (or install) root: the parent of the ``controller`` package."""
+from controller.models import UtcDateTime, utc_now
 
-DATA_DIR = PROJECT_ROOT / ".data"
-"""The project's data folder (git-ignored)."""
+DATA_DIR_NAME = ".data"
+"""The data folder of the embedded default, under the working directory (git-ignored)."""
 
-DEFAULT_SQLITE_PATH = DATA_DIR / "controller.db"
-"""Where the embedded default database lives."""
+
+def default_sqlite_path() -> Path:
+    """Return where the embedded default database lives: ``./.data/controller.db``.
+
+    Resolved against the working directory when called, so an installed
+    controller keeps its data where it is run, not inside its package.
+    """
+    return Path.cwd() / DATA_DIR_NAME / "controller.db"
+
 
 DATABASE_URL_ENV = "SCHED_DATABASE_URL"
 """The environment variable naming the database URL."""
@@ -50,7 +64,7 @@ def database_url(url: str | URL | None = None) -> URL:
     """
     text = url if url is not None else os.environ.get(DATABASE_URL_ENV) or ""
     if not text:
-        return make_url(f"sqlite:///{DEFAULT_SQLITE_PATH}")
+        return make_url(f"sqlite:///{default_sqlite_path()}")
     parsed = make_url(text)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
@@ -212,3 +226,35 @@ def migrate(url: str | URL | None = None, revision: str = "head") -> None:
 def downgrade(url: str | URL | None = None, revision: str = "base") -> None:
     """Downgrade the database at url to revision (default: drop everything we made)."""
     command.downgrade(alembic_config(url), revision)
+
+
+@contextmanager
+def transaction(session: Session, *, commit: bool = True) -> Iterator[Session]:
+    """Run the block as one transaction of session: commit after it, roll back if it raises.
+
+    ``commit=False`` is for a statement run on an autocommit driver connection,
+    which committed itself: the session then keeps its connection.
+    """
+    try:
+        yield session
+        if commit:
+            session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+
+
+def db_now(session: Session) -> datetime:
+    """Return the time authority's now: Postgres ``now()``, or this host's clock on SQLite."""
+    if session.get_bind().dialect.name == "postgresql":
+        value = session.execute(select(type_coerce(func.now(), UtcDateTime))).scalar_one()
+        assert isinstance(value, datetime)
+        return value
+    return utc_now()
+
+
+def server_version(session: Session) -> str:
+    """Return the database server's version text (for logs and benchmarks)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return str(session.execute(text("SHOW server_version")).scalar_one())
+    return "sqlite " + str(session.execute(text("select sqlite_version()")).scalar_one())

@@ -1,6 +1,7 @@
 """Dispatchers: how the central scheduler hands one claimed (task, scheduled time) on.
 
-A dispatcher is any callable taking a :class:`controller.store.Claim`; it
+A dispatcher (:class:`TaskDispatcher`) is any callable taking a
+:class:`controller.claims.Claim`; it
 returns normally when the hand-over succeeded and raises on failure (the
 scheduler then records the error and retries after a delay). Every dispatch
 carries the claim's idempotency key, ``"<task>:<scheduled time>"``, so a
@@ -10,15 +11,11 @@ retry after a crash cannot start the same job twice.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
-from controller.store import Claim
+from controller.claims import Claim
+from controller.errors import DeploymentNotFound, DispatchError
 from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -26,8 +23,8 @@ log = logging.getLogger(__name__)
 _EVENT_ID_NAMESPACE = uuid.UUID("6f1c1a52-1d0e-4f7e-9a43-5b0d1c7e2f10")
 
 
-class Dispatcher(Protocol):
-    """Hand one claim on; raise on failure."""
+class TaskDispatcher(Protocol):
+    """Hand one claimed central task on; raise on failure."""
 
     def __call__(self, claim: Claim) -> None: ...
 
@@ -106,7 +103,7 @@ class PrefectDispatcher:
         elif claim.deployment:
             self._run_deployment(claim)
         else:
-            raise ValueError(f"task {claim.name!r} has neither an event nor a deployment")
+            raise DispatchError(f"task {claim.name!r} has neither an event nor a deployment")
 
     def _emit(self, claim: Claim) -> None:
         from prefect.client.orchestration import get_client
@@ -129,57 +126,7 @@ class PrefectDispatcher:
             )
         except ObjectNotFound:
             # Prefect's own message is "None": name what is missing, and where.
-            raise LookupError(
+            raise DeploymentNotFound(
                 f"deployment {claim.deployment!r} not found on {prefect_api_url()} "
                 "(expected <flow name>/<deployment name>, as `prefect deployment ls` shows)"
             ) from None
-
-
-@dataclass(frozen=True)
-class Dispatched:
-    """One recorded dispatch: the claim, and when (monotonic clock) the dispatch began."""
-
-    name: str
-    scheduled_at: datetime
-    worker_id: str
-    started: float
-
-
-class RecordingDispatcher:
-    """Record every claim it is given and do nothing else (tests and benchmarks).
-
-    ``fail_names`` makes the dispatch of those task names raise; ``on_dispatch``
-    is called with each record (e.g. to wake a waiting test).
-    """
-
-    def __init__(
-        self,
-        *,
-        fail_names: set[str] | None = None,
-        on_dispatch: Callable[[Dispatched], Any] | None = None,
-    ) -> None:
-        self.records: list[Dispatched] = []
-        self.fail_names = set(fail_names or ())
-        self.on_dispatch = on_dispatch
-        self._lock = threading.Lock()
-        self.changed = threading.Condition(self._lock)
-
-    def __call__(self, claim: Claim) -> None:
-        record = Dispatched(claim.name, claim.scheduled_at, claim.worker_id, time.perf_counter())
-        if self.on_dispatch is not None:
-            self.on_dispatch(record)
-        if claim.name in self.fail_names:
-            raise RuntimeError(f"dispatch of {claim.name} failed (as asked)")
-        with self.changed:
-            self.records.append(record)
-            self.changed.notify_all()
-
-    def keys(self) -> list[tuple[str, datetime]]:
-        """Return the (task, scheduled time) of every recorded dispatch, in order."""
-        with self._lock:
-            return [(r.name, r.scheduled_at) for r in self.records]
-
-    def wait_for(self, count: int, timeout: float) -> bool:
-        """Wait until at least count dispatches are recorded; False on timeout."""
-        with self.changed:
-            return self.changed.wait_for(lambda: len(self.records) >= count, timeout)

@@ -86,6 +86,8 @@ class DispatchStatus(StrEnum):
     DISPATCHING = "dispatching"
     DISPATCHED = "dispatched"
     FAILED = "failed"
+    SKIPPED = "skipped"
+    """Not dispatched: a later window of the task came due first (the catch-up rule)."""
 
 
 class AgentSchedule(SQLModel, table=True):
@@ -152,6 +154,8 @@ class ScheduledTask(SQLModel, table=True):
     )
     attempts: int = 0
     last_error: str | None = Field(default=None, sa_type=Text)
+    skipped_windows: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    """Windows of a recurring task skipped under the catch-up rule, never dispatched."""
     created_at: datetime = Field(
         default_factory=utc_now, sa_column=Column(UtcDateTime, nullable=False)
     )
@@ -180,6 +184,10 @@ class TaskDispatch(SQLModel, table=True):
     finished_at: datetime | None = Field(
         default=None, sa_column=Column(UtcDateTime, nullable=True)
     )
+    renewed_at: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True)
+    )
+    """When its worker last renewed the lease while dispatching (None: never)."""
     error: str | None = Field(default=None, sa_type=Text)
 
 

@@ -19,13 +19,15 @@ import uuid
 from typing import Any
 
 from pydantic import TypeAdapter
-from sqlalchemy import Table, delete, func, select, update
+from sqlalchemy import Table, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 
+from controller import sql
+from controller.db import transaction
 from controller.models import AgentSchedule, NodeRevision, utc_now
-from sched_core.model import LocalSchedule
+from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
 
 _SCHEDULE_TABLE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION_TABLE: Table = NodeRevision.__table__  # type: ignore[attr-defined]
@@ -49,7 +51,10 @@ _WIRE_LIST: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])
 
 
 def _to_wire(row: Any) -> LocalSchedule:
-    return LocalSchedule.model_validate(dict(zip(_WIRE_FIELDS, row, strict=True)))
+    # A row stored before the identifier rule stays readable (and so deletable).
+    return LocalSchedule.model_validate(
+        dict(zip(_WIRE_FIELDS, row, strict=True)), context={STORED_BEFORE_RULES: True}
+    )
 
 
 def _etag(epoch: str, revision: int) -> str:
@@ -101,17 +106,10 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
         return [], '"empty"'
     etag = _etag(rows[0].epoch, rows[0].revision)
     # One validation call for the whole list: rows were validated on the way in,
-    # this keeps a hand-edited bad row from ever reaching an agent.
+    # this keeps a hand-edited bad row from ever reaching an agent (identifiers
+    # excepted: rows stored before that rule stay listable; an agent's pull drops them).
     wire = [dict(zip(_WIRE_FIELDS, row[2:], strict=True)) for row in rows if row.id is not None]
-    return _WIRE_LIST.validate_python(wire), etag
-
-
-_LIST_WIRE_SQL = (
-    "SELECT r.epoch, r.revision, a.wire FROM node_revision r"
-    " LEFT OUTER JOIN agent_schedule a ON a.node = r.node"
-    " WHERE r.node = {node} ORDER BY a.id"
-)
-_PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+    return _WIRE_LIST.validate_python(wire, context={STORED_BEFORE_RULES: True}), etag
 
 
 def list_wire(session: Session, node: str) -> tuple[list[str], str]:
@@ -127,17 +125,19 @@ def list_wire(session: Session, node: str) -> tuple[list[str], str]:
     assert driver is not None
     # Straight to the driver: for 10,000 rows SQLAlchemy's result layer costs
     # more than the query (about 50 ms against 40 ms on Postgres).
-    sql = _LIST_WIRE_SQL.format(node=_PLACEHOLDERS[connection.dialect.paramstyle])
     cursor = driver.cursor()
     try:
-        cursor.execute(sql, (node,))
+        cursor.execute(sql.render("list_wire", connection.dialect.name), {"node": node})
+        columns = [column[0] for column in cursor.description or ()]
         rows = cursor.fetchall()
     finally:
         cursor.close()
     if not rows:
         return [], '"empty"'
-    epoch, revision, _ = rows[0]
-    return [wire for _, _, wire in rows if wire is not None], _etag(epoch, revision)
+    i_epoch, i_revision, i_wire = (columns.index(n) for n in ("epoch", "revision", "wire"))
+    first = rows[0]
+    wires = [row[i_wire] for row in rows if row[i_wire] is not None]
+    return wires, _etag(first[i_epoch], first[i_revision])
 
 
 def get_schedule(session: Session, node: str, schedule_id: str) -> LocalSchedule | None:
@@ -190,7 +190,7 @@ def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedu
             "version": _COLUMNS.version + 1,
         },
     ).returning(*_WIRE_COLUMNS)
-    try:
+    with transaction(session):
         stored = _to_wire(session.execute(stmt).one())
         wire = stored.model_dump_json()
         # The database picked the version; an update (or a column's round trip)
@@ -202,16 +202,12 @@ def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedu
                 .values(wire=wire)
             )
         _bump_revision(session, node)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
     return stored
 
 
 def delete_schedule(session: Session, node: str, schedule_id: str) -> bool:
     """Delete node's row schedule_id; return False when there was none. Commits."""
-    try:
+    with transaction(session):
         result = session.execute(
             delete(_SCHEDULE_TABLE)
             .where(_COLUMNS.node == node, _COLUMNS.id == schedule_id)
@@ -219,10 +215,6 @@ def delete_schedule(session: Session, node: str, schedule_id: str) -> bool:
         ).first()
         if result is not None:
             _bump_revision(session, node)
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
     return result is not None
 
 
@@ -233,11 +225,3 @@ def list_nodes(session: Session) -> list[str]:
     ).scalars().all()
     return list(nodes)
 
-
-def count_schedules(session: Session, node: str) -> int:
-    """Return how many rows node has."""
-    count = session.execute(
-        select(func.count()).select_from(_SCHEDULE_TABLE)
-        .where(_COLUMNS.node == node)
-    ).scalar_one()
-    return int(count)

@@ -1,6 +1,8 @@
 """The controller process: the HTTP API under uvicorn, the central scheduler, or both.
 
-Rule: this is the imperative shell. It opens the one engine of the process,
+Rule: this is the imperative shell. It opens the API's engine (the central
+scheduler opens its own from the same URL: its claiming and listening
+connections carry settings of their own, see :mod:`controller.central`),
 starts what was asked for, waits for SIGINT/SIGTERM (uvicorn's, or ours when
 there is no API), then stops the scheduler and disposes the engine, in that
 order, whatever failed in between.
@@ -14,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 from sqlalchemy.engine import Engine
@@ -23,13 +25,16 @@ from controller.api import PULL_CACHE_BYTES, create_app
 from controller.auth import Tokens
 from controller.db import make_engine, safe_url
 
+if TYPE_CHECKING:
+    from controller.central import CentralSettings
+
 log = logging.getLogger("controller.server")
 
 
 def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
     """Return the uvicorn settings the controller runs with.
 
-    uvicorn's own access log is off: :class:`controller.api.AccessLogMiddleware`
+    uvicorn's own access log is off: :class:`controller.api.access_log.AccessLogMiddleware`
     logs each request with its node and principal and never a header.
     """
     return uvicorn.Config(
@@ -46,18 +51,18 @@ def uvicorn_config(app: object, *, host: str, port: int, log_level: str = "info"
 
 @contextmanager
 def central_scheduler(
-    engine: Engine, enabled: bool, options: dict[str, Any] | None = None
+    engine: Engine, enabled: bool, settings: CentralSettings | None = None
 ) -> Iterator[object | None]:
     """Run the central scheduler while the block runs (or nothing when not enabled).
 
-    ``options`` are :class:`controller.central.CentralScheduler` keyword arguments.
+    ``settings`` default to :meth:`controller.central.CentralSettings.from_env`.
     """
     if not enabled:
         yield None
         return
     from controller.central import CentralScheduler
 
-    scheduler = CentralScheduler(engine, **(options or {}))
+    scheduler = CentralScheduler(engine, settings)
     scheduler.start()
     log.info("central scheduler started")
     try:
@@ -102,7 +107,7 @@ def run(
     scheduler: bool = True,
     log_level: str = "info",
     pull_cache_bytes: int = PULL_CACHE_BYTES,
-    scheduler_options: dict[str, Any] | None = None,
+    scheduler_settings: CentralSettings | None = None,
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
     engine = make_engine(url)
@@ -110,7 +115,7 @@ def run(
                                             "scheduler": scheduler})
     try:
         with stop_on_signals() as stop, central_scheduler(
-            engine, scheduler, scheduler_options
+            engine, scheduler, scheduler_settings
         ) as central:
             if not api:
                 stop.wait()
@@ -129,35 +134,3 @@ def run(
     finally:
         engine.dispose()
         log.info("controller stopped")
-
-
-@contextmanager
-def serve_in_thread(app: object, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve app with uvicorn in a thread while the block runs; yield its base URL.
-
-    For tests and benchmarks: the socket is bound first (port 0 picks a free
-    one), so the URL is known before the server starts.
-    """
-    import socket
-    import time
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
-    )
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on {host}:{port}")
-            time.sleep(0.01)  # polling for the server to come up
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()

@@ -14,17 +14,20 @@ same DST rules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 
+from controller.models import TaskStatus
 from sched_core.matcher import next_fire
-from sched_core.model import DAY_NAMES, Schedule
+from sched_core.model import Schedule
 
-_MINUTE = timedelta(minutes=1)
-# A clock schedule fires at least once a week; a little over that bounds the scan.
-_SCAN_LIMIT = 8 * 24 * 60
+if TYPE_CHECKING:
+    from controller.claims import Claim
+
 # Where check_cron starts looking. The Gregorian calendar repeats its dates and
 # weekdays every 28 years between 1901 and 2099, so cronsim's 50-year search
 # from here finds a match for every expression that ever matches.
@@ -84,26 +87,6 @@ def next_cron(expr: str, timezone: str, *, after: datetime) -> datetime:
     raise ValueError(f"cron expression {expr!r} never matches (no time in 50 years)")
 
 
-def _floor_minute(value: datetime) -> datetime:
-    return value.replace(second=0, microsecond=0)
-
-
-def _wall_matches(schedule: Schedule, wall: datetime, *, any_hour: bool) -> bool:
-    days = schedule.days or []
-    if "*" not in days and DAY_NAMES[wall.weekday()] not in days:
-        return False
-    if wall.minute != int(schedule.minute):
-        return False
-    return any_hour or str(wall.hour) in (schedule.hours or [])
-
-
-def _is_repeat(local: datetime) -> bool:
-    """Return True when local is the second copy of a wall time repeated at fall-back."""
-    if local.fold != 1:
-        return False
-    return local.replace(fold=0).utcoffset() != local.utcoffset()
-
-
 def next_shape(schedule: Schedule, timezone: str, *, after: datetime) -> datetime | None:
     """Return the first window after ``after`` of a schedule shape in timezone, in UTC.
 
@@ -115,43 +98,6 @@ def next_shape(schedule: Schedule, timezone: str, *, after: datetime) -> datetim
     if schedule.is_event:
         return None
     return next_fire(schedule, after, ZoneInfo(timezone))
-
-
-def next_shape_by_minutes(
-    schedule: Schedule, timezone: str, *, after: datetime
-) -> datetime | None:
-    """Return what :func:`next_shape` returns, by scanning every minute.
-
-    The reference the tests check :func:`sched_core.matcher.next_fire` against
-    (up to 8 days ahead; it is far too slow for the scheduler's hot path).
-    """
-    if schedule.is_event:
-        return None
-    zone = ZoneInfo(timezone)
-    utc = _floor_minute(after.astimezone(UTC))
-    prev_wall = utc.astimezone(zone).replace(tzinfo=None)
-    any_hour = schedule.has_wildcard_hours
-    for _ in range(_SCAN_LIMIT):
-        utc += _MINUTE
-        local = utc.astimezone(zone)
-        wall = local.replace(tzinfo=None)
-        before, prev_wall = prev_wall, wall
-        if schedule.is_interval:
-            interval = schedule.interval_minutes or 1
-            if (wall.hour * 60 + wall.minute) % interval == 0:
-                return utc
-            continue
-        if _wall_matches(schedule, wall, any_hour=any_hour):
-            if any_hour or not _is_repeat(local):
-                return utc
-        if not any_hour and wall - before > _MINUTE:
-            # Spring-forward: a fixed-hour window in the skipped wall times fires now.
-            skipped = before + _MINUTE
-            while skipped < wall:
-                if _wall_matches(schedule, skipped, any_hour=False):
-                    return utc
-                skipped += _MINUTE
-    return None
 
 
 def next_run(
@@ -167,3 +113,139 @@ def next_run(
     if schedule is not None:
         return next_shape(schedule, timezone, after=after)
     return None
+
+
+_TICK = timedelta(microseconds=1)
+
+MAX_ERROR_LENGTH = 2000
+"""The longest ``last_error`` (and dispatch record error) the controller stores."""
+
+
+MAX_CATCH_UP_SCAN = 100_000
+"""The most missed windows counted for one task at once (69 days of a per-minute cron)."""
+
+
+@dataclass(slots=True)
+class Completion:
+    """What a claimed task becomes: the store writes it, fenced on the claim's time.
+
+    ``error`` is the task's ``last_error`` (None clears it); ``attempts`` its
+    new count of failed dispatches of the next scheduled time. ``skipped``
+    windows (``first_skipped`` .. ``last_skipped``) were never dispatched
+    under the catch-up rule (see :func:`plan_catch_up`); the store adds them
+    to the task's ``skipped_windows`` and logs them.
+    """
+
+    claim: Claim
+    next_run_at: datetime | None
+    status: TaskStatus
+    error: str | None = None
+    attempts: int = 0
+    skipped: int = 0
+    first_skipped: datetime | None = None
+    last_skipped: datetime | None = None
+
+
+def _windows_through(claim: Claim, first: datetime, now: datetime) -> tuple[int, datetime]:
+    """Return how many of claim's windows from first fall at or before now, and the last one.
+
+    first is a window at or before now; at most MAX_CATCH_UP_SCAN are counted.
+    """
+    count, last = 1, first
+    while count < MAX_CATCH_UP_SCAN:
+        following = claim.next_after(last)
+        if following is None or following > now:
+            break
+        count, last = count + 1, following
+    return count, last
+
+
+def plan_catch_up(claim: Claim, now: datetime) -> Completion | None:
+    """Return how a recurring claim catches up after missed windows; None if it is current.
+
+    The catch-up rule: of the windows of a recurring task that came due while
+    no instance could dispatch it, only the latest is dispatched. A claim whose
+    scheduled time is already followed by a later window at or before now is
+    not dispatched: its task moves to the latest window at or before now (due
+    at once), and every window before that one, the claim's own included, is
+    skipped (counted and logged, never silent). A one-shot task, or a task
+    whose next window is still ahead, is dispatched as it is (None). A task
+    whose next run cannot be computed is left to :func:`plan_after_dispatch`.
+    """
+    if not claim.is_recurring:
+        return None
+    try:
+        first = claim.next_after(claim.scheduled_at)
+        if first is None or first > now:
+            return None
+        later, latest = _windows_through(claim, first, now)
+        before_latest = claim.scheduled_at
+        if later > 1:
+            # The window just before the latest: step from the one before it.
+            _, before_latest = _windows_through(claim, first, latest - _TICK)
+    except Exception:
+        return None
+    return Completion(
+        claim, latest, TaskStatus.ACTIVE, skipped=later, first_skipped=claim.scheduled_at,
+        last_skipped=before_latest,
+    )
+
+
+def plan_after_dispatch(claim: Claim, now: datetime | None) -> Completion:
+    """Return what claim's task becomes once its dispatch went out at now.
+
+    A one-shot task is done (now is not needed). A recurring task moves to its
+    first time after the later of now and its scheduled time, so a late
+    dispatch never replays the times it missed: those it passed over are
+    counted as skipped (see :func:`plan_catch_up`). A recurring task whose next
+    run cannot be computed (e.g. a row stored before its cron expression was
+    checked, or a timezone gone from the tz database) never raises: it stays
+    at its scheduled time and becomes ``disabled`` with the reason as its
+    error (saving it again resumes it), so it cannot hold up the other claims
+    of its batch.
+    """
+    if not claim.is_recurring:
+        return Completion(claim, None, TaskStatus.DONE)
+    if now is None:
+        raise ValueError(f"planning recurring task {claim.name!r} needs now")
+    try:
+        first = claim.next_after(claim.scheduled_at)
+        if first is None or first > now:
+            following = first
+        else:
+            following = claim.next_after(now)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        error = f"disabled: cannot compute the run after {claim.scheduled_at.isoformat()}: {reason}"
+        return Completion(
+            claim, claim.scheduled_at, TaskStatus.DISABLED, error[:MAX_ERROR_LENGTH]
+        )
+    status = TaskStatus.ACTIVE if following is not None else TaskStatus.DONE
+    if first is None or first > now:
+        return Completion(claim, following, status)
+    # Late: the windows from the next one through now were passed over.
+    skipped, last = _windows_through(claim, first, now)
+    return Completion(
+        claim, following, status, skipped=skipped, first_skipped=first, last_skipped=last
+    )
+
+
+def plan_after_give_up(
+    claim: Claim, now: datetime | None, *, attempts: int, error: str
+) -> tuple[Completion, str]:
+    """Return what claim's task becomes after its dispatch failed attempts times, and why.
+
+    The second value is the message the failed dispatch record keeps. A
+    recurring task moves on as :func:`plan_after_dispatch` says (attempts back
+    to 0; the message, plus the reason if it is disabled, as its error); a
+    one-shot task is disabled at its scheduled time (saving it again as
+    ``active`` retries it), keeping its attempts.
+    """
+    message = f"gave up after {attempts} failed dispatch attempts: {error}"[:MAX_ERROR_LENGTH]
+    if not claim.is_recurring:
+        disabled = Completion(claim, claim.scheduled_at, TaskStatus.DISABLED, message, attempts)
+        return disabled, message
+    plan = plan_after_dispatch(claim, now)
+    task_error = message if plan.error is None else f"{message}; {plan.error}"
+    plan.error = task_error[:MAX_ERROR_LENGTH]
+    return plan, message

@@ -12,8 +12,13 @@ Prefect never creates scheduled runs.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
+import time
+from types import FrameType
+from uuid import UUID
 
 from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -21,6 +26,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 from prefect.schedules import Interval
 
+from flows.automations import HEARTBEAT_S, ensure_automations
 from flows.chain import advance_chain
 from flows.job import run_job
 from flows.reconcile import reconcile
@@ -92,35 +98,83 @@ def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
     return [item for item in built if isinstance(item, RunnerDeployment)]
 
 
+BACKOFF_MIN_S = 5.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_AFTER_S = 120.0
+"""A serve that ran this long before failing starts the backoff over."""
+
+log = logging.getLogger("deployments.serve")
+
+
 def main() -> int:
-    """Load the settings, then serve until interrupted (SIGINT or SIGTERM)."""
+    """Load the settings, then serve until stopped (SIGTERM or SIGINT), whatever else happens.
+
+    The node's one long-running process survives an outage of the Prefect
+    server: ``serve`` gives up after about four minutes without it (or cannot
+    register its deployments while it is down); it is then started again in
+    this process, with a capped backoff (5 s doubling to 60 s), until the
+    server answers. Windows that came due meanwhile go through the start guard.
+    """
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "sched_core,flows")
+    # Heartbeats every 30 s from each flow run's process: the agent's automations
+    # crash runs whose process is gone (flows/automations.py).
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
     try:
         settings = load_settings()
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
-    deployments = build_deployments(settings)
-    reconcile_now(deployments)
-    # No runner-wide limit: it would be one pool of slots for all three
-    # deployments, and long jobs holding them would keep reconcile from planning.
-    # Jobs are limited by run-job's own concurrency limit (job_limit).
-    serve(*deployments, limit=None)
-    return 0
+    backoff = BACKOFF_MIN_S
+    attempt = 0
+    while True:
+        attempt += 1
+        signal.signal(signal.SIGTERM, _exit_between_serves)
+        started = time.monotonic()
+        try:
+            deployments = build_deployments(settings)
+            prepare(deployments)
+            # No runner-wide limit: it would be one pool of slots for all three
+            # deployments, and long jobs holding them would keep reconcile from
+            # planning. Jobs are limited by run-job's own limit (job_limit).
+            serve(*deployments, limit=None, print_starting_message=attempt == 1)
+            return 0  # serve returns only when it was stopped (SIGTERM, SIGINT)
+        except (KeyboardInterrupt, SystemExit):
+            return 0
+        except Exception as exc:
+            log.error(
+                "serving stopped after %.0f s (%s: %s); starting again in %.0f s",
+                time.monotonic() - started, type(exc).__name__, exc,
+                backoff if time.monotonic() - started <= HEALTHY_AFTER_S else BACKOFF_MIN_S,
+                extra={"node": settings.node_name, "attempt": attempt, "error": repr(exc)},
+            )
+        if time.monotonic() - started > HEALTHY_AFTER_S:
+            backoff = BACKOFF_MIN_S
+        signal.signal(signal.SIGTERM, _exit_between_serves)
+        time.sleep(backoff)
+        backoff = min(backoff * 2, BACKOFF_MAX_S)
 
 
-def reconcile_now(deployments: list[RunnerDeployment]) -> None:
-    """Register the deployments and ask for a reconcile now: the node plans at start.
+def _exit_between_serves(signum: int, frame: FrameType | None) -> None:
+    """Stop at once when told to between two serves (serve installs its own handlers)."""
+    raise SystemExit(0)
 
-    Without it a fresh node would wait for the first interval run of reconcile
-    (up to ``reconcile_interval``) before any window had a run.
+
+def prepare(deployments: list[RunnerDeployment]) -> None:
+    """Register the deployments, ensure the agent's automations, and ask for a reconcile now.
+
+    The reconcile plans the node's windows and runs its interrupted jobs again
+    at once: without it a fresh or restarted node would wait for the first
+    interval run of reconcile (up to ``reconcile_interval``).
     """
     from prefect.client.orchestration import get_client
     from prefect.states import Scheduled
 
     ids = {item.flow_name: item.apply() for item in deployments}
+    reconcile_id = ids["reconcile"]
+    assert isinstance(reconcile_id, UUID)  # apply is sync here
     with get_client(sync_client=True) as client:
-        client.create_flow_run_from_deployment(ids["reconcile"], state=Scheduled())
+        ensure_automations(client)
+        client.create_flow_run_from_deployment(reconcile_id, state=Scheduled())
 
 
 if __name__ == "__main__":

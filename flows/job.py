@@ -7,8 +7,12 @@
    ``Skipped`` with the reason, runs nothing and emits no job event.
 2. Fill the action's argv template; a missing or refused value fails the run
    here, before anything is started.
-3. Run the command without a shell in a task with the action's retries; every
-   output line goes to the run's logs; a timeout kills the command's group.
+3. Hold the schedule's slot on this node (the row's ``overlap``:
+   :mod:`flows.overlap`; a run it refuses ends ``Skipped`` with the reason)
+   and, with ``repo_lock``, the repository's lock across the fleet
+   (:mod:`flows.repolock`); then run the command without a shell in a task
+   with the action's retries; every output line goes to the run's logs; a
+   timeout kills the command's group.
 4. Publish the exit code and duration as an artifact, and on the terminal
    state emit exactly one ``sched.job.completed`` or ``sched.job.failed``
    (failed, crashed or cancelled; from state hooks, so the run is already
@@ -18,7 +22,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,23 +37,14 @@ from prefect.states import Completed
 from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
 from flows.guard import cached_row, first_try_of, start_window
-from flows.registry import SKIPPED, tag_values
-from flows.runtime import (
-    EVENT_JOB_COMPLETED,
-    EVENT_JOB_FAILED,
-    RUN_JOB,
-    agent_settings,
-    emit,
-    logical_now,
-    slug,
-)
+from flows.overlap import cancel_run, job_slot, longest_run_s
+from flows.registry import SKIPPED, still_interrupted, tag_values
+from flows.repolock import repo_lock
+from flows.runtime import RUN_JOB, agent_settings, emit_job_event, logical_now, slug
 from sched_core import ConfigError, LocalSchedule, SchedError
 from sched_core.plan import WINDOW_TRIGGERS
 
 log = logging.getLogger(__name__)
-
-TERMINAL_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
-"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
 
 
 class JobFailed(SchedError, RuntimeError):
@@ -89,13 +83,17 @@ def _parse_window(value: object) -> datetime | None:
 
 
 def _run_name() -> str:
-    """Name an ad hoc run like a planned one: ``backup-s-1-20261202T0730Z``."""
+    """Name a run as its creator did (JobRef.name): ``backup-s-1-20261202T0730Z[-retry]``.
+
+    Prefect names every run with this when it starts, planned or ad hoc.
+    """
     params: dict[str, Any] = current_run.parameters or {}
     schedule_id = params.get("schedule_id")
     action = _cached_action(schedule_id) or "job"
+    suffix = "-retry" if params.get("retry_of") else ""
     try:
         window = _parse_window(params.get("window"))
-        return job_run_name(action, str(schedule_id or "unknown"), window)
+        return job_run_name(action, str(schedule_id or "unknown"), window) + suffix
     except (ConfigError, ValueError):  # a bad window: the run fails, saying so
         return f"{action}-{schedule_id or 'unknown'}-bad-window"
 
@@ -147,8 +145,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
             node = agent_settings().node_name
         except ConfigError:
             node = "unknown"
-    emit(
-        EVENT_JOB_COMPLETED if state.is_completed() else EVENT_JOB_FAILED,
+    emit_job_event(
         node,
         {
             "node": node,
@@ -160,7 +157,7 @@ def _emit_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> Non
             "flow_run_name": run.name,
             "state": state.name or "",
         },
-        event_id=uuid.uuid5(TERMINAL_EVENT_NAMESPACE, str(run.id)),
+        completed=state.is_completed(),
     )
 
 
@@ -214,15 +211,20 @@ def run_job(
     elif trigger_key in WINDOW_TRIGGERS:
         if window is None:
             raise ConfigError(f"a {trigger_key} run needs the window it runs")
+        if retry_of:
+            with get_client(sync_client=True) as client:
+                reason = still_interrupted(client, retry_of)
+            if reason is not None:
+                logger.info("skipped: %s", reason)
+                return _skip(settings.node_name, schedule_id, window, reason)
         tried = at if now is not None else first_try_of(current_run.id, fallback=at)
-        start = start_window(settings, schedule_id=schedule_id, window=window, tried=tried,
-                             now=at, retry=bool(retry_of))
-        if not start.decision.runs:
-            logger.info("skipped: %s", start.decision.reason)
-            return _skip(settings.node_name, schedule_id, window, start.decision.reason)
-        logger.info("start guard: %s", start.decision.reason)
-        assert start.row is not None
-        row = start.row
+        decision, found = start_window(settings, schedule_id=schedule_id, window=window,
+                                       tried=tried, now=at, retry=bool(retry_of))
+        if not decision.runs or found is None:
+            logger.info("skipped: %s", decision.reason)
+            return _skip(settings.node_name, schedule_id, window, decision.reason)
+        logger.info("start guard: %s", decision.reason)
+        row = found
     else:
         row = cached_row(settings, schedule_id, now=at)
     ref = JobRef(node=settings.node_name, action=row.action, schedule_id=row.id,
@@ -247,17 +249,27 @@ def run_job(
         retries=spec.retries, retry_delay_seconds=spec.retry_delay.total_seconds()
     )
     error: BaseException | None = None
-    try:
-        attempt(
-            argv,
-            spec.timeout.total_seconds(),
-            spec.env,
-            str(spec.cwd) if spec.cwd else None,
-            attempts,
-            settings.job_umask,
-        )
-    except Exception as exc:
-        error = exc
+    longest = longest_run_s(spec.timeout.total_seconds(), spec.retries,
+                            spec.retry_delay.total_seconds())
+    with job_slot(settings.state_dir / "jobs", row, run_id=str(current_run.id or ""),
+                  run_name=current_run.name or ref.name, now=at, wait_s=longest,
+                  info=logger.info, cancel=cancel_run) as refused:
+        if refused is not None:
+            logger.info("skipped: %s", refused)
+            return _skip(settings.node_name, row.id, window, refused)
+        try:
+            with repo_lock(row, wait_s=spec.timeout.total_seconds(), info=logger.info,
+                           warn=logger.warning):
+                attempt(
+                    argv,
+                    spec.timeout.total_seconds(),
+                    spec.env,
+                    str(spec.cwd) if spec.cwd else None,
+                    attempts,
+                    settings.job_umask,
+                )
+        except Exception as exc:
+            error = exc
     last = attempts[-1] if attempts else None
     summary: dict[str, Any] = {
         "node": settings.node_name,

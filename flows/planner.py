@@ -6,8 +6,11 @@ pull succeeded or not):
 1. Read the node's window runs from Prefect: one query, every run whose
    window is at most the grace old (Prefect is the record of what exists).
 2. Plan (:func:`sched_core.plan.plan_windows`) and create, in bulk, the
-   runs of planned windows that have none; delete the untried runs whose
-   window is no longer one of its row's (:func:`sched_core.plan.obsolete`).
+   runs of planned windows that have none, each scheduled at its window plus
+   the row's jitter; delete the untried runs whose window is no longer one
+   of its row's or that its policies now skip (a new pause, dates, blackout
+   or min_interval: :func:`sched_core.plan.obsolete`), and move those whose
+   jitter changed (:func:`sched_core.plan.moved`).
 3. Windows older than the grace that never had a run
    (:func:`sched_core.plan.missed`): the latest gets a recovery run when
    the miss policy says so; every one is reported and sent as
@@ -33,7 +36,6 @@ from pathlib import Path
 from flows.dispatch import JobRef, Planned, Runs
 from flows.registry import Interrupted, list_interrupted, list_window_runs
 from flows.settings import AgentSettings
-from sched_core.cache import locked, write_atomic
 from sched_core.misses import LOOKBACK
 from sched_core.model import Cache, format_go_time, parse_go_time
 from sched_core.plan import (
@@ -43,10 +45,13 @@ from sched_core.plan import (
     PlannedRun,
     Window,
     missed,
+    moved,
     obsolete,
     plan_windows,
     retry_allowed,
 )
+from sched_core.policies import catchup
+from sched_core.statefile import locked, read_json_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -64,28 +69,39 @@ class PlanReport:
     """(run, scheduled start, flow run id) created now."""
     existing: int = 0
     deleted: list[tuple[PlannedRun, str]] = field(default_factory=list)
+    moved: list[tuple[PlannedRun, datetime]] = field(default_factory=list)
+    """(run, new scheduled start) for each untried run whose row's jitter changed."""
     held_back: int = 0
     missed: list[Missed] = field(default_factory=list)
     recovered: list[tuple[JobRef, str]] = field(default_factory=list)
     retried: list[tuple[JobRef, str]] = field(default_factory=list)
+    interrupted: list[Interrupted] = field(default_factory=list)
+    """Interrupted jobs found this pass (each handled once: its event, its re-run)."""
     not_retried: list[tuple[Interrupted, str]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     """(run name or id, error) for each create or delete that failed."""
 
 
-def load_planned_through(path: Path) -> dict[str, datetime]:
-    """Return the per-schedule record of the latest window handled; empty when missing or bad."""
-    try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable plan state %s: %r", path, exc,
-                    extra={"path": str(path), "error": repr(exc)})
-        return {}
-    raw = data.get("planned_through") if isinstance(data, dict) else None
+INTERRUPTED_KEPT = timedelta(days=2)
+"""How long the record remembers an interrupted run it handled (its events and re-run)."""
+
+
+@dataclass
+class PlanState:
+    """The planner's record in ``<state_dir>/plan.json``.
+
+    ``planned_through``: per schedule, the latest window handled (given a run,
+    or reported missed). ``interrupted``: the interrupted runs already
+    handled (their job event sent, their re-run created or refused), by id.
+    """
+
+    planned_through: dict[str, datetime] = field(default_factory=dict)
+    interrupted: dict[str, datetime] = field(default_factory=dict)
+
+
+def _times(raw: object) -> dict[str, datetime]:
     found: dict[str, datetime] = {}
-    for key, value in (raw or {}).items() if isinstance(raw, dict) else ():
+    for key, value in raw.items() if isinstance(raw, dict) else ():
         try:
             parsed = parse_go_time(value)
         except ValueError:
@@ -95,9 +111,24 @@ def load_planned_through(path: Path) -> dict[str, datetime]:
     return found
 
 
-def save_planned_through(path: Path, planned: dict[str, datetime]) -> None:
-    """Write the record atomically (under the file's lock)."""
-    body = {"planned_through": {key: format_go_time(planned[key]) for key in sorted(planned)}}
+def load_plan_state(path: Path, *, now: datetime) -> PlanState:
+    """Return the record; a missing file is empty, an unreadable one is moved aside (empty).
+
+    Losing it is safe: windows are then checked against the runs Prefect has,
+    and re-sent events and re-runs keep their ids and idempotency keys.
+    """
+    data = read_json_file(path, now=now, max_depth=4)
+    if not isinstance(data, dict):
+        return PlanState()
+    return PlanState(planned_through=_times(data.get("planned_through")),
+                     interrupted=_times(data.get("interrupted")))
+
+
+def save_plan_state(path: Path, state: PlanState) -> None:
+    """Write the record atomically, under the file's lock."""
+    body = {name: {key: format_go_time(times[key]) for key in sorted(times)}
+            for name, times in (("planned_through", state.planned_through),
+                                ("interrupted", state.interrupted))}
     with locked(path):
         write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
 
@@ -111,10 +142,12 @@ def plan_node(
     rows = cache.schedules
     deployment_id = runs.deployment_id()
     record_path = settings.state_dir / "plan.json"
-    planned_through = load_planned_through(record_path)
+    record = load_plan_state(record_path, now=now)
+    planned_through = record.planned_through
     # List back to the oldest window not yet handled (after downtime), at most
-    # the catch-up window: those runs are the guard's, not missed.
-    since = max(now - LOOKBACK, min([now - grace, *planned_through.values()])) - LIST_SLACK
+    # the longest catch-up window: those runs are the guard's, not missed.
+    reach = max([LOOKBACK, *(catchup(row) for row in rows)])
+    since = max(now - reach, min([now - grace, *planned_through.values()])) - LIST_SLACK
     existing = list_window_runs(runs.client, deployment_id, node, since=since)
     have = {(run.schedule_id, run.window) for run in existing}
     report.existing = sum(1 for run in existing if run.window >= now - grace)
@@ -129,6 +162,7 @@ def plan_node(
         min_windows=settings.plan_min_windows,
         max_runs=settings.plan_max_runs,
         tz=tz,
+        node=node,
     )
     report.planned, report.held_back = len(plan.windows), plan.held_back
     to_create = [
@@ -146,6 +180,7 @@ def plan_node(
         grace=grace,
         tz=tz,
         have=have,
+        node=node,
     )
     recoveries = [
         Planned(ref=_ref(node, item.recover, TRIGGER_RECOVERY), start=now)
@@ -155,18 +190,22 @@ def plan_node(
 
     by_id = {row.id: row for row in rows}
     retries: list[Planned] = []
-    for item in list_interrupted(runs.client, deployment_id, node, since=now - LOOKBACK):
-        row = by_id.get(item.schedule_id)
+    for stopped in list_interrupted(runs.client, deployment_id, node, since=now - reach):
+        if stopped.run_id in record.interrupted:
+            continue
+        report.interrupted.append(stopped)
+        row = by_id.get(stopped.schedule_id)
         decision = retry_allowed(
-            row, schedule_id=item.schedule_id, window=item.window,
-            last_fired=cache.last_fired_at.get(item.schedule_id), now=now, grace=grace, tz=tz,
+            row, schedule_id=stopped.schedule_id, window=stopped.window,
+            last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace, tz=tz,
+            node=node,
         )
         if not decision.runs or row is None:
-            report.not_retried.append((item, decision.reason))
+            report.not_retried.append((stopped, decision.reason))
             continue
         ref = JobRef(node=node, action=row.action, schedule_id=row.id,
-                     trigger_key=item.trigger_key, window=item.window, key=item.key,
-                     retry_of=item.run_id)
+                     trigger_key=stopped.trigger_key, window=stopped.window, key=stopped.key,
+                     retry_of=stopped.run_id)
         retries.append(Planned(ref=ref, start=now))
 
     created = runs.create(to_create + recoveries + retries)
@@ -183,10 +222,14 @@ def plan_node(
         if item.ref.idempotency_key in done:
             report.retried.append((item.ref, created.runs[item.ref.idempotency_key]))
 
-    stale = obsolete(existing, rows, tz=tz)
+    stale = obsolete(existing, rows, tz=tz, last_fired=cache.last_fired_at)
     failed_deletes = dict(runs.delete(run.run_id for run, _ in stale))
     report.deleted = [(run, why) for run, why in stale if run.run_id not in failed_deletes]
     report.failed += [(run_id, error) for run_id, error in failed_deletes.items()]
+    shifted = moved(existing, rows, node=node, tz=tz)
+    failed_moves = dict(runs.reschedule(shifted))
+    report.moved = [(run, start) for run, start in shifted if run.run_id not in failed_moves]
+    report.failed += [(run_id, error) for run_id, error in failed_moves.items()]
 
     _log(report, node)
     # A window is handled once it has a run or has been reported missed. A
@@ -204,8 +247,14 @@ def plan_node(
             window.schedule_id, window.window
         ):
             handled[window.schedule_id] = window.window
-    handled = {key: value for key, value in handled.items() if key in by_id}
-    save_planned_through(record_path, handled)
+    record.planned_through = {key: value for key, value in handled.items() if key in by_id}
+    retried_failed = {item.ref.retry_of for item, _ in created.failed if item.ref.retry_of}
+    for stopped in report.interrupted:
+        if stopped.run_id not in retried_failed:
+            record.interrupted[stopped.run_id] = now
+    record.interrupted = {key: value for key, value in record.interrupted.items()
+                          if value > now - INTERRUPTED_KEPT}
+    save_plan_state(record_path, record)
     return report
 
 
@@ -216,12 +265,14 @@ def _ref(node: str, window: Window, trigger_key: str) -> JobRef:
 
 def _log(report: PlanReport, node: str) -> None:
     log.info(
-        "planned %d windows: %d created, %d existed, %d deleted, %d held back by the cap, "
-        "%d recovered, %d interrupted jobs re-run, %d failed",
+        "planned %d windows: %d created, %d existed, %d deleted, %d moved, %d held back by the "
+        "cap, %d recovered, %d interrupted jobs re-run, %d failed",
         report.planned, len(report.created), report.existing, len(report.deleted),
-        report.held_back, len(report.recovered), len(report.retried), len(report.failed),
+        len(report.moved), report.held_back, len(report.recovered), len(report.retried),
+        len(report.failed),
         extra={"node": node, "planned": report.planned, "runs_created": len(report.created),
-               "deleted": len(report.deleted), "held_back": report.held_back,
+               "deleted": len(report.deleted), "moved": len(report.moved),
+               "held_back": report.held_back,
                "recovered": len(report.recovered), "retried": len(report.retried),
                "failed": len(report.failed)},
     )

@@ -27,6 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from flows.automations import ensure_automations
 from flows.dispatch import build_scheduler, runs_of
 from flows.planner import PlanReport, plan_node
 from flows.reports import plan_lines, pull_lines
@@ -37,6 +38,7 @@ from flows.runtime import (
     agent_settings,
     deployment_name,
     emit,
+    emit_job_event,
     logical_now,
     node_lock,
     run_name,
@@ -76,11 +78,16 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     with node_lock(settings), runs_of(deployment_name(settings)) as runs:
         cache = scheduler.cache()
         report = plan_node(settings, cache, runs, now=at)
+        try:
+            ensure_automations(runs.client)
+        except Exception as exc:  # the plan stands; the next reconcile tries again
+            logger.warning("could not ensure the agent's automations: %r", exc)
     names = {row.id: row.name for row in cache.schedules}
     markdown = "\n".join([
         f"### Reconcile on {settings.node_name} at {at.isoformat()}", "",
         *pull_lines(result, error, names),
-        *plan_lines(report, cache.schedules, now=at, tz=settings.tz),
+        *plan_lines(report, cache.schedules, now=at, tz=settings.tz, node=settings.node_name,
+                    last_fired=cache.last_fired_at),
     ])
     create_markdown_artifact(
         key=f"reconcile-{slug(settings.node_name)}",
@@ -96,6 +103,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
         "planned": report.planned,
         "created": len(report.created),
         "deleted": len(report.deleted),
+        "moved": len(report.moved),
         "missed": sum(item.count for item in report.missed),
         "recovered": len(report.recovered),
         "retried": len(report.retried),
@@ -114,6 +122,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
             },
         )
     emit_missed(settings.node_name, report)
+    emit_interrupted(settings.node_name, report)
     logger.info("reconcile: %s", counts)
     if error is not None:
         raise PullError(error)
@@ -143,4 +152,27 @@ def emit_missed(node: str, report: PlanReport) -> None:
                 MISSED_EVENT_NAMESPACE,
                 f"{node}:{item.schedule_id}:{item.windows[0].isoformat()}:{item.count}",
             ),
+        )
+
+
+def emit_interrupted(node: str, report: PlanReport) -> None:
+    """Send each interrupted job's one ``sched.job.failed``: its process may have had no chance.
+
+    A run killed with its node, or stopped with a worker, runs no state hook;
+    the event id is the run's, so a hook that did run is not doubled.
+    """
+    for item in report.interrupted:
+        emit_job_event(
+            node,
+            {
+                "node": node,
+                "action": item.action,
+                "schedule_id": item.schedule_id,
+                "trigger_key": item.trigger_key,
+                "window": item.window.isoformat(),
+                "flow_run_id": item.run_id,
+                "flow_run_name": item.run_name,
+                "state": item.state_name,
+            },
+            completed=False,
         )

@@ -10,7 +10,7 @@ without running (state name ``Skipped``) is neither active nor finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -71,7 +71,7 @@ def run_window(run: FlowRun) -> datetime | None:
 def _job_filter(
     tags: list[str],
     *,
-    types: list[StateType],
+    types: Sequence[StateType],
     exclude: tuple[str, ...] = (),
     ended_after: datetime | None = None,
     started_before: datetime | None = None,
@@ -165,7 +165,9 @@ def planned_run(run: FlowRun) -> PlannedRun | None:
         schedule_id=schedule_id,
         window=window,
         trigger_key=trigger,
-        state_name=run.state.name if run.state is not None else "",
+        state_name=(run.state.name or "") if run.state is not None else "",
+        start=as_utc(run.expected_start_time) if run.expected_start_time else None,
+        retry="retry" in run.tags,
     )
 
 
@@ -175,11 +177,13 @@ class Interrupted:
 
     run_id: str
     run_name: str
+    action: str
     schedule_id: str
     window: datetime
     key: str
     trigger_key: str
     state_name: str
+    stopped_at: datetime | None = None
 
 
 def list_interrupted(
@@ -208,32 +212,96 @@ def list_interrupted(
             continue
         if not interrupted_by_the_node(client, run):
             continue
+        stopped = run.state.timestamp if run.state is not None else None
+        if stopped is not None and alive_after(client, item.run_id, stopped):
+            continue  # marked Crashed while it still ran (a Prefect outage): not interrupted
         found.append(Interrupted(
-            run_id=item.run_id, run_name=run.name, schedule_id=item.schedule_id,
+            run_id=item.run_id, run_name=run.name, action=tag_values(run).get("action", ""),
+            schedule_id=item.schedule_id,
             window=item.window, key=key, trigger_key=item.trigger_key,
-            state_name=item.state_name,
+            state_name=item.state_name, stopped_at=None if stopped is None else as_utc(stopped),
         ))
     return found
 
 
+def still_interrupted(client: SyncPrefectClient, run_id: str) -> str | None:
+    """Return why a re-run must not run because its interrupted run was not, or None.
+
+    Checked when the re-run starts: the interrupted run may have ended after
+    all (a Crashed run can still complete), or still be alive.
+    """
+    run = client.read_flow_run(UUID(run_id))
+    state = run.state
+    if state is None or state.type not in (StateType.CRASHED, StateType.CANCELLED):
+        name = state.name if state is not None else "no state"
+        return f"the interrupted run {run.name} is {name} now, not interrupted"
+    if state.timestamp is not None and alive_after(client, run_id, state.timestamp):
+        return f"the interrupted run {run.name} is still alive (heartbeats after {state.name})"
+    return None
+
+
+RUNNER_SHUTDOWN = "Runner is shutting down."
+"""The message of the Cancelled state serve writes for its runs when it is stopped (SIGTERM)."""
+
+
 def interrupted_by_the_node(client: SyncPrefectClient, run: FlowRun) -> bool:
-    """Return whether a Crashed or Cancelled run was stopped by the node, not by an operator."""
+    """Return whether a Crashed or Cancelled run was stopped by its node, not by an operator.
+
+    From the run's state history (checked against Prefect 3.9.1):
+
+    - Crashed: its process died (``Process exited with status code ...``), or
+      the agent's automations found it without a process: the node's.
+    - Cancelled straight from Running with ``Runner is shutting down.``: serve
+      was stopped (SIGTERM): the node's.
+    - Cancelling, then Cancelled: an operator cancelled it; it stays cancelled.
+    - Cancelled in any other way (while Scheduled, say): not interrupted.
+    """
     state = run.state
     if state is None:
         return False
     if state.type is StateType.CRASHED:
         return True
-    return False
+    if state.type is not StateType.CANCELLED or state.message != RUNNER_SHUTDOWN:
+        return False
+    history = sorted(client.read_flow_run_states(run.id), key=lambda item: item.timestamp)
+    return not any(item.type is StateType.CANCELLING for item in history)
+
+
+def alive_after(client: SyncPrefectClient, run_id: str, since: datetime) -> bool:
+    """Return whether the run sent a heartbeat or changed state after since.
+
+    A run the automations marked Crashed during a Prefect outage may still be
+    running: its heartbeats (or a later Completed) say so, and it must not run
+    twice.
+    """
+    response = client.request(
+        "POST",
+        "/events/filter",
+        json={"filter": {
+            "occurred": {"since": since.isoformat()},
+            "resource": {"id": [f"prefect.flow-run.{run_id}"]},
+            "event": {"prefix": ["prefect.flow-run."]},
+        }, "limit": 5},
+    )
+    events = response.json().get("events", [])
+    return any(
+        event.get("event") in ("prefect.flow-run.heartbeat", "prefect.flow-run.Running",
+                               "prefect.flow-run.Completed", "prefect.flow-run.Failed")
+        for event in events
+    )
 
 
 def first_try(states: list[Any]) -> datetime | None:
     """Return when Prefect first tried to start a run, from its state history.
 
-    The first state after the run's Scheduled (or Late) ones: Pending, or
-    AwaitingConcurrencySlot when its job slot was taken. None while untried.
+    The first Pending state, or the first AwaitingConcurrencySlot (the
+    deployment's job slots were taken when the runner tried): Late is the
+    server's mark of an untried run, not a try. None while untried.
     """
     tried = [
         state.timestamp for state in states
-        if state.timestamp is not None and state.name not in ("Scheduled", "Late")
+        if state.timestamp is not None and (
+            state.type is StateType.PENDING or state.name == "AwaitingConcurrencySlot"
+            or state.type is StateType.RUNNING)
     ]
     return as_utc(min(tried)) if tried else None

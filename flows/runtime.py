@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import re
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -34,6 +35,9 @@ EVENT_SCHEDULES_CHANGED = "sched.schedules.changed"
 EVENT_SCHEDULES_UPDATED = "sched.schedules.updated"
 """Emitted by the controller on every write of a node's schedules: the node pulls at once."""
 EVENT_WINDOW_MISSED = "sched.window.missed"
+
+JOB_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
+"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
 
 _SLUG = re.compile(r"[^a-z0-9]+")
 
@@ -136,4 +140,19 @@ def emit(event: str, node: str, payload: dict[str, Any], *, event_id: Any = None
         resource={"prefect.resource.id": f"sched.agent.{node}", "prefect.resource.name": node},
         payload=payload,
         **extra,
+    )
+
+
+def emit_job_event(node: str, payload: dict[str, Any], *, completed: bool) -> None:
+    """Emit the one ``sched.job.completed`` or ``sched.job.failed`` of a run.
+
+    Its id is derived from the run's id (``payload["flow_run_id"]``), so
+    however many times it is sent (two terminal hooks, a hook and the planner
+    finding the run interrupted) the server keeps one event per run.
+    """
+    emit(
+        EVENT_JOB_COMPLETED if completed else EVENT_JOB_FAILED,
+        node,
+        payload,
+        event_id=uuid.uuid5(JOB_EVENT_NAMESPACE, str(payload["flow_run_id"])),
     )

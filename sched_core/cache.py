@@ -1,42 +1,97 @@
-"""State files on disk: atomic, locked, and never lost to a bad byte.
+"""The cache file's format: load it (salvaging what is good), dump it.
 
-Rules:
-1. Every write goes to a temporary file in the same folder, is fsynced, then
-   ``os.replace``d over the target (and the folder fsynced), with mode 0600,
-   so a crash leaves either the old file or the new one, never half of one.
-2. Every read-modify-write happens under an exclusive ``flock`` on a sibling
-   ``.lock`` file, so several processes (several Prefect flow runs) can share
-   one state file without losing an update.
-3. A file that cannot be read or parsed is moved aside (``.corrupt-<time>``),
-   never deleted, and the caller starts empty.
-4. A cache file that parses is salvaged, not thrown away: a bad row, a bad
-   time entry or a bad ETag is dropped on its own with a warning naming it,
-   and everything else is kept, so one bad byte never costs the schedules.
+Rules (the file itself is written and locked by :mod:`sched_core.statefile`):
+
+1. The file is the Go kit's cache plus fields Go ignores: ``first_seen_at``,
+   the controller's ``etag`` and ``etag_url``, and ``generation``, a counter
+   written first in the file and raised by every save, so a process sharing the
+   file knows from its first bytes whether to reload (an inode and a
+   modification time can repeat; a generation under the lock cannot).
+2. It is read with :mod:`sched_core.jsonwire`'s rules. A file that is not JSON,
+   not a JSON object, or nests past the parser's reach is moved aside. In any
+   other file each bad part is dropped on its own, with a warning naming it,
+   and the rest is kept, so one bad byte never costs the schedules: a row that
+   breaks a wire rule (a lone surrogate, ``NaN``, ``1e400``, a 5,000-digit
+   number, nesting deeper than :data:`~sched_core.jsonwire.MAX_LIST_DEPTH`) or
+   the model's rules; a time entry that is not an RFC 3339 time with an
+   offset; a bad ``last_fetched_at`` (read as never), ``etag`` or ``etag_url``
+   (not used).
+3. Whatever loads can be written back: every value that breaks a wire rule is
+   dropped before it reaches the :class:`~sched_core.model.Cache`.
 """
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import json
 import logging
-import os
-import shutil
-import tempfile
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from sched_core.jsonwire import MAX_LIST_DEPTH, find_problem, is_utf8
 from sched_core.model import Cache, LocalSchedule, format_go_time, go_escape, parse_go_time
+from sched_core.statefile import (  # re-exported: the old home of the state-file shell
+    FileStamp,
+    copy_aside,
+    locked,
+    move_aside,
+    read_head,
+    read_json_file,
+    read_state,
+    stamp_of,
+    write_atomic,
+)
+
+__all__ = [
+    "FUTURE_SLACK",
+    "MAX_ETAG_LENGTH",
+    "FileStamp",
+    "LoadedCache",
+    "clamp_future",
+    "copy_aside",
+    "describe_validation_error",
+    "dump_cache",
+    "dump_rows",
+    "json_type",
+    "load_cache",
+    "load_cache_file",
+    "load_cache_report",
+    "locked",
+    "move_aside",
+    "read_generation",
+    "read_json_file",
+    "salvage_fields",
+    "save_cache",
+    "stamp_of",
+    "usable_etag",
+    "validate_rows",
+    "write_atomic",
+]
 
 log = logging.getLogger(__name__)
 
 _ROWS: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])
+
+MAX_ETAG_LENGTH = 1024
+"""The longest ETag kept and sent back; a longer one is not used (every pull is a full one)."""
+
+FUTURE_SLACK = timedelta(hours=24)
+"""How far in the future a last fire or first-seen time may be before it is clamped to now.
+
+Processes sharing a cache stamp with their own clocks and their runs' logical
+times, which may be ahead of a reader's ``now``; clamping such a stamp would
+make its window fire again. A time more than a day ahead was never a real
+fire (a bad clock, a hand edit) and would stop the schedule until then, so it
+is clamped; one within the day delays the schedule by less than the miss
+policy's lookback.
+"""
 
 
 @contextmanager
@@ -53,95 +108,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock for the state file at path (on ``path.lock``)."""
-    lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace path with data: temporary file, fsync, rename, folder fsync; mode 0600."""
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def move_aside(path: Path, now: datetime, reason: str) -> Path:
-    """Rename a bad state file out of the way and return its new path."""
-    target = path.with_name(f"{path.name}.corrupt-{now.strftime('%Y%m%dT%H%M%S%f')}")
-    os.replace(path, target)
-    log.error(
-        "moved unreadable state file %s aside to %s: %s", path, target, reason,
-        extra={"path": str(path), "moved_to": str(target), "reason": reason},
-    )
-    return target
-
-
-def copy_aside(path: Path, now: datetime, reason: str) -> Path:
-    """Copy a state file whose content is about to be dropped out of the way; return the copy."""
-    target = path.with_name(f"{path.name}.corrupt-{now.strftime('%Y%m%dT%H%M%S%f')}")
-    shutil.copyfile(path, target)
-    os.chmod(target, 0o600)
-    log.error(
-        "kept a copy of state file %s at %s: %s", path, target, reason,
-        extra={"path": str(path), "copied_to": str(target), "reason": reason},
-    )
-    return target
-
-
-@dataclass(frozen=True)
-class FileStamp:
-    """What tells one version of a file from another without reading it."""
-
-    inode: int
-    mtime_ns: int
-    size: int
-
-
-def stamp_of(path: Path) -> FileStamp | None:
-    """Return the file's stamp, or None when it does not exist."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return FileStamp(st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def read_json_file(path: Path, *, now: datetime) -> Any | None:
-    """Return the parsed JSON at path; None when missing; a bad file is moved aside (None)."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        move_aside(path, now, f"unreadable: {exc}")
-        return None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        move_aside(path, now, f"invalid JSON: {exc}")
-        return None
 
 
 def validate_rows(
@@ -188,30 +154,43 @@ def describe_validation_error(exc: ValidationError) -> str:
 def load_cache(path: Path, *, now: datetime) -> Cache:
     """Load the cache file; missing means empty; unparsable is moved aside and means empty.
 
-    Only a file that is not JSON, or whose top level is not an object, is moved
-    aside. In any other file each bad part is dropped on its own, with a
-    warning naming it, and the rest is kept (see :func:`salvage_fields`): an
-    invalid row, a ``last_fired_at`` or ``first_seen_at`` entry that is not an
-    RFC 3339 time with an offset, a bad ``last_fetched_at`` (treated as never),
-    a bad ``etag`` or ``etag_url`` (both treated as absent). A ``schedules``
-    field that is not a list means no rows; the file is first copied aside.
+    See the module's rule 2 for what is salvaged and what is moved aside. A
+    ``schedules`` field that is not a list means no rows; the file is first
+    copied aside.
     """
-    return load_cache_report(path, now=now)[0]
+    return load_cache_file(path, now=now).cache
 
 
 def load_cache_report(path: Path, *, now: datetime) -> tuple[Cache, list[str]]:
-    """Return :func:`load_cache`'s cache and the parts of the file it dropped.
+    """Return :func:`load_cache`'s cache and the parts of the file it dropped."""
+    loaded = load_cache_file(path, now=now)
+    return loaded.cache, loaded.dropped
+
+
+@dataclass
+class LoadedCache:
+    """A loaded cache, the parts of the file it dropped, and the file's generation.
 
     A caller holding the lock rewrites the file when anything was dropped, so
     the warnings and the copy aside happen once, not at every load.
     """
+
+    cache: Cache
+    dropped: list[str] = field(default_factory=list)
+    generation: int | None = None
+
+
+def load_cache_file(path: Path, *, now: datetime) -> LoadedCache:
+    """Load the cache file as :func:`load_cache` does, with what was dropped and its generation."""
     with gc_paused():
-        data = read_json_file(path, now=now)
-    if data is None:
-        return Cache(), []
+        loaded = read_state(path, now=now, max_depth=MAX_LIST_DEPTH)
+    if loaded is None:
+        return LoadedCache(Cache())
+    data, clean = loaded
     if not isinstance(data, dict):
-        move_aside(path, now, f"expected a JSON object, got {type(data).__name__}")
-        return Cache(), []
+        move_aside(path, now, f"expected a JSON object, got {json_type(data)}")
+        return LoadedCache(Cache())
+    source = str(path)
     dropped: list[str] = []
     rows = data.get("schedules") or []
     if not isinstance(rows, list):
@@ -222,17 +201,89 @@ def load_cache_report(path: Path, *, now: datetime) -> tuple[Cache, list[str]]:
         )
         dropped.append("schedules")
         rows = []
-    good, bad = validate_rows(rows, source=str(path))
-    dropped += [f"schedules[{label!r}]" for label, _ in bad]
     fields = {**data, "schedules": []}
+    if not clean:
+        rows = _drop_rows_breaking_wire_rules(rows, source, dropped)
+        fields = _drop_fields_breaking_wire_rules(fields, source, dropped)
+    good, bad = validate_rows(rows, source=source)
+    dropped += [f"schedules[{label!r}]" for label, _ in bad]
     try:
         cache = Cache.model_validate(fields)  # the common case: every field is good
-    except ValidationError:
-        salvaged, bad_fields = salvage_fields(fields, source=str(path))
+        if cache.etag is not None and not usable_etag(cache.etag):
+            raise ValueError("etag")
+    except (ValidationError, ValueError):
+        salvaged, bad_fields = salvage_fields(fields, source=source)
         cache = Cache.model_validate(salvaged)
         dropped += bad_fields
     cache.schedules = good
-    return cache, dropped
+    generation = data.get("generation")
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+        generation = None
+    return LoadedCache(cache, dropped, generation)
+
+
+def _shown(text: str) -> str:
+    """Return text with unpaired surrogates escaped, safe for any log handler."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _row_label(row: Any, position: int) -> str:
+    row_id = row.get("id") if isinstance(row, dict) else None
+    if isinstance(row_id, str) and row_id:
+        return _shown(row_id)
+    return f"row {position}"
+
+
+def _drop_rows_breaking_wire_rules(rows: list[Any], source: str, dropped: list[str]) -> list[Any]:
+    """Return the rows that keep every wire rule; warn about and record each other one."""
+    kept: list[Any] = []
+    for position, row in enumerate(rows):
+        problem = find_problem(row, max_depth=MAX_LIST_DEPTH, base=("schedules", position))
+        if problem is None:
+            kept.append(row)
+            continue
+        label = _row_label(row, position)
+        log.warning(
+            "dropped invalid schedule %s from %s: %s", label, source, problem,
+            extra={"schedule_id": label, "reason": str(problem), "source": source},
+        )
+        dropped.append(f"schedules[{label!r}]")
+    return kept
+
+
+_TIME_MAPS = ("last_fired_at", "first_seen_at")
+_SCALARS = ("last_fetched_at", "etag", "etag_url")
+
+
+def _drop_fields_breaking_wire_rules(
+    fields: dict[str, Any], source: str, dropped: list[str]
+) -> dict[str, Any]:
+    """Return the cache fields without the entries that break a wire rule, each one warned."""
+    out = dict(fields)
+    for name in _TIME_MAPS:
+        value = out.get(name)
+        if isinstance(value, dict):
+            times: dict[str, Any] = {}
+            for key, item in value.items():
+                problem = find_problem(item, max_depth=MAX_LIST_DEPTH, base=(name, key))
+                if problem is None and not is_utf8(key):
+                    problem = find_problem({key: None}, base=(name,))
+                if problem is None:
+                    times[key] = item
+                else:
+                    dropped.append(_warn_dropped(source, name, _shown(key), item, problem.reason))
+            out[name] = times
+        elif find_problem(value, max_depth=MAX_LIST_DEPTH, base=(name,)) is not None:
+            dropped.append(_warn_dropped(source, name, None, value, "breaks a JSON wire rule"))
+            out.pop(name)
+    for name in _SCALARS:
+        problem = find_problem(out.get(name), max_depth=MAX_LIST_DEPTH, base=(name,))
+        if problem is not None:
+            dropped.append(_warn_dropped(source, name, None, out.pop(name), problem.reason))
+            if name in ("etag", "etag_url"):
+                out.pop("etag", None)
+                out.pop("etag_url", None)
+    return out
 
 
 _TIME_MAPS = ("last_fired_at", "first_seen_at")
@@ -279,6 +330,13 @@ def salvage_fields(data: dict[str, Any], *, source: str) -> tuple[dict[str, Any]
                 source, name, None, value, "expected a string; the ETag is not used"
             ))
             etag = etag_url = None
+    if isinstance(etag, str) and not usable_etag(etag):
+        dropped.append(_warn_dropped(
+            source, "etag", None, etag,
+            f"not a header value (visible ASCII or Latin-1, at most {MAX_ETAG_LENGTH} "
+            "characters); the ETag is not used",
+        ))
+        etag = etag_url = None
     out["etag"], out["etag_url"] = etag, etag_url
     return out, dropped
 
@@ -327,14 +385,16 @@ def _dump_times(times: dict[str, datetime]) -> str:
     return go_escape(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
 
 
-def dump_cache(cache: Cache, rows_json: str | None = None) -> str:
+def dump_cache(cache: Cache, rows_json: str | None = None, generation: int | None = None) -> str:
     """Return ``cache.model_dump_json()``, reusing the rows' JSON when it is given.
 
     A tick changes only the last fired times, so the scheduler keeps the rows'
     JSON from the last change of the list instead of encoding every row again.
+    With a generation, ``{"generation":N,`` opens the file (see the module's rule 1).
     """
-    text = (
-        '{"schedules":' + (rows_json if rows_json is not None else dump_rows(cache.schedules))
+    text = '{"generation":' + str(generation) + "," if generation is not None else "{"
+    text += (
+        '"schedules":' + (rows_json if rows_json is not None else dump_rows(cache.schedules))
         + ',"last_fired_at":' + _dump_times(cache.last_fired_at)
         + ',"last_fetched_at":"' + format_go_time(cache.last_fetched_at) + '"'
     )
@@ -346,6 +406,53 @@ def dump_cache(cache: Cache, rows_json: str | None = None) -> str:
     return text + "}"
 
 
-def save_cache(path: Path, cache: Cache, rows_json: str | None = None) -> None:
+def save_cache(
+    path: Path, cache: Cache, rows_json: str | None = None, generation: int | None = None
+) -> None:
     """Write the cache atomically (the caller holds the lock)."""
-    write_atomic(path, dump_cache(cache, rows_json).encode())
+    write_atomic(path, dump_cache(cache, rows_json, generation).encode())
+
+
+_GENERATION = re.compile(rb'\{"generation":(\d{1,19}),')
+
+
+def read_generation(path: Path) -> int | None:
+    """Return the generation the cache file opens with; None without one (or no file)."""
+    head = read_head(path, 40)
+    match = _GENERATION.match(head) if head else None
+    return int(match.group(1)) if match else None
+
+
+def usable_etag(value: str) -> bool:
+    """Return whether value can be sent back as an ``If-None-Match`` header value.
+
+    RFC 7232 allows visible ASCII and obs-text (bytes 0x80-0xFF, kept as the
+    Latin-1 characters they decode to), so the value round-trips byte for byte.
+    """
+    return 0 < len(value) <= MAX_ETAG_LENGTH and all(
+        "\x21" <= char <= "\x7e" or "\x80" <= char <= "\xff" for char in value
+    )
+
+
+def clamp_future(cache: Cache, *, now: datetime, source: str) -> list[str]:
+    """Clamp last fires and first-seen times later than now + FUTURE_SLACK to now.
+
+    Return the entries clamped (``last_fired_at['a']``), each one warned. A
+    last fire in 2099 would otherwise stop its schedule until 2099.
+    """
+    limit = now + FUTURE_SLACK
+    clamped: list[str] = []
+    for name in _TIME_MAPS:
+        times: dict[str, datetime] = getattr(cache, name)
+        for key, value in times.items():
+            if value > limit:
+                times[key] = now
+                where = f"{name}[{key!r}]"
+                clamped.append(where)
+                log.warning(
+                    "clamped %s = %s from %s to now (%s): it was in the future",
+                    where, format_go_time(value), source, format_go_time(now),
+                    extra={"source": source, "field": name, "schedule_id": key,
+                           "value": format_go_time(value), "clamped_to": format_go_time(now)},
+                )
+    return clamped

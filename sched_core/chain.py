@@ -11,8 +11,9 @@ Rules:
 4. A stage follows its predecessor's latest firing only within 24 hours, and
    the chain only acts on completions it witnesses: a first boot fires nothing
    for a wave that finished before it.
-5. The markers live in one JSON file, written atomically under a lock, so a
-   restart neither re-fires nor skips a stage. A stage some of whose fires
+5. The markers live in one JSON file, written atomically under a lock
+   (:mod:`sched_core.statefile`; a start removes the temporaries a killed write
+   left), so a restart neither re-fires nor skips a stage. A stage some of whose fires
    failed is retried (only the failed schedules) on the next completion of
    any job, a wave job or not, within 24 hours and for the chain day it
    fired for (the wave that let stage 0 fire has usually finished by then,
@@ -33,11 +34,13 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from sched_core.cache import locked, read_json_file, write_atomic
+from sched_core.clock import now_or_clock
 from sched_core.errors import ConfigError
+from sched_core.jsonwire import MAX_DEPTH
 from sched_core.matcher import zone
 from sched_core.model import LocalSchedule, format_go_time, parse_go_time
-from sched_core.scheduler import Scheduler, as_utc
+from sched_core.scheduler import Scheduler
+from sched_core.statefile import locked, read_json_file, remove_stale_temporaries, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +124,15 @@ class Chain:
         self._tz: ZoneInfo = tz
         self._scheduler = scheduler
         self._spec = spec
+        with locked(self._path):
+            remove_stale_temporaries(self._path)
 
     def marks(self, *, now: datetime | None = None) -> dict[str, Mark]:
         """Return the stages' markers as stored on disk."""
-        return self._load(as_utc(now))
+        return self._load(now_or_clock(now))
 
     def _load(self, now: datetime) -> dict[str, Mark]:
-        data = read_json_file(self._path, now=now)
+        data = read_json_file(self._path, now=now, max_depth=MAX_DEPTH)
         stages = data.get("stages", {}) if isinstance(data, dict) else {}
         marks: dict[str, Mark] = {}
         for name, raw in stages.items() if isinstance(stages, dict) else []:
@@ -146,7 +151,7 @@ class Chain:
 
     def on_job_complete(self, action: str, *, now: datetime | None = None) -> list[str]:
         """Feed one job completion to the chain; return the names of the stages it fired."""
-        now = as_utc(now)
+        now = now_or_clock(now)
         stages = self._spec.stages
         fired_stages: list[str] = []
         with locked(self._path):
@@ -192,7 +197,7 @@ class Chain:
         Only markers within the follow window count: an older one is never
         retried (the next day's chain supersedes it).
         """
-        now = as_utc(now)
+        now = now_or_clock(now)
         return {
             name: mark for name, mark in self._load(now).items()
             if not mark.complete and now - mark.fired_at <= FOLLOW_WINDOW

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -12,9 +10,13 @@ from zoneinfo import ZoneInfo
 import typer
 
 from sched_core.cache import validate_rows
-from sched_core.matcher import DEFAULT_TZ, fire_times, matches, zone
-from sched_core.model import DAY_NAMES, LocalSchedule, Schedule
-from sched_core.scheduler import utcnow
+from sched_core.clock import utcnow
+from sched_core.errors import WireError
+from sched_core.explain import describe, gap_notes, repeat_notes, window_notes
+from sched_core.jsonwire import MAX_LIST_DEPTH, decode
+from sched_core.matcher import DEFAULT_TZ, fire_times, zone
+from sched_core.model import LocalSchedule
+from sched_core.policies import describe_policies, row_zone, window_starts
 
 app = typer.Typer(help="Schedules defined centrally, fired locally.", no_args_is_help=True)
 
@@ -36,86 +38,52 @@ def _parse_at(text: str | None, tz: ZoneInfo) -> datetime:
     return at.replace(tzinfo=tz) if at.tzinfo is None else at
 
 
-def _wall_matches(schedule: Schedule, wall: datetime) -> bool:
-    """Return whether a naive local wall time is one of the schedule's windows."""
-    if schedule.is_interval:
-        assert schedule.interval_minutes is not None
-        return (wall.hour * 60 + wall.minute) % schedule.interval_minutes == 0
-    days = schedule.days or []
-    hours = schedule.hours or []
-    return (
-        ("*" in days or DAY_NAMES[wall.weekday()] in days)
-        and ("*" in hours or any(h != "*" and int(h) == wall.hour for h in hours))
-        and int(schedule.minute) == wall.minute
-    )
-
-
-def _gap_notes(schedule: Schedule, start: datetime, end: datetime, tz: ZoneInfo) -> list[str]:
-    """Describe the schedule's wall times that fall in DST gaps between start and end."""
-    notes = []
-    minute = start.astimezone(UTC).replace(second=0, microsecond=0)
-    while minute < end:
-        before, after = minute.astimezone(tz), (minute + timedelta(minutes=1)).astimezone(tz)
-        jump = after.utcoffset() - before.utcoffset()  # type: ignore[operator]
-        if jump > timedelta(0):
-            wall = (before + timedelta(minutes=1)).replace(tzinfo=None)
-            first_after = after.replace(tzinfo=None)
-            while wall < first_after:
-                if _wall_matches(schedule, wall):
-                    if schedule.is_interval or schedule.has_wildcard_hours:
-                        what = "skipped: that time does not exist (DST gap)"
-                    else:
-                        what = f"moved to {first_after:%H:%M} (DST gap)"
-                    notes.append(f"{wall:%Y-%m-%d %H:%M} {what}")
-                wall += timedelta(minutes=1)
-        minute += timedelta(minutes=1)
-    return notes
-
-
-def _describe(schedule: Schedule) -> str:
-    if schedule.is_event:
-        return f"on {schedule.on} (never on the clock)"
-    if schedule.is_interval:
-        return f"every {schedule.interval_minutes} min since local midnight"
-    days = ",".join(schedule.days or [])
-    hours = ",".join(schedule.hours or [])
-    return f"days {days}, hours {hours}, minute {schedule.minute}"
-
-
 def preview_lines(
-    rows: list[LocalSchedule], *, at: datetime, days: int, tz: ZoneInfo, limit: int
+    rows: list[LocalSchedule],
+    *,
+    at: datetime,
+    days: int,
+    tz: ZoneInfo,
+    limit: int,
+    node: str = "",
 ) -> list[str]:
-    """Return the preview of each schedule's next fires, DST moves and suppressions marked."""
+    """Return each schedule's next fires, with DST moves, suppressions and policies marked.
+
+    Each row is read in its own zone when it sets ``timezone`` (else tz).
+    Windows its policies skip are marked with why (min_interval counted from
+    the last shown window that fires); with a node name, a jittered window
+    shows when that node's run starts.
+    """
     at = at.astimezone(UTC)  # step in UTC: aware arithmetic in a local zone is wall-clock
     end = at + timedelta(days=days)
     lines: list[str] = []
     for row in sorted(rows, key=lambda r: (r.name, r.id)):
+        z = row_zone(row, tz)
         state = "" if row.enabled else " [disabled]"
-        lines.append(f"{row.id}  {row.name}  ({row.action}; {_describe(row.schedule)}){state}")
+        lines.append(f"{row.id}  {row.name}  ({row.action}; {describe(row.schedule)}){state}")
+        policies = describe_policies(row, node=node, tz=tz)
+        if policies:
+            lines.append(f"  policies: {'; '.join(policies)}")
         if row.schedule.is_event:
             lines.append("  fired by the chain, not the clock")
             continue
         shown = 0
-        for fire in fire_times(row.schedule, at, end, tz):
-            local = fire.astimezone(tz)
-            note = "" if matches(row.schedule, fire, tz) else "  <- moved here by DST"
+        previous: datetime | None = None
+        for fire, start in window_starts(row, at, end, node=node, tz=tz):
+            notes, fires = window_notes(row, fire, start, previous=previous, node=node, tz=tz)
+            if fires:
+                previous = fire
+            local = fire.astimezone(z)
+            note = f"  <- {'; '.join(notes)}" if notes else ""
             lines.append(
                 f"  {local:%a %Y-%m-%d %H:%M %Z}  ({fire.astimezone(UTC):%Y-%m-%dT%H:%MZ}){note}"
             )
             shown += 1
             if shown >= limit:
                 break
-        minute = at.replace(second=0, microsecond=0)
-        fires = set(fire_times(row.schedule, at, end, tz))
-        while minute < end and not (row.schedule.is_interval or row.schedule.has_wildcard_hours):
-            local = minute.astimezone(tz)
-            if local.fold == 1 and matches(row.schedule, minute, tz) and minute not in fires:
-                lines.append(
-                    f"  {local:%Y-%m-%d %H:%M %Z} suppressed: repeated hour (DST fall-back), "
-                    "fired at the first occurrence"
-                )
-            minute += timedelta(minutes=1)
-        lines.extend(f"  {note}" for note in _gap_notes(row.schedule, at, end, tz))
+        fires_set = set(fire_times(row.schedule, at, end, z))
+        lines.extend(f"  {note}" for note in repeat_notes(row.schedule, at, end, z, fires_set))
+        lines.extend(f"  {note}" for note in gap_notes(row.schedule, at, end, z))
         if shown == 0:
             lines.append(f"  no fires in the next {days} days")
     return lines
@@ -128,12 +96,13 @@ def preview(
     days: Annotated[int, typer.Option(min=1, max=366, help="How many days ahead.")] = 7,
     tz: Annotated[str, typer.Option(help="Timezone schedules are matched in.")] = DEFAULT_TZ.key,
     limit: Annotated[int, typer.Option(min=1, help="Fires to show per schedule.")] = 10,
+    node: Annotated[str, typer.Option(help="Show this node's jittered starts.")] = "",
 ) -> None:
-    """Print each schedule's next fire times, marking DST moves and suppressions."""
+    """Print each schedule's next fire times, marking DST moves, suppressions and policies."""
     zone = _zone(tz)
     try:
-        data = json.loads(schedules.read_bytes())
-    except (OSError, ValueError) as exc:
+        data = decode(schedules.read_bytes(), max_depth=MAX_LIST_DEPTH, root=schedules.name)
+    except (OSError, WireError) as exc:
         raise typer.BadParameter(f"cannot read {schedules}: {exc}") from exc
     rows = data.get("schedules") if isinstance(data, dict) else data
     if not isinstance(rows, list):
@@ -141,18 +110,13 @@ def preview(
     good, bad = validate_rows(rows, source=str(schedules), warn=False)  # echoed below
     for row_id, reason in bad:
         typer.echo(f"invalid schedule {row_id}: {reason}", err=True)
-    for line in preview_lines(good, at=_parse_at(at, zone), days=days, tz=zone, limit=limit):
+    for line in preview_lines(good, at=_parse_at(at, zone), days=days, tz=zone, limit=limit,
+                              node=node):
         typer.echo(line)
 
 
-def _add_subcommands() -> None:
-    """Attach the sub-commands of the optional packages that are installed."""
-    for name, module in (("controller", "controller.cli"),):
-        try:
-            sub = importlib.import_module(module)
-        except ImportError:
-            continue
-        app.add_typer(sub.app, name=name)
-
-
-_add_subcommands()
+@app.callback()
+def main() -> None:
+    """Schedules defined centrally, fired locally (`sched preview`, and what packages add)."""
+    # A callback keeps `sched` a group of commands even with `preview` alone, as the
+    # kit's own app is when no package above has added its commands (see sched_cli.py).

@@ -40,6 +40,7 @@ __all__ = [
     "last_fire",
     "matches",
     "next_fire",
+    "wall_matches",
     "window_key",
     "zone",
 ]
@@ -91,18 +92,26 @@ def matches(schedule: Schedule, now: datetime, tz: ZoneInfo | None = None) -> bo
     The Go kit's ``Matches``: no DST rules, only the local wall clock.
     """
     _require_aware(now, "now")
+    return wall_matches(schedule, now.astimezone(tz or DEFAULT_TZ))
+
+
+def wall_matches(schedule: Schedule, wall: datetime) -> bool:
+    """Return True if the wall time (naive, or read in its own zone) is one of the windows.
+
+    The one wall-time predicate: no DST rules; a wall time a gap skips or a
+    fall-back repeats matches like any other (see :mod:`sched_core.explain`).
+    """
     if schedule.is_event:
         return False
-    local = now.astimezone(tz or DEFAULT_TZ)
     if schedule.interval_minutes is not None:
-        return (local.hour * 60 + local.minute) % schedule.interval_minutes == 0
+        return (wall.hour * 60 + wall.minute) % schedule.interval_minutes == 0
     days = schedule.days or []
-    if "*" not in days and DAY_NAMES[local.weekday()] not in days:
+    if "*" not in days and DAY_NAMES[wall.weekday()] not in days:
         return False
-    if int(schedule.minute) != local.minute:
+    if int(schedule.minute) != wall.minute:
         return False
     hours = schedule.hours or []
-    return "*" in hours or any(int(hour) == local.hour for hour in hours)
+    return "*" in hours or any(hour != "*" and int(hour) == wall.hour for hour in hours)
 
 
 # --- compiled schedules --------------------------------------------------------------

@@ -14,18 +14,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
+from sched_core.clock import floor_minute  # re-exported: flows import it from here
 from sched_core.matcher import fire_times, last_fire
 from sched_core.model import MissPolicy, Schedule
+
+__all__ = ["LOOKBACK", "Recovery", "eligible_after", "floor_minute", "plan_recovery"]
 
 LOOKBACK = timedelta(hours=24)
 """How far back the miss policy looks for a missed window."""
 
 _TICK = timedelta(microseconds=1)
-
-
-def floor_minute(instant: datetime) -> datetime:
-    """Return instant with seconds and microseconds dropped."""
-    return instant.replace(second=0, microsecond=0)
 
 
 def eligible_after(last_fired: datetime | None, first_seen: datetime | None) -> datetime | None:

@@ -1,80 +1,93 @@
-"""The per-node scheduler: pull the list, fire due windows, recover missed ones.
+"""The per-node scheduler: lock, reload, plan, fire, stamp, save.
 
 The controller is not in the firing path: schedules keep firing from the
 on-disk cache while it is down. Every public method takes ``now`` (default:
-the wall clock, read in one place, :func:`utcnow`) and works under the cache
-file's lock, reloading the file first when another process changed it, so
-several processes can share one cache.
+the wall clock, read visibly with :func:`~sched_core.clock.utcnow`) and runs
+one procedure under the cache file's lock:
 
-A window fires at most once: the cache stamps each schedule's last fired
-window, stamps happen only after ``fire`` returned, and ``Fire.key`` is a
-stable idempotency key for the window, so a crash between the fire and its
-stamp is deduplicated downstream.
+1. lock: the in-process mutex and the file's ``flock``;
+2. reload: read the file again if another process saved since (its
+   generation or its stamp changed), salvaging bad parts and clamping times in
+   the future;
+3. plan: the pure decision (:mod:`sched_core.due`, :mod:`sched_core.pull`);
+4. fire: call the agent's ``fire`` for each window;
+5. stamp: record each window whose fire returned (never one that raised);
+6. save: write the file atomically, with the next generation.
+
+A window fires at most once: stamps happen only after ``fire`` returned, and
+``Fire.key`` is a stable idempotency key for the window, so a crash between
+the fire and its stamp is deduplicated downstream. A pull is accepted only
+together with its save: if the file cannot be written, memory and file stay as
+they were and the pull is a ``PullError``.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo
-
-import httpx
 
 from sched_core.cache import (
     FileStamp,
+    clamp_future,
     dump_rows,
-    json_type,
-    load_cache_report,
-    locked,
+    load_cache_file,
+    read_generation,
     save_cache,
     stamp_of,
     validate_rows,
 )
+from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
+from sched_core.due import due_windows, missed_windows
 from sched_core.errors import ConfigError, PullError
 from sched_core.index import DueIndex
 from sched_core.matcher import DEFAULT_TZ, window_key, zone
-from sched_core.misses import eligible_after, floor_minute, plan_recovery
 from sched_core.model import Cache, LocalSchedule
+from sched_core.plan import StartDecision, decide_start
+from sched_core.policies import policy_block
+from sched_core.pull import (
+    MAX_PAYLOAD,
+    PullResult,
+    fetch,
+    merge_pull,
+    not_modified,
+    parse_schedule_list,
+    redact_url,
+)
+from sched_core.runner import Runner
+from sched_core.statefile import locked, remove_stale_temporaries
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [  # the old import paths of names that moved out stay valid
+    "MAX_PAYLOAD",
+    "TRIGGER_RECOVERY",
+    "TRIGGER_SCHEDULE",
+    "Config",
+    "Fire",
+    "FireFunc",
+    "PullResult",
+    "Scheduler",
+    "TickReport",
+    "as_utc",
+    "floor_minute",
+    "redact_url",
+    "utcnow",
+]
 
 log = logging.getLogger(__name__)
 
-MAX_PAYLOAD = 16 * 1024 * 1024
-"""The largest schedule list a pull accepts, in bytes."""
-
 TRIGGER_SCHEDULE = "schedule"
 TRIGGER_RECOVERY = "schedule-recovery"
-
-
-def utcnow() -> datetime:
-    """Return the wall clock as an aware UTC datetime: the one clock read of the kit."""
-    return datetime.now(UTC)
-
-
-def as_utc(value: datetime | None, name: str = "now") -> datetime:
-    """Return value as a plain ``datetime`` in UTC (the wall clock for None).
-
-    Subclasses such as Prefect's pendulum-style ``DateTime`` are turned into the
-    standard type, whose arithmetic and comparisons the kit relies on; a naive
-    value is a ``ValueError`` naming it.
-    """
-    if value is None:
-        return utcnow()
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(f"{name} {value!r} is naive; pass a timezone-aware datetime")
-    utc = value.astimezone(UTC)
-    return datetime(
-        utc.year, utc.month, utc.day, utc.hour, utc.minute, utc.second, utc.microsecond,
-        tzinfo=UTC,
-    )
 
 
 @dataclass(frozen=True)
@@ -151,35 +164,11 @@ def _copy_row(row: LocalSchedule) -> LocalSchedule:
         update={
             "schedule": row.schedule.model_copy(deep=True),
             "params": copy.deepcopy(row.params) if row.params else row.params,
+            "paused": row.paused.model_copy() if row.paused else None,
+            "blackouts": [item.model_copy(deep=True) for item in row.blackouts]
+            if row.blackouts else row.blackouts,
         }
     )
-
-
-def redact_url(url: str) -> str:
-    """Return url without any user or password in it, for logs."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """What a pull changed: ids added, removed and changed, and rows rejected with reasons."""
-
-    added: list[str]
-    removed: list[str]
-    changed: list[str]
-    rejected: list[tuple[str, str]]
-    kept_last_good: list[str]
-
-    @property
-    def changed_anything(self) -> bool:
-        """True when the schedule list is different after the pull."""
-        return bool(self.added or self.removed or self.changed)
 
 
 @dataclass(frozen=True)
@@ -201,17 +190,24 @@ class Scheduler:
         self._mutex = threading.RLock()
         self._cache = Cache()
         self._stamp: FileStamp | None = None
+        self._generation: int | None = None
         self._index = DueIndex.build([], self._tz)
         self._indexed: list[LocalSchedule] | None = None
         self._rows_json: str | None = None  # the cached rows' JSON, None when stale
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._client = config.http_client
-        self._owns_client = False
+        self._runner = Runner(
+            tick=self.tick,
+            pull=self.pull,
+            missed_run_check=self.missed_run_check,
+            fire_interval=config.fire_interval,
+            pull_interval=config.pull_interval,
+            node_name=config.node_name,
+        )
+        now = now_or_clock(now)
         with self._locked():
-            self._reload(as_utc(now))
+            remove_stale_temporaries(self._path)
+            self._reload(now)
 
-    # -- state -------------------------------------------------------------
+    # -- lock, reload, save --------------------------------------------------
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -220,21 +216,31 @@ class Scheduler:
             yield
 
     def _reload(self, now: datetime) -> None:
-        """Reload the cache file if another process (or nobody yet) wrote a new version."""
+        """Reload the cache file if another process (or nobody yet) wrote a new version.
+
+        A file of ours opens with its generation, raised by every save under the
+        lock, so an unchanged generation and stamp mean an unchanged file (the
+        stamp alone does not: an inode and a modification time can repeat). A
+        file without one (the Go kit's) is judged by its stamp.
+        """
+        generation = read_generation(self._path)
         stamp = stamp_of(self._path)
-        if stamp is not None and stamp == self._stamp:
+        if stamp is not None and stamp == self._stamp and generation == self._generation:
             return
-        cache, dropped = load_cache_report(self._path, now=now)
+        loaded = load_cache_file(self._path, now=now)
+        cache = loaded.cache
         # A cache the Go kit wrote has no first-seen times: count its schedules
         # as first seen when it last fetched them, or now if it never did.
         seen_at = cache.last_fetched_at or now
         for row in cache.schedules:
             cache.first_seen_at.setdefault(row.id, seen_at)
+        clamped = clamp_future(cache, now=now, source=str(self._path))
         self._cache = cache
+        self._generation = loaded.generation
         self._stamp = stamp_of(self._path)
         self._reindex()
-        if dropped:
-            self._rewrite_salvaged(dropped)
+        if loaded.dropped or clamped:
+            self._rewrite_salvaged(loaded.dropped + clamped)
 
     def _rewrite_salvaged(self, dropped: list[str]) -> None:
         """Write the cache without the parts load dropped, so they are reported once.
@@ -264,10 +270,35 @@ class Scheduler:
             self._rows_json = None
 
     def _save(self) -> None:
+        """Write the cache in memory with the next generation; the caller holds the lock."""
         if self._rows_json is None:
             self._rows_json = dump_rows(self._cache.schedules)
-        save_cache(self._path, self._cache, self._rows_json)
+        generation = (self._generation or 0) + 1
+        save_cache(self._path, self._cache, self._rows_json, generation)
+        self._generation = generation
         self._stamp = stamp_of(self._path)
+
+    def _adopt(self, cache: Cache) -> None:
+        """Save cache, then make it the cache in memory; the caller holds the lock.
+
+        Nothing is adopted that cannot be written: if encoding or writing
+        fails, memory and file stay as they were and the failure is a PullError.
+        """
+        same_rows = cache.schedules == self._indexed and self._rows_json is not None
+        generation = (self._generation or 0) + 1
+        try:
+            rows_json = self._rows_json if same_rows else dump_rows(cache.schedules)
+            save_cache(self._path, cache, rows_json, generation)
+        except Exception as exc:
+            raise PullError(
+                f"could not save the cache file {self._path}, so the pull is not accepted: "
+                f"{exc!r}"
+            ) from exc
+        self._cache = cache
+        self._generation = generation
+        self._stamp = stamp_of(self._path)
+        self._reindex()
+        self._rows_json = rows_json
 
     @property
     def timezone(self) -> ZoneInfo:
@@ -290,7 +321,7 @@ class Scheduler:
         with self._mutex:
             return self._cache.model_copy(deep=True)
 
-    # -- firing ------------------------------------------------------------
+    # -- fire and stamp ----------------------------------------------------
 
     def _fire(self, fire: Fire) -> str | None:
         """Call the agent's fire; return None on success or the error text."""
@@ -341,28 +372,13 @@ class Scheduler:
     def due(self, now: datetime) -> list[tuple[LocalSchedule, datetime, int]]:
         """Return (schedule, window, older windows coalesced) for each schedule due at now.
 
-        Pure over the loaded cache: the latest eligible window in
-        ``[now - grace, now]`` per enabled clock schedule.
+        Pure over the loaded cache (:func:`sched_core.due.due_windows`): the
+        latest eligible window in ``[now - grace, now]`` per enabled clock schedule.
         """
-        now = as_utc(now)
-        grace = self._config.fire_grace
-        last_fired, first_seen = self._cache.last_fired_at, self._cache.first_seen_at
-        floors: dict[str, datetime | None] = {}
-        latest: dict[str, tuple[LocalSchedule, datetime, int]] = {}
-        minute = floor_minute(now)
-        while minute >= now - grace:  # newest first: the first eligible window is the latest
-            for row in self._index.due_at(minute):
-                rid = row.id
-                if rid in floors:
-                    floor = floors[rid]
-                else:
-                    floor = floors[rid] = eligible_after(last_fired.get(rid), first_seen.get(rid))
-                if floor is not None and minute < floor:
-                    continue
-                found = latest.get(rid)
-                latest[rid] = (row, minute, 0) if found is None else (*found[:2], found[2] + 1)
-            minute -= timedelta(minutes=1)
-        return sorted(latest.values(), key=lambda item: (item[1], item[0].id))
+        windows = due_windows(
+            self._index, self._cache, now=as_utc(now), grace=self._config.fire_grace
+        )
+        return [(due.schedule, due.window, due.coalesced) for due in windows]
 
     def _fire_windows(
         self, windows: list[tuple[LocalSchedule, datetime]], *, recovery: bool
@@ -392,7 +408,7 @@ class Scheduler:
         For callers that prepare the work in bulk first (the Prefect tick creates
         the runs in one request) and then run ``tick`` with the same keys.
         """
-        now = as_utc(now)
+        now = now_or_clock(now)
         with self._locked():
             self._reload(now)
             return [self._window_fire(row, w, recovery=False) for row, w, _ in self.due(now)]
@@ -403,7 +419,7 @@ class Scheduler:
 
     def tick_report(self, now: datetime | None = None) -> TickReport:
         """Run one tick and return what it fired, coalesced and failed."""
-        now = as_utc(now)
+        now = now_or_clock(now)
         coalesced: dict[str, int] = {}
         with self._locked():
             self._reload(now)
@@ -424,34 +440,24 @@ class Scheduler:
 
     def missed_run_report(self, now: datetime | None = None) -> TickReport:
         """Run the missed-run check and return what it fired and failed."""
-        now = as_utc(now)
+        now = now_or_clock(now)
         truncated: dict[str, int] = {}
         with self._locked():
             self._reload(now)
-            windows: list[tuple[LocalSchedule, datetime]] = []
-            for row in self._cache.schedules:
-                if not row.enabled or row.schedule.is_event:
-                    continue
-                recovery = plan_recovery(
-                    row.schedule,
-                    row.miss_policy,
-                    last_fired=self._cache.last_fired_at.get(row.id),
-                    first_seen=self._cache.first_seen_at.get(row.id),
-                    now=now,
-                    grace=self._config.fire_grace,
-                    tz=self._tz,
-                )
-                if recovery is None:
-                    continue
-                if recovery.truncated:
-                    truncated[row.id] = recovery.truncated
+            missed = missed_windows(
+                self._cache, now=now, grace=self._config.fire_grace, tz=self._tz
+            )
+            for item in missed:
+                if item.truncated:
+                    truncated[item.schedule.id] = item.truncated
                     log.warning(
                         "run-all of %s truncated to the latest missed window: %d dropped",
-                        row.id, recovery.truncated,
-                        extra={"schedule_id": row.id, "truncated": recovery.truncated},
+                        item.schedule.id, item.truncated,
+                        extra={"schedule_id": item.schedule.id, "truncated": item.truncated},
                     )
-                windows.append((row, recovery.window))
-            fired, failed = self._fire_windows(windows, recovery=True)
+            fired, failed = self._fire_windows(
+                [(item.schedule, item.window) for item in missed], recovery=True
+            )
         return TickReport(fired=fired, failed=failed, coalesced=truncated)
 
     def fire_matching(
@@ -465,6 +471,48 @@ class Scheduler:
         """Fire every enabled schedule pred selects, on demand; return how many fired."""
         fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
         return len(fired)
+
+    def start_window(
+        self,
+        schedule_id: str,
+        window: datetime,
+        *,
+        first_try: datetime,
+        now: datetime | None = None,
+        retry: bool = False,
+    ) -> tuple[StartDecision, LocalSchedule | None]:
+        """Decide whether a planned run of window runs, and stamp the window if it does.
+
+        The start guard of :func:`sched_core.plan.decide_start`, in one locked
+        step with the stamp: two runs of one window can never both pass.
+        Returns the decision and a copy of the row it was made on (None when
+        the schedule is gone).
+        """
+        now = now_or_clock(now)
+        window = as_utc(window, "window")
+        with self._locked():
+            self._reload(now)
+            row = next((item for item in self._cache.schedules if item.id == schedule_id), None)
+            last = self._cache.last_fired_at.get(schedule_id)
+            decision = decide_start(
+                row,
+                schedule_id=schedule_id,
+                window=window,
+                last_fired=last,
+                first_seen=self._cache.first_seen_at.get(schedule_id),
+                first_try=as_utc(first_try, "first_try"),
+                now=now,
+                grace=self._config.fire_grace,
+                tz=self._tz,
+                retry=retry,
+                node=self._config.node_name,
+            )
+            if decision.stamp:
+                self._cache.last_fired_at[schedule_id] = window if last is None else max(
+                    last, window
+                )
+                self._save()
+        return decision, None if row is None else _copy_row(row)
 
     def fire_matching_report(
         self,
@@ -480,8 +528,11 @@ class Scheduler:
         The idempotency key is ``<id>@<key>`` when key is given (a chain passes
         its stage and day), else ``<id>@<trigger_key>@<UTC minute>``. Each
         success stamps the schedule's last fire with now, as the Go kit does.
+        A row whose policies hold now back (paused, outside its dates, in a
+        blackout, or fired less than ``min_interval`` ago) is not fired, and
+        the reason is logged (:func:`sched_core.policies.policy_block`).
         """
-        now = as_utc(now)
+        now = now_or_clock(now)
         suffix = key or f"{trigger_key}@{floor_minute(now).strftime('%Y-%m-%dT%H:%MZ')}"
         fired: list[Fire] = []
         failed: list[tuple[Fire, str]] = []
@@ -489,6 +540,16 @@ class Scheduler:
             self._reload(now)
             for row in self._cache.schedules:
                 if not row.enabled or row.id in skip_ids or not pred(row):
+                    continue
+                held = policy_block(
+                    row, now, last_fired=self._cache.last_fired_at.get(row.id), tz=self._tz
+                )
+                if held is not None:
+                    log.info(
+                        "not firing %s (%s) on %s: %s", row.id, row.action, trigger_key, held,
+                        extra={"schedule_id": row.id, "trigger_key": trigger_key,
+                               "node": self._config.node_name, "reason": held},
+                    )
                     continue
                 fire = Fire(
                     schedule=_copy_row(row),
@@ -507,84 +568,7 @@ class Scheduler:
                 self._save()
         return fired, failed
 
-    # -- pulling -----------------------------------------------------------
-
-    def _fetch(self, etag: str | None) -> tuple[bytes | None, str | None]:
-        """Return the raw schedule list (None for a 304 to etag) and the answer's ETag."""
-        url = self._config.pull_url
-        shown = redact_url(url)
-        parts = urlsplit(url)
-        if parts.scheme == "file":
-            path = Path(unquote(parts.path))
-            try:
-                with path.open("rb") as handle:
-                    body = handle.read(MAX_PAYLOAD + 1)
-            except OSError as exc:
-                raise PullError(f"cannot read schedule file {path}: {exc}") from exc
-        else:
-            if self._client is None:
-                self._client = httpx.Client(timeout=httpx.Timeout(30.0))
-                self._owns_client = True
-            headers = {"If-None-Match": etag} if etag else {}
-            try:
-                with self._client.stream("GET", url, headers=headers) as response:
-                    if response.status_code == 304 and etag:
-                        return None, etag
-                    if not 200 <= response.status_code < 300:
-                        raise PullError(f"pull from {shown} answered HTTP {response.status_code}")
-                    chunks: list[bytes] = []
-                    size = 0
-                    for chunk in response.iter_bytes():
-                        size += len(chunk)
-                        if size > MAX_PAYLOAD:
-                            break
-                        chunks.append(chunk)
-                    body = b"".join(chunks) if size <= MAX_PAYLOAD else b"x" * (MAX_PAYLOAD + 1)
-                    answer_etag = response.headers.get("ETag")
-            except httpx.HTTPError as exc:
-                raise PullError(f"pull from {shown} failed: {exc!r}") from exc
-            if len(body) <= MAX_PAYLOAD:
-                return body, answer_etag
-        if len(body) > MAX_PAYLOAD:
-            raise PullError(f"schedule list from {shown} is larger than {MAX_PAYLOAD} bytes")
-        return body, None
-
-    def _parse(self, body: bytes) -> list[Any]:
-        """Return the raw rows of a pull answer, or raise PullError for a bad payload."""
-        shown = redact_url(self._config.pull_url)
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PullError(f"schedule list from {shown} is not valid JSON: {exc}") from exc
-        if isinstance(data, dict):
-            if "schedules" not in data:
-                raise PullError(f"schedule list from {shown} has no 'schedules' field")
-            data = data["schedules"]
-        if not isinstance(data, list):
-            raise PullError(
-                f"schedules from {shown} must be a JSON list, got {type(data).__name__}"
-            )
-        seen: set[str] = set()
-        for position, row in enumerate(data):
-            # A row that names no schedule cannot be diffed against the cache:
-            # treating it as absent would read the list as deleting every id.
-            if not isinstance(row, dict):
-                raise PullError(
-                    f"schedule list from {shown}: row {position} is not a JSON object "
-                    f"(got {json_type(row)})"
-                )
-            if "id" not in row:
-                raise PullError(f"schedule list from {shown}: row {position} has no id")
-            row_id = row["id"]
-            if not isinstance(row_id, str) or not row_id:
-                raise PullError(
-                    f"schedule list from {shown}: row {position} has id {row_id!r}, "
-                    "not a non-empty string"
-                )
-            if row_id in seen:
-                raise PullError(f"schedule list from {shown} repeats id {row_id!r}")
-            seen.add(row_id)
-        return data
+    # -- pull: fetch, parse, lock, reload, merge, save -------------------------
 
     def pull(self, now: datetime | None = None) -> PullResult:
         """Replace the schedule list from the pull URL, or raise PullError and change nothing.
@@ -595,48 +579,61 @@ class Scheduler:
         kept. An empty list empties the schedules.
 
         The whole pull is refused, and the cache stays exactly as it was
-        (schedules, last fires, first-seen times, ETag), when:
+        (schedules, last fires, first-seen times, ETag; in memory and on disk), when:
 
         1. the answer is not a schedule list: an HTTP error, invalid JSON,
            more than :data:`MAX_PAYLOAD` bytes, an object without ``schedules``,
            a ``schedules`` that is not a list;
-        2. a row names no schedule: it is not a JSON object, or its ``id`` is
+        2. a value breaks a JSON wire rule (:mod:`sched_core.jsonwire`: ``NaN``,
+           ``Infinity``, a number beyond a float64, an unpaired surrogate,
+           nesting deeper than 102 levels); the error names where;
+        3. a row names no schedule: it is not a JSON object, or its ``id`` is
            missing or not a non-empty string (the error names the first such
            row, by position, and why). Such a list cannot be diffed, and
            reading it as "no rows" would delete every schedule and its history;
-        3. an id is repeated;
-        4. schedules are cached and every row of a non-empty list is invalid:
+        4. an id is repeated;
+        5. schedules are cached and every row of a non-empty list is invalid:
            that is a broken controller, not an instruction to stop every
            schedule (the error names the first row and its reason). On an
-           empty cache such a list is accepted, its rows reported rejected.
+           empty cache such a list is accepted, its rows reported rejected;
+        6. the cache file cannot be written.
         """
-        now = as_utc(now)
+        now = now_or_clock(now)
         shown = redact_url(self._config.pull_url)
         with self._mutex:
             cache = self._cache
             etag = cache.etag if cache.etag_url == shown and cache.schedules else None
         try:
-            body, answer_etag = self._fetch(etag)
+            body, answer_etag = fetch(self._config.pull_url, self._config.http_client, etag=etag)
             if body is None:
                 return self._not_modified(now)
-            rows = self._parse(body)
+            rows = parse_schedule_list(body, shown)
             good, rejected = validate_rows(rows, source=shown, warn=False)  # logged if accepted
             with self._locked():
                 self._reload(now)
-                if rows and not good and self._cache.schedules:
-                    label, reason = rejected[0]
-                    raise PullError(
-                        f"every one of the {len(rows)} rows of the schedule list from {shown} "
-                        f"is invalid (first: {label}: {reason}); keeping the "
-                        f"{len(self._cache.schedules)} cached schedules"
-                    )
-                result = self._replace(good, rejected, answer_etag, now)
+                old = {row.id: row for row in self._cache.schedules}
+                merged, result = merge_pull(
+                    self._cache, good, rejected, rows=len(rows), etag=answer_etag,
+                    etag_url=shown, source=shown, now=now,
+                )
+                self._adopt(merged)
         except PullError as exc:
             log.error(
                 "pull from %s rejected; keeping the last good schedule list: %s", shown, exc,
                 extra={"url": shown, "node": self._config.node_name, "error": str(exc)},
             )
             raise
+        for rid, reason in rejected:
+            log.warning(
+                "dropped invalid schedule %s from %s: %s", rid, shown, reason,
+                extra={"schedule_id": rid, "reason": reason, "source": shown},
+            )
+        for rid in result.kept_last_good:
+            log.warning(
+                "kept the last good version (%d) of invalid schedule %s",
+                old[rid].version, rid,
+                extra={"schedule_id": rid, "version": old[rid].version},
+            )
         log.info(
             "pulled %d schedules: %d added, %d removed, %d changed, %d rejected",
             len(good) + len(result.kept_last_good), len(result.added), len(result.removed),
@@ -652,56 +649,15 @@ class Scheduler:
         )
         return result
 
-    def _replace(
-        self,
-        good: list[LocalSchedule],
-        rejected: list[tuple[str, str]],
-        answer_etag: str | None,
-        now: datetime,
-    ) -> PullResult:
-        """Make good the schedule list, keeping last good versions; the caller holds the lock."""
-        shown = redact_url(self._config.pull_url)
-        for rid, reason in rejected:
-            log.warning(
-                "dropped invalid schedule %s from %s: %s", rid, shown, reason,
-                extra={"schedule_id": rid, "reason": reason, "source": shown},
-            )
-        old = {row.id: row for row in self._cache.schedules}
-        new = {row.id: row for row in good}
-        kept = [rid for rid, _ in rejected if rid in old and rid not in new]
-        for rid in kept:
-            new[rid] = old[rid]
-            log.warning(
-                "kept the last good version (%d) of invalid schedule %s",
-                old[rid].version, rid,
-                extra={"schedule_id": rid, "version": old[rid].version},
-            )
-        result = PullResult(
-            added=sorted(set(new) - set(old)),
-            removed=sorted(set(old) - set(new)),
-            changed=sorted(rid for rid in set(new) & set(old) if new[rid] != old[rid]),
-            rejected=rejected,
-            kept_last_good=kept,
-        )
-        cache = self._cache
-        cache.schedules = [new[row.id] for row in good] + [new[rid] for rid in kept]
-        cache.last_fired_at = {k: v for k, v in cache.last_fired_at.items() if k in new}
-        cache.first_seen_at = {rid: cache.first_seen_at.get(rid, now) for rid in new}
-        cache.last_fetched_at = now
-        cache.etag, cache.etag_url = (answer_etag, shown) if answer_etag else (None, None)
-        self._reindex()
-        self._save()
-        return result
-
     def _not_modified(self, now: datetime) -> PullResult:
         """Record a 304: the list is unchanged, and it was fetched now."""
         with self._locked():
             self._reload(now)
-            self._cache.last_fetched_at = now
-            self._save()
+            self._adopt(not_modified(self._cache, now=now))
+            count = len(self._cache.schedules)
         log.info(
-            "schedules not modified (%d cached)", len(self._cache.schedules),
-            extra={"node": self._config.node_name, "count": len(self._cache.schedules)},
+            "schedules not modified (%d cached)", count,
+            extra={"node": self._config.node_name, "count": count},
         )
         return PullResult(added=[], removed=[], changed=[], rejected=[], kept_last_good=[])
 
@@ -709,54 +665,8 @@ class Scheduler:
 
     def start(self) -> None:
         """Start the fire loop, the pull loop and an initial pull plus missed-run check."""
-        if self._threads:
-            return
-        self._stop.clear()
-        self._threads = [
-            threading.Thread(target=self._fire_loop, name="sched-fire", daemon=True),
-            threading.Thread(target=self._pull_loop, name="sched-pull", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._runner.start()
 
     def stop(self) -> None:
         """Stop the loops and wait for them; safe to call more than once."""
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-        self._threads = []
-        if self._owns_client and self._client is not None:
-            self._client.close()
-            self._client = None
-            self._owns_client = False
-
-    def _fire_loop(self) -> None:
-        interval = self._config.fire_interval.total_seconds()
-        while not self._stop.is_set():
-            now = utcnow()
-            if interval == 60:
-                # Tick just after each minute boundary, so a window is never late by a minute.
-                wait = 60 - (now.second + now.microsecond / 1e6) + 0.05
-            else:
-                wait = interval
-            if self._stop.wait(wait):
-                return
-            try:
-                self.tick()
-            except Exception:
-                log.exception("tick failed", extra={"node": self._config.node_name})
-
-    def _pull_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.pull()
-            except PullError:
-                pass  # logged by pull; the cache keeps firing
-            except Exception:
-                log.exception("pull failed", extra={"node": self._config.node_name})
-            try:
-                self.missed_run_check()
-            except Exception:
-                log.exception("missed-run check failed", extra={"node": self._config.node_name})
-            if self._stop.wait(self._config.pull_interval.total_seconds()):
-                return
+        self._runner.stop()

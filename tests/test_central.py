@@ -7,6 +7,7 @@ generous deadlines and assert what happened, never how long it took.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,10 +19,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from controller import db, store
-from controller.central import CentralScheduler, backoff, retry_delay_from_env
-from controller.dispatch import PrefectDispatcher, RecordingDispatcher, event_id
+from controller import claims, db, tasks
+from controller.central import CentralScheduler, CentralSettings, backoff, retry_delay_from_env
+from controller.dispatch import PrefectDispatcher, event_id
 from controller.models import TaskIn, TaskStatus
+from controller.testing import RecordingDispatcher
 from sched_core.errors import ConfigError
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
@@ -39,12 +41,12 @@ def engine(database_url: str) -> Iterator[Engine]:
 
 def _save(engine: Engine, body: dict[str, Any], now: datetime | None = None) -> None:
     with Session(engine) as session:
-        store.save_task(session, TaskIn.model_validate(body), now=now)
+        tasks.save_task(session, TaskIn.model_validate(body), now=now)
 
 
 def _task(engine: Engine, name: str) -> Any:
     with Session(engine) as session:
-        return store.get_task(session, name)
+        return tasks.get_task(session, name)
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -60,7 +62,8 @@ def test_retry_delay_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert retry_delay_from_env() == 1.0
     monkeypatch.setenv("SCHED_RETRY_DELAY", "0.25")
     assert retry_delay_from_env() == 0.25
-    assert CentralScheduler("sqlite:///unused.db").retry_delay == 0.25
+    assert CentralScheduler("sqlite:///unused.db").settings.retry_delay == 0.25
+    assert CentralSettings.from_env(poll_interval=2).retry_delay == 0.25
     for bad in ("soon", "0", "-1", "inf"):
         monkeypatch.setenv("SCHED_RETRY_DELAY", bad)
         with pytest.raises(ConfigError, match="SCHED_RETRY_DELAY"):
@@ -95,7 +98,7 @@ def test_a_failed_dispatch_is_retried_with_the_same_key_after_a_backoff(
     _save(engine, {"name": "flaky", "run_at": T0, "event": "x"}, now=T0)
     failing = RecordingDispatcher(fail_names={"flaky"})
     scheduler = CentralScheduler(
-        engine, worker_id="w1", dispatcher=failing, dispatch_retry_delay=10
+        engine, CentralSettings(dispatch_retry_delay=10), worker_id="w1", dispatcher=failing,
     )
     try:
         assert scheduler.run_once(now=T0) == 1
@@ -125,8 +128,10 @@ def test_after_max_attempts_a_recurring_task_gives_up_on_that_time_and_moves_on(
     caplog.set_level(logging.INFO, logger="controller")
     _save(engine, {"name": "hourly", "cron": "0 * * * *", "timezone": "UTC", "event": "x"},
           now=T0 - timedelta(minutes=1))
-    scheduler = CentralScheduler(engine, worker_id="w1", max_attempts=3, dispatch_retry_delay=10,
-                                 dispatcher=RecordingDispatcher(fail_names={"hourly"}))
+    scheduler = CentralScheduler(
+        engine, CentralSettings(max_attempts=3, dispatch_retry_delay=10), worker_id="w1",
+        dispatcher=RecordingDispatcher(fail_names={"hourly"}),
+    )
     try:
         assert scheduler.run_once(now=T0) == 1
         assert scheduler.run_once(now=T0 + timedelta(seconds=11)) == 1
@@ -140,7 +145,7 @@ def test_after_max_attempts_a_recurring_task_gives_up_on_that_time_and_moves_on(
         assert task.last_error.startswith("gave up after 3 failed dispatch attempts: ")
         assert "failed (as asked)" in task.last_error
         with Session(engine) as session:
-            [record] = store.list_dispatches(session, "hourly")
+            [record] = claims.list_dispatches(session, "hourly")
         assert (record.scheduled_at, record.status) == (T0, "failed")
         assert record.error == task.last_error
         # Nothing more for 12:00; 13:00 is dispatched normally once the target works.
@@ -159,8 +164,10 @@ def test_after_max_attempts_a_one_shot_task_is_disabled_until_saved_again(
     engine: Engine,
 ) -> None:
     _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0)
-    scheduler = CentralScheduler(engine, worker_id="w1", max_attempts=1,
-                                 dispatcher=RecordingDispatcher(fail_names={"once"}))
+    scheduler = CentralScheduler(
+        engine, CentralSettings(max_attempts=1), worker_id="w1",
+        dispatcher=RecordingDispatcher(fail_names={"once"}),
+    )
     try:
         assert scheduler.run_once(now=T0) == 1
         task = _task(engine, "once")
@@ -176,14 +183,27 @@ def test_after_max_attempts_a_one_shot_task_is_disabled_until_saved_again(
     assert recorder.keys() == [("once", T0)]
     assert _task(engine, "once").status == TaskStatus.DONE
     with Session(engine) as session:
-        assert [r.status for r in store.list_dispatches(session, "once")] == ["dispatched"]
+        assert [r.status for r in claims.list_dispatches(session, "once")] == ["dispatched"]
+
+
+def test_settings_are_checked_naming_the_field() -> None:
+    for field, bad in (("poll_interval", 0), ("lease", -1), ("stale_after", -1),
+                       ("batch_size", 0), ("retry_delay", float("inf"))):
+        with pytest.raises(ConfigError, match=f"{field}="):
+            CentralSettings(**{field: bad})
+    with pytest.raises(ConfigError, match=r"unknown central scheduler setting.*leese"):
+        CentralSettings.from_env(leese=3)
+    settings = CentralSettings()
+    with pytest.raises(AttributeError):
+        settings.lease = 1  # type: ignore[misc]
+    assert settings.but(lease=5).lease == 5 and settings.lease == 10
 
 
 def test_the_attempt_limit_and_retention_are_checked() -> None:
     with pytest.raises(ConfigError, match="max_attempts=-1"):
-        CentralScheduler("sqlite://", max_attempts=-1)
+        CentralScheduler("sqlite://", CentralSettings(max_attempts=-1))
     with pytest.raises(ConfigError, match="dispatch_retention=0"):
-        CentralScheduler("sqlite://", dispatch_retention=0)
+        CentralScheduler("sqlite://", CentralSettings(dispatch_retention=0))
 
 
 def _dispatch_at(engine: Engine, name: str, at: datetime) -> None:
@@ -202,24 +222,26 @@ def test_old_finished_dispatch_records_are_pruned(engine: Engine) -> None:
     _save(engine, {"name": "inflight", "run_at": T0 - timedelta(days=50), "event": "x"},
           now=T0 - timedelta(days=50))
     with Session(engine) as session:
-        [(claim, _)] = store.claim_for_dispatch(session, worker_id="w-dead",
+        [(claim, _)] = claims.claim_for_dispatch(session, worker_id="w-dead",
                                                 now=T0 - timedelta(days=50))
     assert claim.name == "inflight"
-    scheduler = CentralScheduler(engine, worker_id="w1", dispatch_retention=30 * 86400)
+    scheduler = CentralScheduler(
+        engine, CentralSettings(dispatch_retention=30 * 86400), worker_id="w1",
+    )
     try:
         assert scheduler.prune_dispatches(now=T0) == 2
         assert scheduler.prune_dispatches(now=T0) == 0
     finally:
         scheduler.stop()
     with Session(engine) as session:
-        left = {r.task_name: r.status for r in store.list_dispatches(session)}
+        left = {r.task_name: r.status for r in claims.list_dispatches(session)}
     assert left == {"inflight": "dispatching", "d29": "dispatched", "d1": "dispatched"}
     with Session(engine) as session:
         # In batches too, and only as many batches as asked for.
-        assert store.prune_dispatches(session, before=T0, batch=1, max_batches=1) == 1
-        assert len(store.list_dispatches(session)) == 2
-        assert store.prune_dispatches(session, before=T0, batch=1) == 1
-        assert [r.task_name for r in store.list_dispatches(session)] == ["inflight"]
+        assert claims.prune_dispatches(session, before=T0, batch=1, max_batches=1) == 1
+        assert len(claims.list_dispatches(session)) == 2
+        assert claims.prune_dispatches(session, before=T0, batch=1) == 1
+        assert [r.task_name for r in claims.list_dispatches(session)] == ["inflight"]
 
 
 def test_the_loop_prunes_with_the_database_clock_a_batch_per_pass(
@@ -231,14 +253,16 @@ def test_the_loop_prunes_with_the_database_clock_a_batch_per_pass(
     _dispatch_at(engine, "recent", datetime.now(UTC) - timedelta(days=29))
     # Polls far apart and an hourly prune: only working off the backlog pass by pass
     # (no wait while a whole batch went) gets through the three in time.
-    scheduler = CentralScheduler(engine, worker_id="w1", poll_interval=600,
-                                 dispatcher=RecordingDispatcher())
+    scheduler = CentralScheduler(
+        engine, CentralSettings(poll_interval=600), worker_id="w1",
+        dispatcher=RecordingDispatcher(),
+    )
     with Session(engine) as session:
-        assert len(store.list_dispatches(session)) == 4
+        assert len(claims.list_dispatches(session)) == 4
     with scheduler:
         def names() -> list[str]:
             with Session(engine) as session:
-                return [r.task_name for r in store.list_dispatches(session)]
+                return [r.task_name for r in claims.list_dispatches(session)]
         assert _wait_until(lambda: names() == ["recent"])
 
 
@@ -247,7 +271,7 @@ def test_stopping_mid_batch_releases_the_rest(engine: Engine) -> None:
         _save(engine, {"name": f"t{i}", "run_at": T0, "event": "x"}, now=T0)
     scheduler = CentralScheduler(engine, worker_id="w1")
 
-    def stop_after_two(claim: store.Claim) -> None:
+    def stop_after_two(claim: claims.Claim) -> None:
         if claim.name == "t1":
             scheduler._stopping.set()
 
@@ -257,8 +281,10 @@ def test_stopping_mid_batch_releases_the_rest(engine: Engine) -> None:
     finally:
         scheduler.stop()
     with Session(engine) as session:
-        left = store.claim_due(session, worker_id="w2", now=T0)
-    assert [c.name for c in left] == ["t2", "t3", "t4"]
+        left = claims.claim_for_dispatch(session, worker_id="w2", now=T0)
+    assert [c.name for c, _ in left] == ["t2", "t3", "t4"]
+    # Released records were deleted: nothing was sent, so w2 owns each one.
+    assert {outcome for _, outcome in left} == {claims.DispatchOutcome.OWNED}
 
 
 def _at(hour: int, minute: int, second: int = 0, day: int = 1) -> datetime:
@@ -274,7 +300,9 @@ def test_a_stepped_fixed_hour_job_runs_through_the_fall_back_hour(engine: Engine
         _save(engine, {"name": name, "cron": cron, "timezone": "America/New_York",
                        "event": "x"}, now=start)
     recorder = RecordingDispatcher()
-    scheduler = CentralScheduler(engine, worker_id="w1", dispatcher=recorder, stale_after=600)
+    scheduler = CentralScheduler(
+        engine, CentralSettings(stale_after=600), worker_id="w1", dispatcher=recorder,
+    )
     passes = [_at(5, 45, 1), _at(5, 50, 1), _at(6, 0, 1), _at(6, 15, 1), _at(6, 30, 1),
               _at(6, 45, 1), _at(7, 0, 1)]
     try:
@@ -288,9 +316,21 @@ def test_a_stepped_fixed_hour_job_runs_through_the_fall_back_hour(engine: Engine
         _at(5, 45), _at(6, 0), _at(6, 15), _at(6, 30), _at(6, 45)]
     assert len([name for name, _ in keys if name == "every-minute"]) == len(passes)
     assert _task(engine, "quarterly-1am").next_run_at == _at(6, 0, day=2)  # 01:00 EST
+    # Each pass dispatches the latest missed minute (the catch-up rule): 05:45, then
+    # 05:50 (05:46-05:49 skipped), 06:00 (05:51-05:59 skipped), ...
+    assert [at for name, at in keys if name == "every-minute"] == [
+        _at(5, 45), _at(5, 50), _at(6, 0), _at(6, 15), _at(6, 30), _at(6, 45), _at(7, 0)]
     with Session(engine) as session:
-        assert {r.status for r in store.list_dispatches(session)} == {"dispatched"}
-        assert all(t.locked_by is None for t in store.list_tasks(session))
+        records = claims.list_dispatches(session)
+        assert {(r.task_name, r.scheduled_at) for r in records
+                if r.status == "dispatched"} == set(keys)
+        skipped = [r for r in records if r.status == "skipped"]
+        assert {r.task_name for r in skipped} == {"every-minute"}
+        assert all(r.error and r.error.startswith("skipped: ") for r in skipped)
+        assert {r.status for r in records} == {"dispatched", "skipped"}
+        assert all(t.locked_by is None for t in tasks.list_tasks(session))
+    assert _task(engine, "every-minute").skipped_windows == 4 + 9 + 14 * 4
+    assert _task(engine, "quarterly-1am").skipped_windows == 0
 
 
 def test_a_pass_completes_the_rest_of_a_batch_around_a_broken_task(
@@ -318,7 +358,7 @@ def test_a_pass_completes_the_rest_of_a_batch_around_a_broken_task(
     [logged] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert logged.task_name == "broken"  # type: ignore[attr-defined]
     with Session(engine) as session:
-        assert {r.status for r in store.list_dispatches(session)} == {"dispatched"}
+        assert {r.status for r in claims.list_dispatches(session)} == {"dispatched"}
 
 
 # ---------------------------------------------------------------- the live loop
@@ -326,7 +366,9 @@ def test_a_pass_completes_the_rest_of_a_batch_around_a_broken_task(
 
 def test_a_save_in_the_same_process_wakes_the_loop(engine: Engine) -> None:
     recorder = RecordingDispatcher()
-    with CentralScheduler(engine, worker_id="w1", dispatcher=recorder, poll_interval=120):
+    with CentralScheduler(
+        engine, CentralSettings(poll_interval=120), worker_id="w1", dispatcher=recorder,
+    ):
         time.sleep(0.05)  # let it settle into its long wait
         _save(engine, {"name": "now", "run_at": datetime.now(UTC), "event": "x"})
         assert recorder.wait_for(1, DEADLINE)
@@ -338,8 +380,8 @@ def test_the_loop_wakes_for_the_earliest_next_run(engine: Engine) -> None:
     soon = datetime.now(UTC) + timedelta(milliseconds=300)
     _save(engine, {"name": "soon", "run_at": soon, "event": "x"})
     with CentralScheduler(
-        engine, worker_id="w1", dispatcher=recorder, poll_interval=120,
-        wake_on_local_saves=False,
+        engine, CentralSettings(poll_interval=120, wake_on_local_saves=False), worker_id="w1",
+        dispatcher=recorder,
     ):
         assert recorder.wait_for(1, DEADLINE)
     assert recorder.keys() == [("soon", soon)]
@@ -352,8 +394,11 @@ def test_a_notify_from_another_process_wakes_the_loop(
 ) -> None:
     recorder = RecordingDispatcher()
     scheduler = CentralScheduler(
-        postgres_url, worker_id="w-notify", dispatcher=recorder, poll_interval=120,
-        wake_on_local_saves=False, claim_on_notify=claim_on_notify,
+        postgres_url,
+        CentralSettings(
+            poll_interval=120, wake_on_local_saves=False, claim_on_notify=claim_on_notify
+        ),
+        worker_id="w-notify", dispatcher=recorder,
     )
     other = db.make_engine(postgres_url, application_name="sched-test-other")
     try:
@@ -370,8 +415,10 @@ def test_a_notify_from_another_process_wakes_the_loop(
 
 @pytest.mark.postgres
 def test_stop_closes_every_connection_it_opened(postgres_url: str, pg_admin_url: str) -> None:
-    scheduler = CentralScheduler(postgres_url, worker_id="w-close", poll_interval=0.05,
-                                 dispatcher=RecordingDispatcher())
+    scheduler = CentralScheduler(
+        postgres_url, CentralSettings(poll_interval=0.05), worker_id="w-close",
+        dispatcher=RecordingDispatcher(),
+    )
     scheduler.start()
     assert scheduler.listening.wait(DEADLINE)
     time.sleep(0.2)  # a few passes
@@ -386,10 +433,12 @@ def test_claims_commit_asynchronously_and_completions_durably(
     postgres_url: str, durable_claims: bool, claims_commit: str
 ) -> None:
     """The two claiming connections skip the flush unless asked; the pool never does."""
-    scheduler = CentralScheduler(postgres_url, worker_id="w-commit", durable_claims=durable_claims,
-                                 dispatcher=RecordingDispatcher())
+    scheduler = CentralScheduler(
+        postgres_url, CentralSettings(durable_claims=durable_claims), worker_id="w-commit",
+        dispatcher=RecordingDispatcher(),
+    )
     engine = scheduler._ensure_engine()
-    listener = scheduler._connect_listener()
+    listener = scheduler.listener.connect()
     try:
         assert scheduler._claimer is not None
         with scheduler._claimer.connect() as conn:
@@ -453,10 +502,10 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     monkeypatch.setattr(
         prefect.deployments, "run_deployment", lambda name, **kw: calls.append((name, kw))
     )
-    claim = store.Claim(task_id=1, name="nightly", scheduled_at=T0, worker_id="w",
+    claim = claims.Claim(task_id=1, name="nightly", scheduled_at=T0, worker_id="w",
                         locked_until=T0, event="sched.task.backup", deployment=None,
                         payload={"agent": "node-a"})
-    run = store.Claim(task_id=2, name="prune", scheduled_at=T0, worker_id="w",
+    run = claims.Claim(task_id=2, name="prune", scheduled_at=T0, worker_id="w",
                       locked_until=T0, event=None, deployment="prune/nightly",
                       payload={"agent": "node-b"})
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -476,3 +525,62 @@ def test_prefect_dispatcher_emits_a_task_event_keyed_by_task_and_time(
     assert deployment == {"parameters": {"agent": "node-b"}, "timeout": 0,
                           "idempotency_key": "prune:2026-12-02T12:00:00+00:00",
                           "as_subflow": False}
+
+
+# ---------------------------------------------------------------- failover and catch-up
+
+
+def test_a_killed_instances_claim_is_dispatched_by_another_a_lease_later(
+    engine: Engine,
+) -> None:
+    """Defaults: a 10 s lease and stale_after: a dead worker's claim waits 10 s, not 10 min."""
+    _save(engine, {"name": "once", "run_at": T0, "event": "x"}, now=T0)
+    settings = CentralSettings()
+    with Session(engine) as session:  # the dead instance: claimed, recorded, never finished
+        [(claim, outcome)] = claims.claim_for_dispatch(
+            session, worker_id="dead", now=T0, lease=settings.lease,
+            stale_after=settings.stale_after,
+        )
+    assert outcome is claims.DispatchOutcome.OWNED and claim.worker_id == "dead"
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, settings, worker_id="w1", dispatcher=recorder)
+    try:
+        assert scheduler.run_once(now=T0 + timedelta(seconds=10)) == 0  # still leased
+        assert scheduler.run_once(now=T0 + timedelta(seconds=10, microseconds=1)) == 1
+    finally:
+        scheduler.stop()
+    assert recorder.keys() == [("once", T0)]
+    assert _task(engine, "once").status == TaskStatus.DONE
+
+
+def test_the_heartbeat_renews_a_slow_dispatch_so_nobody_takes_it_over(
+    postgres_url: str,
+) -> None:
+    """A dispatch far slower than the lease keeps its claim: nothing is sent twice."""
+    settings = CentralSettings(lease=0.6, stale_after=0.6, poll_interval=0.05)
+    release = threading.Event()
+    slow = RecordingDispatcher(on_dispatch=lambda _record: release.wait(DEADLINE))
+    quick = RecordingDispatcher()
+    first = CentralScheduler(postgres_url, settings, worker_id="w-slow", dispatcher=slow)
+    second = CentralScheduler(postgres_url, settings, worker_id="w-other", dispatcher=quick)
+    engine = db.make_engine(postgres_url, application_name="sched-test-heartbeat")
+    try:
+        first.start()
+        _save(engine, {"name": "slow", "run_at": datetime.now(UTC), "event": "x"})
+        assert _wait_until(lambda: first.renewals >= 5)  # 5 renewals: 3+ leases long
+        second.start()
+        assert _wait_until(lambda: second.waiting.is_set())
+        assert _wait_until(lambda: first.renewals >= 10)
+        assert quick.keys() == []
+        release.set()
+        assert slow.wait_for(1, DEADLINE)
+        assert _wait_until(lambda: _task(engine, "slow").status == TaskStatus.DONE)
+        with Session(engine) as session:
+            [record] = claims.list_dispatches(session, "slow")
+        assert record.status == "dispatched" and record.renewed_at is not None
+    finally:
+        release.set()
+        first.stop()
+        second.stop()
+        engine.dispose()
+    assert quick.keys() == [] and [name for name, _ in slow.keys()] == ["slow"]

@@ -12,13 +12,23 @@ from __future__ import annotations
 import random
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
 from cronsim import CronSim
 
-from controller.timing import check_cron, next_cron, next_run, next_shape, next_shape_by_minutes
+from controller.claims import Claim
+from controller.timing import (
+    check_cron,
+    next_cron,
+    next_run,
+    next_shape,
+    plan_after_dispatch,
+    plan_catch_up,
+)
 from sched_core.model import Schedule
+from tests.oracles import next_shape_by_minutes
 
 NY = "America/New_York"
 
@@ -219,3 +229,49 @@ def test_check_cron_accepts_rare_but_real_days(expr: str) -> None:
 def test_next_cron_refuses_a_naive_instant() -> None:
     with pytest.raises(ValueError, match="no UTC offset"):
         next_cron("* * * * *", NY, after=datetime(2026, 12, 2, 12))
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _claim(scheduled_at: datetime, **kw: Any) -> Claim:
+    return Claim(task_id=1, name="t", scheduled_at=scheduled_at, worker_id="w",
+                 locked_until=scheduled_at, event="sched.task.x", deployment=None, **kw)
+
+
+def test_catch_up_is_none_for_a_current_or_one_shot_claim() -> None:
+    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    hourly = _claim(at, cron="0 * * * *")
+    assert plan_catch_up(hourly, at + timedelta(minutes=59, seconds=59)) is None
+    assert plan_catch_up(_claim(at), at + timedelta(days=3)) is None  # one-shot: dispatched late
+
+
+def test_catch_up_dispatches_only_the_latest_missed_window_counting_the_rest() -> None:
+    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    plan = plan_catch_up(_claim(at, cron="0 * * * *"), at + timedelta(hours=3, minutes=1))
+    assert plan is not None
+    assert (plan.next_run_at, plan.skipped) == (at + timedelta(hours=3), 3)
+    assert (plan.first_skipped, plan.last_skipped) == (at, at + timedelta(hours=2))
+    # Exactly at the next window it is already due: that one is the latest.
+    plan = plan_catch_up(_claim(at, cron="0 * * * *"), at + timedelta(hours=1))
+    assert plan is not None and (plan.next_run_at, plan.skipped) == (at + timedelta(hours=1), 1)
+
+
+def test_catch_up_counts_both_copies_of_a_repeated_hour() -> None:
+    # New York, 2026-11-01: 01:00-01:59 EDT is 05:xxZ, then 01:00-01:59 EST is 06:xxZ.
+    start = datetime(2026, 11, 1, 5, 0, tzinfo=UTC)
+    claim = _claim(start, cron="*/15 1 * * *", timezone="America/New_York")
+    plan = plan_catch_up(claim, datetime(2026, 11, 1, 6, 50, tzinfo=UTC))
+    assert plan is not None
+    # 05:00, 05:15, 05:30, 05:45, 06:00, 06:15, 06:30 skipped; 06:45 (01:45 EST) is dispatched.
+    assert (plan.next_run_at, plan.skipped) == (datetime(2026, 11, 1, 6, 45, tzinfo=UTC), 7)
+
+
+def test_a_late_dispatch_plan_counts_what_it_passed_over() -> None:
+    at = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    on_time = plan_after_dispatch(_claim(at, cron="*/5 * * * *"), at + timedelta(seconds=3))
+    assert (on_time.next_run_at, on_time.skipped) == (at + timedelta(minutes=5), 0)
+    late = plan_after_dispatch(_claim(at, cron="*/5 * * * *"), at + timedelta(minutes=11))
+    assert (late.next_run_at, late.skipped) == (at + timedelta(minutes=15), 2)
+    assert (late.first_skipped, late.last_skipped) == (
+        at + timedelta(minutes=5), at + timedelta(minutes=10))

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import pytest
 from sqlmodel import Session
 
-from controller import store
+from controller import tasks
 from controller.db import make_engine, migrate
 from controller.models import TaskIn
 
@@ -50,6 +50,6 @@ def test_saving_a_cron_task_in_the_repeated_hour_gives_its_next_run(
     try:
         with Session(engine) as session:
             task = TaskIn(name=f"t-fall-{expr}", cron=expr, timezone=NY, event="x")
-            assert store.save_task(session, task, now=now).next_run_at == expected
+            assert tasks.save_task(session, task, now=now).next_run_at == expected
     finally:
         engine.dispose()

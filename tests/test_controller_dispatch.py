@@ -33,11 +33,11 @@ from prefect import flow
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from controller import db, store
-from controller.central import CentralScheduler
+from controller import claims, db, tasks
+from controller.central import CentralScheduler, CentralSettings
+from controller.claims import Claim
 from controller.dispatch import PrefectDispatcher, event_id
 from controller.models import DispatchStatus, TaskIn
-from controller.store import Claim
 
 DEADLINE = 60.0  # seconds; only ever reached when something is broken
 
@@ -71,7 +71,7 @@ def _suffix() -> str:
 def _dispatch_once(engine: Engine, body: dict[str, Any], at: datetime) -> list[Claim]:
     """Save a one-shot task due at ``at``, run one scheduler pass; return what it dispatched."""
     with Session(engine) as session:
-        store.save_task(session, TaskIn.model_validate({**body, "run_at": at}), now=at)
+        tasks.save_task(session, TaskIn.model_validate({**body, "run_at": at}), now=at)
     prefect = PrefectDispatcher()
     sent: list[Claim] = []
 
@@ -79,14 +79,16 @@ def _dispatch_once(engine: Engine, body: dict[str, Any], at: datetime) -> list[C
         sent.append(claim)
         prefect(claim)
 
-    scheduler = CentralScheduler(engine, dispatcher=dispatcher, wake_on_local_saves=False)
+    scheduler = CentralScheduler(
+        engine, CentralSettings(wake_on_local_saves=False), dispatcher=dispatcher,
+    )
     try:
         assert scheduler.run_once(now=at) == 1
         assert scheduler.run_once(now=at + timedelta(minutes=1)) == 0  # one-shot: done
     finally:
         scheduler.stop()
     with Session(engine) as session:
-        records = store.list_dispatches(session, body["name"])
+        records = claims.list_dispatches(session, body["name"])
     assert [(r.scheduled_at, r.status) for r in records] == [(at, DispatchStatus.DISPATCHED)]
     assert len(sent) == 1
     return sent
@@ -205,17 +207,17 @@ def _one_pass(engine: Engine, name: str) -> tuple[Any, list[Any]]:
     Returns the task and its dispatch records as the pass left them.
     """
     with Session(engine) as session:
-        store.save_task(session, TaskIn(name=name, run_at=FAILED_AT, event="probe.x"),
+        tasks.save_task(session, TaskIn(name=name, run_at=FAILED_AT, event="probe.x"),
                         now=FAILED_AT)
-    scheduler = CentralScheduler(engine, wake_on_local_saves=False)
+    scheduler = CentralScheduler(engine, CentralSettings(wake_on_local_saves=False))
     try:
         assert scheduler.run_once(now=FAILED_AT) == 1
     finally:
         scheduler.stop()
     with Session(engine) as session:
-        task = store.get_task(session, name)
+        task = tasks.get_task(session, name)
         assert task is not None
-        return task, store.list_dispatches(session, name)
+        return task, claims.list_dispatches(session, name)
 
 
 def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(

@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ PRUNE_ROW = {
     "id": "e2e-prune", "name": "prune after the wave", "repo_id": "r-e2e", "action": "prune",
     "schedule": {"on": "after_wave"}, "miss_policy": "skip", "enabled": True,
 }
+GRACE_S = 15
+"""The test node's grace: short, so that a stopped worker makes windows late in seconds."""
 
 
 def _free_port() -> int:
@@ -83,12 +86,18 @@ class User:
         (tmp / "schedules.json").write_text(json.dumps({"schedules": [PRUNE_ROW]}))
         self.state = tmp / "state"
         python = json.dumps(sys.executable)
+        self.schedules = tmp / "schedules.json"
         config.write_text(
             f'node_name = "{self.node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
+            f"grace = {GRACE_S}\n"
             f"[actions.backup]\nargv = [{python}, \"-c\", "
             "\"print('hello from the e2e job', '{repo_id}')\"]\n"
             f"[actions.prune]\nargv = [{python}, \"-c\", "
             "\"print('prune of', '{repo_id}', 'fired by', '{trigger_key}')\"]\n"
+            f"[actions.slow]\nargv = [{python}, \"-c\", "
+            "\"import time; print('slow job starts'); time.sleep(45); print('slow job done')\"]\n"
+            f"[actions.echo]\nargv = [{python}, \"-c\", "
+            "\"print('echo', '{schedule_id}')\"]\n"
             '[[stages]]\nname = "prune"\naction = "prune"\n'
         )
         self.env = {
@@ -159,6 +168,30 @@ class User:
             time.sleep(1)
         raise AssertionError(f"{what}: no finished {flow_name} run in {timeout:g} s: {runs}")
 
+    def get(self, path: str) -> Any:
+        response = httpx.get(f"{self.api}{path}", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def run_named(self, name: str) -> dict[str, Any]:
+        """Return the run called name (it must exist)."""
+        found = self.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": [name]}}})
+        assert len(found) == 1, f"{name}: {[run['name'] for run in found]}"
+        run: dict[str, Any] = found[0]
+        return run
+
+    def wait_run(self, name: str, state_type: str, *, timeout: float) -> dict[str, Any]:
+        """Wait until the run called name is in state_type; return it."""
+        deadline = time.monotonic() + timeout
+        run: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            found = self.post("/flow_runs/filter", {"flow_runs": {"name": {"any_": [name]}}})
+            if found and found[0]["state"]["type"] == state_type:
+                return dict(found[0])
+            run = found[0] if found else {}
+            time.sleep(1)
+        raise AssertionError(f"{name}: not {state_type} in {timeout:g} s: {run.get('state')}")
+
     def log_lines(self, run_id: str, expected: str) -> list[str]:
         """Return the run's log messages once expected is among them (or after 30 s)."""
         messages: list[str] = []
@@ -166,7 +199,7 @@ class User:
         while time.monotonic() < deadline:
             logs = self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}})
             messages = [item["message"] for item in logs]
-            if expected in messages:
+            if any(expected in message for message in messages):
                 break
             time.sleep(0.5)
         return messages
@@ -185,7 +218,30 @@ def user(tmp_path: Path) -> Iterator[User]:
     assert left == [], f"processes left behind: {left}"
 
 
-def test_deploy_worker_ad_hoc_run_and_chain_like_a_user(user: User) -> None:
+def _row(sid: str, action: str, schedule: dict[str, Any], policy: str) -> dict[str, Any]:
+    return {"id": sid, "name": f"{action} {sid}", "repo_id": "r-e2e", "action": action,
+            "schedule": schedule, "miss_policy": policy, "enabled": True}
+
+
+def _at(moment: datetime) -> None:
+    """Sleep until moment (UTC)."""
+    time.sleep(max(0.0, (moment - datetime.now(UTC)).total_seconds()))
+
+
+@pytest.mark.timeout(720)
+def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user: User) -> None:
+    """One node through `prefect deploy` and a worker, in one timeline (W0 is a minute):
+
+    - W0-45 s: a reconcile plans the coming windows: named Scheduled runs at exact times.
+    - W0: the hourly backup runs on time (stamped once) and the chain fires the prune; a
+      slow hourly job starts; two every-minute jobs run (run-once-within-24h and skip).
+    - W0+15 s: the node dies (its worker and the job's process killed) mid-way through the
+      slow job, which stays Running until the agent's automation finds its heartbeats gone
+      and marks it Crashed, freeing run-job's slot.
+    - W2+20 s: the worker is back; the runs of W1 and W2 are late (grace 15 s): under
+      skip both end Skipped; under run-once W2 runs and W1 is coalesced into it. A
+      reconcile runs the interrupted slow job once more. Nothing runs twice.
+    """
     t0 = time.monotonic()
 
     def phase(name: str) -> None:
@@ -202,56 +258,146 @@ def test_deploy_worker_ad_hoc_run_and_chain_like_a_user(user: User) -> None:
             pass
         assert time.monotonic() < deadline, "server did not become healthy"
         time.sleep(0.5)
-
     phase("server healthy")
     user.run("work-pool", "create", "sched-agent", "--type", "process", "--overwrite")
-    phase("pool created")
     out = user.run("--no-prompt", "deploy", "--all", timeout=240)
     phase("deployed")
-    for flow_name in ("fire-tick", "reconcile", "run-job", "advance-chain"):
+    for flow_name in ("reconcile", "run-job", "advance-chain"):
         assert f"{flow_name}/{user.node}" in out
-    # The node pulls its list first (the chain fires the cached after_wave rows);
-    # the run waits in the queue until the worker starts.
+    assert "fire-tick" not in out
+
+    now = datetime.now(UTC)
+    w0 = (now + timedelta(seconds=105)).replace(second=0, microsecond=0)
+    w1, w2, w3 = (w0 + timedelta(minutes=n) for n in (1, 2, 3))
+    hourly = {"days": ["*"], "hours": ["*"], "minute": str(w0.minute)}
+    every_minute = {"days": None, "hours": None, "minute": "", "interval_minutes": 1}
+    user.schedules.write_text(json.dumps({"schedules": [
+        _row("b", "backup", hourly, "run-once-within-24h"),
+        _row("long", "slow", hourly, "run-once-within-24h"),
+        _row("once", "echo", every_minute, "run-once-within-24h"),
+        _row("never", "echo", every_minute, "skip"),
+        PRUNE_ROW,
+    ]}))
     user.run("deployment", "run", f"reconcile/{user.node}")
-    user.start("worker", "start", "--pool", "sched-agent", "--work-queue", user.node)
-    pulled = user.finished_run("reconcile", "the pull")
+    worker = user.start("worker", "start", "--pool", "sched-agent", "--work-queue", user.node)
+    pulled = user.finished_run("reconcile", "the first reconcile")
     assert pulled["state"]["type"] == "COMPLETED", pulled["state"]
-    phase("pulled")
+    phase("planned")
 
-    schedule = {
-        "id": "e2e-1", "name": "ad hoc backup", "repo_id": "r-e2e", "action": "backup",
-        "schedule": {"on": "manual"}, "miss_policy": "skip", "enabled": True,
+    # Right after the reconcile: the window is a named Scheduled run at its exact instant.
+    stamp = w0.strftime("%Y%m%dT%H%MZ")
+    backup = user.run_named(f"backup-b-{stamp}")
+    assert backup["state"]["type"] == "SCHEDULED"
+    assert _utc(backup["expected_start_time"]) == w0
+    assert {f"node:{user.node}", "action:backup", "schedule:b", "trigger:schedule"} <= set(
+        backup["tags"])
+    assert set(backup["parameters"]) == {"schedule_id", "trigger_key", "window", "key"}
+    automations = user.post("/automations/filter", {})
+    assert {a["name"] for a in automations} >= {
+        "sched-agent: crash runs whose heartbeats stopped",
+        "sched-agent: crash runs stuck in Pending",
     }
-    user.run("deployment", "run", f"run-job/{user.node}",
-             "--params", json.dumps({"schedule": schedule}))
-    phase("run created")
-    run = user.finished_run("run-job", "the ad hoc backup", tags=[f"node:{user.node}",
-                                                                 "action:backup"])
-    phase("run finished")
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert run["name"].startswith("backup-e2e-1-")
-    line = "hello from the e2e job r-e2e"
-    assert line in user.log_lines(run["id"], line)
 
-    # The chain: sched.job.completed -> the advance-chain trigger -> the prune stage
-    # fires the cached after_wave row -> its completion triggers advance-chain again.
-    chained = user.finished_run("advance-chain", "the trigger on the backup", action="backup")
-    phase("advance-chain after the backup finished")
-    assert chained["state"]["type"] == "COMPLETED", chained["state"]
-    assert chained["name"] == "chain-after-backup"
-    assert chained["parameters"] == {
-        "action": "backup", "node": user.node, "completed_run": run["id"]
-    }
+    # W0: the backup runs at its time, once; the slow job starts.
+    ran = user.wait_run(f"backup-b-{stamp}", "COMPLETED", timeout=180)
+    assert ran["id"] == backup["id"] and ran["state"]["name"] == "Completed", ran["state"]
+    assert _utc(ran["start_time"]) >= w0 - timedelta(seconds=1)
+    assert any("start guard: window" in line and "on time" in line
+               for line in user.log_lines(ran["id"], "hello from the e2e job r-e2e"))
+    cache = json.loads((user.state / "cache.json").read_text())
+    assert cache["last_fired_at"]["b"] == w0.strftime("%Y-%m-%dT%H:%M:%SZ")
+    slow = user.wait_run(f"slow-long-{stamp}", "RUNNING", timeout=60)
+    phase("W0 ran")
+
+    # The node dies mid-job (its worker and the job's process killed at once): nothing
+    # is left to report a state.
+    _at(w0 + timedelta(seconds=15))
+    node_processes = [pid for pid in _marked(user.marker.split("=")[1])
+                      if _group(pid) != server.pid]
+    assert worker.pid in node_processes and len(node_processes) > 1  # the job runs too
+    for pid in node_processes:
+        os.kill(pid, signal.SIGKILL)
+    worker.wait(timeout=30)
+    phase("node killed")
+    # The slow job lost its process: the agent's automation marks it Crashed once its
+    # heartbeats are gone, which frees run-job's slot.
+    crashed = user.wait_run(f"slow-long-{stamp}", "CRASHED", timeout=200)
+    assert "sched-agent automation" in (crashed["state"]["message"] or "")
+    job_limit = user.get(f"/deployments/name/run-job/{user.node}")["global_concurrency_limit"]
+    assert job_limit["active_slots"] == 0
+    phase("interrupted job crashed")
+
+    _at(w2 + timedelta(seconds=GRACE_S + 5))
+    user.start("worker", "start", "--pool", "sched-agent", "--work-queue", user.node)
+    user.run("deployment", "run", f"reconcile/{user.node}")
+    phase("worker back")
+
+    def final(name: str) -> dict[str, Any]:
+        return user.wait_run(name, "COMPLETED", timeout=180)
+
+    s1, s2 = w1.strftime("%Y%m%dT%H%MZ"), w2.strftime("%Y%m%dT%H%MZ")
+    never1, never2 = final(f"echo-never-{s1}"), final(f"echo-never-{s2}")
+    for run in (never1, never2):
+        assert run["state"]["name"] == "Skipped"
+        assert "miss policy skip" in run["state"]["message"]
+    once1, once2 = final(f"echo-once-{s1}"), final(f"echo-once-{s2}")
+    assert once1["state"]["name"] == "Skipped"
+    assert "coalesced into" in once1["state"]["message"]
+    assert once2["state"]["name"] == "Completed"
+    assert any("run as the latest missed window" in line
+               for line in user.log_lines(once2["id"], "echo once"))
+    retry = final(f"slow-long-{stamp}-retry")
+    assert retry["state"]["name"] == "Completed" and "retry" in retry["tags"]
+    assert retry["parameters"]["retry_of"] == slow["id"]
+    assert "slow job done" in user.log_lines(retry["id"], "slow job done")
+    phase("late windows and the re-run done")
+
+    # W3 runs on time for both; no window ran twice.
+    s3 = w3.strftime("%Y%m%dT%H%MZ")
+    for sid in ("once", "never"):
+        assert final(f"echo-{sid}-{s3}")["state"]["name"] == "Completed"
+    runs = user.post("/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"node:{user.node}"]}},
+                                           "flows": {"name": {"any_": ["run-job"]}}})
+    completed = [run["name"] for run in runs if run["state"]["name"] == "Completed"]
+    assert len(completed) == len(set(completed)), completed
+
+    # One job event per run: the crashed slow job's (sent by the reconcile, its
+    # process being gone) and its re-run's.
+    events = user.post("/events/filter", {"filter": {
+        "event": {"prefix": ["sched.job."]},
+        "resource": {"id": [f"sched.agent.{user.node}"]}}})["events"]
+    per_run: dict[str, int] = {}
+    for event in events:
+        per_run[event["payload"]["flow_run_id"]] = per_run.get(
+            event["payload"]["flow_run_id"], 0) + 1
+    assert per_run[slow["id"]] == 1 and per_run[retry["id"]] == 1
+    assert all(count == 1 for count in per_run.values()), per_run
+    failed = [e for e in events if e["payload"]["flow_run_id"] == slow["id"]]
+    assert failed[0]["event"] == "sched.job.failed" and failed[0]["payload"]["state"] == "Crashed"
+
+    # The chain: the backup's completion fired the prune stage (after the worker was back).
     prune = user.finished_run("run-job", "the prune stage", tags=[f"node:{user.node}",
                                                                  "action:prune"])
-    phase("prune finished")
     assert prune["state"]["type"] == "COMPLETED", prune["state"]
-    assert prune["name"].startswith("prune-e2e-prune-")
     assert "trigger:chain-prune" in prune["tags"]
     line = "prune of r-e2e fired by chain-prune"
     assert line in user.log_lines(prune["id"], line)
-    marks = json.loads((user.state / "chain.json").read_text())["stages"]
-    assert marks["prune"]["fired"] == ["e2e-prune"] and marks["prune"]["complete"]
-    after = user.finished_run("advance-chain", "the trigger on the prune", action="prune")
-    phase("advance-chain after the prune finished")
-    assert after["state"]["type"] == "COMPLETED", after["state"]
+
+    # An ad hoc run goes by schedule id, from the node's cache.
+    user.run("deployment", "run", f"run-job/{user.node}", "--params",
+             json.dumps({"schedule_id": "b"}))
+    adhoc = user.finished_run("run-job", "the ad hoc backup",
+                              tags=[f"node:{user.node}", "action:backup", "trigger:manual"])
+    assert adhoc["state"]["type"] == "COMPLETED", adhoc["state"]
+    phase("chain and ad hoc run done")
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _utc(text: str) -> datetime:
+    return datetime.fromisoformat(text).astimezone(UTC)

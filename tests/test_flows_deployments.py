@@ -95,8 +95,8 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
         served["options"] = options
 
     monkeypatch.setattr(serve_module, "serve", fake_serve)
-    monkeypatch.setattr(serve_module, "reconcile_now", lambda deployments: None)
+    monkeypatch.setattr(serve_module, "prepare", lambda deployments: None)
     assert serve_module.main() == 0
-    assert served["options"] == {"limit": None}
+    assert served["options"] == {"limit": None, "print_starting_message": True}
     limited = {name: d.concurrency_limit for name, d in served["deployments"].items()}
     assert limited == {"reconcile": 1, "run-job": 3, "advance-chain": 1}

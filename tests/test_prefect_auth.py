@@ -202,7 +202,7 @@ DISPATCH = """
 import json
 from datetime import datetime
 from controller.dispatch import PrefectDispatcher
-from controller.store import Claim
+from controller.claims import Claim
 at = datetime.fromisoformat(AT)
 dispatch = PrefectDispatcher()
 dispatch(Claim(task_id=1, name="auth-run", scheduled_at=at, worker_id="t", locked_until=at,

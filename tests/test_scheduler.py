@@ -684,16 +684,19 @@ def test_start_pulls_and_stop_is_idempotent(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a"), row("b", name="aaa")],
                   fire_interval=timedelta(milliseconds=20), pull_interval=timedelta(seconds=30))
     agent.scheduler.start()
+    threads = list(agent.scheduler._runner.threads)
+    assert len(threads) == 2
     try:
         for _ in range(500):
             if agent.scheduler.schedules():
                 break
-            agent.scheduler._stop.wait(0.01)
+            agent.scheduler._runner.stop_event.wait(0.01)
     finally:
         agent.scheduler.stop()
     agent.scheduler.stop()
     assert [s.id for s in agent.scheduler.schedules()] == ["b", "a"]  # sorted by name
-    assert all(not t.is_alive() for t in agent.scheduler._threads)
+    assert all(not t.is_alive() for t in threads)
+    assert agent.scheduler._runner.threads == []
 
 
 def test_unchanged_list_costs_a_304(tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""The controller's HTTP API: the schedules agents pull, CRUD for schedules and tasks.
+
+The package: :mod:`~controller.api.app` (the routers, auth as dependencies),
+:mod:`~controller.api.jsonbody` (bodies read as Go reads them),
+:mod:`~controller.api.pull` (the pull answer, its ETag and cache) and
+:mod:`~controller.api.access_log` (one log line per request).
+
+Rule: authentication runs before anything reads the request body, and every
+answer about schedules is built from ``LocalSchedule.model_dump_json()`` (the
+pull answer from each row's stored output of it, see :mod:`controller.schedules`),
+so the bytes on the wire are the Go kit's JSON.
+
+Endpoints (every ``/api`` one needs ``Authorization: Bearer <token>``):
+
+====== ================================== =============== ===========================
+method path                               who             answer
+====== ================================== =============== ===========================
+GET    /healthz                           anyone          ``{"status": "ok"}`` or 503
+GET    /api/schedules?node=N              admin, node N   ``{"schedules": [...]}`` + ETag
+GET    /api/nodes                         admin           ``{"nodes": [...]}``
+GET    /api/nodes/{node}/schedules        admin, node     as ``/api/schedules?node=``
+GET    /api/nodes/{node}/schedules/{id}   admin, node     one row, or 404
+PUT    /api/nodes/{node}/schedules/{id}   admin           the stored row (version bumped)
+DELETE /api/nodes/{node}/schedules/{id}   admin           204, or 404
+GET    /api/tasks                         admin           ``{"tasks": [...]}``
+GET    /api/tasks/{name}                  admin           one task, or 404
+GET    /api/tasks/{name}/dispatches       admin           ``{"dispatches": [...]}``, or 404
+PUT    /api/tasks/{name}                  admin           the stored task
+DELETE /api/tasks/{name}                  admin           204, or 404
+====== ================================== =============== ===========================
+
+A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
+token outside its node, or on a write, gets 403. An invalid body gets 422 with
+``{"detail": [{"field": "schedule", "loc": [...], "msg": "...", "type": "..."}]}``,
+and so does a node name, schedule id or task name that no database column holds
+(over 200 characters, or with a NUL), on every path that takes one, so SQLite
+and Postgres answer alike. A body is JSON as Go's ``encoding/json`` reads it: no
+``NaN``/``Infinity`` and no number beyond a float64, nested at most 100 deep,
+and its text fields hold no NUL (Postgres text cannot) and nothing but UTF-8.
+"""
+
+from controller.api.access_log import AccessLogMiddleware
+from controller.api.app import create_app
+from controller.api.pull import (
+    PULL_CACHE_BYTES,
+    PullCache,
+    etag_header,
+    etag_matches,
+    schedules_body,
+    wire_body,
+)
+
+__all__ = [
+    "PULL_CACHE_BYTES",
+    "AccessLogMiddleware",
+    "PullCache",
+    "create_app",
+    "etag_header",
+    "etag_matches",
+    "schedules_body",
+    "wire_body",
+]

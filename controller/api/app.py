@@ -1,0 +1,281 @@
+"""The controller's HTTP app: routers for schedules and tasks, auth as dependencies.
+
+Rule: authentication runs before anything reads the request body (it is a
+dependency; bodies are read inside the endpoints), and every answer about
+schedules is built from ``LocalSchedule.model_dump_json()`` (the pull answer
+from each row's stored output of it, see :mod:`controller.schedules`), so the
+bytes on the wire are the Go kit's JSON. Errors are raised as
+:mod:`controller.errors` and mapped to their status in one place
+(:func:`_install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+from starlette.concurrency import run_in_threadpool
+
+from controller import claims, schedules, tasks
+from controller.api.access_log import AccessLogMiddleware
+from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
+from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
+from controller.auth import Principal, Tokens, bearer_token
+from controller.errors import BodyTooLarge, InvalidInput, NotFound
+from controller.models import NodeRevision, ScheduledTask, TaskIn
+from sched_core.model import LocalSchedule
+
+log = logging.getLogger("controller.api")
+
+T = TypeVar("T")
+
+
+class Auth:
+    """Who is calling, as FastAPI dependencies: ``Depends(auth.require_admin)`` and friends.
+
+    A missing or unknown token is a 401 with ``WWW-Authenticate: Bearer``; a
+    node token outside its node, or on a write, is a 403. The principal (and
+    the node, when the path names one) go on ``request.state`` for the access log.
+    """
+
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
+
+    def authenticate(self, request: Request) -> Principal:
+        """Return the caller's principal; 401 when the token is missing or unknown."""
+        token = bearer_token(request.headers.get("authorization"))
+        principal = self.tokens.authenticate(token)
+        if principal is None:
+            detail = "missing bearer token" if token is None else "invalid bearer token"
+            challenge = "Bearer" if token is None else 'Bearer error="invalid_token"'
+            raise HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
+        request.state.principal = principal
+        return principal
+
+    def require_admin(self, request: Request) -> Principal:
+        """Return the admin principal; 403 for a node token."""
+        principal = self.authenticate(request)
+        if not principal.is_admin:
+            raise HTTPException(403, "this endpoint needs the admin token")
+        return principal
+
+    def require_admin_on_node(self, request: Request, node: str) -> Principal:
+        """Return the admin principal of a write to node's schedules (node logged either way)."""
+        request.state.node = node
+        return self.require_admin(request)
+
+    def require_node(self, request: Request, node: str) -> Principal:
+        """Return a principal that may read node's schedules (the admin, or node itself)."""
+        request.state.node = node
+        principal = self.authenticate(request)
+        if not principal.may_read_node(node):
+            raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
+        return principal
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Map the controller's errors, and FastAPI's validation errors, to their answers."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": validation_entries(list(exc.errors()))}, status_code=422)
+
+    @app.exception_handler(InvalidInput)
+    async def _invalid(request: Request, exc: InvalidInput) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=422)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+
+def _check_schedule_key(node: str, schedule_id: str, *, storing: bool = False) -> None:
+    check_name(("path", "node"), node, storing=storing)
+    check_name(("path", "id"), schedule_id, storing=storing)
+
+
+def _task_json(task: ScheduledTask) -> dict[str, Any]:
+    """Return a stored task as JSON-ready data (called inside its session)."""
+    data: dict[str, Any] = task.model_dump(mode="json")
+    return data
+
+
+def schedule_router(
+    in_session: Callable[[Callable[[Session], Any]], Any], auth: Auth, pull_cache: PullCache
+) -> APIRouter:
+    """Return the routes of the agents' schedules: the pull, and CRUD per node."""
+    router = APIRouter()
+    admin = Depends(auth.require_admin)
+    admin_on_node = Depends(auth.require_admin_on_node)
+    reader = Depends(auth.require_node)
+
+    def pull_answer(request: Request, node: str, source: str = "path") -> Response:
+        check_name((source, "node"), node)
+        return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"))
+
+    @router.get("/api/schedules", dependencies=[Depends(auth.authenticate)])
+    def list_schedules(request: Request, node: str | None = None) -> Response:
+        # node is checked here, not by FastAPI, so that a missing token is a 401 first.
+        if not node:
+            raise _unprocessable(("query", "node"), "node is required (?node=NAME)", "missing")
+        auth.require_node(request, node)
+        return pull_answer(request, node, "query")
+
+    @router.get("/api/nodes", dependencies=[admin])
+    def list_nodes() -> JSONResponse:
+        return JSONResponse({"nodes": in_session(schedules.list_nodes)})
+
+    @router.get("/api/nodes/{node}/schedules", dependencies=[reader])
+    def list_node_schedules(request: Request, node: str) -> Response:
+        return pull_answer(request, node)
+
+    @router.get("/api/nodes/{node}/schedules/{schedule_id}", dependencies=[reader])
+    def get_schedule(node: str, schedule_id: str) -> Response:
+        _check_schedule_key(node, schedule_id)
+        row = in_session(lambda s: schedules.get_schedule(s, node, schedule_id))
+        if row is None:
+            raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
+        return Response(row.model_dump_json(), media_type="application/json")
+
+    @router.put("/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node])
+    async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
+        _check_schedule_key(node, schedule_id, storing=True)
+        row = await read_model(request, LocalSchedule, "id", schedule_id)
+        stored = await run_in_threadpool(
+            in_session, lambda s: schedules.put_schedule(s, node, row)
+        )
+        log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
+                                           "version": stored.version})
+        return Response(stored.model_dump_json(), media_type="application/json")
+
+    @router.delete(
+        "/api/nodes/{node}/schedules/{schedule_id}", status_code=204,
+        dependencies=[admin_on_node],
+    )
+    def delete_schedule(node: str, schedule_id: str) -> Response:
+        _check_schedule_key(node, schedule_id)
+        if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id)):
+            raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
+        log.info("schedule deleted", extra={"node": node, "schedule_id": schedule_id})
+        return Response(status_code=204)
+
+    return router
+
+
+def task_router(
+    in_session: Callable[[Callable[[Session], Any]], Any],
+    auth: Auth,
+    on_task_saved: Callable[[str], None] | None,
+) -> APIRouter:
+    """Return the routes of the central tasks (admin only) and their dispatch records."""
+    router = APIRouter(dependencies=[Depends(auth.require_admin)])
+
+    @router.get("/api/tasks")
+    def list_tasks() -> JSONResponse:
+        found = in_session(lambda s: [_task_json(t) for t in tasks.list_tasks(s)])
+        return JSONResponse({"tasks": found})
+
+    @router.get("/api/tasks/{name}")
+    def get_task(name: str) -> JSONResponse:
+        check_name(("path", "name"), name)
+
+        def read(session: Session) -> dict[str, Any] | None:
+            task = tasks.get_task(session, name)
+            return None if task is None else _task_json(task)
+
+        found = in_session(read)
+        if found is None:
+            raise NotFound(f"no task {name!r}")
+        return JSONResponse(found)
+
+    @router.get("/api/tasks/{name}/dispatches")
+    def list_task_dispatches(
+        name: str, limit: int = Query(100, ge=1, le=1000)
+    ) -> JSONResponse:
+        check_name(("path", "name"), name)
+
+        def read(session: Session) -> list[dict[str, Any]] | None:
+            if tasks.get_task(session, name) is None:
+                return None
+            return [r.model_dump(mode="json")
+                    for r in claims.list_dispatches(session, name, newest=limit)]
+
+        found = in_session(read)
+        if found is None:
+            raise NotFound(f"no task {name!r}")
+        return JSONResponse({"dispatches": found})
+
+    @router.put("/api/tasks/{name}")
+    async def put_task(request: Request, name: str) -> Response:
+        check_name(("path", "name"), name, storing=True)
+        task = await read_model(request, TaskIn, "name", name)
+        stored = await run_in_threadpool(
+            in_session, lambda s: _task_json(tasks.save_task(s, task))
+        )
+        log.info("task saved", extra={"task": name})
+        if on_task_saved is not None:
+            on_task_saved(name)
+        return JSONResponse(stored)
+
+    @router.delete("/api/tasks/{name}", status_code=204)
+    def delete_task(name: str) -> Response:
+        check_name(("path", "name"), name)
+        if not in_session(lambda s: tasks.delete_task(s, name)):
+            raise NotFound(f"no task {name!r}")
+        log.info("task deleted", extra={"task": name})
+        return Response(status_code=204)
+
+    return router
+
+
+def create_app(
+    engine: Engine,
+    tokens: Tokens,
+    *,
+    on_task_saved: Callable[[str], None] | None = None,
+    pull_cache_bytes: int = PULL_CACHE_BYTES,
+) -> FastAPI:
+    """Return the API app over engine, authenticating with tokens.
+
+    A pull first reads only the node's ETag: a matching ``If-None-Match`` gets
+    304, and an unchanged list is answered from an in-process cache of up to
+    ``pull_cache_bytes``; only a changed list reads its rows' stored wire JSON.
+
+    ``on_task_saved(name)`` is called after a task is saved, so an in-process
+    central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
+    """
+    app = FastAPI(title="sched controller", version="1", docs_url="/docs", redoc_url=None)
+    app.add_middleware(AccessLogMiddleware)
+    _install_error_handlers(app)
+    auth = Auth(tokens)
+
+    def in_session(work: Callable[[Session], T]) -> T:
+        with Session(engine) as session:
+            result = work(session)
+            session.commit()
+            return result
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        try:
+            # Reading a controller table also proves the migrations have run.
+            in_session(lambda session: session.execute(select(NodeRevision.node).limit(1)).all())
+        except Exception as exc:
+            # The message may carry a connection string: log its type, answer generically.
+            log.warning("health check failed", extra={"error": type(exc).__name__})
+            return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
+        return JSONResponse({"status": "ok", "database": "ok"})
+
+    app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes)))
+    app.include_router(task_router(in_session, auth, on_task_saved))
+    return app

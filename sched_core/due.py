@@ -1,0 +1,90 @@
+"""Which windows a tick and a missed-run check fire, over a loaded cache.
+
+Pure: no clock reads, no I/O; every function takes ``now`` (an aware UTC
+datetime) and returns values. The :class:`~sched_core.scheduler.Scheduler`
+fires what these return and stamps what fired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from sched_core.clock import floor_minute
+from sched_core.index import DueIndex
+from sched_core.misses import eligible_after, plan_recovery
+from sched_core.model import Cache, LocalSchedule
+
+_MINUTE = timedelta(minutes=1)
+
+
+@dataclass(frozen=True)
+class DueWindow:
+    """A schedule's window a tick fires, and how many older pending ones it coalesces."""
+
+    schedule: LocalSchedule
+    window: datetime
+    coalesced: int
+
+
+def due_windows(
+    index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta
+) -> list[DueWindow]:
+    """Return each enabled clock schedule's latest eligible window in ``[now - grace, now]``.
+
+    Sorted by window, then id. Minutes are walked newest first, so the first
+    eligible window found per schedule is its latest; each older one found
+    after it is counted as coalesced into it.
+    """
+    last_fired, first_seen = cache.last_fired_at, cache.first_seen_at
+    floors: dict[str, datetime | None] = {}
+    latest: dict[str, DueWindow] = {}
+    minute = floor_minute(now)
+    while minute >= now - grace:
+        for row in index.due_at(minute):
+            rid = row.id
+            if rid in floors:
+                floor = floors[rid]
+            else:
+                floor = floors[rid] = eligible_after(last_fired.get(rid), first_seen.get(rid))
+            if floor is not None and minute < floor:
+                continue
+            found = latest.get(rid)
+            latest[rid] = (
+                DueWindow(row, minute, 0) if found is None
+                else DueWindow(found.schedule, found.window, found.coalesced + 1)
+            )
+        minute -= _MINUTE
+    return sorted(latest.values(), key=lambda due: (due.window, due.schedule.id))
+
+
+@dataclass(frozen=True)
+class MissedWindow:
+    """A missed window the miss policy fires, and how many older ones ``run-all`` drops."""
+
+    schedule: LocalSchedule
+    window: datetime
+    truncated: int
+
+
+def missed_windows(
+    cache: Cache, *, now: datetime, grace: timedelta, tz: ZoneInfo
+) -> list[MissedWindow]:
+    """Return, in cache order, the window each enabled clock schedule's miss policy fires now."""
+    missed: list[MissedWindow] = []
+    for row in cache.schedules:
+        if not row.enabled or row.schedule.is_event:
+            continue
+        recovery = plan_recovery(
+            row.schedule,
+            row.miss_policy,
+            last_fired=cache.last_fired_at.get(row.id),
+            first_seen=cache.first_seen_at.get(row.id),
+            now=now,
+            grace=grace,
+            tz=tz,
+        )
+        if recovery is not None:
+            missed.append(MissedWindow(row, recovery.window, recovery.truncated))
+    return missed

@@ -1,0 +1,80 @@
+"""The agents' schedule store (controller.schedules), on a SQLite file and on a real Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from controller import db, schedules
+from tests.factories import schedule_row
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = db.make_engine(database_url, application_name="sched-test-store")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def session(engine: Engine) -> Iterator[Session]:
+    with Session(engine) as session:
+        yield session
+
+
+def test_put_schedule_versions_from_one_and_ignores_the_sent_version(session: Session) -> None:
+    first = schedules.put_schedule(session, "node-a", schedule_row("s-1"))
+    renamed = schedule_row("s-1", name="renamed", version=1)
+    second = schedules.put_schedule(session, "node-a", renamed)
+    assert (first.version, second.version) == (1, 2)
+    stored = schedules.get_schedule(session, "node-a", "s-1")
+    assert stored == second
+    assert stored is not None and stored.name == "renamed" and stored.params == {"threads": 4}
+    assert schedules.get_schedule(session, "node-b", "s-1") is None
+
+
+def test_list_schedules_is_per_node_sorted_in_wire_format(session: Session) -> None:
+    for schedule_id in ("s-2", "s-10", "s-1"):
+        bare = schedule_row(schedule_id, storage="", params=None)
+        schedules.put_schedule(session, "node-a", bare)
+    schedules.put_schedule(session, "node-b", schedule_row("s-9"))
+    rows, _ = schedules.list_schedules(session, "node-a")
+    assert [r.id for r in rows] == ["s-1", "s-10", "s-2"]
+    assert '"storage"' not in rows[0].model_dump_json()
+    assert schedules.list_nodes(session) == ["node-a", "node-b"]
+
+
+def test_etag_changes_on_every_change_and_only_then(session: Session) -> None:
+    assert schedules.list_schedules(session, "node-a") == ([], '"empty"')
+    seen = []
+    schedules.put_schedule(session, "node-a", schedule_row("s-1"))
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]  # stable
+    schedules.put_schedule(session, "node-b", schedule_row("s-1"))  # another node's change
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]
+    schedules.put_schedule(session, "node-a", schedule_row("s-2"))  # add
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    schedules.put_schedule(session, "node-a", schedule_row("s-2"))  # identical update still counts
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.delete_schedule(session, "node-a", "s-2") is True  # delete
+    seen.append(schedules.list_schedules(session, "node-a")[1])
+    assert schedules.delete_schedule(session, "node-a", "s-2") is False  # nothing changed
+    assert schedules.list_schedules(session, "node-a")[1] == seen[-1]
+    assert len(set(seen)) == len(seen)
+    assert all(tag.startswith('"') and tag.endswith('"') for tag in seen)
+    assert schedules.node_etag(session, "node-a") == seen[-1]
+    assert schedules.node_etag(session, "node-z") == '"empty"'
+
+
+def test_deleting_the_last_row_drops_the_node_but_keeps_a_new_etag(session: Session) -> None:
+    schedules.put_schedule(session, "node-a", schedule_row("s-1"))
+    _, before = schedules.list_schedules(session, "node-a")
+    schedules.delete_schedule(session, "node-a", "s-1")
+    rows, after = schedules.list_schedules(session, "node-a")
+    assert rows == [] and after not in (before, '"empty"')
+    assert schedules.list_nodes(session) == []
