@@ -26,11 +26,13 @@ import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
+from prefect.states import Scheduled
 
 from flows.actions import window_stamp
 from flows.runtime import RUN_JOB, deployment_name
 from flows.settings import AgentSettings
 from sched_core import Config, ConfigError, Fire, Scheduler
+from sched_core.plan import PlannedRun
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +230,24 @@ class Runs:
                    "errors": sorted(set(errors.values()))[:3]},
         )
         return BULK_ATTEMPTS
+
+    def reschedule(self, runs: Iterable[tuple[PlannedRun, datetime]]) -> list[tuple[str, str]]:
+        """Move untried runs to a new scheduled start (their row's jitter changed).
+
+        Return (id, error) for each that could not be moved; a run already gone
+        counts as moved (there is nothing left to start early or late).
+        """
+        failed: list[tuple[str, str]] = []
+        for run, start in runs:
+            try:
+                self.client.set_flow_run_state(
+                    UUID(run.run_id), Scheduled(scheduled_time=start), force=True
+                )
+            except ObjectNotFound:
+                continue
+            except Exception as exc:
+                failed.append((run.run_id, repr(exc)[:200]))
+        return failed
 
     def delete(self, run_ids: Iterable[str]) -> list[tuple[str, str]]:
         """Delete runs by id; return (id, error) for each that could not be deleted.

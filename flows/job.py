@@ -7,8 +7,12 @@
    ``Skipped`` with the reason, runs nothing and emits no job event.
 2. Fill the action's argv template; a missing or refused value fails the run
    here, before anything is started.
-3. Run the command without a shell in a task with the action's retries; every
-   output line goes to the run's logs; a timeout kills the command's group.
+3. Hold the schedule's slot on this node (the row's ``overlap``:
+   :mod:`flows.overlap`; a run it refuses ends ``Skipped`` with the reason)
+   and, with ``repo_lock``, the repository's lock across the fleet
+   (:mod:`flows.repolock`); then run the command without a shell in a task
+   with the action's retries; every output line goes to the run's logs; a
+   timeout kills the command's group.
 4. Publish the exit code and duration as an artifact, and on the terminal
    state emit exactly one ``sched.job.completed`` or ``sched.job.failed``
    (failed, crashed or cancelled; from state hooks, so the run is already
@@ -33,7 +37,9 @@ from prefect.states import Completed
 from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
 from flows.guard import cached_row, first_try_of, start_window
+from flows.overlap import cancel_run, job_slot, longest_run_s
 from flows.registry import SKIPPED, still_interrupted, tag_values
+from flows.repolock import repo_lock
 from flows.runtime import RUN_JOB, agent_settings, emit_job_event, logical_now, slug
 from sched_core import ConfigError, LocalSchedule, SchedError
 from sched_core.plan import WINDOW_TRIGGERS
@@ -77,13 +83,17 @@ def _parse_window(value: object) -> datetime | None:
 
 
 def _run_name() -> str:
-    """Name an ad hoc run like a planned one: ``backup-s-1-20261202T0730Z``."""
+    """Name a run as its creator did (JobRef.name): ``backup-s-1-20261202T0730Z[-retry]``.
+
+    Prefect names every run with this when it starts, planned or ad hoc.
+    """
     params: dict[str, Any] = current_run.parameters or {}
     schedule_id = params.get("schedule_id")
     action = _cached_action(schedule_id) or "job"
+    suffix = "-retry" if params.get("retry_of") else ""
     try:
         window = _parse_window(params.get("window"))
-        return job_run_name(action, str(schedule_id or "unknown"), window)
+        return job_run_name(action, str(schedule_id or "unknown"), window) + suffix
     except (ConfigError, ValueError):  # a bad window: the run fails, saying so
         return f"{action}-{schedule_id or 'unknown'}-bad-window"
 
@@ -239,17 +249,27 @@ def run_job(
         retries=spec.retries, retry_delay_seconds=spec.retry_delay.total_seconds()
     )
     error: BaseException | None = None
-    try:
-        attempt(
-            argv,
-            spec.timeout.total_seconds(),
-            spec.env,
-            str(spec.cwd) if spec.cwd else None,
-            attempts,
-            settings.job_umask,
-        )
-    except Exception as exc:
-        error = exc
+    longest = longest_run_s(spec.timeout.total_seconds(), spec.retries,
+                            spec.retry_delay.total_seconds())
+    with job_slot(settings.state_dir / "jobs", row, run_id=str(current_run.id or ""),
+                  run_name=current_run.name or ref.name, now=at, wait_s=longest,
+                  info=logger.info, cancel=cancel_run) as refused:
+        if refused is not None:
+            logger.info("skipped: %s", refused)
+            return _skip(settings.node_name, row.id, window, refused)
+        try:
+            with repo_lock(row, wait_s=spec.timeout.total_seconds(), info=logger.info,
+                           warn=logger.warning):
+                attempt(
+                    argv,
+                    spec.timeout.total_seconds(),
+                    spec.env,
+                    str(spec.cwd) if spec.cwd else None,
+                    attempts,
+                    settings.job_umask,
+                )
+        except Exception as exc:
+            error = exc
     last = attempts[-1] if attempts else None
     summary: dict[str, Any] = {
         "node": settings.node_name,

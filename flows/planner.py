@@ -6,8 +6,11 @@ pull succeeded or not):
 1. Read the node's window runs from Prefect: one query, every run whose
    window is at most the grace old (Prefect is the record of what exists).
 2. Plan (:func:`sched_core.plan.plan_windows`) and create, in bulk, the
-   runs of planned windows that have none; delete the untried runs whose
-   window is no longer one of its row's (:func:`sched_core.plan.obsolete`).
+   runs of planned windows that have none, each scheduled at its window plus
+   the row's jitter; delete the untried runs whose window is no longer one
+   of its row's or that its policies now skip (a new pause, dates, blackout
+   or min_interval: :func:`sched_core.plan.obsolete`), and move those whose
+   jitter changed (:func:`sched_core.plan.moved`).
 3. Windows older than the grace that never had a run
    (:func:`sched_core.plan.missed`): the latest gets a recovery run when
    the miss policy says so; every one is reported and sent as
@@ -42,10 +45,12 @@ from sched_core.plan import (
     PlannedRun,
     Window,
     missed,
+    moved,
     obsolete,
     plan_windows,
     retry_allowed,
 )
+from sched_core.policies import catchup
 from sched_core.statefile import locked, read_json_file, write_atomic
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,8 @@ class PlanReport:
     """(run, scheduled start, flow run id) created now."""
     existing: int = 0
     deleted: list[tuple[PlannedRun, str]] = field(default_factory=list)
+    moved: list[tuple[PlannedRun, datetime]] = field(default_factory=list)
+    """(run, new scheduled start) for each untried run whose row's jitter changed."""
     held_back: int = 0
     missed: list[Missed] = field(default_factory=list)
     recovered: list[tuple[JobRef, str]] = field(default_factory=list)
@@ -138,8 +145,9 @@ def plan_node(
     record = load_plan_state(record_path, now=now)
     planned_through = record.planned_through
     # List back to the oldest window not yet handled (after downtime), at most
-    # the catch-up window: those runs are the guard's, not missed.
-    since = max(now - LOOKBACK, min([now - grace, *planned_through.values()])) - LIST_SLACK
+    # the longest catch-up window: those runs are the guard's, not missed.
+    reach = max([LOOKBACK, *(catchup(row) for row in rows)])
+    since = max(now - reach, min([now - grace, *planned_through.values()])) - LIST_SLACK
     existing = list_window_runs(runs.client, deployment_id, node, since=since)
     have = {(run.schedule_id, run.window) for run in existing}
     report.existing = sum(1 for run in existing if run.window >= now - grace)
@@ -154,6 +162,7 @@ def plan_node(
         min_windows=settings.plan_min_windows,
         max_runs=settings.plan_max_runs,
         tz=tz,
+        node=node,
     )
     report.planned, report.held_back = len(plan.windows), plan.held_back
     to_create = [
@@ -171,6 +180,7 @@ def plan_node(
         grace=grace,
         tz=tz,
         have=have,
+        node=node,
     )
     recoveries = [
         Planned(ref=_ref(node, item.recover, TRIGGER_RECOVERY), start=now)
@@ -180,8 +190,7 @@ def plan_node(
 
     by_id = {row.id: row for row in rows}
     retries: list[Planned] = []
-    since = now - LOOKBACK
-    for stopped in list_interrupted(runs.client, deployment_id, node, since=since):
+    for stopped in list_interrupted(runs.client, deployment_id, node, since=now - reach):
         if stopped.run_id in record.interrupted:
             continue
         report.interrupted.append(stopped)
@@ -189,6 +198,7 @@ def plan_node(
         decision = retry_allowed(
             row, schedule_id=stopped.schedule_id, window=stopped.window,
             last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace, tz=tz,
+            node=node,
         )
         if not decision.runs or row is None:
             report.not_retried.append((stopped, decision.reason))
@@ -212,10 +222,14 @@ def plan_node(
         if item.ref.idempotency_key in done:
             report.retried.append((item.ref, created.runs[item.ref.idempotency_key]))
 
-    stale = obsolete(existing, rows, tz=tz)
+    stale = obsolete(existing, rows, tz=tz, last_fired=cache.last_fired_at)
     failed_deletes = dict(runs.delete(run.run_id for run, _ in stale))
     report.deleted = [(run, why) for run, why in stale if run.run_id not in failed_deletes]
     report.failed += [(run_id, error) for run_id, error in failed_deletes.items()]
+    shifted = moved(existing, rows, node=node, tz=tz)
+    failed_moves = dict(runs.reschedule(shifted))
+    report.moved = [(run, start) for run, start in shifted if run.run_id not in failed_moves]
+    report.failed += [(run_id, error) for run_id, error in failed_moves.items()]
 
     _log(report, node)
     # A window is handled once it has a run or has been reported missed. A
@@ -251,12 +265,14 @@ def _ref(node: str, window: Window, trigger_key: str) -> JobRef:
 
 def _log(report: PlanReport, node: str) -> None:
     log.info(
-        "planned %d windows: %d created, %d existed, %d deleted, %d held back by the cap, "
-        "%d recovered, %d interrupted jobs re-run, %d failed",
+        "planned %d windows: %d created, %d existed, %d deleted, %d moved, %d held back by the "
+        "cap, %d recovered, %d interrupted jobs re-run, %d failed",
         report.planned, len(report.created), report.existing, len(report.deleted),
-        report.held_back, len(report.recovered), len(report.retried), len(report.failed),
+        len(report.moved), report.held_back, len(report.recovered), len(report.retried),
+        len(report.failed),
         extra={"node": node, "planned": report.planned, "runs_created": len(report.created),
-               "deleted": len(report.deleted), "held_back": report.held_back,
+               "deleted": len(report.deleted), "moved": len(report.moved),
+               "held_back": report.held_back,
                "recovered": len(report.recovered), "retried": len(report.retried),
                "failed": len(report.failed)},
     )

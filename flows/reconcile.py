@@ -86,7 +86,8 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     markdown = "\n".join([
         f"### Reconcile on {settings.node_name} at {at.isoformat()}", "",
         *pull_lines(result, error, names),
-        *plan_lines(report, cache.schedules, now=at, tz=settings.tz),
+        *plan_lines(report, cache.schedules, now=at, tz=settings.tz, node=settings.node_name,
+                    last_fired=cache.last_fired_at),
     ])
     create_markdown_artifact(
         key=f"reconcile-{slug(settings.node_name)}",
@@ -102,6 +103,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
         "planned": report.planned,
         "created": len(report.created),
         "deleted": len(report.deleted),
+        "moved": len(report.moved),
         "missed": sum(item.count for item in report.missed),
         "recovered": len(report.recovered),
         "retried": len(report.retried),

@@ -166,6 +166,8 @@ def planned_run(run: FlowRun) -> PlannedRun | None:
         window=window,
         trigger_key=trigger,
         state_name=(run.state.name or "") if run.state is not None else "",
+        start=as_utc(run.expected_start_time) if run.expected_start_time else None,
+        retry="retry" in run.tags,
     )
 
 

@@ -1,18 +1,21 @@
 """The reconcile artifact: pure markdown over the kit's and the planner's reports.
 
-Pure: no clock reads, no I/O; times are shown in the node's zone.
+Pure: no clock reads, no I/O; times are shown in each row's zone (the node's
+unless the row sets ``timezone``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from flows.planner import PlanReport
 from sched_core import PullResult
-from sched_core.matcher import fire_times, matches
+from sched_core.matcher import matches
 from sched_core.model import LocalSchedule
+from sched_core.plan import upcoming
+from sched_core.policies import describe_policies, row_zone
 
 NEXT_SHOWN = 3
 """How many next windows the artifact shows per schedule."""
@@ -34,6 +37,21 @@ def dst_note(row: LocalSchedule, window: datetime, tz: ZoneInfo) -> str:
 def local(instant: datetime, tz: ZoneInfo) -> str:
     """Return an instant as the node's local time: ``Wed 2026-12-02 10:30 EST``."""
     return instant.astimezone(tz).strftime("%a %Y-%m-%d %H:%M %Z")
+
+
+def cell(text: str) -> str:
+    """Return text safe inside a markdown table cell (a row's note is anyone's text)."""
+    flat = " ".join(text.split())
+    for char in "\\|`*_[]<>#":
+        flat = flat.replace(char, "\\" + char)
+    return flat
+
+
+def window_cell(window: datetime, start: datetime, tz: ZoneInfo) -> str:
+    """Return a window, and its run's start when the row's jitter moves it."""
+    if start == window:
+        return local(window, tz)
+    return f"{local(window, tz)} (starts {start.astimezone(tz):%H:%M:%S})"
 
 
 def pull_lines(result: PullResult | None, error: str | None, names: dict[str, str]) -> list[str]:
@@ -60,33 +78,42 @@ def pull_lines(result: PullResult | None, error: str | None, names: dict[str, st
 
 
 def plan_lines(
-    report: PlanReport, rows: Sequence[LocalSchedule], *, now: datetime, tz: ZoneInfo
+    report: PlanReport,
+    rows: Sequence[LocalSchedule],
+    *,
+    now: datetime,
+    tz: ZoneInfo,
+    node: str = "",
+    last_fired: Mapping[str, datetime] | None = None,
 ) -> list[str]:
-    """Return the plan's part: each schedule's next windows, then what the planner did."""
+    """Return the plan's part: each schedule's next windows and policies, then what it did."""
     lines = ["#### Plan", "",
              f"{report.planned} windows planned ({len(report.created)} runs created now, "
              f"{report.existing} already there), {len(report.deleted)} deleted"
              + (f", {report.held_back} held back by plan_max_runs" if report.held_back else "")
              + ".", ""]
     clock_rows = [row for row in rows if not row.schedule.is_event]
+    fired = last_fired or {}
     if clock_rows:
-        lines += ["| schedule | name | action | next windows (local) | notes |",
-                  "|---|---|---|---|---|"]
+        lines += ["| schedule | name | action | next windows (local) | policies | notes |",
+                  "|---|---|---|---|---|---|"]
         for row in sorted(clock_rows, key=lambda r: (r.name, r.id)):
+            name = cell(row.name)
+            policies = "<br>".join(cell(part) for part in describe_policies(row, node=node, tz=tz))
             if not row.enabled:
-                lines.append(f"| `{row.id}` | {row.name} | {row.action} | disabled | |")
+                lines.append(f"| `{row.id}` | {name} | {row.action} | disabled | {policies} | |")
                 continue
-            upcoming = []
-            for count, window in enumerate(fire_times(row.schedule, now, now + timedelta(days=8),
-                                                      tz)):
-                if count >= NEXT_SHOWN:
-                    break
-                upcoming.append(window)
-            shown = "<br>".join(local(w, tz) for w in upcoming) or "none within 8 days"
-            notes = "<br>".join(
-                f"{local(w, tz)}: {note}" for w in upcoming if (note := dst_note(row, w, tz))
+            z = row_zone(row, tz)
+            coming = upcoming(row, now=now, last_fired=fired.get(row.id), count=NEXT_SHOWN,
+                              node=node, tz=tz)
+            shown = "<br>".join(window_cell(w.window, w.start, z) for w in coming.windows)
+            notes = [f"{local(w.window, z)}: {note}" for w in coming.windows
+                     if (note := dst_note(row, w.window, z))]
+            notes += [f"{local(window, z)} skipped: {why}" for window, why in coming.skipped]
+            lines.append(
+                f"| `{row.id}` | {name} | {row.action} | {shown or 'none within 8 days'} "
+                f"| {policies} | {'<br>'.join(cell(note) for note in notes)} |"
             )
-            lines.append(f"| `{row.id}` | {row.name} | {row.action} | {shown} | {notes} |")
         lines.append("")
     if report.created:
         lines += ["Created:", ""]
@@ -95,9 +122,14 @@ def plan_lines(
             lines.append(f"- ... and {len(report.created) - 50} more")
         lines.append("")
     if report.deleted:
-        lines += ["Deleted (no longer a window of its schedule):", ""]
-        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {why}"
+        lines += ["Deleted (no longer a window of its schedule, or skipped by its policies):", ""]
+        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {cell(why)}"
                   for run, why in report.deleted]
+        lines.append("")
+    if report.moved:
+        lines += ["Moved (the schedule's jitter changed):", ""]
+        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: now starts "
+                  f"{start.astimezone(tz):%H:%M:%S}" for run, start in report.moved]
         lines.append("")
     if report.missed:
         lines += ["**Missed** (windows that never had a run: the node or Prefect was down "

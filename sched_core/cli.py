@@ -12,10 +12,11 @@ import typer
 from sched_core.cache import validate_rows
 from sched_core.clock import utcnow
 from sched_core.errors import WireError
-from sched_core.explain import describe, gap_notes, repeat_notes
+from sched_core.explain import describe, gap_notes, repeat_notes, window_notes
 from sched_core.jsonwire import MAX_LIST_DEPTH, decode
-from sched_core.matcher import DEFAULT_TZ, fire_times, matches, zone
+from sched_core.matcher import DEFAULT_TZ, fire_times, zone
 from sched_core.model import LocalSchedule
+from sched_core.policies import describe_policies, row_zone, window_starts
 
 app = typer.Typer(help="Schedules defined centrally, fired locally.", no_args_is_help=True)
 
@@ -38,31 +39,51 @@ def _parse_at(text: str | None, tz: ZoneInfo) -> datetime:
 
 
 def preview_lines(
-    rows: list[LocalSchedule], *, at: datetime, days: int, tz: ZoneInfo, limit: int
+    rows: list[LocalSchedule],
+    *,
+    at: datetime,
+    days: int,
+    tz: ZoneInfo,
+    limit: int,
+    node: str = "",
 ) -> list[str]:
-    """Return the preview of each schedule's next fires, DST moves and suppressions marked."""
+    """Return each schedule's next fires, with DST moves, suppressions and policies marked.
+
+    Each row is read in its own zone when it sets ``timezone`` (else tz).
+    Windows its policies skip are marked with why (min_interval counted from
+    the last shown window that fires); with a node name, a jittered window
+    shows when that node's run starts.
+    """
     at = at.astimezone(UTC)  # step in UTC: aware arithmetic in a local zone is wall-clock
     end = at + timedelta(days=days)
     lines: list[str] = []
     for row in sorted(rows, key=lambda r: (r.name, r.id)):
+        z = row_zone(row, tz)
         state = "" if row.enabled else " [disabled]"
         lines.append(f"{row.id}  {row.name}  ({row.action}; {describe(row.schedule)}){state}")
+        policies = describe_policies(row, node=node, tz=tz)
+        if policies:
+            lines.append(f"  policies: {'; '.join(policies)}")
         if row.schedule.is_event:
             lines.append("  fired by the chain, not the clock")
             continue
         shown = 0
-        for fire in fire_times(row.schedule, at, end, tz):
-            local = fire.astimezone(tz)
-            note = "" if matches(row.schedule, fire, tz) else "  <- moved here by DST"
+        previous: datetime | None = None
+        for fire, start in window_starts(row, at, end, node=node, tz=tz):
+            notes, fires = window_notes(row, fire, start, previous=previous, node=node, tz=tz)
+            if fires:
+                previous = fire
+            local = fire.astimezone(z)
+            note = f"  <- {'; '.join(notes)}" if notes else ""
             lines.append(
                 f"  {local:%a %Y-%m-%d %H:%M %Z}  ({fire.astimezone(UTC):%Y-%m-%dT%H:%MZ}){note}"
             )
             shown += 1
             if shown >= limit:
                 break
-        fires = set(fire_times(row.schedule, at, end, tz))
-        lines.extend(f"  {note}" for note in repeat_notes(row.schedule, at, end, tz, fires))
-        lines.extend(f"  {note}" for note in gap_notes(row.schedule, at, end, tz))
+        fires_set = set(fire_times(row.schedule, at, end, z))
+        lines.extend(f"  {note}" for note in repeat_notes(row.schedule, at, end, z, fires_set))
+        lines.extend(f"  {note}" for note in gap_notes(row.schedule, at, end, z))
         if shown == 0:
             lines.append(f"  no fires in the next {days} days")
     return lines
@@ -75,8 +96,9 @@ def preview(
     days: Annotated[int, typer.Option(min=1, max=366, help="How many days ahead.")] = 7,
     tz: Annotated[str, typer.Option(help="Timezone schedules are matched in.")] = DEFAULT_TZ.key,
     limit: Annotated[int, typer.Option(min=1, help="Fires to show per schedule.")] = 10,
+    node: Annotated[str, typer.Option(help="Show this node's jittered starts.")] = "",
 ) -> None:
-    """Print each schedule's next fire times, marking DST moves and suppressions."""
+    """Print each schedule's next fire times, marking DST moves, suppressions and policies."""
     zone = _zone(tz)
     try:
         data = decode(schedules.read_bytes(), max_depth=MAX_LIST_DEPTH, root=schedules.name)
@@ -88,7 +110,8 @@ def preview(
     good, bad = validate_rows(rows, source=str(schedules), warn=False)  # echoed below
     for row_id, reason in bad:
         typer.echo(f"invalid schedule {row_id}: {reason}", err=True)
-    for line in preview_lines(good, at=_parse_at(at, zone), days=days, tz=zone, limit=limit):
+    for line in preview_lines(good, at=_parse_at(at, zone), days=days, tz=zone, limit=limit,
+                              node=node):
         typer.echo(line)
 
 

@@ -1,9 +1,11 @@
-"""What DST does to a schedule's windows, in words, for ``sched preview``.
+"""What DST and a row's policies do to its windows, in words, for ``sched preview``.
 
 Pure: no clock reads, no I/O; every function takes the span it describes. The
-engine (:mod:`sched_core.matcher`) decides when things fire; this module only
-says which wall times a spring-forward gap moves or skips and which a
-fall-back repeat suppresses, by scanning minutes (slow, and fine for a preview).
+engine (:mod:`sched_core.matcher`) decides when things fire and
+:mod:`sched_core.policies` which windows a row's policies skip; this module
+only says so: which wall times a spring-forward gap moves or skips, which a
+fall-back repeat suppresses (by scanning minutes: slow, and fine for a
+preview), and why a window is skipped or starts late.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from sched_core.matcher import matches, wall_matches
-from sched_core.model import Schedule
+from sched_core.model import LocalSchedule, Schedule
+from sched_core.policies import policy_block, row_zone
 
 _MINUTE = timedelta(minutes=1)
 
@@ -73,3 +76,27 @@ def repeat_notes(
             )
         minute += _MINUTE
     return notes
+
+
+def window_notes(
+    row: LocalSchedule,
+    window: datetime,
+    start: datetime,
+    *,
+    previous: datetime | None,
+    node: str,
+    tz: ZoneInfo,
+) -> tuple[list[str], bool]:
+    """Return what to say about one window of the row, and whether it fires.
+
+    ``previous`` is the last window before it that fires (min_interval counts
+    from it); ``start`` is its run's start, shown when a node's jitter moves it.
+    """
+    z = row_zone(row, tz)
+    notes = [] if matches(row.schedule, window, z) else ["moved here by DST"]
+    block = policy_block(row, window, last_fired=previous, tz=tz)
+    if block is not None:
+        return [*notes, f"skipped: {block}"], False
+    if node and start != window:
+        notes.append(f"starts {start.astimezone(z):%H:%M:%S} on {node} (jitter)")
+    return notes, True

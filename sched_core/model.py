@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any, Self
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import (
     BaseModel,
@@ -138,6 +139,153 @@ def _check_number(value: str, low: int, high: int, what: str) -> None:
         raise ValueError(f"{what} {value!r} is not a number from {low} to {high}")
 
 
+class Overlap(StrEnum):
+    """What a run does when a job of its schedule is still active on this node."""
+
+    SKIP = "skip"
+    ALLOW = "allow"
+    BUFFER_ONE = "buffer-one"
+    CANCEL_OTHER = "cancel-other"
+
+
+JITTER_MAX = 3600
+"""The largest ``jitter`` (seconds)."""
+CATCHUP_MIN, CATCHUP_MAX = 60, 7 * 86_400
+"""The range of ``catchup_window`` (seconds): a minute to a week (the matcher looks 8 days)."""
+MIN_INTERVAL_MAX = 366 * 86_400
+"""The largest ``min_interval`` (seconds): a year."""
+NOTE_MAX_LENGTH = 1000
+"""The longest pause note (characters)."""
+
+_ZONE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_+-]*(?:/[A-Za-z0-9_+-]+){0,3}")
+_NOT_ZONES = frozenset({"localtime", "posixrules"})
+_HH_MM = re.compile(r"([01][0-9]|2[0-3]):([0-5][0-9])")
+
+
+def check_zone_name(value: str, what: str = "timezone") -> str:
+    """Return value if it names an IANA zone this machine knows; else raise ValueError.
+
+    Only names that look like IANA names (``Europe/Berlin``, ``UTC``, ``Etc/GMT+5``):
+    never a path, and never ``localtime`` (the machine's own zone, which a row
+    must not depend on).
+    """
+    shown = repr(value) if len(value) <= 60 else repr(value[:45]) + "..."
+    if len(value) > 64 or _ZONE_NAME.fullmatch(value) is None or value in _NOT_ZONES \
+            or value.startswith(("posix/", "right/")):
+        raise ValueError(f"{what} {shown} is not an IANA zone name such as 'Europe/Berlin'")
+    try:
+        ZoneInfo(value)
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
+        raise ValueError(f"{what} {shown} is not a zone this machine knows") from exc
+    return value
+
+
+def _check_days(days: list[str]) -> None:
+    if not days:
+        raise ValueError("no days (expected mon..sun or *)")
+    for day in days:
+        if day != "*" and day not in DAY_NAMES:
+            raise ValueError(f"unknown day name {day!r} (expected mon..sun or *)")
+
+
+def hh_mm_minutes(value: str) -> int:
+    """Return ``HH:MM`` (``24:00`` allowed) as minutes since midnight."""
+    if value == "24:00":
+        return 1440
+    match = _HH_MM.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a time HH:MM from 00:00 to 23:59")
+    return int(match.group(1)) * 60 + int(match.group(2))
+
+
+def _unset(value: object) -> bool:
+    """Return whether a policy value is left out of the JSON: unset, empty, zero or false."""
+    return not value
+
+
+class Paused(_WireModel):
+    """A pause: no window fires before ``until`` (forever when it is None)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    note: str = Field(default="", max_length=NOTE_MAX_LENGTH)
+    until: datetime | None = None
+
+    @field_validator("until", mode="before")
+    @classmethod
+    def _parse_until(cls, value: object) -> datetime | None:
+        return parse_go_time(value)
+
+    @field_serializer("until")
+    def _dump_until(self, value: datetime | None) -> str:
+        return format_go_time(value)
+
+    @model_serializer(mode="wrap")
+    def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            if not self.note:
+                data.pop("note", None)
+            if self.until is None:
+                data.pop("until", None)
+        return data
+
+
+class Blackout(_WireModel):
+    """Local times on some days when the row's windows are skipped: ``[from, to)``.
+
+    ``to`` before ``from`` crosses midnight: the blackout starts on each of
+    ``days`` and ends the next day.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", serialize_by_alias=True, validate_by_alias=True, validate_by_name=True
+    )
+
+    days: list[str]
+    start: str = Field(alias="from")
+    to: str
+
+    @field_validator("days")
+    @classmethod
+    def _days(cls, value: list[str]) -> list[str]:
+        _check_days(value)
+        return value
+
+    @field_validator("start")
+    @classmethod
+    def _start(cls, value: str) -> str:
+        if value == "24:00":
+            raise ValueError("'24:00' is only a 'to' (the end of the day)")
+        hh_mm_minutes(value)
+        return value
+
+    @field_validator("to")
+    @classmethod
+    def _to(cls, value: str) -> str:
+        hh_mm_minutes(value)
+        return value
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Self:
+        if hh_mm_minutes(self.start) == hh_mm_minutes(self.to) % 1440:
+            raise ValueError(
+                f"from {self.start!r} equals to {self.to!r}: a blackout must not be empty "
+                "(a whole day is from 00:00 to 24:00)"
+            )
+        return self
+
+    @property
+    def start_minute(self) -> int:
+        """``from`` as minutes since local midnight."""
+        return hh_mm_minutes(self.start)
+
+    @property
+    def end_minute(self) -> int:
+        """``to`` as minutes since local midnight (1440 for ``24:00``)."""
+        return hh_mm_minutes(self.to)
+
+
 class Schedule(_WireModel):
     """The cron-like shape of a schedule: days, hours and minute, an interval, or an event."""
 
@@ -211,6 +359,60 @@ class LocalSchedule(_WireModel):
     enabled: bool
     params: dict[str, Any] | None = None
     version: int = 0
+    # Policies (issue 12). Every one is left out of the JSON when unset, so a row
+    # without them is byte for byte the Go kit's, which ignores them.
+    timezone: str = Field(default="", exclude_if=_unset)
+    overlap: Overlap | None = Field(default=None, exclude_if=_unset)
+    jitter: int = Field(default=0, ge=0, le=JITTER_MAX, strict=True, exclude_if=_unset)
+    catchup_window: int | None = Field(
+        default=None, ge=CATCHUP_MIN, le=CATCHUP_MAX, strict=True, exclude_if=_unset
+    )
+    paused: Paused | None = Field(default=None, exclude_if=_unset)
+    not_before: datetime | None = Field(default=None, exclude_if=_unset)
+    not_after: datetime | None = Field(default=None, exclude_if=_unset)
+    blackouts: list[Blackout] | None = Field(default=None, exclude_if=_unset)
+    min_interval: int = Field(
+        default=0, ge=0, le=MIN_INTERVAL_MAX, strict=True, exclude_if=_unset
+    )
+    repo_lock: bool = Field(default=False, strict=True, exclude_if=_unset)
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        return check_zone_name(value) if value else value
+
+    @field_validator("not_before", "not_after", mode="before")
+    @classmethod
+    def _parse_bound(cls, value: object) -> datetime | None:
+        return parse_go_time(value)
+
+    @field_serializer("not_before", "not_after")
+    def _dump_bound(self, value: datetime | None) -> str:
+        return format_go_time(value)
+
+    @field_validator("blackouts")
+    @classmethod
+    def _empty_blackouts_are_none(cls, value: list[Blackout] | None) -> list[Blackout] | None:
+        return value or None
+
+    # Field validators, not a model validator: they run only for rows that set
+    # the field, so rows without policies validate as fast as before.
+    @field_validator("not_after")
+    @classmethod
+    def _after_not_before(cls, value: datetime | None, info: ValidationInfo) -> datetime | None:
+        before = info.data.get("not_before")
+        if value is not None and before is not None and value < before:
+            raise ValueError(
+                f"not_after {format_go_time(value)} is before not_before {format_go_time(before)}"
+            )
+        return value
+
+    @field_validator("repo_lock")
+    @classmethod
+    def _lock_needs_a_repo(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and not info.data.get("repo_id"):
+            raise ValueError("repo_lock is true but repo_id is empty: the lock is per repository")
+        return value
 
     @field_validator("params")
     @classmethod

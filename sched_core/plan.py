@@ -26,6 +26,14 @@ The design, in four rules:
    was down for longer than the horizon) are the missed-run check's
    (:func:`missed`): at most the latest one gets a recovery run, policy
    permitting, and every one of them is reported.
+
+Each row's policies (:mod:`sched_core.policies`) apply at every step: the
+row's zone for its windows and keys; a window that ``paused``,
+``not_before``/``not_after``, a blackout or ``min_interval`` skips is not
+planned, its planned run is pruned, a run of it that starts anyway skips
+with the reason, and it is neither missed nor recovered; a run starts at its
+window plus the row's jitter, and lateness counts from that start; the row's
+``catchup_window`` replaces the 24 h look-back.
 """
 
 from __future__ import annotations
@@ -38,9 +46,19 @@ from enum import StrEnum
 from zoneinfo import ZoneInfo
 
 from sched_core.clock import floor_minute
-from sched_core.matcher import fire_times, last_fire, window_key
+from sched_core.matcher import fire_times, window_key
 from sched_core.misses import LOOKBACK, eligible_after
 from sched_core.model import LocalSchedule, MissPolicy
+from sched_core.policies import (
+    catchup,
+    interval_block,
+    latest_window,
+    policy_block,
+    row_zone,
+    run_start,
+    window_block,
+    window_starts,
+)
 
 PLAN_AHEAD_LIMIT = timedelta(days=8)
 """How far ahead ``min_windows`` may reach for a schedule's next windows."""
@@ -81,25 +99,57 @@ def has_window(row: LocalSchedule, window: datetime, tz: ZoneInfo) -> bool:
     """Return whether window is one of the row's fire instants (enabled clock rows only)."""
     if not row.enabled or row.schedule.is_event:
         return False
-    return any(True for _ in fire_times(row.schedule, window, window + _TICK, tz))
+    return any(True for _ in fire_times(row.schedule, window, window + _TICK, row_zone(row, tz)))
 
 
 def _row_plan(
     row: LocalSchedule,
     *,
-    floor: datetime,
+    eligible: datetime | None,
+    last_fired: datetime | None,
     now: datetime,
+    grace: timedelta,
     horizon: timedelta,
     min_windows: int,
+    node: str,
     tz: ZoneInfo,
 ) -> Iterator[Window]:
-    """Yield the row's windows from floor: all before now + horizon, and at least min_windows."""
-    end = now + horizon
-    for count, window in enumerate(fire_times(row.schedule, floor, now + PLAN_AHEAD_LIMIT, tz)):
-        if window >= end and count >= min_windows:
+    """Yield the row's plan: every window starting before now + horizon, and at least min_windows.
+
+    Windows start from ``now - grace`` (their jittered start) and from
+    eligible (their window). A window the row's policies skip is left out;
+    min_interval counts from the last fire, then from each window planned
+    before it (the plan assumes its runs run).
+    """
+    low, end = now - grace, now + horizon
+    scan = low - timedelta(seconds=row.jitter)
+    if eligible is not None:
+        scan = max(scan, eligible)
+    # Skip what the row's dates and an ending pause rule out in one step.
+    if row.paused is not None:
+        if row.paused.until is None:
             return
-        yield Window(start=window, schedule_id=row.id, window=window,
-                     key=window_key(row.id, window, tz), action=row.action)
+        scan = max(scan, row.paused.until)
+    if row.not_before is not None:
+        scan = max(scan, row.not_before)
+    z = row_zone(row, tz)
+    previous = last_fired
+    count = 0
+    for window, start in window_starts(row, scan, now + PLAN_AHEAD_LIMIT, node=node, tz=tz):
+        if start < low:
+            continue
+        if start >= end and count >= min_windows:
+            return
+        if row.not_after is not None and window > row.not_after:
+            return
+        if window_block(row, window, tz=tz) is not None:
+            continue
+        if interval_block(row, window, last_fired=previous, tz=tz) is not None:
+            continue
+        previous = window
+        count += 1
+        yield Window(start=start, schedule_id=row.id, window=window,
+                     key=window_key(row.id, window, z), action=row.action)
 
 
 def plan_windows(
@@ -113,21 +163,24 @@ def plan_windows(
     min_windows: int,
     max_runs: int,
     tz: ZoneInfo,
+    node: str = "",
 ) -> Plan:
     """Return the windows that should have a planned run at now (rule 1 of the module).
 
-    Windows older than ``now - grace`` are not planned: they are missed, and
-    belong to :func:`missed`. The cap keeps the ``max_runs`` nearest windows
-    of the whole node; the rest is counted in ``held_back``.
+    Windows whose run starts before ``now - grace`` are not planned: they are
+    missed, and belong to :func:`missed`. A window's run starts at the window
+    plus the row's jitter for node (:func:`sched_core.policies.run_start`).
+    The cap keeps the ``max_runs`` nearest runs of the whole node; the rest
+    is counted in ``held_back``.
     """
     per_row: list[Iterator[Window]] = []
     for row in rows:
         if not row.enabled or row.schedule.is_event:
             continue
-        eligible = eligible_after(last_fired.get(row.id), first_seen.get(row.id))
-        floor = now - grace if eligible is None else max(now - grace, eligible)
+        last = last_fired.get(row.id)
         per_row.append(_row_plan(
-            row, floor=floor, now=now, horizon=horizon, min_windows=min_windows, tz=tz
+            row, eligible=eligible_after(last, first_seen.get(row.id)), last_fired=last,
+            now=now, grace=grace, horizon=horizon, min_windows=min_windows, node=node, tz=tz,
         ))
     windows: list[Window] = []
     held_back = 0
@@ -143,6 +196,56 @@ def plan_windows(
 
 
 @dataclass(frozen=True)
+class Upcoming:
+    """A row's next windows that will run, and the ones its policies skip among them."""
+
+    windows: list[Window]
+    skipped: list[tuple[datetime, str]]
+    """(window, reason) for each skipped window before the last one shown, at most ``count``."""
+
+
+def upcoming(
+    row: LocalSchedule,
+    *,
+    now: datetime,
+    last_fired: datetime | None,
+    count: int,
+    node: str,
+    tz: ZoneInfo,
+) -> Upcoming:
+    """Return the row's next count windows whose run starts at or after now and that will run.
+
+    The same rules as :func:`plan_windows` (policies, jitter, min_interval
+    counted from the last fire and then from each window before), looking at
+    most 8 days ahead; the windows skipped on the way are returned with why.
+    """
+    if not row.enabled or row.schedule.is_event or count <= 0:
+        return Upcoming([], [])
+    if (row.paused is not None and row.paused.until is None) or (
+            row.not_after is not None and row.not_after < now):
+        return Upcoming([], [])  # nothing will run: the row's policies say why
+    found: list[Window] = []
+    skipped: list[tuple[datetime, str]] = []
+    previous = last_fired
+    z = row_zone(row, tz)
+    scan = now - timedelta(seconds=row.jitter)
+    for window, start in window_starts(row, scan, now + PLAN_AHEAD_LIMIT, node=node, tz=tz):
+        if start < now:
+            continue
+        reason = policy_block(row, window, last_fired=previous, tz=tz)
+        if reason is not None:
+            if len(skipped) < count:
+                skipped.append((window, reason))
+            continue
+        previous = window
+        found.append(Window(start=start, schedule_id=row.id, window=window,
+                            key=window_key(row.id, window, z), action=row.action))
+        if len(found) >= count:
+            break
+    return Upcoming(found, skipped)
+
+
+@dataclass(frozen=True)
 class PlannedRun:
     """A run that exists for a window: its id, window, trigger and state name."""
 
@@ -151,6 +254,10 @@ class PlannedRun:
     window: datetime
     trigger_key: str
     state_name: str
+    start: datetime | None = None
+    """Its scheduled start (None when unknown)."""
+    retry: bool = False
+    """True for the one re-run of an interrupted job (it starts when it is made)."""
 
     @property
     def untried(self) -> bool:
@@ -159,23 +266,57 @@ class PlannedRun:
 
 
 def obsolete(
-    runs: Iterable[PlannedRun], rows: Sequence[LocalSchedule], *, tz: ZoneInfo
+    runs: Iterable[PlannedRun],
+    rows: Sequence[LocalSchedule],
+    *,
+    tz: ZoneInfo,
+    last_fired: Mapping[str, datetime] | None = None,
 ) -> list[tuple[PlannedRun, str]]:
     """Return the untried window runs to delete, each with why (rule 2 of the module).
 
-    A run is obsolete when its row is gone, disabled or on an event, or no
-    longer has the window. A row changed in any other way (name, params,
-    policy) keeps its runs: a run reads its row when it starts.
+    A run is obsolete when its row is gone, disabled or on an event, no
+    longer has the window, or its policies now skip the window (a new pause,
+    dates or blackout, or min_interval counted from the last fire in
+    ``last_fired``). A row changed in any other way (name, params, overlap)
+    keeps its runs: a run reads its row when it starts.
     """
     by_id = {row.id: row for row in rows}
+    fired = last_fired or {}
     found: list[tuple[PlannedRun, str]] = []
     for run in runs:
         if not run.untried or run.trigger_key not in WINDOW_TRIGGERS:
             continue
         row = by_id.get(run.schedule_id)
         reason = gone_reason(row, run.schedule_id, run.window, tz)
+        if reason is None and row is not None:
+            block = policy_block(row, run.window, last_fired=fired.get(row.id), tz=tz)
+            if block is not None:
+                reason = f"schedule {row.id} skips this window: {block}"
         if reason is not None:
             found.append((run, reason))
+    return found
+
+
+def moved(
+    runs: Iterable[PlannedRun], rows: Sequence[LocalSchedule], *, node: str, tz: ZoneInfo
+) -> list[tuple[PlannedRun, datetime]]:
+    """Return the untried planned runs whose start is no longer their window's, with the new one.
+
+    That is a jitter the row changed (or a node renamed): the run keeps its
+    window and key, and only its scheduled start moves. Recovery runs and the
+    re-runs of interrupted jobs start when they are made, so they never move.
+    """
+    by_id = {row.id: row for row in rows}
+    found: list[tuple[PlannedRun, datetime]] = []
+    for run in runs:
+        row = by_id.get(run.schedule_id)
+        if (not run.untried or run.trigger_key != TRIGGER_SCHEDULE or run.retry
+                or run.start is None or row is None
+                or gone_reason(row, run.schedule_id, run.window, tz)):
+            continue
+        start = run_start(row, run.window, node=node, tz=tz)
+        if abs(start - run.start) >= timedelta(seconds=1):
+            found.append((run, start))
     return found
 
 
@@ -252,6 +393,7 @@ def decide_start(
     tz: ZoneInfo,
     retry: bool = False,
     lookback: timedelta = LOOKBACK,
+    node: str = "",
 ) -> StartDecision:
     """Return whether the run of window runs now (rule 3 of the module).
 
@@ -260,19 +402,27 @@ def decide_start(
     ``retry`` marks the one re-run of a job interrupted by the node's own
     shutdown or crash: its window may already be stamped (by the interrupted
     run), and it runs while the miss policy would still run that window.
+    ``lookback`` is the catch-up window of a row that sets none; ``node``
+    gives the row's jitter offset.
 
     1. The row must still have the window (:func:`gone_reason`).
     2. A window already stamped, or older than a stamped one, does not run
        again (except the retry of the stamped window itself).
     3. No window before the minute the schedule was first seen runs.
-    4. Tried within ``grace`` of the window: it runs.
-    5. Late: ``skip`` never runs it; the other policies run it only if it is
-       the latest window at now and within ``lookback``, and coalesce it
-       into that latest window otherwise.
+    4. The row's policies must let the window fire
+       (:func:`sched_core.policies.policy_block`).
+    5. Tried within ``grace`` of its start (the window plus the row's
+       jitter): it runs.
+    6. Late: ``skip`` never runs it; the other policies run it only if it is
+       the latest window at now (of those the policies let fire) and within
+       the row's catch-up window, and coalesce it into that latest window
+       otherwise.
     """
     gone = gone_reason(row, schedule_id, window, tz)
     if gone is not None or row is None:
         return StartDecision(Verdict.SKIP, gone or f"schedule {schedule_id} was removed")
+    tz = row_zone(row, tz)
+    lookback = catchup(row, lookback)
     shown = _local(window, tz)
     if last_fired is not None and last_fired >= window:
         if not (retry and last_fired == window):
@@ -280,14 +430,20 @@ def decide_start(
                 return StartDecision(Verdict.SKIP, f"window {shown} already ran")
             return StartDecision(
                 Verdict.SKIP,
-                f"window {shown} is older than the last fire ({_local(last_fired, tz)})",
+                f"window {shown} is older than the last fire: coalesced into "
+                f"{_local(last_fired, tz)}, which already ran",
+                coalesced_into=last_fired,
             )
     if first_seen is not None and window < floor_minute(first_seen):
         return StartDecision(
             Verdict.SKIP,
             f"window {shown} is before the schedule was first seen ({_local(first_seen, tz)})",
         )
-    lateness = (now if retry else first_try) - window
+    block = policy_block(row, window, last_fired=last_fired, tz=tz, retry=retry)
+    if block is not None:
+        return StartDecision(Verdict.SKIP, f"window {shown} skipped: {block}")
+    start = run_start(row, window, node=node, tz=tz)
+    lateness = (now if retry else first_try) - start
     if lateness <= grace:
         why = "re-run of an interrupted job" if retry else "on time"
         return StartDecision(Verdict.RUN, f"window {shown}: {why}", stamp=True)
@@ -297,14 +453,15 @@ def decide_start(
         late = f"interrupted and {_minutes(lateness)} after its window (grace {_minutes(grace)})"
     if policy is MissPolicy.SKIP:
         return StartDecision(Verdict.SKIP, f"window {shown} missed: {late}; miss policy skip")
-    latest = last_fire(row.schedule, now, tz)
-    if latest is None or latest < now - lookback:
+    found = latest_window(row, now, since=now - lookback + _TICK, node=node, tz=tz)
+    if found is None or found[0] < window:
         return StartDecision(
             Verdict.SKIP,
             f"window {shown} missed: {late}; older than the {_minutes(lookback)} catch-up window",
         )
+    latest, latest_start = found
     if latest != window:
-        where = "which runs on time" if now - latest <= grace else "the latest missed window"
+        where = "which runs on time" if now - latest_start <= grace else "the latest missed window"
         return StartDecision(
             Verdict.SKIP,
             f"window {shown} missed: {late}; coalesced into {_local(latest, tz)} ({where})",
@@ -347,6 +504,7 @@ def missed(
     tz: ZoneInfo,
     have: Collection[tuple[str, datetime]] = (),
     lookback: timedelta = LOOKBACK,
+    node: str = "",
 ) -> list[Missed]:
     """Return, per schedule, the windows older than the grace that never had a run (rule 4).
 
@@ -357,14 +515,19 @@ def missed(
     every eligible window of the last ``lookback`` counts, so the check is
     safe after the record is lost: a recovery run reuses the window's
     idempotency key, and a run of that window, if any, is what it gets.
+
+    A window whose run would start within the grace (its jitter) is the
+    planner's, not missed; a window the row's policies skip is not missed
+    either (it was never to run); the look-back is the row's catch-up window.
     """
     found: list[Missed] = []
-    lookback_start = now - lookback + _TICK
     for row in rows:
         if not row.enabled or row.schedule.is_event:
             continue
-        bounds = [lookback_start]
-        eligible = eligible_after(last_fired.get(row.id), first_seen.get(row.id))
+        reach = catchup(row, lookback)
+        bounds = [now - reach + _TICK]
+        last = last_fired.get(row.id)
+        eligible = eligible_after(last, first_seen.get(row.id))
         if eligible is not None:
             bounds.append(eligible)
         done = planned_through.get(row.id)
@@ -373,21 +536,25 @@ def missed(
         start, end = max(bounds), now - grace
         if start >= end:
             continue
-        windows = [w for w in fire_times(row.schedule, start, end, tz) if (row.id, w) not in have]
+        windows = [
+            window for window, begins in window_starts(row, start, end, node=node, tz=tz)
+            if begins < end and (row.id, window) not in have
+            and policy_block(row, window, last_fired=last, tz=tz) is None
+        ]
         if not windows:
             continue
         recover: Window | None = None
         truncated = 0
         if row.miss_policy is not MissPolicy.SKIP:
             latest = windows[-1]
-            newest = last_fire(row.schedule, now, tz)
+            newest = latest_window(row, now, since=now - reach + _TICK, node=node, tz=tz)
             # The latest window's own run (if it had one) or a later window's
             # inside the grace runs under the guard: recovering an older one
             # as well would run the schedule twice in a row.
-            if newest is None or newest == latest:
+            if newest is None or newest[0] == latest:
                 recover = Window(
                     start=latest, schedule_id=row.id, window=latest,
-                    key=window_key(row.id, latest, tz), action=row.action,
+                    key=window_key(row.id, latest, row_zone(row, tz)), action=row.action,
                 )
                 truncated = len(windows) - 1 if row.miss_policy is MissPolicy.RUN_ALL else 0
         found.append(Missed(
@@ -410,6 +577,7 @@ def retry_allowed(
     grace: timedelta,
     tz: ZoneInfo,
     lookback: timedelta = LOOKBACK,
+    node: str = "",
 ) -> StartDecision:
     """Return whether an interrupted job of window may be run again now.
 
@@ -430,4 +598,5 @@ def retry_allowed(
         tz=tz,
         retry=True,
         lookback=lookback,
+        node=node,
     )

@@ -52,6 +52,7 @@ from sched_core.index import DueIndex
 from sched_core.matcher import DEFAULT_TZ, window_key, zone
 from sched_core.model import Cache, LocalSchedule
 from sched_core.plan import StartDecision, decide_start
+from sched_core.policies import policy_block
 from sched_core.pull import (
     MAX_PAYLOAD,
     PullResult,
@@ -163,6 +164,9 @@ def _copy_row(row: LocalSchedule) -> LocalSchedule:
         update={
             "schedule": row.schedule.model_copy(deep=True),
             "params": copy.deepcopy(row.params) if row.params else row.params,
+            "paused": row.paused.model_copy() if row.paused else None,
+            "blackouts": [item.model_copy(deep=True) for item in row.blackouts]
+            if row.blackouts else row.blackouts,
         }
     )
 
@@ -501,6 +505,7 @@ class Scheduler:
                 grace=self._config.fire_grace,
                 tz=self._tz,
                 retry=retry,
+                node=self._config.node_name,
             )
             if decision.stamp:
                 self._cache.last_fired_at[schedule_id] = window if last is None else max(
@@ -523,6 +528,9 @@ class Scheduler:
         The idempotency key is ``<id>@<key>`` when key is given (a chain passes
         its stage and day), else ``<id>@<trigger_key>@<UTC minute>``. Each
         success stamps the schedule's last fire with now, as the Go kit does.
+        A row whose policies hold now back (paused, outside its dates, in a
+        blackout, or fired less than ``min_interval`` ago) is not fired, and
+        the reason is logged (:func:`sched_core.policies.policy_block`).
         """
         now = now_or_clock(now)
         suffix = key or f"{trigger_key}@{floor_minute(now).strftime('%Y-%m-%dT%H:%MZ')}"
@@ -532,6 +540,16 @@ class Scheduler:
             self._reload(now)
             for row in self._cache.schedules:
                 if not row.enabled or row.id in skip_ids or not pred(row):
+                    continue
+                held = policy_block(
+                    row, now, last_fired=self._cache.last_fired_at.get(row.id), tz=self._tz
+                )
+                if held is not None:
+                    log.info(
+                        "not firing %s (%s) on %s: %s", row.id, row.action, trigger_key, held,
+                        extra={"schedule_id": row.id, "trigger_key": trigger_key,
+                               "node": self._config.node_name, "reason": held},
+                    )
                     continue
                 fire = Fire(
                     schedule=_copy_row(row),

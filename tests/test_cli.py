@@ -54,3 +54,31 @@ def test_invalid_rows_are_reported_and_the_rest_previewed(tmp_path: Path) -> Non
 def test_unknown_timezone_is_a_clear_error(tmp_path: Path) -> None:
     code, out = _preview(tmp_path, [], "--tz", "Mars/Olympus")
     assert code != 0 and "unknown timezone 'Mars/Olympus'" in out
+
+
+def test_policies_are_shown_and_the_windows_they_skip_marked(tmp_path: Path) -> None:
+    """Paused until Monday 08:00 EDT, a Wednesday blackout, jitter; a weekly check in Kolkata."""
+    backup = {**_row("s-1", ["2"], "30"), "jitter": 1800,
+              "paused": {"note": "disk swap", "until": "2026-03-09T12:00:00Z"},
+              "blackouts": [{"days": ["wed"], "from": "02:00", "to": "03:00"}]}
+    check = {**_row("k-1", ["4"], "0"), "timezone": "Asia/Kolkata", "min_interval": 6 * 86400}
+    code, out = _preview(tmp_path, [backup, check], "--at", "2026-03-07T00:00", "--days", "9",
+                         "--node", "node-a")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert ("  policies: paused: disk swap (until 2026-03-09 08:00 EDT); blackout wed 02:00-03:00; "
+            "jitter 1800 s (this node: +11 min 39 s)") in lines
+    assert ("  Sun 2026-03-08 03:00 EDT  (2026-03-08T07:00Z)  <- moved here by DST; skipped: "
+            "paused: disk swap (until 2026-03-09 08:00 EDT)") in lines
+    assert ("  Tue 2026-03-10 02:30 EDT  (2026-03-10T06:30Z)  <- starts 02:41:39 on node-a "
+            "(jitter)") in lines
+    assert ("  Wed 2026-03-11 02:30 EDT  (2026-03-11T06:30Z)  <- skipped: in the blackout "
+            "wed 02:00-03:00") in lines
+    assert "  policies: zone Asia/Kolkata; min_interval 6 d" in lines
+    assert "  Sun 2026-03-08 04:00 IST  (2026-03-07T22:30Z)" in lines
+    assert ("  Mon 2026-03-09 04:00 IST  (2026-03-08T22:30Z)  <- skipped: min_interval 6 d: the "
+            "last fire (2026-03-08 04:00 IST) was 1 d before") in lines
+    assert "  Sat 2026-03-14 04:00 IST  (2026-03-13T22:30Z)" in lines
+    # Without a node, jitter is named but no node's start is made up.
+    code, out = _preview(tmp_path, [backup], "--at", "2026-03-07T00:00", "--days", "5")
+    assert "jitter 1800 s (each node its own offset)" in out and "starts " not in out

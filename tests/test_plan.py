@@ -272,7 +272,9 @@ def test_a_window_runs_once_whatever_the_order_of_its_runs() -> None:
     assert guard(NIGHTLY, first_try=W, last_fired=W).reason == (
         "window 2026-11-30 02:30 EST already ran")
     d = guard(NIGHTLY, first_try=W, last_fired=W + timedelta(days=1))
-    assert d.verdict is Verdict.SKIP and "older than the last fire" in d.reason
+    assert d.verdict is Verdict.SKIP and d.coalesced_into == W + timedelta(days=1)
+    assert d.reason == ("window 2026-11-30 02:30 EST is older than the last fire: coalesced "
+                        "into 2026-12-01 02:30 EST, which already ran")
 
 
 def test_a_removed_disabled_or_changed_row_skips_saying_why() -> None:
