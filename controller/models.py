@@ -7,8 +7,9 @@ datetime, so code never compares naive and aware times.
 Tables:
 
 - ``agent_schedule``: the agents' wire-format rows (:class:`sched_core.LocalSchedule`)
-  per node, with a version that increases on every change, and each row's wire
-  JSON as written (the pull answer is built from it).
+  per node: one column per Go field, the policy fields that are set in one JSON
+  column, a version that increases on every change, and each row's wire JSON as
+  written (the pull answer is built from it).
 - ``node_revision``: one row per node whose schedule list ever changed; its
   revision (and a random epoch) make the list's ETag.
 - ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
@@ -105,6 +106,11 @@ class AgentSchedule(SQLModel, table=True):
     miss_policy: str = Field(max_length=40)
     enabled: bool = True
     params: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    policies: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON(none_as_null=True), nullable=True)
+    )
+    """The row's policy fields (issue 12: ``timezone``, ``overlap``, ``paused``, ...) that
+    are set, as their JSON; None when the row has none (a row as the Go kit writes it)."""
     version: int = 1
     wire: str = Field(sa_type=Text)
     """The row's ``LocalSchedule.model_dump_json()``, version included: the pull answer
