@@ -16,6 +16,9 @@ Tables:
   schedule shape, target, payload, ``next_run_at``, status, lease columns).
 - ``task_dispatch``: one row per (task name, scheduled time) ever dispatched;
   its unique key is what makes a dispatch happen exactly once.
+- ``node_report``, ``node_report_history``: each node's latest report (what
+  its agent says about itself), and its newest reports (bounded per node).
+- ``node_pull``: each node's latest pull as the controller answered it.
 """
 
 from __future__ import annotations
@@ -195,6 +198,43 @@ class TaskDispatch(SQLModel, table=True):
     )
     """When its worker last renewed the lease while dispatching (None: never)."""
     error: str | None = Field(default=None, sa_type=Text)
+
+
+class NodeReport(SQLModel, table=True):
+    """A node's latest report (``POST /api/nodes/{node}/report``): one row per node."""
+
+    __tablename__ = "node_report"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the controller received it (its own clock, not the node's)."""
+    report: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    """The report as validated (:class:`controller.nodes.NodeReportIn`), as JSON data."""
+
+
+class NodeReportHistory(SQLModel, table=True):
+    """Every report a node sent, its newest ones only (bounded per node)."""
+
+    __tablename__ = "node_report_history"
+    __table_args__ = (Index("ix_node_report_history_node_id", "node", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    node: str = Field(max_length=200, sa_type=NAME_TYPE)
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    report: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class NodePull(SQLModel, table=True):
+    """The latest pull the controller answered for each node: when, 200 or 304, which list."""
+
+    __tablename__ = "node_pull"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    pulled_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    status: str = Field(max_length=3)
+    """``"200"`` (the list sent) or ``"304"`` (the node had it)."""
+    list_version: str = Field(sa_type=Text)
+    """The list version served: the list's ETag without its quotes (``3f2a9c0b1d4e5f60-12``)."""
 
 
 class TaskIn(SQLModel):

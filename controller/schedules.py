@@ -197,25 +197,49 @@ def stored_values(node: str, row: LocalSchedule, *, version: int) -> dict[str, A
     }
 
 
-def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedule:
+class VersionConflict(Exception):
+    """The row changed (or went) since it was read: a conditional write did nothing."""
+
+
+def put_schedule(
+    session: Session, node: str, row: LocalSchedule, *, if_version: int | None = None
+) -> LocalSchedule:
     """Insert or replace node's row ``row.id`` and return the stored row; commits.
 
     The stored version is the previous one plus 1 (1 for a new row), whatever
     ``row.version`` says. The stored wire JSON is that of the row as read back
     from its columns at that version. The node's ETag changes in the same
     transaction.
+
+    ``if_version`` (a PATCH's read-modify-write) replaces the row only while
+    its stored version is still that one: else :class:`VersionConflict` and
+    nothing changes (a row deleted since is not recreated).
     """
     values = stored_values(node, row, version=1)
-    stmt = _insert(session, _SCHEDULE_TABLE).values(**values)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[_COLUMNS.node, _COLUMNS.id],
-        set_={
-            **{k: stmt.excluded[k] for k in values if k not in ("node", "id", "version")},
-            "version": _COLUMNS.version + 1,
-        },
-    ).returning(*_WIRE_COLUMNS)
+    if if_version is not None:
+        stmt: Any = (
+            update(_SCHEDULE_TABLE)
+            .where(_COLUMNS.node == node, _COLUMNS.id == row.id,
+                   _COLUMNS.version == if_version)
+            .values(**{k: v for k, v in values.items() if k not in ("node", "id", "version")},
+                    version=_COLUMNS.version + 1)
+            .returning(*_WIRE_COLUMNS)
+        )
+    else:
+        stmt = _insert(session, _SCHEDULE_TABLE).values(**values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[_COLUMNS.node, _COLUMNS.id],
+            set_={
+                **{k: stmt.excluded[k] for k in values if k not in ("node", "id", "version")},
+                "version": _COLUMNS.version + 1,
+            },
+        ).returning(*_WIRE_COLUMNS)
     with transaction(session):
-        stored = _to_wire(session.execute(stmt).one())
+        found = session.execute(stmt).first()
+        if found is None:
+            raise VersionConflict(f"row {row.id!r} of node {node!r} is no longer at "
+                                  f"version {if_version}")
+        stored = _to_wire(found)
         wire = stored.model_dump_json()
         # The database picked the version; an update (or a column's round trip)
         # changes the JSON, and the row is locked until the commit.
@@ -249,3 +273,14 @@ def list_nodes(session: Session) -> list[str]:
     ).scalars().all()
     return list(nodes)
 
+
+
+def all_schedules(session: Session) -> dict[str, list[LocalSchedule]]:
+    """Return every node's rows sorted by id (one statement): the fleet's status and upcoming."""
+    rows = session.execute(
+        select(_COLUMNS.node, *_WIRE_COLUMNS).order_by(_COLUMNS.node, _COLUMNS.id)
+    ).all()
+    found: dict[str, list[LocalSchedule]] = {}
+    for row in rows:
+        found.setdefault(row[0], []).append(_to_wire(row[1:]))
+    return found

@@ -18,7 +18,8 @@ from sqlmodel import SQLModel
 from controller import db
 from controller import models as _models  # noqa: F401  (registers the tables)
 
-TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch"}
+TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
+          "node_report_history", "node_pull"}
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
