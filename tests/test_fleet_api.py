@@ -285,6 +285,7 @@ def test_patch_pause_resume_and_propagation(fleet: Fleet) -> None:
     assert body["params"] == {"threads": 4}  # RFC 7386: null removes the member
     assert body["name"] == "nightly s-1"
     assert body["_propagation"]["next_window"] is None
+    assert "paused until resumed (disk swap)" in body["_propagation"]["reason"]
     stored = c.get(url, headers=NODE_A).json()
     assert stored["paused"]["note"] == "disk swap" and "_propagation" not in stored
     shown = c.get("/api/nodes/node-a/status", headers=ADMIN).json()["schedules"][0]
