@@ -344,3 +344,23 @@ def test_unreachable_prefect_never_fails_a_write(sqlite_url: str) -> None:
             assert "http://127.0.0.1:9/api" in prop["reason"]
     finally:
         events.close()
+
+
+def test_concurrent_patches_are_never_lost(fleet: Fleet) -> None:
+    """Each PATCH re-reads and re-applies itself when another write won: all are kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = fleet.client
+    put(c, "node-a", row("s-1", params={"base": 0}))
+    url = "/api/nodes/node-a/schedules/s-1"
+
+    def patch(index: int) -> int:
+        with httpx.Client(base_url=str(c.base_url), timeout=60) as own:
+            return own.patch(url, json={"params": {f"k{index}": index}}, headers=ADMIN).status_code
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        codes = list(pool.map(patch, range(8)))
+    assert codes == [200] * 8
+    stored = c.get(url, headers=ADMIN).json()
+    assert stored["params"] == {"base": 0, **{f"k{i}": i for i in range(8)}}
+    assert stored["version"] == 9

@@ -166,19 +166,16 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         return Response(status_code=204)
 
     def status_rows(session: Session, only: str | None) -> dict[str, Any]:
-        rows = schedules.all_schedules(session)
+        ids = nodes.schedule_ids(session, only)
         pulls = nodes.latest_pulls(session, only)
         reports = nodes.latest_reports(session, only)
         versions = nodes.list_versions(session, only)
-        names = set(pulls) | set(reports) | ({only} if only in rows else set(rows))
-        if only is not None:
-            names &= {only}
+        names = set(pulls) | set(reports) | set(ids)
         now = api.clock()
         return {
-            "now": now, "rows": rows, "pulls": pulls, "reports": reports, "versions": versions,
+            "now": now, "pulls": pulls, "reports": reports, "versions": versions,
             "nodes": [fleet.node_row(
-                name, schedules=len(rows.get(name, [])),
-                schedule_ids=[row.id for row in rows.get(name, [])],
+                name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
                 pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
                 now=now, settings=api.settings,
             ) for name in sorted(names)],
@@ -199,6 +196,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
 
         def read(session: Session) -> dict[str, Any]:
             found = status_rows(session, node)
+            found["rows"] = schedules.list_schedules(session, node)[0]
             found["history"] = nodes.report_history(
                 session, node, limit=api.settings.report_history)
             return found
@@ -215,7 +213,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                 item, node=node, tz=tz, reported=reported.get(item.id),
                 recent=fleet.recent_outcomes(found["history"], item.id), now=found["now"],
             )
-            for item in found["rows"].get(node, [])
+            for item in found["rows"]
         ]
         return JSONResponse(row)
 
@@ -233,7 +231,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
             raise _forbidden("a node token may only list its own node's windows (?node=NAME)")
 
         def read(session: Session) -> dict[str, Any]:
-            rows = schedules.all_schedules(session)
+            if node is not None:
+                rows = {node: schedules.list_schedules(session, node)[0]}
+            else:
+                rows = schedules.all_schedules(session)
             reports = nodes.latest_reports(session, node)
             return {"rows": rows, "reports": reports}
 
