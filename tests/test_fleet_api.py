@@ -297,6 +297,9 @@ def test_patch_pause_resume_and_propagation(fleet: Fleet) -> None:
     assert resumed["_propagation"]["likely_in_time"] is True
     assert "pulls every 300 s" in resumed["_propagation"]["reason"]
 
+    typo = c.put(url, json={**row("s-1"), "pasued": {"note": "x"}, "colour": 1}, headers=ADMIN)
+    assert typo.status_code == 422
+    assert [e["field"] for e in typo.json()["detail"]] == ["colour", "pasued"]
     unknown = c.patch(url, json={"pasued": None, "enabled": False}, headers=ADMIN)
     assert unknown.status_code == 422
     assert unknown.json()["detail"][0]["field"] == "pasued"

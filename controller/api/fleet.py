@@ -125,14 +125,32 @@ class FleetApi:
         return Response(body, media_type="application/json")
 
 
-def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
-    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
-    unknown = sorted(key for key in patch if key not in _PATCHABLE)
+def refuse_unknown_fields(data: dict[str, Any]) -> None:
+    """Raise InvalidInput naming each top-level key of a row body that no row field has.
+
+    The wire model ignores unknown fields (an agent reading a newer controller's
+    rows), but a write must not: a misspelt ``pasued`` would be dropped silently.
+    """
+    unknown = sorted(key for key in data if key not in _PATCHABLE)
     if unknown:
         raise InvalidInput([
             {"field": key, "loc": ["body", key], "msg": f"unknown field {key!r}",
              "type": "extra_forbidden"} for key in unknown
         ])
+
+
+def row_from_body(data: dict[str, Any]) -> LocalSchedule:
+    """Return a PUT body as a row: unknown fields refused, then the model's checks (422)."""
+    refuse_unknown_fields(data)
+    try:
+        return LocalSchedule.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInput(_body_errors(exc)) from None
+
+
+def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
+    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
+    refuse_unknown_fields(patch)
     for key in ("id", "version"):
         if key in patch and patch[key] != current.model_dump(mode="json")[key]:
             raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
