@@ -28,8 +28,14 @@ test: lint typecheck
 run: setup
 	$(PY) -m deployments.run_local
 
+# BENCH_PREFECT=1 also runs the Prefect benchmarks (each starts its own server; ~40 min).
 bench: setup
 	$(PY) bench/bench_core.py
+ifneq ($(BENCH_PREFECT),)
+	$(PY) bench/bench_idle.py
+	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_propagation.py
+endif
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
