@@ -34,6 +34,8 @@ from controller.api import PULL_CACHE_BYTES, create_app
 from controller.auth import Tokens, TokensReloader
 from controller.connections import ConnectionLimits, guarded_protocol, quiet_repeated_lines
 from controller.db import make_engine, safe_url
+from controller.events import PrefectEvents
+from controller.fleet import FleetSettings
 from sched_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -198,13 +200,17 @@ def run(
     environ: Mapping[str, str] | None = None,
     tokens_check_interval: float = 2.0,
     check_prefect: bool = True,
+    fleet_settings: FleetSettings | None = None,
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM.
 
     ``environ`` (default ``os.environ``) names the tokens file to watch; a
     ``tokens`` built with ``insecure`` has none. With the scheduler on and
     ``check_prefect``, the Prefect API is checked once in the background and a
-    warning names it if it does not answer.
+    warning names it if it does not answer. The API announces every write of a
+    node's schedules as a Prefect event when ``PREFECT_API_URL`` is set (else it
+    says so here, at start-up, and in every write's answer), and records every
+    pull it answers.
     """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
@@ -225,17 +231,25 @@ def run(
             if tokens is None:
                 raise ValueError("the API needs a token configuration")
             wake = getattr(central, "wake", None)
+            events = PrefectEvents.from_settings()
             app = create_app(
                 engine,
                 tokens,
                 on_task_saved=(lambda _name: wake()) if wake else None,
                 pull_cache_bytes=pull_cache_bytes,
+                events=events,
+                fleet_settings=fleet_settings,
             )
             config = uvicorn_config(app, host=host, port=port, log_level=log_level,
                                     limits=limits, ssl_certfile=ssl_certfile,
                                     ssl_keyfile=ssl_keyfile)
-            if not stop.is_set():  # a signal during start-up
-                uvicorn.Server(config).run()
+            try:
+                if not stop.is_set():  # a signal during start-up
+                    uvicorn.Server(config).run()
+            finally:
+                if app.state.pull_recorder is not None:
+                    app.state.pull_recorder.close()
+                events.close()
     finally:
         engine.dispose()
         log.info("controller stopped")

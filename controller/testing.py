@@ -88,7 +88,8 @@ def serve_in_thread(
 
     The socket is bound first (port 0 picks a free one), so the URL is known
     before the server starts. Connections are guarded as ``sched controller
-    serve`` guards them (``limits``, or the defaults).
+    serve`` guards them (``limits``, or the defaults). On exit the app's pull
+    recorder (if any) is closed.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,3 +113,8 @@ def serve_in_thread(
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        # The app's pull recorder writes behind: write what is pending and stop its timer
+        # while the caller's engine is still open (uvicorn runs no lifespan here).
+        recorder = getattr(getattr(app, "state", None), "pull_recorder", None)
+        if recorder is not None:
+            recorder.close()
