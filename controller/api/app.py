@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
 from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
+from controller.api.page import StoreSource, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, InvalidInput, NotFound
@@ -254,7 +255,8 @@ def create_app(
     ``on_task_saved(name)`` is called after a task is saved, so an in-process
     central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
     """
-    app = FastAPI(title="sched controller", version="1", docs_url="/docs", redoc_url=None)
+    # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
+    app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     _install_error_handlers(app)
     auth = Auth(tokens)
@@ -278,4 +280,5 @@ def create_app(
 
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes)))
     app.include_router(task_router(in_session, auth, on_task_saved))
+    app.include_router(page_router(tokens, StoreSource(in_session)))
     return app
