@@ -98,12 +98,13 @@ class StoreSource:
         status, per_node, windows = [], {}, []
         for node, rows in rows_by_node.items():
             status.append({"node": node, "schedules": len(rows), "status": "unknown",
-                           "timezone": None, "last_pull_at": None})
+                           "timezone": DEFAULT_TZ.key, "last_pull_at": None})
             items = []
             for row in rows:
                 z = row_zone(row, DEFAULT_TZ)
-                coming = upcoming(row, now=now, last_fired=None, count=NEXT_WINDOWS,
-                                  node=node, tz=DEFAULT_TZ).windows
+                found = upcoming(row, now=now, last_fired=None, count=NEXT_WINDOWS,
+                                 node=node, tz=DEFAULT_TZ)
+                coming = found.windows
                 next_windows = [{"at": _utc(w.window),
                                  "local": w.window.astimezone(z).strftime("%a %Y-%m-%d %H:%M %Z"),
                                  "note": _dst_note(row, w.window, z)} for w in coming]
@@ -118,11 +119,18 @@ class StoreSource:
                         windows.append({"node": node, "schedule_id": row.id, "name": row.name,
                                         "action": row.action, "at": shown["at"],
                                         "local": shown["local"], "note": shown["note"],
-                                        "paused": row.paused is not None})
+                                        "paused": False})
+                for skipped, why in found.skipped:
+                    if why.startswith("paused") and skipped <= now + AHEAD:
+                        windows.append({"node": node, "schedule_id": row.id, "name": row.name,
+                                        "action": row.action, "at": _utc(skipped),
+                                        "local": skipped.astimezone(z).strftime(
+                                            "%a %Y-%m-%d %H:%M %Z"),
+                                        "note": "", "paused": True})
             per_node[node] = items
         windows.sort(key=lambda w: (w["at"], w["node"], w["schedule_id"]))
         notice = ("Pulls, reports and job outcomes are not shown: this controller has no node "
-                  "status yet; windows are in each row's zone, else "
+                  "status yet; windows are in each row's zone, else the agents' default "
                   f"{DEFAULT_TZ.key}.")
         return status, per_node, windows, notice
 
@@ -206,8 +214,9 @@ def page_router(
         now = getattr(request.app.state, "clock", clock)()
         fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
         nodes, per_node, windows, notice = fleet.view(now)
+        ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
         view = FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
-                         prefect_ui=prefect_ui(), notice=notice)
+                         prefect_ui=ui, notice=notice)
         return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
 
     @router.post("/login")
