@@ -5,10 +5,10 @@ Four automations, each named ``<prefix>: ...`` and found again by that name:
 1. **wave overdue** (proactive, one bucket per node: ``for_each`` the node's
    resource ``sched.agent.<node>``): after a ``sched.job.completed`` of a wave
    action, none follows within ``wave_within`` (26 h). The wave's jobs are
-   told apart by their run's ``action:<action>`` tag, which Prefect attaches to
-   an event emitted inside the run as a related resource (role ``tag``): a
-   trigger cannot match on the payload. A node that never completed a wave job
-   has no bucket yet, so it is not watched until its first one.
+   told apart by the job event's related resource ``sched.action.<action>``
+   (role ``sched-action``, :func:`flows.runtime.action_related`): a trigger
+   cannot match on the payload. A node that never completed a wave job has no
+   bucket yet, so it is not watched until its first one.
 2. **job failed** (reactive): every ``sched.job.failed`` (the agent sends one
    per failed, crashed or interrupted job, once per run).
 3. **reconcile overdue** (proactive, one bucket per node: ``for_each`` the
@@ -50,6 +50,8 @@ JOB_COMPLETED = "sched.job.completed"
 JOB_FAILED = "sched.job.failed"
 TASK_GAVE_UP = "sched.task.gave-up"
 RECONCILE_FLOW = "reconcile"
+ACTION_ROLE = "sched-action"
+"""The role of a job event's related ``sched.action.<action>`` (flows.runtime.ACTION_ROLE)."""
 PROACTIVE_MIN = timedelta(seconds=10)
 """Prefect's shortest ``within`` for a proactive trigger."""
 
@@ -107,9 +109,9 @@ def specs(settings: AlertSettings, actions: list[Any]) -> list[AutomationCore]:
     from prefect.events.schemas.events import ResourceSpecification
 
     agents = ResourceSpecification({"prefect.resource.id": "sched.agent.*"})
-    wave_tags = ResourceSpecification({
-        "prefect.resource.role": "tag",
-        "prefect.resource.id": [f"prefect.tag.action:{a}" for a in settings.wave_actions],
+    wave_related = ResourceSpecification({
+        "prefect.resource.role": ACTION_ROLE,
+        "prefect.resource.id": [f"sched.action.{a}" for a in settings.wave_actions],
     })
     wave = ", ".join(settings.wave_actions)
     return [
@@ -122,7 +124,7 @@ def specs(settings: AlertSettings, actions: list[Any]) -> list[AutomationCore]:
             enabled=True,
             trigger=EventTrigger(
                 after={JOB_COMPLETED}, expect={JOB_COMPLETED}, match=agents,
-                match_related=wave_tags, for_each={"prefect.resource.id"},
+                match_related=wave_related, for_each={"prefect.resource.id"},
                 posture=Posture.Proactive, threshold=1, within=settings.wave_within,
             ),
             actions=list(actions),
