@@ -76,6 +76,21 @@ def check_base_url(url: str | None, what: str = "--controller") -> str:
     return url.rstrip("/")
 
 
+def _no_such_endpoint(response: httpx.Response) -> bool:
+    """True when a 404 or 405 is the router's (no such route), not the API's (no such row).
+
+    The API's refusals name what is missing; the router's bare ``Not Found`` /
+    ``Method Not Allowed`` means an older controller without the endpoint.
+    """
+    if response.status_code not in (404, 405):
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("detail") in ("Not Found", "Method Not Allowed")
+
+
 def _detail(response: httpx.Response) -> str:
     """Return the controller's explanation of a refusal, in one line."""
     try:
@@ -138,6 +153,9 @@ class Controller:
         if 400 <= status < 500:
             hint = {401: " (check --token / SCHED_TOKEN)",
                     403: " (this needs the admin token)"}.get(status, "")
+            if _no_such_endpoint(response):
+                hint = (" (this controller has no such endpoint: it is older than this "
+                        "sched; upgrade it)")
             raise OpsError(f"{where}: {status} {_detail(response)}{hint}", Exit.REFUSED,
                            status=status)
         raise OpsError(f"{where}: the controller answered {status} {_detail(response)}",

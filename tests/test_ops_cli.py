@@ -134,6 +134,18 @@ def test_rm_deletes_and_a_second_rm_is_not_found(base: str) -> None:
     assert result.exit_code == 0 and "deleted gone on node-b" in result.output
     result = run("schedules", "rm", "gone", "--node", "node-b", base=base)
     assert result.exit_code == 1 and "404" in result.output and "gone" in result.output
+    assert "no such endpoint" not in result.output  # a missing row is not a missing route
+
+
+def test_a_route_the_controller_lacks_says_it_is_older_than_sched(base: str) -> None:
+    from sched_ops.client import Controller, Exit, OpsError
+
+    with Controller(base, ADMIN) as client:
+        for method in ("GET", "PATCH"):
+            with pytest.raises(OpsError) as refused:
+                client.json(method, "/api/no-such-endpoint")
+            assert refused.value.code == Exit.REFUSED
+            assert "no such endpoint: it is older than this sched" in str(refused.value)
 
 
 def test_exit_codes_for_tokens_and_a_missing_controller(base: str) -> None:
