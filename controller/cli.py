@@ -83,6 +83,18 @@ def serve(
         64, min=0, help="MiB of pull answers cached per process, keyed by ETag (0: off)."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    pull_interval: float = typer.Option(
+        900.0, min=1,
+        help="Seconds between a node's periodic pulls (the agents' reconcile_interval): "
+        "what a write's answer counts on without an event.",
+    ),
+    stale_after: float | None = typer.Option(
+        None, min=1, help="Seconds without a pull before a node is stale (default: 3 pull "
+        "intervals).",
+    ),
+    report_history: int = typer.Option(
+        50, min=1, help="Reports kept per node (the newest)."
+    ),
     max_attempts: int = typer.Option(
         DEFAULT_MAX_ATTEMPTS, min=0,
         help="Failed dispatches of one (task, scheduled time) before giving up on it: a "
@@ -131,9 +143,12 @@ def serve(
                        err=True)
             raise typer.Exit(2) from None
     from controller.central import CentralSettings
+    from controller.fleet import FleetSettings
     from controller.server import run
 
     try:
+        fleet_settings = FleetSettings(pull_interval=pull_interval, stale_after=stale_after,
+                                       report_history=report_history)
         settings = CentralSettings.from_env(
             max_attempts=max_attempts,
             dispatch_retention=dispatch_retention_days * 86400 or None,
@@ -152,6 +167,7 @@ def serve(
         log_level=log_level,
         pull_cache_bytes=pull_cache_mb << 20,
         scheduler_settings=settings,
+        fleet_settings=fleet_settings,
     )
 
 

@@ -7,14 +7,18 @@ datetime, so code never compares naive and aware times.
 Tables:
 
 - ``agent_schedule``: the agents' wire-format rows (:class:`sched_core.LocalSchedule`)
-  per node, with a version that increases on every change, and each row's wire
-  JSON as written (the pull answer is built from it).
+  per node: one column per Go field, the policy fields that are set in one JSON
+  column, a version that increases on every change, and each row's wire JSON as
+  written (the pull answer is built from it).
 - ``node_revision``: one row per node whose schedule list ever changed; its
   revision (and a random epoch) make the list's ETag.
 - ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
   schedule shape, target, payload, ``next_run_at``, status, lease columns).
 - ``task_dispatch``: one row per (task name, scheduled time) ever dispatched;
   its unique key is what makes a dispatch happen exactly once.
+- ``node_report``, ``node_report_history``: each node's latest report (what
+  its agent says about itself), and its newest reports (bounded per node).
+- ``node_pull``: each node's latest pull as the controller answered it.
 """
 
 from __future__ import annotations
@@ -105,6 +109,11 @@ class AgentSchedule(SQLModel, table=True):
     miss_policy: str = Field(max_length=40)
     enabled: bool = True
     params: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    policies: dict[str, Any] | None = Field(
+        default=None, sa_column=Column(JSON(none_as_null=True), nullable=True)
+    )
+    """The row's policy fields (issue 12: ``timezone``, ``overlap``, ``paused``, ...) that
+    are set, as their JSON; None when the row has none (a row as the Go kit writes it)."""
     version: int = 1
     wire: str = Field(sa_type=Text)
     """The row's ``LocalSchedule.model_dump_json()``, version included: the pull answer
@@ -189,6 +198,43 @@ class TaskDispatch(SQLModel, table=True):
     )
     """When its worker last renewed the lease while dispatching (None: never)."""
     error: str | None = Field(default=None, sa_type=Text)
+
+
+class NodeReport(SQLModel, table=True):
+    """A node's latest report (``POST /api/nodes/{node}/report``): one row per node."""
+
+    __tablename__ = "node_report"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the controller received it (its own clock, not the node's)."""
+    report: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    """The report as validated (:class:`controller.nodes.NodeReportIn`), as JSON data."""
+
+
+class NodeReportHistory(SQLModel, table=True):
+    """Every report a node sent, its newest ones only (bounded per node)."""
+
+    __tablename__ = "node_report_history"
+    __table_args__ = (Index("ix_node_report_history_node_id", "node", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    node: str = Field(max_length=200, sa_type=NAME_TYPE)
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    report: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+
+
+class NodePull(SQLModel, table=True):
+    """The latest pull the controller answered for each node: when, 200 or 304, which list."""
+
+    __tablename__ = "node_pull"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    pulled_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    status: str = Field(max_length=3)
+    """``"200"`` (the list sent) or ``"304"`` (the node had it)."""
+    list_version: str = Field(sa_type=Text)
+    """The list version served: the list's ETag without its quotes (``3f2a9c0b1d4e5f60-12``)."""
 
 
 class TaskIn(SQLModel):

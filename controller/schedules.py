@@ -5,6 +5,9 @@ Rules:
 - every change to a node's list (add, update, delete) bumps that node's
   ``node_revision`` row in the same transaction, so the ETag of the list changes
   exactly when the list does;
+- a row is stored in one column per Go field, plus its set policy fields
+  (:data:`POLICY_FIELDS`) in one JSON column, so a row without policies is
+  stored (and served) exactly as before;
 - a row is validated on the way in, and stored with its wire JSON
   (``LocalSchedule.model_dump_json()`` of the row as stored, version included),
   so the pull answer is the stored strings spliced together: reading trusts
@@ -42,19 +45,39 @@ def _insert(session: Session, table: Any) -> Any:
     return sqlite_insert(table)
 
 
-_WIRE_FIELDS = (
+_GO_FIELDS = (
     "id", "name", "repo_id", "action", "storage", "schedule", "miss_policy", "enabled",
     "params", "version",
 )
+"""The Go kit's fields: one column each."""
+POLICY_FIELDS = tuple(name for name in LocalSchedule.model_fields if name not in _GO_FIELDS)
+"""The row's policy fields (issue 12): stored together, the set ones only, in ``policies``."""
+_WIRE_FIELDS = (*_GO_FIELDS, "policies")
 _WIRE_COLUMNS = tuple(_COLUMNS[name] for name in _WIRE_FIELDS)
 _WIRE_LIST: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])
 
 
+def _wire_data(row: Any) -> dict[str, Any]:
+    """Return a stored row's columns (``_WIRE_COLUMNS`` order) as the row's JSON object."""
+    data = dict(zip(_WIRE_FIELDS, row, strict=True))
+    policies = data.pop("policies") or {}
+    return {**data, **policies}
+
+
 def _to_wire(row: Any) -> LocalSchedule:
     # A row stored before the identifier rule stays readable (and so deletable).
-    return LocalSchedule.model_validate(
-        dict(zip(_WIRE_FIELDS, row, strict=True)), context={STORED_BEFORE_RULES: True}
-    )
+    return LocalSchedule.model_validate(_wire_data(row), context={STORED_BEFORE_RULES: True})
+
+
+def policies_of(row: LocalSchedule) -> dict[str, Any] | None:
+    """Return the row's set policy fields as JSON data (None when it has none).
+
+    Exactly what the row's JSON holds for them (unset, empty, zero and false
+    ones are left out, as ``model_dump_json`` leaves them out), so the row
+    read back from its columns dumps to the same bytes.
+    """
+    data: dict[str, Any] = row.model_dump(mode="json", include=set(POLICY_FIELDS))
+    return data or None
 
 
 def _etag(epoch: str, revision: int) -> str:
@@ -108,7 +131,7 @@ def list_schedules(session: Session, node: str) -> tuple[list[LocalSchedule], st
     # One validation call for the whole list: rows were validated on the way in,
     # this keeps a hand-edited bad row from ever reaching an agent (identifiers
     # excepted: rows stored before that rule stay listable; an agent's pull drops them).
-    wire = [dict(zip(_WIRE_FIELDS, row[2:], strict=True)) for row in rows if row.id is not None]
+    wire = [_wire_data(row[2:]) for row in rows if row.id is not None]
     return _WIRE_LIST.validate_python(wire, context={STORED_BEFORE_RULES: True}), etag
 
 
@@ -167,31 +190,56 @@ def stored_values(node: str, row: LocalSchedule, *, version: int) -> dict[str, A
         "miss_policy": row.miss_policy.value,
         "enabled": row.enabled,
         "params": row.params or None,
+        "policies": policies_of(row),
         "version": version,
         "wire": row.model_copy(update={"version": version}).model_dump_json(),
         "updated_at": utc_now(),
     }
 
 
-def put_schedule(session: Session, node: str, row: LocalSchedule) -> LocalSchedule:
+class VersionConflict(Exception):
+    """The row changed (or went) since it was read: a conditional write did nothing."""
+
+
+def put_schedule(
+    session: Session, node: str, row: LocalSchedule, *, if_version: int | None = None
+) -> LocalSchedule:
     """Insert or replace node's row ``row.id`` and return the stored row; commits.
 
     The stored version is the previous one plus 1 (1 for a new row), whatever
     ``row.version`` says. The stored wire JSON is that of the row as read back
     from its columns at that version. The node's ETag changes in the same
     transaction.
+
+    ``if_version`` (a PATCH's read-modify-write) replaces the row only while
+    its stored version is still that one: else :class:`VersionConflict` and
+    nothing changes (a row deleted since is not recreated).
     """
     values = stored_values(node, row, version=1)
-    stmt = _insert(session, _SCHEDULE_TABLE).values(**values)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[_COLUMNS.node, _COLUMNS.id],
-        set_={
-            **{k: stmt.excluded[k] for k in values if k not in ("node", "id", "version")},
-            "version": _COLUMNS.version + 1,
-        },
-    ).returning(*_WIRE_COLUMNS)
+    if if_version is not None:
+        stmt: Any = (
+            update(_SCHEDULE_TABLE)
+            .where(_COLUMNS.node == node, _COLUMNS.id == row.id,
+                   _COLUMNS.version == if_version)
+            .values(**{k: v for k, v in values.items() if k not in ("node", "id", "version")},
+                    version=_COLUMNS.version + 1)
+            .returning(*_WIRE_COLUMNS)
+        )
+    else:
+        stmt = _insert(session, _SCHEDULE_TABLE).values(**values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[_COLUMNS.node, _COLUMNS.id],
+            set_={
+                **{k: stmt.excluded[k] for k in values if k not in ("node", "id", "version")},
+                "version": _COLUMNS.version + 1,
+            },
+        ).returning(*_WIRE_COLUMNS)
     with transaction(session):
-        stored = _to_wire(session.execute(stmt).one())
+        found = session.execute(stmt).first()
+        if found is None:
+            raise VersionConflict(f"row {row.id!r} of node {node!r} is no longer at "
+                                  f"version {if_version}")
+        stored = _to_wire(found)
         wire = stored.model_dump_json()
         # The database picked the version; an update (or a column's round trip)
         # changes the JSON, and the row is locked until the commit.
@@ -225,3 +273,14 @@ def list_nodes(session: Session) -> list[str]:
     ).scalars().all()
     return list(nodes)
 
+
+
+def all_schedules(session: Session) -> dict[str, list[LocalSchedule]]:
+    """Return every node's rows sorted by id (one statement): the fleet's status and upcoming."""
+    rows = session.execute(
+        select(_COLUMNS.node, *_WIRE_COLUMNS).order_by(_COLUMNS.node, _COLUMNS.id)
+    ).all()
+    found: dict[str, list[LocalSchedule]] = {}
+    for row in rows:
+        found.setdefault(row[0], []).append(_to_wire(row[1:]))
+    return found

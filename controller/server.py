@@ -24,6 +24,8 @@ from sqlalchemy.engine import Engine
 from controller.api import PULL_CACHE_BYTES, create_app
 from controller.auth import Tokens
 from controller.db import make_engine, safe_url
+from controller.events import PrefectEvents
+from controller.fleet import FleetSettings
 
 if TYPE_CHECKING:
     from controller.central import CentralSettings
@@ -108,8 +110,14 @@ def run(
     log_level: str = "info",
     pull_cache_bytes: int = PULL_CACHE_BYTES,
     scheduler_settings: CentralSettings | None = None,
+    fleet_settings: FleetSettings | None = None,
 ) -> None:
-    """Run the API and/or the central scheduler until SIGINT or SIGTERM."""
+    """Run the API and/or the central scheduler until SIGINT or SIGTERM.
+
+    The API announces every write of a node's schedules as a Prefect event
+    when ``PREFECT_API_URL`` is set (else it says so here, at start-up, and in
+    every write's answer), and records every pull it answers.
+    """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
                                             "scheduler": scheduler})
@@ -123,14 +131,24 @@ def run(
             if tokens is None:
                 raise ValueError("the API needs a token configuration")
             wake = getattr(central, "wake", None)
+            events = PrefectEvents.from_settings()
             app = create_app(
                 engine,
                 tokens,
                 on_task_saved=(lambda _name: wake()) if wake else None,
                 pull_cache_bytes=pull_cache_bytes,
+                events=events,
+                fleet_settings=fleet_settings,
             )
-            if not stop.is_set():  # a signal during start-up
-                uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level)).run()
+            try:
+                if not stop.is_set():  # a signal during start-up
+                    uvicorn.Server(
+                        uvicorn_config(app, host=host, port=port, log_level=log_level)
+                    ).run()
+            finally:
+                if app.state.pull_recorder is not None:
+                    app.state.pull_recorder.close()
+                events.close()
     finally:
         engine.dispose()
         log.info("controller stopped")

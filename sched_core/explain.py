@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from sched_core.matcher import matches, wall_matches
-from sched_core.model import LocalSchedule, Schedule
+from sched_core.model import DAY_NAMES, LocalSchedule, Schedule
 from sched_core.policies import policy_block, row_zone
 
 _MINUTE = timedelta(minutes=1)
@@ -100,3 +100,59 @@ def window_notes(
     if node and start != window:
         notes.append(f"starts {start.astimezone(z):%H:%M:%S} on {node} (jitter)")
     return notes, True
+
+
+def schedule_words(schedule: Schedule) -> str:
+    """Return when the schedule fires, for people: ``Mon, Tue at 02:30``, ``every 15 min``.
+
+    ``daily at 02:30, 14:30``, ``Sat hourly at :05``, ``after the wave`` (an
+    ``after_wave`` schedule), ``on <event>`` (another event schedule).
+    """
+    if schedule.is_event:
+        return "after the wave" if schedule.on == "after_wave" else f"on {schedule.on}"
+    if schedule.is_interval:
+        minutes = schedule.interval_minutes or 0
+        return f"every {minutes // 60} h" if minutes % 60 == 0 else f"every {minutes} min"
+    days = schedule.days or []
+    if "*" in days or set(days) >= set(DAY_NAMES):
+        when = "daily"
+    else:
+        when = ", ".join(day.capitalize() for day in DAY_NAMES if day in days)
+    minute = int(schedule.minute)
+    hours = schedule.hours or []
+    if "*" in hours:
+        return f"{'' if when == 'daily' else when + ' '}hourly at :{minute:02d}"
+    times = ", ".join(f"{hour:02d}:{minute:02d}" for hour in sorted({int(h) for h in hours}))
+    return f"{when} at {times}"
+
+
+def dst_note(schedule: Schedule, window: datetime, tz: ZoneInfo) -> str:
+    """Return what DST does to one window of the schedule in tz, in words ('' when nothing).
+
+    A window a spring-forward gap moved (its wall time does not exist that
+    day); the first or second copy of a wall time a fall-back repeats, and
+    whether the schedule fires in both (wildcard hours, intervals) or at the
+    first only (a fixed hour).
+    """
+    local = window.astimezone(tz)
+    wall = local.replace(tzinfo=None)
+    if not matches(schedule, window, tz):
+        before = (window - _MINUTE).astimezone(tz)
+        jump = local.utcoffset() - before.utcoffset()  # type: ignore[operator]
+        missing = wall - jump
+        while missing < wall and not wall_matches(schedule, missing):
+            missing += _MINUTE
+        return (f"{missing:%H:%M} does not exist on {local:%Y-%m-%d} (DST: clocks jump from "
+                f"{wall - jump:%H:%M} to {local:%H:%M}): runs at {local:%H:%M %Z}")
+    first = wall.replace(tzinfo=tz, fold=0)
+    second = wall.replace(tzinfo=tz, fold=1)
+    if first.utcoffset() == second.utcoffset():
+        return ""
+    both = schedule.is_interval or schedule.has_wildcard_hours
+    if local.fold == 1:
+        return f"the second {wall:%H:%M} of {local:%Y-%m-%d} (DST fall-back, {local:%Z})"
+    if both:
+        return (f"{wall:%H:%M} happens twice on {local:%Y-%m-%d} (DST fall-back): "
+                f"runs at both, this is the first ({local:%Z})")
+    return (f"{wall:%H:%M} happens twice on {local:%Y-%m-%d} (DST fall-back): "
+            f"runs at the first only ({local:%Z})")

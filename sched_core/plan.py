@@ -212,12 +212,13 @@ def upcoming(
     count: int,
     node: str,
     tz: ZoneInfo,
+    ahead: timedelta = PLAN_AHEAD_LIMIT,
 ) -> Upcoming:
     """Return the row's next count windows whose run starts at or after now and that will run.
 
     The same rules as :func:`plan_windows` (policies, jitter, min_interval
     counted from the last fire and then from each window before), looking at
-    most 8 days ahead; the windows skipped on the way are returned with why.
+    most ``ahead`` (8 days) ahead; the windows skipped on the way are returned with why.
     """
     if not row.enabled or row.schedule.is_event or count <= 0:
         return Upcoming([], [])
@@ -229,7 +230,7 @@ def upcoming(
     previous = last_fired
     z = row_zone(row, tz)
     scan = now - timedelta(seconds=row.jitter)
-    for window, start in window_starts(row, scan, now + PLAN_AHEAD_LIMIT, node=node, tz=tz):
+    for window, start in window_starts(row, scan, now + ahead, node=node, tz=tz):
         if start < now:
             continue
         reason = policy_block(row, window, last_fired=previous, tz=tz)

@@ -1,15 +1,15 @@
-"""The controller and the row's policy fields (issue 12): it validates them with the model.
+"""The controller and the row's policy fields (issue 12), over real HTTP on loopback.
 
-The controller is being refactored elsewhere and is not changed here: a bad
-policy value is already a 422 naming the field (it validates bodies with
-``LocalSchedule``), but it stores rows in one column per Go field, so a
-stored row loses its policies. That is pinned as a strict expected failure:
-when the store keeps them, the test passes and the marker must go.
+A bad policy value is a 422 naming the field (bodies are validated with
+``LocalSchedule``); a stored row keeps every policy it was given (the
+``policies`` column), and they reach an agent's cache through a real pull
+byte for byte; a row without them is stored and served exactly as the Go kit's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ from controller.api import create_app
 from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.testing import serve_in_thread
+from sched_core.model import LocalSchedule
+from sched_core.scheduler import Config, Scheduler
 
 ADMIN = {"Authorization": "Bearer admin-secret-token-0123456789"}
 
@@ -77,11 +79,63 @@ def test_a_bad_nested_policy_value_is_a_422_naming_where(client: httpx.Client) -
     assert "from '22:00' equals to '22:00'" in answer.text
 
 
-@pytest.mark.xfail(strict=True, reason="the controller stores one column per Go field and drops "
-                                       "the policy fields (controller/schedules.py _WIRE_FIELDS)")
 def test_a_stored_row_keeps_its_policies_through_the_pull(client: httpx.Client) -> None:
     stored = client.put("/api/nodes/node-b/schedules/s-1", json=row(**POLICIES), headers=ADMIN)
     assert stored.status_code == 200
     pulled = client.get("/api/schedules", params={"node": "node-b"}, headers=ADMIN)
     [got] = pulled.json()["schedules"]
     assert {key: got.get(key) for key in POLICIES} == POLICIES
+
+
+def test_the_pull_serves_the_row_with_its_policies_byte_for_byte(client: httpx.Client) -> None:
+    assert client.put("/api/nodes/bytes/schedules/s-1", json=row(**POLICIES),
+                      headers=ADMIN).status_code == 200
+    expected = LocalSchedule.model_validate({**row(**POLICIES), "version": 1}).model_dump_json()
+    pulled = client.get("/api/schedules", params={"node": "bytes"}, headers=ADMIN)
+    assert pulled.content == f'{{"schedules":[{expected}]}}'.encode()
+    one = client.get("/api/nodes/bytes/schedules/s-1", headers=ADMIN)
+    assert one.content == expected.encode()
+    # The policies follow the Go fields, in the model's order.
+    assert expected.index('"version":1') < expected.index('"timezone":"Asia/Kolkata"')
+
+
+def test_a_row_without_policies_is_stored_as_the_go_kit_writes_it(client: httpx.Client) -> None:
+    plain = row(params={"threads": 4})
+    assert client.put("/api/nodes/plain/schedules/s-1", json=plain,
+                      headers=ADMIN).status_code == 200
+    pulled = client.get("/api/schedules", params={"node": "plain"}, headers=ADMIN)
+    assert pulled.content == (
+        b'{"schedules":[{"id":"s-1","name":"nightly","repo_id":"r-9","action":"backup",'
+        b'"schedule":{"days":["*"],"hours":["2"],"minute":"30"},"miss_policy":"skip",'
+        b'"enabled":true,"params":{"threads":4},"version":1}]}'
+    )
+
+
+def test_putting_a_row_without_a_policy_removes_it(client: httpx.Client) -> None:
+    assert client.put("/api/nodes/cleared/schedules/s-1", json=row(**POLICIES),
+                      headers=ADMIN).status_code == 200
+    without = {key: value for key, value in POLICIES.items() if key not in ("paused", "jitter")}
+    second = client.put("/api/nodes/cleared/schedules/s-1", json=row(**without), headers=ADMIN)
+    assert second.status_code == 200
+    got = client.get("/api/nodes/cleared/schedules/s-1", headers=ADMIN).json()
+    assert "paused" not in got and "jitter" not in got
+    assert {key: got[key] for key in without} == without and got["version"] == 2
+
+
+def test_an_agent_pull_caches_the_policies_as_served(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    assert client.put("/api/nodes/agent-p/schedules/s-1", json=row(**POLICIES),
+                      headers=ADMIN).status_code == 200
+    cache_path = tmp_path / "cache.json"
+    with httpx.Client(headers=ADMIN, timeout=10) as http:
+        scheduler = Scheduler(Config(
+            pull_url=f"{client.base_url.join('/api/schedules')}?node=agent-p", node_name="agent-p",
+            cache_path=cache_path, fire=lambda fire: None, http_client=http))
+        result = scheduler.pull(datetime(2026, 12, 3, 7, 0, tzinfo=UTC))
+    assert result.added == ["s-1"]
+    served = client.get("/api/nodes/agent-p/schedules/s-1", headers=ADMIN).content.decode()
+    [cached] = scheduler.schedules()
+    assert cached.model_dump_json() == served
+    on_disk = cache_path.read_text()
+    assert served in on_disk  # the cache file holds the row's bytes as the controller sent them

@@ -11,13 +11,17 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 from sqlmodel import SQLModel
 
 from controller import db
 from controller import models as _models  # noqa: F401  (registers the tables)
 
-TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch"}
+TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
+          "node_report_history", "node_pull"}
+HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
+"""The newest revision: every upgrade below must end there."""
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -176,7 +180,7 @@ def test_upgrade_names_an_invalid_stored_row_changes_nothing_and_reruns(empty_ur
              " \"hours\": [\"2\"], \"minute\": \"30\"}' WHERE id = 'bad-1'")
     db.migrate(empty_url)
     after = _schema(empty_url)
-    assert after["alembic_version"] == ["0004"]
+    assert after["alembic_version"] == [HEAD]
     assert "wire" in {column[0] for column in after["columns"]["agent_schedule"]}
 
 
@@ -196,7 +200,7 @@ def test_a_failed_upgrade_leaves_no_step_half_done(empty_url: str) -> None:
     assert _schema(empty_url) == before
     _execute(empty_url, "DROP INDEX ix_task_dispatch_scheduled_at")
     db.migrate(empty_url)
-    assert _schema(empty_url)["alembic_version"] == ["0004"]
+    assert _schema(empty_url)["alembic_version"] == [HEAD]
 
 
 _MIGRATOR = """
@@ -224,7 +228,7 @@ def test_concurrent_migrators_on_one_sqlite_file_all_succeed(tmp_path: Path) -> 
     (tmp_path / "go").touch()
     errors = [proc.communicate(timeout=120)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0, 0], errors
-    assert _schema(url)["alembic_version"] == ["0004"]
+    assert _schema(url)["alembic_version"] == [HEAD]
     assert _tables(url) == TABLES
 
 
@@ -256,7 +260,7 @@ def test_migrate_at_head_does_not_wait_for_a_running_writer(tmp_path: Path) -> N
     finally:
         engine.dispose()
     assert errors == []
-    assert _schema(url)["alembic_version"] == ["0004"]
+    assert _schema(url)["alembic_version"] == [HEAD]
 
 
 def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
@@ -298,5 +302,52 @@ def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
             db.downgrade(empty_url, "0002")
             with engine.connect() as conn:
                 assert {row[1] for row in conn.execute(query)} == {None}
+    finally:
+        engine.dispose()
+
+
+def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_them(
+    empty_url: str,
+) -> None:
+    """0005: rows stored before it keep their wire bytes; going down, rows lose their policies
+    in the wire JSON too, so what 0004's code serves agrees with what it stores."""
+    from sqlmodel import Session
+
+    from controller import schedules
+    from sched_core.model import LocalSchedule
+
+    db.migrate(empty_url, "0004")
+    old = LocalSchedule.model_validate({
+        "id": "old-1", "name": "x", "action": "backup", "miss_policy": "skip", "enabled": True,
+        "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}, "version": 4})
+    engine = db.make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO agent_schedule (node, id, name, repo_id, action, storage, schedule,"
+                " miss_policy, enabled, params, version, wire, updated_at) VALUES ('n', 'old-1',"
+                " 'x', '', 'backup', '', :schedule, 'skip', true, NULL, 4, :wire,"
+                " CURRENT_TIMESTAMP)"),
+                {"schedule": '{"days": ["mon"], "hours": ["2"], "minute": "30"}',
+                 "wire": old.model_dump_json()})
+            conn.execute(text(
+                "INSERT INTO node_revision (node, epoch, revision) VALUES ('n', 'e', 1)"))
+        db.migrate(empty_url, "0005")
+        with Session(engine) as session:
+            assert schedules.list_wire(session, "n")[0] == [old.model_dump_json()]
+            with_policies = schedules.put_schedule(session, "n", LocalSchedule.model_validate({
+                **old.model_dump(mode="json"), "id": "new-1",
+                "paused": {"note": "n"}, "jitter": 60}))
+        assert '"paused"' in with_policies.model_dump_json()
+        db.downgrade(empty_url, "0004")
+        with engine.connect() as conn:
+            wires = dict(conn.execute(text("SELECT id, wire FROM agent_schedule")).all())
+            assert "policies" not in {c["name"] for c in inspect(conn).get_columns(
+                "agent_schedule")}
+        assert wires["old-1"] == old.model_dump_json()
+        assert wires["new-1"] == with_policies.model_copy(
+            update={"paused": None, "jitter": 0}).model_dump_json()
+        db.migrate(empty_url)
+        assert _schema(empty_url)["alembic_version"] == [HEAD]
     finally:
         engine.dispose()

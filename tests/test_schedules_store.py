@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -78,3 +79,34 @@ def test_deleting_the_last_row_drops_the_node_but_keeps_a_new_etag(session: Sess
     rows, after = schedules.list_schedules(session, "node-a")
     assert rows == [] and after not in (before, '"empty"')
     assert schedules.list_nodes(session) == []
+
+
+POLICIES: dict[str, object] = {
+    "timezone": "Australia/Adelaide", "overlap": "cancel-other", "jitter": 90,
+    "catchup_window": 7200, "paused": {"note": "swap <disk> & test", "until": None},
+    "not_before": "2026-01-01T00:00:00.5Z", "not_after": "2027-01-01T00:00:00Z",
+    "blackouts": [{"days": ["fri", "sat"], "from": "23:00", "to": "24:00"}],
+    "min_interval": 604800, "repo_lock": True,
+}
+
+
+def test_policies_are_stored_and_every_read_gives_the_same_row(session: Session) -> None:
+    given = schedule_row("s-1", **POLICIES)
+    stored = schedules.put_schedule(session, "node-a", given)
+    assert stored == given.model_copy(update={"version": 1})
+    assert schedules.get_schedule(session, "node-a", "s-1") == stored
+    assert schedules.list_schedules(session, "node-a")[0] == [stored]
+    wires, _ = schedules.list_wire(session, "node-a")
+    assert wires == [stored.model_dump_json()]
+    assert '"paused":{"note":"swap \\u003cdisk\\u003e \\u0026 test"}' in wires[0]
+
+
+def test_a_row_without_policies_stores_none_and_a_cleared_policy_goes(session: Session) -> None:
+    schedules.put_schedule(session, "node-a", schedule_row("s-1", jitter=30))
+    cleared = schedules.put_schedule(session, "node-a", schedule_row("s-1"))
+    assert cleared.jitter == 0 and '"jitter"' not in cleared.model_dump_json()
+    assert schedules.list_wire(session, "node-a")[0] == [cleared.model_dump_json()]
+    column = session.execute(
+        text("SELECT policies FROM agent_schedule WHERE node = 'node-a' AND id = 's-1'")
+    ).scalar_one()
+    assert column is None

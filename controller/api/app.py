@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
@@ -24,12 +25,16 @@ from starlette.concurrency import run_in_threadpool
 
 from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
+from controller.api.fleet import FleetApi, fleet_router
 from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
 from controller.api.page import StoreSource, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, InvalidInput, NotFound
-from controller.models import NodeRevision, ScheduledTask, TaskIn
+from controller.events import NoEvents, ScheduleEvents
+from controller.fleet import FleetSettings
+from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
+from controller.nodes import PullRecorder
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -112,7 +117,8 @@ def _task_json(task: ScheduledTask) -> dict[str, Any]:
 
 
 def schedule_router(
-    in_session: Callable[[Callable[[Session], Any]], Any], auth: Auth, pull_cache: PullCache
+    in_session: Callable[[Callable[[Session], Any]], Any], auth: Auth, pull_cache: PullCache,
+    fleet_api: FleetApi,
 ) -> APIRouter:
     """Return the routes of the agents' schedules: the pull, and CRUD per node."""
     router = APIRouter()
@@ -122,7 +128,8 @@ def schedule_router(
 
     def pull_answer(request: Request, node: str, source: str = "path") -> Response:
         check_name((source, "node"), node)
-        return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"))
+        return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"),
+                             fleet_api.record_pull)
 
     @router.get("/api/schedules", dependencies=[Depends(auth.authenticate)])
     def list_schedules(request: Request, node: str | None = None) -> Response:
@@ -157,7 +164,7 @@ def schedule_router(
         )
         log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
                                            "version": stored.version})
-        return Response(stored.model_dump_json(), media_type="application/json")
+        return await run_in_threadpool(fleet_api.written, node, stored, "put")
 
     @router.delete(
         "/api/nodes/{node}/schedules/{schedule_id}", status_code=204,
@@ -168,6 +175,7 @@ def schedule_router(
         if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id)):
             raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
         log.info("schedule deleted", extra={"node": node, "schedule_id": schedule_id})
+        fleet_api.announce(node, schedule_id, None, "delete")
         return Response(status_code=204)
 
     return router
@@ -245,6 +253,10 @@ def create_app(
     *,
     on_task_saved: Callable[[str], None] | None = None,
     pull_cache_bytes: int = PULL_CACHE_BYTES,
+    events: ScheduleEvents | None = None,
+    fleet_settings: FleetSettings | None = None,
+    record_pulls: bool = True,
+    clock: Callable[[], datetime] = utc_now,
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
 
@@ -254,6 +266,11 @@ def create_app(
 
     ``on_task_saved(name)`` is called after a task is saved, so an in-process
     central scheduler can wake without waiting for its poll (SQLite has no NOTIFY).
+
+    ``events`` announce each write of a node's schedules (default: none, said in
+    every write's answer); every pull answered is recorded (``record_pulls``),
+    written behind in batches (``app.state.pull_recorder``: close it on shutdown).
+    ``clock`` is the fleet's now (status, upcoming, propagation).
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
@@ -278,7 +295,14 @@ def create_app(
             return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
         return JSONResponse({"status": "ok", "database": "ok"})
 
-    app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes)))
+    recorder = PullRecorder(engine, clock=clock) if record_pulls else None
+    app.state.pull_recorder = recorder
+    fleet_api = FleetApi(
+        in_session, settings=fleet_settings or FleetSettings(), events=events or NoEvents(),
+        recorder=recorder, clock=clock,
+    )
+    app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
+    app.include_router(fleet_router(fleet_api, auth))
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(page_router(tokens, StoreSource(in_session)))
     return app

@@ -93,11 +93,13 @@ def pull_response(
     cache: PullCache,
     node: str,
     if_none_match: str | None,
+    on_answer: Callable[[str, int, str], None] | None = None,
 ) -> Response:
     """Return node's pull answer: 304 for a matching ETag, else the (cached) body.
 
     The ETag is read first (one key lookup); an unchanged list is answered
     from cache; only a changed list reads its rows' stored wire JSON.
+    ``on_answer(node, status, etag)`` is told of every answer (the pull record).
     """
     etag: str = in_session(lambda session: schedules.node_etag(session, node))
     body = cache.get(node, etag)
@@ -108,6 +110,9 @@ def pull_response(
         body = wire_body(wires)
         cache.put(node, etag, body)
     headers = {"ETag": etag, "Cache-Control": "private, no-cache", "Vary": "Authorization"}
-    if etag_matches(if_none_match, etag):
+    status = 304 if etag_matches(if_none_match, etag) else 200
+    if on_answer is not None:
+        on_answer(node, status, etag)
+    if status == 304:
         return Response(status_code=304, headers=headers)
     return Response(body, media_type="application/json", headers=headers)

@@ -1,0 +1,288 @@
+"""The fleet's routes: node reports, fleet and node status, upcoming windows, and what a write says.
+
+Endpoints (the fleet contract, ``/work`` issue 11):
+
+- ``POST /api/nodes/{node}/report`` (admin, node): 204; latest kept, history bounded.
+- ``GET /api/status`` (admin): ``{"stale_after_s", "list_versions", "nodes"}``.
+- ``GET /api/nodes/{node}/status`` (admin, node): the node's row and its schedules.
+- ``GET /api/upcoming?hours=24[&node=N]`` (admin, node N): ``{"windows": [...]}``.
+- ``PATCH /api/nodes/{node}/schedules/{id}`` (admin): a JSON merge patch; the stored
+  row and ``_propagation``, as PUT.
+
+Rules:
+
+1. Pulls are recorded by :class:`controller.nodes.PullRecorder` (written
+   behind, flushed before any status read of this process).
+2. ``now`` comes from the app's clock (a parameter), never read here.
+3. A write (PUT, PATCH, DELETE) announces itself through
+   :class:`controller.events.ScheduleEvents`; PUT and PATCH answer the
+   stored row plus ``_propagation`` (:func:`controller.fleet.propagation`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+
+from controller import fleet, nodes, schedules
+from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
+from controller.errors import InvalidInput, NotFound
+from controller.events import Announced, ScheduleEvents
+from controller.fleet import FleetSettings
+from sched_core.model import LocalSchedule
+
+log = logging.getLogger("controller.api")
+
+T = TypeVar("T")
+InSession = Callable[[Callable[[Session], Any]], Any]
+
+MAX_UPCOMING = 10_000
+"""The most windows one ``/api/upcoming`` answer lists (``truncated`` says when cut)."""
+PATCH_ATTEMPTS = 5
+"""How many times a PATCH re-reads and re-applies itself when a concurrent write won."""
+
+_PATCHABLE = frozenset(
+    {alias for name, info in LocalSchedule.model_fields.items()
+     for alias in (name, info.alias) if alias}
+)
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """Return target with the RFC 7386 JSON merge patch applied (neither is changed)."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+class FleetApi:
+    """The fleet's state the routes share: settings, events, the pull recorder, the clock."""
+
+    def __init__(
+        self,
+        in_session: InSession,
+        *,
+        settings: FleetSettings,
+        events: ScheduleEvents,
+        recorder: nodes.PullRecorder | None,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.in_session = in_session
+        self.settings = settings
+        self.events = events
+        self.recorder = recorder
+        self.clock = clock
+
+    def record_pull(self, node: str, status: int, etag: str) -> None:
+        """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted)."""
+        if self.recorder is not None:
+            self.recorder.record(node, str(status), etag.removeprefix("W/").strip('"'))
+
+    def flush_pulls(self) -> None:
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def announce(self, node: str, schedule_id: str, version: int | None, op: str) -> Announced:
+        announced = self.events.announce(node, schedule_id, version, op)
+        log.info("schedule write announced" if announced.sent else "schedule write not announced",
+                 extra={"node": node, "schedule_id": schedule_id, "version": version, "op": op,
+                        "event_sent": announced.sent, "reason": announced.reason})
+        return announced
+
+    def written(self, node: str, stored: LocalSchedule, op: str) -> Response:
+        """Return a PUT's or PATCH's answer: the stored row plus ``_propagation`` (rule 3)."""
+        announced = self.announce(node, stored.id, stored.version, op)
+        now = self.clock()
+
+        def facts(session: Session) -> tuple[nodes.Pull | None, nodes.StoredReport | None]:
+            return (nodes.latest_pulls(session, node).get(node),
+                    nodes.latest_reports(session, node).get(node))
+
+        self.flush_pulls()
+        pull, report = self.in_session(facts)
+        tz = fleet.node_zone(report, self.settings)
+        spread = fleet.propagation(
+            stored, node=node, tz=tz, now=now, pull=pull, announced=announced,
+            settings=self.settings, last_fired=fleet.last_fires(report).get(stored.id),
+        )
+        # The row's bytes as GET serves them (the Go kit's JSON), then the one extra key.
+        row = stored.model_dump_json()
+        body = row[:-1] + ',"_propagation":' + json.dumps(spread, separators=(",", ":")) + "}"
+        return Response(body, media_type="application/json")
+
+
+def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
+    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
+    unknown = sorted(key for key in patch if key not in _PATCHABLE)
+    if unknown:
+        raise InvalidInput([
+            {"field": key, "loc": ["body", key], "msg": f"unknown field {key!r}",
+             "type": "extra_forbidden"} for key in unknown
+        ])
+    for key in ("id", "version"):
+        if key in patch and patch[key] != current.model_dump(mode="json")[key]:
+            raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
+    merged = merge_patch(current.model_dump(mode="json", by_alias=True), patch)
+    try:
+        return LocalSchedule.model_validate(merged)
+    except ValidationError as exc:
+        raise InvalidInput(_body_errors(exc)) from None
+
+
+def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
+    """Return the fleet's routes (auth: :class:`controller.api.app.Auth`)."""
+    router = APIRouter()
+    in_session = api.in_session
+
+    @router.post("/api/nodes/{node}/report", status_code=204)
+    async def post_report(request: Request, node: str) -> Response:
+        auth.require_node(request, node)
+        check_name(("path", "node"), node, storing=True)
+        data = await read_object(request, "node", node)
+        try:
+            report = nodes.NodeReportIn.model_validate(data)
+        except ValidationError as exc:
+            raise InvalidInput(_body_errors(exc)) from None
+        received = api.clock()
+        await run_in_threadpool(in_session, lambda s: nodes.record_report(
+            s, node, nodes.report_data(report), received_at=received,
+            keep=api.settings.report_history))
+        log.info("node report", extra={"node": node, "agent_version": report.agent_version,
+                                       "failing": report.failing})
+        return Response(status_code=204)
+
+    def status_rows(session: Session, only: str | None) -> dict[str, Any]:
+        rows = schedules.all_schedules(session)
+        pulls = nodes.latest_pulls(session, only)
+        reports = nodes.latest_reports(session, only)
+        versions = nodes.list_versions(session, only)
+        names = set(pulls) | set(reports) | ({only} if only in rows else set(rows))
+        if only is not None:
+            names &= {only}
+        now = api.clock()
+        return {
+            "now": now, "rows": rows, "pulls": pulls, "reports": reports, "versions": versions,
+            "nodes": [fleet.node_row(
+                name, schedules=len(rows.get(name, [])),
+                schedule_ids=[row.id for row in rows.get(name, [])],
+                pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
+                now=now, settings=api.settings,
+            ) for name in sorted(names)],
+        }
+
+    @router.get("/api/status", dependencies=[Depends(auth.require_admin)])
+    def fleet_status() -> JSONResponse:
+        api.flush_pulls()
+        found = in_session(lambda s: status_rows(s, None))
+        return JSONResponse({"stale_after_s": api.settings.stale_after_s,
+                             "list_versions": found["versions"], "nodes": found["nodes"]})
+
+    @router.get("/api/nodes/{node}/status")
+    def node_status(request: Request, node: str) -> JSONResponse:
+        auth.require_node(request, node)
+        check_name(("path", "node"), node)
+        api.flush_pulls()
+
+        def read(session: Session) -> dict[str, Any]:
+            found = status_rows(session, node)
+            found["history"] = nodes.report_history(
+                session, node, limit=api.settings.report_history)
+            return found
+
+        found = in_session(read)
+        if not found["nodes"]:
+            raise NotFound(f"node {node!r} has no schedules and never pulled nor reported")
+        report = found["reports"].get(node)
+        tz = fleet.node_zone(report, api.settings)
+        reported = fleet._reported(report)
+        row = found["nodes"][0]
+        row["schedules"] = [
+            fleet.schedule_view(
+                item, node=node, tz=tz, reported=reported.get(item.id),
+                recent=fleet.recent_outcomes(found["history"], item.id), now=found["now"],
+            )
+            for item in found["rows"].get(node, [])
+        ]
+        return JSONResponse(row)
+
+    @router.get("/api/upcoming")
+    def upcoming(
+        request: Request,
+        hours: float = Query(24, gt=0, le=192),
+        node: str | None = None,
+    ) -> JSONResponse:
+        principal = auth.authenticate(request)
+        if node is not None:
+            check_name(("query", "node"), node)
+            auth.require_node(request, node)
+        elif not principal.is_admin:
+            raise _forbidden("a node token may only list its own node's windows (?node=NAME)")
+
+        def read(session: Session) -> dict[str, Any]:
+            rows = schedules.all_schedules(session)
+            reports = nodes.latest_reports(session, node)
+            return {"rows": rows, "reports": reports}
+
+        found = in_session(read)
+        now = api.clock()
+        until = now + timedelta(hours=hours)
+        windows: list[dict[str, Any]] = []
+        for name, rows in found["rows"].items():
+            if node is not None and name != node:
+                continue
+            report = found["reports"].get(name)
+            windows.extend(fleet.upcoming_windows(
+                rows, node=name, tz=fleet.node_zone(report, api.settings), now=now,
+                until=until, last_fired=fleet.last_fires(report),
+            ))
+        listed, cut = fleet.sort_windows(windows, MAX_UPCOMING)
+        return JSONResponse({"windows": listed, "truncated": cut})
+
+    @router.patch("/api/nodes/{node}/schedules/{schedule_id}")
+    async def patch_schedule(request: Request, node: str, schedule_id: str) -> Response:
+        auth.require_admin_on_node(request, node)
+        check_name(("path", "node"), node)
+        check_name(("path", "id"), schedule_id)
+        patch = await read_object(request, "id", schedule_id)
+
+        def apply(session: Session) -> LocalSchedule:
+            for _ in range(PATCH_ATTEMPTS):
+                current = schedules.get_schedule(session, node, schedule_id)
+                session.commit()
+                if current is None:
+                    raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
+                row = _patched_row(current, patch)
+                try:
+                    return schedules.put_schedule(session, node, row, if_version=current.version)
+                except schedules.VersionConflict:
+                    continue  # a concurrent write won: apply the patch to its row
+            raise InvalidInput([{"field": "", "loc": ["path", "id"], "type": "conflict",
+                                 "msg": f"row {schedule_id!r} kept changing; try again"}])
+
+        stored = await run_in_threadpool(in_session, apply)
+        log.info("schedule patched", extra={"node": node, "schedule_id": schedule_id,
+                                             "version": stored.version,
+                                             "fields": sorted(patch)})
+        return await run_in_threadpool(api.written, node, stored, "patch")
+
+    return router
+
+
+def _forbidden(detail: str) -> Exception:
+    from fastapi import HTTPException
+
+    return HTTPException(403, detail)

@@ -1,0 +1,372 @@
+"""The fleet as an operator sees it: node status rows, schedules in words, next windows.
+
+Pure: no clock reads, no I/O; every function takes ``now`` and the stored
+facts (:mod:`controller.nodes`' reports and pulls, the rows). The API
+(:mod:`controller.api.fleet`) reads those, calls these, and answers.
+
+Rules:
+
+1. A node's zone is the one its latest report names, else the controller's
+   default (America/New_York); a row with its own ``timezone`` is read in
+   that (:func:`sched_core.policies.row_zone`). Windows are the kit's: the
+   planner's rules (:func:`sched_core.plan.upcoming`: policies, jitter,
+   min_interval from the last fire the node reported) and its DST notes
+   (:func:`sched_core.explain.dst_note`).
+2. A node is **stale** when the controller answered no pull of it for more
+   than ``stale_after`` seconds (3 pull intervals by default), **failing**
+   when the latest job of one of its current schedules failed, crashed or
+   timed out, and **never-seen** when it never pulled nor reported. Its
+   ``status`` is the first that holds of never-seen, stale, failing, else ok:
+   a node silent for that long may be failing too, but that is old news.
+3. A write's ``_propagation`` says when the row's next window is and whether
+   the node is likely to have the row by then: it must have pulled the row
+   by the end of the window's minute (a node never fires a window earlier
+   than the minute it first saw the row). With the event accepted by Prefect
+   the node pulls within :data:`EVENT_PULL_S`; without it, at its next
+   periodic pull (its last pull plus the pull interval). A node that never
+   pulled, or is stale, is not counted on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from controller.events import Announced
+from controller.models import DEFAULT_TIMEZONE
+from controller.nodes import FAILING_STATES, Pull, StoredReport, utc_text
+from sched_core.clock import floor_minute
+from sched_core.errors import ConfigError
+from sched_core.explain import dst_note, schedule_words
+from sched_core.matcher import zone
+from sched_core.model import LocalSchedule, parse_go_time
+from sched_core.plan import upcoming
+from sched_core.policies import (
+    duration_text,
+    interval_block,
+    jitter_offset,
+    paused_text,
+    row_zone,
+    window_block,
+    window_starts,
+)
+
+DEFAULT_PULL_INTERVAL = 900.0
+"""Seconds between a node's periodic pulls unless told otherwise: the agents' default
+``reconcile_interval``."""
+STALE_PULLS = 3
+"""A node is stale after this many pull intervals without a pull."""
+EVENT_PULL_S = 10.0
+"""How soon a node pulls after the controller's event reached Prefect (the benchmark's
+p95 target, ``bench/bench_propagation.py``)."""
+NEXT_WINDOWS = 10
+"""How many next windows a node's status shows per schedule."""
+NEXT_WINDOWS_AHEAD = timedelta(days=400)
+"""How far a node's status looks for them (a weekly row's 10 windows are 10 weeks out)."""
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """The controller's view of its nodes.
+
+    :param pull_interval: seconds between a node's periodic pulls (the agents'
+        ``reconcile_interval``, 900 s by default).
+    :param stale_after: seconds without a pull before a node is stale
+        (default: 3 pull intervals).
+    :param report_history: reports kept per node (the newest).
+    :param default_timezone: the zone of a node that never reported its own.
+    """
+
+    pull_interval: float = DEFAULT_PULL_INTERVAL
+    stale_after: float | None = None
+    report_history: int = 50
+    default_timezone: str = DEFAULT_TIMEZONE
+
+    def __post_init__(self) -> None:
+        if not self.pull_interval > 0:
+            raise ConfigError(f"pull_interval {self.pull_interval!r} must be above 0 seconds")
+        if self.stale_after is not None and not self.stale_after > 0:
+            raise ConfigError(f"stale_after {self.stale_after!r} must be above 0 seconds")
+        if self.report_history < 1:
+            raise ConfigError(f"report_history {self.report_history!r} must be at least 1")
+        try:
+            zone(self.default_timezone)
+        except ValueError as exc:
+            raise ConfigError(f"default_timezone: {exc}") from None
+
+    @property
+    def stale_after_s(self) -> float:
+        """Seconds without a pull after which a node is stale."""
+        if self.stale_after is not None:
+            return self.stale_after
+        return STALE_PULLS * self.pull_interval
+
+
+def local_text(instant: datetime, tz: ZoneInfo) -> str:
+    """Return an instant for people in tz: ``Wed 2026-12-03 02:30 EST``."""
+    return instant.astimezone(tz).strftime("%a %Y-%m-%d %H:%M %Z")
+
+
+def node_zone(report: StoredReport | None, settings: FleetSettings) -> ZoneInfo:
+    """Return the node's zone: its latest report's, else the controller's default (rule 1)."""
+    name = report.report.get("timezone") if report is not None else None
+    if isinstance(name, str) and name:
+        try:
+            return zone(name)
+        except ValueError:
+            pass  # validated when stored; a zone this machine lost falls back
+    return zone(settings.default_timezone)
+
+
+def _reported(report: StoredReport | None) -> dict[str, dict[str, Any]]:
+    """Return the report's schedules by id."""
+    if report is None:
+        return {}
+    return {item["id"]: item for item in report.report.get("schedules") or []
+            if isinstance(item, dict) and isinstance(item.get("id"), str)}
+
+
+def _time(value: object) -> datetime | None:
+    try:
+        return parse_go_time(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def node_row(
+    node: str,
+    *,
+    schedules: int,
+    schedule_ids: Iterable[str] | None,
+    pull: Pull | None,
+    report: StoredReport | None,
+    version: str | None,
+    now: datetime,
+    settings: FleetSettings,
+) -> dict[str, Any]:
+    """Return a node's status row (the contract's point 3), per rule 2.
+
+    ``schedule_ids`` are the node's current rows: a failed job of a schedule
+    since deleted does not make the node failing (None: count every one).
+    """
+    current = None if schedule_ids is None else set(schedule_ids)
+    failing = any(
+        isinstance(item.get("latest_job"), dict)
+        and item["latest_job"].get("state") in FAILING_STATES
+        and (current is None or schedule_id in current)
+        for schedule_id, item in _reported(report).items()
+    )
+    stale = pull is not None and (now - pull.at).total_seconds() > settings.stale_after_s
+    if pull is None and report is None:
+        status = "never-seen"
+    elif stale:
+        status = "stale"
+    elif failing:
+        status = "failing"
+    else:
+        status = "ok"
+    data = report.report if report is not None else {}
+    return {
+        "node": node,
+        "schedules": schedules,
+        "last_pull_at": utc_text(pull.at) if pull else None,
+        "last_pull_status": pull.status if pull else None,
+        "list_version_served": pull.list_version if pull else None,
+        "list_version_current": version,
+        "last_report_at": utc_text(report.received_at) if report else None,
+        "timezone": data.get("timezone"),
+        "agent_version": data.get("agent_version"),
+        "stale": stale,
+        "failing": failing,
+        "status": status,
+    }
+
+
+def window_entry(
+    row: LocalSchedule, window: datetime, start: datetime, *, node: str, tz: ZoneInfo
+) -> dict[str, Any]:
+    """Return one window for people: its UTC instant, local time in the row's zone, notes."""
+    z = row_zone(row, tz)
+    notes = [dst_note(row.schedule, window, z)]
+    if start != window:
+        offset = duration_text(timedelta(seconds=jitter_offset(node, row.id, row.jitter)))
+        notes.append(f"starts {start.astimezone(z):%H:%M:%S} on {node} (jitter +{offset})")
+    return {"at": utc_text(window), "local": local_text(window, z),
+            "note": "; ".join(note for note in notes if note)}
+
+
+def next_windows(
+    row: LocalSchedule, *, node: str, tz: ZoneInfo, now: datetime,
+    last_fired: datetime | None, count: int = NEXT_WINDOWS,
+) -> list[dict[str, Any]]:
+    """Return the row's next count windows that will run on node (rule 1), for people."""
+    found = upcoming(row, now=now, last_fired=last_fired, count=count, node=node, tz=tz,
+                     ahead=NEXT_WINDOWS_AHEAD)
+    return [window_entry(row, item.window, item.start, node=node, tz=tz)
+            for item in found.windows]
+
+
+def schedule_view(
+    row: LocalSchedule,
+    *,
+    node: str,
+    tz: ZoneInfo,
+    reported: Mapping[str, Any] | None,
+    recent: list[dict[str, Any]],
+    now: datetime,
+) -> dict[str, Any]:
+    """Return one schedule of a node's status (the contract's point 4)."""
+    reported = reported or {}
+    last_fire = _time(reported.get("last_fired"))
+    latest = reported.get("latest_job")
+    return {
+        "id": row.id,
+        "name": row.name,
+        "action": row.action,
+        "enabled": row.enabled,
+        "paused": row.paused.model_dump(mode="json") if row.paused is not None else None,
+        "when": schedule_words(row.schedule),
+        "timezone": row.timezone or None,
+        "miss_policy": row.miss_policy.value,
+        "last_fire": utc_text(last_fire),
+        "last_outcome": latest if isinstance(latest, dict) else None,
+        "recent_outcomes": recent,
+        "next_windows": next_windows(row, node=node, tz=tz, now=now, last_fired=last_fire),
+    }
+
+
+def recent_outcomes(
+    history: Iterable[StoredReport], schedule_id: str, *, limit: int = 10
+) -> list[dict[str, Any]]:
+    """Return the schedule's distinct latest jobs found in a node's reports, newest first."""
+    seen: set[object] = set()
+    found: list[dict[str, Any]] = []
+    for stored in history:
+        job = _reported(stored).get(schedule_id, {}).get("latest_job")
+        if not isinstance(job, dict):
+            continue
+        key = job.get("flow_run_id") or (job.get("window"), job.get("ended_at"))
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append(job)
+        if len(found) >= limit:
+            break
+    return found
+
+
+def last_fires(report: StoredReport | None) -> dict[str, datetime]:
+    """Return the last fire the node reported for each schedule."""
+    fires = {}
+    for schedule_id, item in _reported(report).items():
+        at = _time(item.get("last_fired"))
+        if at is not None:
+            fires[schedule_id] = at
+    return fires
+
+
+def upcoming_windows(
+    rows: Iterable[LocalSchedule],
+    *,
+    node: str,
+    tz: ZoneInfo,
+    now: datetime,
+    until: datetime,
+    last_fired: Mapping[str, datetime],
+) -> list[dict[str, Any]]:
+    """Return node's windows whose runs start in ``[now, until)``, for the fleet's upcoming list.
+
+    Windows a pause holds back are listed with ``paused`` true; those the
+    row's dates, blackouts or min_interval skip are left out, as are
+    disabled and event rows.
+    """
+    found: list[dict[str, Any]] = []
+    for row in rows:
+        if not row.enabled or row.schedule.is_event:
+            continue
+        z = row_zone(row, tz)
+        previous = last_fired.get(row.id)
+        scan = now - timedelta(seconds=row.jitter)
+        for window, start in window_starts(row, scan, until, node=node, tz=tz):
+            if start < now or start >= until:
+                continue
+            blocked = window_block(row, window, tz=tz)
+            paused = blocked is not None and blocked == paused_text(row, tz)
+            if blocked is not None and not paused:
+                continue
+            if not paused and interval_block(row, window, last_fired=previous, tz=tz):
+                continue
+            entry = window_entry(row, window, start, node=node, tz=tz)
+            if paused:
+                entry["note"] = "; ".join(n for n in (entry["note"], blocked) if n)
+            else:
+                previous = window
+            found.append({
+                "node": node, "schedule_id": row.id, "name": row.name, "action": row.action,
+                "at": entry["at"], "local": entry["local"], "timezone": str(z.key),
+                "note": entry["note"], "paused": paused,
+                "_sort": (start, node, row.id),
+            })
+    return found
+
+
+def sort_windows(windows: list[dict[str, Any]], limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """Return the windows in time order (then node, schedule), at most limit; and if cut."""
+    windows.sort(key=lambda item: item["_sort"])
+    for item in windows:
+        del item["_sort"]
+    return windows[:limit], len(windows) > limit
+
+
+def propagation(
+    row: LocalSchedule,
+    *,
+    node: str,
+    tz: ZoneInfo,
+    now: datetime,
+    pull: Pull | None,
+    announced: Announced,
+    settings: FleetSettings,
+    last_fired: datetime | None = None,
+) -> dict[str, Any]:
+    """Return a write's ``_propagation`` (the contract's point 6), per rule 3."""
+    found = upcoming(row, now=now, last_fired=last_fired, count=1, node=node, tz=tz,
+                     ahead=NEXT_WINDOWS_AHEAD).windows
+    window = found[0].window if found else None
+    z = row_zone(row, tz)
+    answer: dict[str, Any] = {
+        "next_window": utc_text(window),
+        "next_window_local": local_text(window, z) if window is not None else None,
+        "event_sent": announced.sent,
+    }
+    said = announced.reason
+    if window is None:
+        why = "disabled" if not row.enabled else (
+            "fired by the chain, never on the clock" if row.schedule.is_event
+            else "without a window in the next 400 days (its policies or dates)")
+        return {**answer, "likely_in_time": True,
+                "reason": f"the row is {why}: nothing to be late for; {said}"}
+    deadline = floor_minute(window) + timedelta(minutes=1)
+    left = duration_text(window - now)
+    if pull is None:
+        return {**answer, "likely_in_time": False,
+                "reason": f"node {node} has never pulled from this controller; {said}"}
+    since = now - pull.at
+    if since.total_seconds() > settings.stale_after_s:
+        return {**answer, "likely_in_time": False,
+                "reason": f"node {node} last pulled {duration_text(since)} ago (stale: it may "
+                          f"be down); {said}"}
+    if announced.sent:
+        expected = now + timedelta(seconds=EVENT_PULL_S)
+        how = f"{said}: node {node} pulls within about {EVENT_PULL_S:g} s"
+    else:
+        expected = max(now, pull.at + timedelta(seconds=settings.pull_interval))
+        how = (f"{said}; node {node} pulls every {settings.pull_interval:g} s, next by about "
+               f"{utc_text(expected)}")
+    likely = expected < deadline
+    verdict = "before" if likely else "probably after"
+    return {**answer, "likely_in_time": likely,
+            "reason": f"{how}, {verdict} the next window ({local_text(window, z)}, in {left})"}
