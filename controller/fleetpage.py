@@ -197,8 +197,9 @@ def timeline_svg(view: FleetView) -> str:
         title = (f"{name} {window.get('schedule_id')} {window.get('name') or ''} "
                  f"({window.get('action')}) {window.get('local') or ''}"
                  f"{' PAUSED' if paused else ''}{': ' + note if note else ''}")
-        css = "window" + (" paused" if paused else "") + (" dst-moved" if note else "")
-        if note:
+        moved = "DST" in note  # the note may also say a jitter or a pause
+        css = "window" + (" paused" if paused else "") + (" dst-moved" if moved else "")
+        if moved:
             parts.append(f'<path class="{css}" d="M{x(at):.1f},{y - 7} l6,7 l-6,7 l-6,-7 z">'
                          f'<title>{_e(title)}</title></path>')
         else:
@@ -268,7 +269,9 @@ def nodes_table(view: FleetView) -> str:
             f'<tr><td><a href="#node-{name}">{name}</a></td><td>{_e(node.get("schedules"))}</td>'
             f"<td>{_e(_local(pulled, tz))} {_e(node.get('last_pull_status') or '')}{behind}</td>"
             f"<td>{_e(_ago(pulled, view.now))}</td><td>{_status_cell(node.get('status'))}</td>"
-            f"<td>{_e(node.get('timezone') or '-')}</td><td>{_e(node.get('agent_version') or '-')}"
+            f"<td>{_e(node.get('timezone') or '-')}"
+            f"{' (default)' if node.get('timezone_default') else ''}</td>"
+            f"<td>{_e(node.get('agent_version') or '-')}"
             "</td></tr>")
     head = ("<tr><th>Node</th><th>Schedules</th><th>Last pull</th><th>Ago</th><th>Status</th>"
             "<th>Zone</th><th>Agent</th></tr>")
@@ -324,7 +327,8 @@ def render_page(view: FleetView, *, logout: bool = True) -> str:
     out = ('<form class="inline" method="post" action="/logout">'
            '<button type="submit">Log out</button></form>') if logout else ""
     legend = ('<p class="legend"><span><i style="background:#0969da;border-radius:5px"></i>'
-              'window</span><span><i style="background:#bf8700"></i>moved by DST</span>'
+              'window</span><span><i style="background:#bf8700"></i>'
+              'DST moves or repeats it (hover for why)</span>'
               '<span><i style="border:1.5px solid #8c959f"></i>paused</span>'
               '<span><i style="background:#2da44e"></i>last run completed</span>'
               '<span><i style="background:#cf222e"></i>last run failed</span>'

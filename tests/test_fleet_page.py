@@ -2,10 +2,11 @@
 
 The controller is the real app on a SQLite file, served over loopback; the
 browser logs in through the form, reads the tables and the timeline, and
-checks what it loads (nothing but the page). The time is pinned to the New
-York fall-back night of 2026-11-01 so the timeline has a DST shift. Node
-reports (last fires and outcomes) stand in for the contract's report
-endpoint through the page's source, in the shapes of FLEET-CONTRACT.md.
+checks what it loads (nothing but the page). The controller's clock is pinned
+to the New York fall-back night of 2026-11-01 so the timeline has a DST shift.
+Nodes a and b pull (their node tokens, ``GET /api/schedules``) and report
+their latest jobs (``POST /api/nodes/{node}/report``) through the real API
+two minutes before; node c never shows up.
 
 ``SCHED_SCREENSHOT=docs/fleet-page.png .venv/bin/pytest tests/test_fleet_page.py``
 refreshes the screenshot kept in docs/.
@@ -17,7 +18,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import pytest
 
 from controller import db
 from controller.api.app import create_app
-from controller.api.page import COOKIE, StoreSource
+from controller.api.page import COOKIE
 from controller.auth import Tokens
 from controller.fleetpage import FleetView, render_page
 from controller.testing import serve_in_thread
@@ -59,28 +60,32 @@ FLEET = {
 }
 
 
-class ReportedSource(StoreSource):
-    """The store's view plus what the nodes' reports say: node-b's last backup failed."""
+def report(node: str, latest: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A node's report (FLEET-CONTRACT.md point 1): each schedule's latest job as given."""
+    return {"node": node, "agent_version": "0.1.0", "timezone": "America/New_York",
+            "grace_s": 300, "reported_at": "2026-10-31T23:59:00Z",
+            "last_pull": {"at": "2026-10-31T23:58:00Z", "ok": True, "error": None,
+                          "status": "304"},
+            "schedules": [{"id": rid, "last_fired": job["window"], "latest_job": job}
+                          for rid, job in latest.items()],
+            "counts": {"skipped": 0, "missed": 0}}
 
-    def view(self, now: datetime) -> Any:
-        nodes, per_node, windows, _notice = super().view(now)
-        for node in nodes:
-            node.update({"last_pull_at": "2026-10-31T23:58:00Z", "last_pull_status": "304",
-                         "agent_version": "0.1.0",
-                         "status": "failing" if node["node"] == "node-b" else "ok"})
-        for schedule in per_node["node-b"]:
-            schedule["last_fire"] = "2026-10-31T22:00:00Z"
-            schedule["last_outcome"] = {
-                "state": "Failed", "window": "2026-10-31T22:00:00Z",
-                "ended_at": "2026-10-31T22:03:10Z", "flow_run_id": str(FAILED_RUN),
-                "flow_run_name": "backup-b-backup-20261031T2200Z"}
-        for schedule in per_node["node-a"]:
-            schedule["last_fire"] = "2026-10-31T05:30:00Z"
-            schedule["last_outcome"] = {
-                "state": "Completed", "window": "2026-10-31T21:15:00Z",
-                "ended_at": "2026-10-31T21:16:00Z", "flow_run_id": str(uuid.uuid4()),
-                "flow_run_name": "x"}
-        return nodes, per_node, windows, ""
+
+# What the nodes report: node-b's last backup failed; node-c never pulled nor reported.
+REPORTS = {
+    "node-a": report("node-a", {
+        "a-backup": {"state": "Completed", "window": "2026-10-31T05:30:00Z",
+                     "ended_at": "2026-10-31T05:31:00Z", "flow_run_id": str(uuid.uuid4()),
+                     "flow_run_name": "backup-a-backup-20261031T0530Z"},
+        "a-copy": {"state": "Completed", "window": "2026-10-31T22:15:00Z",
+                   "ended_at": "2026-10-31T22:16:00Z", "flow_run_id": str(uuid.uuid4()),
+                   "flow_run_name": "copy-a-copy-20261031T2215Z"}}),
+    "node-b": report("node-b", {
+        "b-backup": {"state": "Failed", "window": "2026-10-31T22:00:00Z",
+                     "ended_at": "2026-10-31T22:03:10Z", "flow_run_id": str(FAILED_RUN),
+                     "flow_run_name": "backup-b-backup-20261031T2200Z"}}),
+}
+TOKENS = {node: [f"{node}-token"] for node in FLEET}
 
 
 def _chromium_or_skip() -> None:
@@ -93,11 +98,14 @@ def _chromium_or_skip() -> None:
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real controller, its clock pinned to NOW: rows put, nodes a and b pull and report."""
     folder = tmp_path_factory.mktemp("page-controller")
     url = db.database_url(f"sqlite:///{folder}/controller.db")
     db.migrate(url, "head")
     engine = db.make_engine(url)
-    app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE]}))
+    clock = {"now": NOW - timedelta(minutes=2)}
+    app = create_app(engine, Tokens([ADMIN], {**TOKENS, "node-a": [NODE, *TOKENS["node-a"]]}),
+                     clock=lambda: clock["now"])
     with serve_in_thread(app) as base:
         auth = {"authorization": f"Bearer {ADMIN}"}
         for node, rows in FLEET.items():
@@ -105,19 +113,18 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 answer = httpx.put(f"{base}/api/nodes/{node}/schedules/{item['id']}",
                                    json=item, headers=auth)
                 assert answer.status_code == 200, answer.text
-        app.state.clock = lambda: NOW
+        for node, body in REPORTS.items():
+            mine = {"authorization": f"Bearer {TOKENS[node][0]}"}
+            pull = httpx.get(f"{base}/api/schedules", params={"node": node}, headers=mine)
+            assert pull.status_code == 200, pull.text
+            answer = httpx.post(f"{base}/api/nodes/{node}/report", json=body, headers=mine)
+            assert answer.status_code == 204, answer.text
+        app.state.pull_recorder.flush()
+        clock["now"] = NOW
         app.state.prefect_ui = PREFECT_UI
-        app.state.fleet_source = ReportedSource(
-            lambda work: _in_session(engine, work))
         yield base
+        app.state.pull_recorder.close()
     engine.dispose()
-
-
-def _in_session(engine: Any, work: Any) -> Any:
-    from sqlmodel import Session
-
-    with Session(engine) as session:
-        return work(session)
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +191,12 @@ def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any
         submit(browser, ADMIN)
     nodes = browser.find_elements(By.CSS_SELECTOR, "#nodes tr")[1:]
     assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in nodes] == list(FLEET)
-    assert "failing" in nodes[1].text and "America/New_York" in nodes[0].text
+    a, b, c = (r.text for r in nodes)
+    assert "ok" in a and "America/New_York" in a and "0.1.0" in a
+    assert "Sat 10-31 19:58 EDT 200" in a and "2 min ago" in a  # the pull the API recorded
+    assert "failing" in b  # its report says its last backup failed
+    assert "never-seen" in c and "America/New_York (default)" in c
+    assert "Never pulled nor reported: node-c" in browser.find_element(By.TAG_NAME, "body").text
 
     # One lane per node, New York's fall-back marked in every lane, the windows drawn.
     lanes = browser.find_elements(By.CSS_SELECTOR, "#timeline text.lane-label")
@@ -194,7 +206,7 @@ def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any
     windows = browser.find_elements(By.CSS_SELECTOR, "#timeline .window")
     assert len(windows) > 20
     moved = browser.find_elements(By.CSS_SELECTOR, "#timeline .window.dst-moved title")
-    assert any("a-backup" in m.get_attribute("textContent") and "repeated hour"
+    assert any("a-backup" in m.get_attribute("textContent") and "01:30 happens twice"
                in m.get_attribute("textContent") for m in moved)
     # node-b's failed run: red, linked to its run in the Prefect UI.
     failed = browser.find_element(By.CSS_SELECTOR, "#timeline rect.run.bad")

@@ -4,9 +4,8 @@ The controller is the real app (``create_app`` on a SQLite file, migrated),
 served by uvicorn in a thread; the commands run in-process through typer's
 runner, and once as the installed ``sched`` program. Commands reading the
 fleet-status endpoints (FLEET-CONTRACT.md: ``/api/status``, node status,
-``/api/upcoming``, ``PATCH``) run against them when this controller has them,
-and skip, saying so, while it does not; their tables are also checked on the
-contract's shapes as pure functions.
+``/api/upcoming``, ``PATCH``) run against the controller's own; their tables
+are also checked on the contract's shapes as pure functions.
 """
 
 from __future__ import annotations
@@ -59,17 +58,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]
 @pytest.fixture
 def base(served: tuple[str, Any]) -> str:
     return served[0]
-
-
-def has_route(app: Any, method: str, path: str) -> bool:
-    return any(getattr(r, "path", None) == path and method in getattr(r, "methods", set())
-               for r in app.routes)
-
-
-def needs(app: Any, method: str, path: str) -> None:
-    if not has_route(app, method, path):
-        pytest.skip(f"this controller has no {method} {path} yet (FLEET-CONTRACT.md, "
-                    "branch fleetapi)")
 
 
 def run(*args: str, token: str | None = ADMIN, base: str | None = None,
@@ -180,9 +168,7 @@ def test_the_installed_sched_program_exits_3_when_the_controller_is_unreachable(
 
 
 def test_nodes_ls_describe_upcoming_pause_and_resume(served: tuple[str, Any]) -> None:
-    base, app = served
-    needs(app, "GET", "/api/status")
-    needs(app, "PATCH", "/api/nodes/{node}/schedules/{schedule_id}")
+    base, _app = served
     assert run("schedules", "put", "--node", "node-c", "--file", "-", base=base,
                stdin=json.dumps({**ROW, "schedule": {"days": ["*"], "hours": ["*"],
                                                      "minute": "5"}})).exit_code == 0
@@ -317,3 +303,103 @@ def test_run_creates_a_run_job_run_of_the_node_and_prints_its_url(
 
     result = run("run", "nope", "--node", node, base=base)
     assert result.exit_code == 1 and "404" in result.output  # the controller has no such row
+
+
+# ------------------------------------------- the status commands on a fleet that reported
+
+FALL_BACK = datetime(2026, 11, 1, 4, 0, tzinfo=UTC)  # 00:00 EDT; New York falls back at 06:00Z
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real controller, its clock at FALL_BACK: node-a pulled and reported a failed job."""
+    folder = tmp_path_factory.mktemp("ops-fleet")
+    url = db.database_url(f"sqlite:///{folder}/controller.db")
+    db.migrate(url, "head")
+    engine = db.make_engine(url)
+    app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE_TOKEN]}), clock=lambda: FALL_BACK)
+    with serve_in_thread(app) as base:
+        nightly = {**ROW, "schedule": {"days": ["*"], "hours": ["1"], "minute": "30"}}
+        assert run("schedules", "put", "--node", "node-a", "--file", "-", base=base,
+                   stdin=json.dumps(nightly)).exit_code == 0
+        assert run("schedules", "put", "s-2", "--node", "node-b", "--name", "copy", "--action",
+                   "copy", "--repo-id", "r-1", "--storage", "b2", "--interval", "240",
+                   "--miss-policy", "skip", base=base).exit_code == 0
+        node = {"authorization": f"Bearer {NODE_TOKEN}"}
+        assert httpx.get(f"{base}/api/schedules", params={"node": "node-a"},
+                         headers=node).status_code == 200
+        job = {"state": "Failed", "window": "2026-10-31T05:30:00Z",
+               "ended_at": "2026-10-31T05:41:00Z",
+               "flow_run_id": "2b0c1c1e-1111-4a4a-8b8b-000000000001",
+               "flow_run_name": "backup-s-1-20261031T0530Z"}
+        answer = httpx.post(f"{base}/api/nodes/node-a/report", headers=node, json={
+            "node": "node-a", "agent_version": "0.1.0", "timezone": "America/New_York",
+            "grace_s": 300, "reported_at": "2026-11-01T03:59:00Z",
+            "last_pull": {"at": "2026-11-01T03:59:00Z", "ok": True, "error": None,
+                          "status": "200"},
+            "schedules": [{"id": "s-1", "last_fired": job["window"], "latest_job": job}],
+            "counts": {"skipped": 0, "missed": 0}})
+        assert answer.status_code == 204, answer.text
+        yield base
+        app.state.pull_recorder.close()
+    engine.dispose()
+
+
+def test_nodes_shows_each_nodes_pull_status_zone_and_version(reported: str) -> None:
+    result = run("nodes", base=reported)
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[0]: line for line in result.output.splitlines()[1:]}
+    assert set(lines) == {"node-a", "node-b"}
+    assert "Sun 2026-11-01 00:00 EDT (200)" in lines["node-a"]
+    assert "failing" in lines["node-a"] and "America/New_York" in lines["node-a"]
+    assert "0.1.0" in lines["node-a"]
+    assert "never-seen" in lines["node-b"]
+    status = json.loads(run("nodes", "--json", base=reported).output)
+    assert status["stale_after_s"] > 0
+    assert {n["node"]: n["status"] for n in status["nodes"]} == {
+        "node-a": "failing", "node-b": "never-seen"}
+    refused = run("nodes", token=NODE_TOKEN, base=reported)
+    assert refused.exit_code == 1 and "403" in refused.output and "admin" in refused.output
+
+
+def test_ls_and_describe_show_the_dst_night_and_the_failed_job(reported: str) -> None:
+    listed = run("schedules", "ls", "--node", "node-a", base=reported)
+    assert listed.exit_code == 0, listed.output
+    line = next(x for x in listed.output.splitlines() if x.startswith("s-1"))
+    assert "Sun 2026-11-01 01:30 EDT (DST)" in line and "Failed" in line
+    assert "run-once-within-24h" in line and line.rstrip().endswith("yes")
+    # A node's own token reads its node.
+    assert run("schedules", "ls", "--node", "node-a", token=NODE_TOKEN,
+               base=reported).exit_code == 0
+
+    described = run("schedules", "describe", "s-1", "--node", "node-a", "--runs", "0",
+                    base=reported)
+    assert described.exit_code == 0, described.output
+    text = described.output
+    assert "01:30 happens twice on 2026-11-01" in text
+    assert "latest job: Failed" in text and "backup-s-1-20261031T0530Z" in text
+    windows = text.split("Next windows:")[1].split("Last fire")[0]
+    assert windows.count("01:30 E") == 10  # 10 windows, each at 01:30 local
+    assert "Sun 2026-11-01 01:30 EDT" in windows and "Mon 2026-11-02 01:30 EST" in windows
+
+
+def test_upcoming_lists_the_fleet_in_time_order_and_pause_marks_it(reported: str) -> None:
+    result = run("upcoming", "--hours", "24", "--json", base=reported)
+    assert result.exit_code == 0, result.output
+    windows = json.loads(result.output)["windows"]
+    assert [w["at"] for w in windows] == sorted(w["at"] for w in windows)
+    assert {w["node"] for w in windows} == {"node-a", "node-b"}
+    assert any(w["schedule_id"] == "s-1" and w["at"] == "2026-11-01T05:30:00Z" for w in windows)
+    refused = run("upcoming", token=NODE_TOKEN, base=reported)
+    assert refused.exit_code == 1 and "403" in refused.output
+
+    paused = run("schedules", "pause", "s-2", "--node", "node-b", "--note", "bucket move",
+                 base=reported)
+    assert paused.exit_code == 0, paused.output
+    table = run("upcoming", "--hours", "24", "--node", "node-b", base=reported).output
+    rows = [x for x in table.splitlines()[1:] if x.strip()]
+    assert rows and all("PAUSED" in x and "node-b" in x for x in rows)
+    resumed = run("schedules", "resume", "s-2", "--node", "node-b", base=reported)
+    assert resumed.exit_code == 0 and "(it was paused: bucket move)" in resumed.output
+    table = run("upcoming", "--hours", "24", "--node", "node-b", base=reported).output
+    assert "PAUSED" not in table

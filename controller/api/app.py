@@ -27,7 +27,7 @@ from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
 from controller.api.fleet import FleetApi, fleet_router
 from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
-from controller.api.page import StoreSource, page_router
+from controller.api.page import FleetApiSource, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, InvalidInput, NotFound
@@ -304,5 +304,5 @@ def create_app(
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
     app.include_router(task_router(in_session, auth, on_task_saved))
-    app.include_router(page_router(tokens, StoreSource(in_session)))
+    app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock))
     return app

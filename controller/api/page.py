@@ -11,10 +11,9 @@ once. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
 HTTPS. A node token sees a 403.
 
 Where the data come from: a :class:`FleetSource`, the API's shapes
-(FLEET-CONTRACT.md) read in-process. :class:`StoreSource` builds them from the
-schedule store and ``sched_core`` alone (rows, their words and next windows in
-the row's zone or the default zone); the nodes' reports and pulls are the
-status endpoints' (``GET /api/status``), which a richer source reads.
+(FLEET-CONTRACT.md) read in-process. :class:`FleetApiSource` (what the
+controller serves) reads them as the fleet API does: pulls, reports, job
+outcomes, windows in each node's zone.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import base64
 import logging
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
@@ -35,11 +34,6 @@ from starlette.concurrency import run_in_threadpool
 from controller import schedules
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import AHEAD, FleetView, render_login, render_page
-from sched_core.explain import describe
-from sched_core.matcher import DEFAULT_TZ
-from sched_core.model import LocalSchedule
-from sched_core.plan import upcoming
-from sched_core.policies import row_zone
 
 log = logging.getLogger("controller.page")
 
@@ -48,7 +42,6 @@ SESSION_S = 12 * 3600
 """How long a login lasts (seconds)."""
 MAX_FORM = 4096
 """The largest login form body read (bytes)."""
-NEXT_WINDOWS = 10
 _SESSION_CONTEXT = b"sched-fleet-page|v1|"
 
 Clock = Callable[[], datetime]
@@ -63,76 +56,60 @@ class FleetSource(Protocol):
         ...
 
 
-def _utc(instant: datetime) -> str:
-    return instant.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+class FleetApiSource:
+    """The fleet as the fleet API serves it: pulls, reports, outcomes, windows in node zones.
 
+    The same module functions as ``GET /api/status``, ``GET /api/nodes/{node}/status``
+    and ``GET /api/upcoming`` (:mod:`controller.fleet`, :mod:`controller.nodes`), read
+    in one session, for every node at once (the latest report only, no history).
+    """
 
-def _dst_note(row: LocalSchedule, window: datetime, tz: Any) -> str:
-    """Return why a window is not at its wall time (DST), or ""."""
-    from sched_core.matcher import matches
-
-    local = window.astimezone(tz)
-    if not matches(row.schedule, window, tz):
-        return "moved here by DST (its wall time does not exist that day)"
-    if local.fold == 1:
-        return "second copy of a repeated hour (DST fall-back)"
-    twin = (window + timedelta(hours=1)).astimezone(tz)
-    if twin.replace(tzinfo=None) == local.replace(tzinfo=None):
-        return "first copy of a repeated hour (DST fall-back)"
-    return ""
-
-
-class StoreSource:
-    """The fleet from the schedule store and ``sched_core`` only (no reports, no pulls)."""
-
-    def __init__(self, in_session: Callable[[Callable[[Session], Any]], Any]) -> None:
-        self.in_session = in_session
+    def __init__(self, api: Any) -> None:
+        self.api = api  # controller.api.fleet.FleetApi
 
     def view(self, now: datetime) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
                                            list[dict[str, Any]], str]:
-        def read(session: Session) -> dict[str, list[LocalSchedule]]:
-            return {node: schedules.list_schedules(session, node)[0]
-                    for node in schedules.list_nodes(session)}
+        from controller import fleet, nodes
 
-        rows_by_node: dict[str, list[LocalSchedule]] = self.in_session(read)
+        settings = self.api.settings
+
+        def read(session: Session) -> dict[str, Any]:
+            rows = schedules.all_schedules(session)
+            reports = nodes.latest_reports(session, None)
+            return {"rows": rows, "pulls": nodes.latest_pulls(session, None),
+                    "reports": reports, "versions": nodes.list_versions(session, None)}
+
+        self.api.flush_pulls()
+        found = self.api.in_session(read)
+        rows, reports = found["rows"], found["reports"]
+        names = sorted(set(found["pulls"]) | set(reports) | set(rows))
         status, per_node, windows = [], {}, []
-        for node, rows in rows_by_node.items():
-            status.append({"node": node, "schedules": len(rows), "status": "unknown",
-                           "timezone": DEFAULT_TZ.key, "last_pull_at": None})
-            items = []
-            for row in rows:
-                z = row_zone(row, DEFAULT_TZ)
-                found = upcoming(row, now=now, last_fired=None, count=NEXT_WINDOWS,
-                                 node=node, tz=DEFAULT_TZ)
-                coming = found.windows
-                next_windows = [{"at": _utc(w.window),
-                                 "local": w.window.astimezone(z).strftime("%a %Y-%m-%d %H:%M %Z"),
-                                 "note": _dst_note(row, w.window, z)} for w in coming]
-                items.append({"id": row.id, "name": row.name, "action": row.action,
-                              "enabled": row.enabled,
-                              "paused": row.paused.model_dump(mode="json") if row.paused else None,
-                              "when": describe(row.schedule), "miss_policy": row.miss_policy,
-                              "last_fire": None, "last_outcome": None,
-                              "next_windows": next_windows})
-                for w, shown in zip(coming, next_windows, strict=True):
-                    if w.window <= now + AHEAD:
-                        windows.append({"node": node, "schedule_id": row.id, "name": row.name,
-                                        "action": row.action, "at": shown["at"],
-                                        "local": shown["local"], "note": shown["note"],
-                                        "paused": False})
-                for skipped, why in found.skipped:
-                    if why.startswith("paused") and skipped <= now + AHEAD:
-                        windows.append({"node": node, "schedule_id": row.id, "name": row.name,
-                                        "action": row.action, "at": _utc(skipped),
-                                        "local": skipped.astimezone(z).strftime(
-                                            "%a %Y-%m-%d %H:%M %Z"),
-                                        "note": "", "paused": True})
-            per_node[node] = items
-        windows.sort(key=lambda w: (w["at"], w["node"], w["schedule_id"]))
-        notice = ("Pulls, reports and job outcomes are not shown: this controller has no node "
-                  "status yet; windows are in each row's zone, else the agents' default "
-                  f"{DEFAULT_TZ.key}.")
-        return status, per_node, windows, notice
+        for name in names:
+            mine = rows.get(name, [])
+            report = reports.get(name)
+            status.append(fleet.node_row(
+                name, schedules=len(mine), schedule_ids=[row.id for row in mine],
+                pull=found["pulls"].get(name), report=report,
+                version=found["versions"].get(name), now=now, settings=settings))
+            tz = fleet.node_zone(report, settings)
+            reported = fleet._reported(report)
+            # The latest job per schedule (the latest report's): no history per node, so
+            # the page costs four queries however many nodes there are.
+            per_node[name] = [fleet.schedule_view(
+                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now)
+                for row in mine]
+            windows.extend(fleet.upcoming_windows(
+                mine, node=name, tz=tz, now=now, until=now + AHEAD,
+                last_fired=fleet.last_fires(report)))
+        listed, _cut = fleet.sort_windows(windows, 10_000)
+        for row in status:
+            if not row.get("timezone"):  # never reported: its windows are in the default zone
+                row.update(timezone=settings.default_timezone, timezone_default=True)
+        unseen = [row["node"] for row in status if row["status"] == "never-seen"]
+        notice = (f"Never pulled nor reported: {', '.join(unseen)} (their windows are in "
+                  f"the controller's default zone, {settings.default_timezone})."
+                  if unseen else "")
+        return status, per_node, listed, notice
 
 
 def session_cookie(token: str, now: float) -> str:
