@@ -330,7 +330,7 @@ def _propagation_lines(stored: dict[str, Any]) -> list[str]:
     at = info.get("next_window_local") or info.get("next_window") or "none"
     likely = "likely" if info.get("likely_in_time") else "NOT likely"
     event = "sent" if info.get("event_sent") else "not sent"
-    reason = f": {cell(info.get('reason'), limit=200)}" if info.get("reason") else ""
+    reason = f": {cell(info.get('reason'), limit=1000)}" if info.get("reason") else ""
     return [f"next window {cell(at)}; the node is {likely} to have it by then "
             f"(change event {event}){reason}"]
 
