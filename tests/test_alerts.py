@@ -186,7 +186,7 @@ def test_a_node_without_a_completed_wave_job_in_the_window_fires_for_that_node_o
     # quiet keeps completing backups: its bucket never runs out.
     stop = time.monotonic() + WITHIN * 2.5
     while time.monotonic() < stop:
-        time.sleep(3)
+        time.sleep(2)
         emit_job_event(quiet, {"node": quiet, "action": "copy", "schedule_id": "s-2",
                                "window": "", "flow_run_id": str(uuid.uuid4()),
                                "flow_run_name": "copy", "state": "Completed"}, completed=True)
