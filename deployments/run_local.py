@@ -2,13 +2,17 @@
 
 1. Start ``prefect server start`` with ``PREFECT_HOME`` under the project
    (``.prefect/``, git-ignored), its log in ``.prefect/server.log``, and the
-   database vacuum on so per-minute ticks do not grow it without bound.
+   database vacuum on so the runs' history does not grow without bound.
 2. Wait until ``/api/health`` answers.
-3. Serve the four deployments (``deployments.serve``) with ``SCHED_CONFIG``
+3. Serve the three deployments (``deployments.serve``) with ``SCHED_CONFIG``
    (default: ``examples/agent.toml``) and print the UI address.
-4. On Ctrl-C (or SIGTERM, or either child dying) stop the serve process first
-   (it cancels in-flight runs and pauses its deployments), then the server;
-   each gets a grace period, then its whole process group is killed.
+4. Keep both running: a child that exits is started again (5 s later,
+   doubling to 60 s while it keeps exiting), so a crashed server or agent
+   resumes by itself; the serve process itself also survives its server's
+   outages (``deployments.serve``).
+5. On Ctrl-C (or SIGTERM) stop the serve process first (it cancels in-flight
+   runs, which the next start runs again, and pauses its deployments), then
+   the server; each gets a grace period, then its whole process group is killed.
 
 Environment: ``SCHED_PREFECT_PORT`` (default 4200), ``SCHED_CONFIG``,
 ``SCHED_VACUUM_RETENTION`` (seconds of flow-run history kept, default 7 days).
@@ -22,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -99,6 +104,40 @@ def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> Non
         pass
 
 
+RESTART_MIN_S = 5.0
+RESTART_MAX_S = 60.0
+
+
+def start_server(
+    prefect_cli: str, port: int, env: dict[str, str], home: Path
+) -> subprocess.Popen[bytes]:
+    """Start the Prefect server in its own process group, its output to server.log."""
+    with (home / "server.log").open("ab") as log:
+        return subprocess.Popen(
+            [prefect_cli, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+
+
+def start_agent(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the serve process in its own process group."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "deployments.serve"],
+        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+
+
+def pause(seconds: float, stopping: Callable[[], bool]) -> bool:
+    """Sleep up to seconds; return True at once when stopping becomes true."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if stopping():
+            return True
+        time.sleep(0.2)
+    return stopping()
+
+
 def main() -> int:
     """Run the server and the agent until interrupted; return the exit status."""
     port = int(os.environ.get("SCHED_PREFECT_PORT", "4200"))
@@ -125,34 +164,43 @@ def main() -> int:
     try:
         print(f"starting a Prefect server on 127.0.0.1:{port} (PREFECT_HOME={home}, "
               f"log {home / 'server.log'})...", flush=True)
-        with (home / "server.log").open("ab") as log:
-            server = subprocess.Popen(
-                [prefect_cli, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+        server = start_server(prefect_cli, port, env, home)
         if not wait_healthy(api, server, timeout_s=120):
             print(f"the Prefect server did not become healthy; see {home / 'server.log'}",
                   file=sys.stderr)
             return 1
         print(f"serving the agent with SCHED_CONFIG={env['SCHED_CONFIG']}...", flush=True)
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "deployments.serve"],
-            env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        agent = start_agent(env)
         print(
             f"\n  Prefect UI: http://127.0.0.1:{port}/\n"
-            "  Runs appear under Runs within a minute (fire-tick every minute, run-job per\n"
-            "  fire, advance-chain after the wave); artifacts under Artifacts.\n"
+            "  The node plans at once: its coming windows are Scheduled runs of run-job/demo\n"
+            "  (Deployments > run-job/demo > Upcoming); each runs at its time, and the chain's\n"
+            "  prune and check follow the wave. Artifacts under Artifacts.\n"
             "  Press Ctrl-C to stop everything.\n",
             flush=True,
         )
+        backoff = {"server": RESTART_MIN_S, "agent": RESTART_MIN_S}
         while not stopping:
-            if server.poll() is not None or agent.poll() is not None:
-                which = "server" if server.poll() is not None else "agent"
-                say(f"the {which} exited unexpectedly; stopping", err=True)
-                status = 1
+            if server.poll() is not None:
+                say(f"the Prefect server exited (code {server.returncode}); starting it again "
+                    f"in {backoff['server']:.0f} s", err=True)
+                if pause(backoff["server"], lambda: stopping):
+                    break
+                backoff["server"] = min(backoff["server"] * 2, RESTART_MAX_S)
+                server = start_server(prefect_cli, port, env, home)
+                if wait_healthy(api, server, timeout_s=120):
+                    backoff["server"] = RESTART_MIN_S
+            if agent.poll() == 2:  # its settings are invalid: starting again cannot help
+                say("the agent refused its settings (above); stopping", err=True)
+                status = 2
                 break
+            if agent.poll() is not None:
+                say(f"the agent (serve) exited (code {agent.returncode}); starting it again "
+                    f"in {backoff['agent']:.0f} s", err=True)
+                if pause(backoff["agent"], lambda: stopping):
+                    break
+                backoff["agent"] = min(backoff["agent"] * 2, RESTART_MAX_S)
+                agent = start_agent(env)
             time.sleep(0.5)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
