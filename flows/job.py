@@ -37,10 +37,18 @@ from prefect.states import Completed
 from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
 from flows.guard import cached_row, first_try_of, start_window
+from flows.node_report import report_after
 from flows.overlap import cancel_run, job_slot, longest_run_s
 from flows.registry import SKIPPED, still_interrupted, tag_values
 from flows.repolock import repo_lock
-from flows.runtime import RUN_JOB, agent_settings, emit_job_event, logical_now, slug
+from flows.runtime import (
+    RUN_JOB,
+    agent_settings,
+    emit_job_event,
+    logical_now,
+    slug,
+    wall_clock,
+)
 from sched_core import ConfigError, LocalSchedule, SchedError
 from sched_core.plan import WINDOW_TRIGGERS
 
@@ -172,13 +180,35 @@ def _skip(node: str, schedule_id: str, window: datetime | None, reason: str) -> 
     return Completed(name=SKIPPED, message=reason)
 
 
+_reported: set[str] = set()
+"""Runs this process already reported to the controller (several terminal hooks per run)."""
+
+
+def _report_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
+    """State hook: send the node's report once the run's terminal state is recorded.
+
+    Best effort (:mod:`flows.node_report`): it never raises, so it never
+    changes the run's outcome; the latest job it reports is Prefect's record.
+    """
+    if str(flow_run.id) in _reported:
+        return
+    _reported.add(str(flow_run.id))
+    try:
+        settings = agent_settings()
+        node = tag_values(flow_run).get("node") or settings.node_name
+        report_after(settings, now=wall_clock(), deployment=node)
+    except Exception as exc:  # settings unreadable: nothing to report with
+        log.warning("no node report after the job",
+                    extra={"flow_run_id": str(flow_run.id), "error": repr(exc)[:300]})
+
+
 @flow(
     name=RUN_JOB,
     flow_run_name=_run_name,
-    on_completion=[_emit_terminal],
-    on_failure=[_emit_terminal],
-    on_crashed=[_emit_terminal],
-    on_cancellation=[_emit_terminal],
+    on_completion=[_emit_terminal, _report_terminal],
+    on_failure=[_emit_terminal, _report_terminal],
+    on_crashed=[_emit_terminal, _report_terminal],
+    on_cancellation=[_emit_terminal, _report_terminal],
 )
 def run_job(
     schedule_id: str | None = None,

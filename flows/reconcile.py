@@ -29,6 +29,7 @@ from prefect.tasks import exponential_backoff
 
 from flows.automations import ensure_automations
 from flows.dispatch import build_scheduler, runs_of
+from flows.node_report import pull_outcome, report_after
 from flows.planner import PlanReport, plan_node
 from flows.reports import plan_lines, pull_lines
 from flows.runtime import (
@@ -45,6 +46,7 @@ from flows.runtime import (
     slug,
 )
 from sched_core import PullError, PullResult, Scheduler
+from sched_core.pull import NOT_MODIFIED
 
 MISSED_EVENT_NAMESPACE = uuid.UUID("0b6f5f52-8a46-4d57-bd1e-6a3e0a3f7c11")
 
@@ -124,6 +126,13 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     emit_missed(settings.node_name, report)
     emit_interrupted(settings.node_name, report)
     logger.info("reconcile: %s", counts)
+    # Best effort: a report that fails is logged and never fails the reconcile.
+    report_after(
+        settings, now=at, deployment=deployment_name(settings), cache=cache,
+        last_pull=pull_outcome(at, ok=error is None, error=error,
+                               status=None if result is None
+                               else "304" if result is NOT_MODIFIED else "200"),
+    )
     if error is not None:
         raise PullError(error)
     if report.failed:

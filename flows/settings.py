@@ -269,6 +269,9 @@ class AgentSettings(BaseSettings):
     pull_timeout: Seconds = timedelta(seconds=10)
     pull_retries: int = Field(default=3, ge=0)
     pull_retry_delay: Seconds = timedelta(seconds=2)
+    # The node's report to the controller after each reconcile and job (flows/node_report.py).
+    report_url: str | None = None
+    report_timeout: Seconds = timedelta(seconds=5)
     actions: dict[str, ActionSpec] = Field(default_factory=dict)
     wave: list[str] = Field(default_factory=lambda: ["backup", "copy"])
     stages: list[StageSpec] = Field(default_factory=_default_stages)
