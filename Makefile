@@ -29,8 +29,15 @@ test: lint typecheck
 run: setup
 	$(PY) -m deployments.run_local
 
+# BENCH_PREFECT=1 also runs the Prefect benchmarks (each starts its own server; ~40 min, plus
+# ~20 min for bench_propagation).
 bench: setup
 	$(PY) bench/bench_core.py
+ifneq ($(BENCH_PREFECT),)
+	$(PY) bench/bench_idle.py
+	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_propagation.py
+endif
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -344,9 +344,14 @@ def propagation(
     }
     said = announced.reason
     if window is None:
-        why = "disabled" if not row.enabled else (
-            "fired by the chain, never on the clock" if row.schedule.is_event
-            else "without a window in the next 400 days (its policies or dates)")
+        if not row.enabled:
+            why = "disabled"
+        elif row.schedule.is_event:
+            why = "fired by the chain, never on the clock"
+        elif row.paused is not None and row.paused.until is None:
+            why = f"paused until resumed ({row.paused.note or 'no note'})"
+        else:
+            why = "without a window in the next 400 days (its policies or dates)"
         return {**answer, "likely_in_time": True,
                 "reason": f"the row is {why}: nothing to be late for; {said}"}
     deadline = floor_minute(window) + timedelta(minutes=1)

@@ -259,6 +259,17 @@ def list_versions(session: Session, node: str | None = None) -> dict[str, str]:
     return {row.node: f"{row.epoch}-{row.revision}" for row in session.execute(query).all()}
 
 
+def schedule_ids(session: Session, node: str | None = None) -> dict[str, list[str]]:
+    """Return each node's schedule ids, sorted (only node's, when given): no row is decoded."""
+    query = select(_SCHEDULE.c.node, _SCHEDULE.c.id).order_by(_SCHEDULE.c.node, _SCHEDULE.c.id)
+    if node is not None:
+        query = query.where(_SCHEDULE.c.node == node)
+    found: dict[str, list[str]] = {}
+    for name, schedule_id in session.execute(query).all():
+        found.setdefault(name, []).append(schedule_id)
+    return found
+
+
 def schedule_counts(session: Session) -> dict[str, int]:
     """Return how many schedule rows each node has (nodes without rows left out)."""
     rows = session.execute(

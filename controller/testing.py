@@ -80,7 +80,7 @@ def serve_in_thread(app: object, *, host: str = "127.0.0.1", port: int = 0) -> I
     """Serve app with uvicorn in a thread while the block runs; yield its base URL.
 
     The socket is bound first (port 0 picks a free one), so the URL is known
-    before the server starts.
+    before the server starts. On exit the app's pull recorder (if any) is closed.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -102,3 +102,8 @@ def serve_in_thread(app: object, *, host: str = "127.0.0.1", port: int = 0) -> I
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        # The app's pull recorder writes behind: write what is pending and stop its timer
+        # while the caller's engine is still open (uvicorn runs no lifespan here).
+        recorder = getattr(getattr(app, "state", None), "pull_recorder", None)
+        if recorder is not None:
+            recorder.close()

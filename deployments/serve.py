@@ -98,6 +98,8 @@ def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
     return [item for item in built if isinstance(item, RunnerDeployment)]
 
 
+RUNNER_POLL_S = 2
+"""Seconds between the serve process's polls for runs to start (PREFECT_RUNNER_POLL_FREQUENCY)."""
 BACKOFF_MIN_S = 5.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_AFTER_S = 120.0
@@ -136,7 +138,8 @@ def main() -> int:
             # No runner-wide limit: it would be one pool of slots for all three
             # deployments, and long jobs holding them would keep reconcile from
             # planning. Jobs are limited by run-job's own limit (job_limit).
-            serve(*deployments, limit=None, print_starting_message=attempt == 1)
+            serve(*deployments, limit=None, print_starting_message=attempt == 1,
+                  query_seconds=poll_seconds())
             return 0  # serve returns only when it was stopped (SIGTERM, SIGINT)
         except (KeyboardInterrupt, SystemExit):
             return 0
@@ -152,6 +155,18 @@ def main() -> int:
         signal.signal(signal.SIGTERM, _exit_between_serves)
         time.sleep(backoff)
         backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+def poll_seconds() -> float | None:
+    """Return how often serve polls for runs to start: every 2 s unless the environment says.
+
+    The runs a trigger creates (the controller's ``sched.schedules.updated``: pull
+    now) start at the serve process's next poll: every :data:`RUNNER_POLL_S` s
+    instead of Prefect's 10 s, so a change reaches the node in seconds
+    (bench/bench_propagation.py). Each poll is one small query per node; a large
+    fleet may set ``PREFECT_RUNNER_POLL_FREQUENCY`` higher (None: Prefect's setting).
+    """
+    return None if os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY") else float(RUNNER_POLL_S)
 
 
 def _exit_between_serves(signum: int, frame: FrameType | None) -> None:

@@ -25,10 +25,12 @@ from uuid import UUID
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.responses import OrchestrationResult, SetStateStatus
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Scheduled
+from prefect.states import Completed, Scheduled
 
 from flows.actions import window_stamp
+from flows.registry import SKIPPED
 from flows.runtime import RUN_JOB, deployment_name
 from flows.settings import AgentSettings
 from sched_core import Config, ConfigError, Fire, Scheduler
@@ -248,6 +250,32 @@ class Runs:
             except Exception as exc:
                 failed.append((run.run_id, repr(exc)[:200]))
         return failed
+
+    def skip(
+        self, runs: Iterable[tuple[PlannedRun, str]]
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """End untried runs without running: Completed named Skipped, with the guard's reason.
+
+        Proposed, not forced: a run the node's runner took meanwhile keeps its
+        state and its own start guard decides (the same answer). Return the ids
+        ended and (id, error) for each that could not be; a run already gone or
+        taken counts as neither.
+        """
+        ended: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for run, reason in runs:
+            try:
+                result: OrchestrationResult[Any] = self.client.set_flow_run_state(
+                    UUID(run.run_id), Completed(name=SKIPPED, message=reason), force=False
+                )
+            except ObjectNotFound:
+                continue
+            except Exception as exc:
+                failed.append((run.run_id, repr(exc)[:200]))
+                continue
+            if result.status == SetStateStatus.ACCEPT:
+                ended.append(run.run_id)
+        return ended, failed
 
     def delete(self, run_ids: Iterable[str]) -> list[tuple[str, str]]:
         """Delete runs by id; return (id, error) for each that could not be deleted.

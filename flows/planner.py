@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from flows.dispatch import JobRef, Planned, Runs
-from flows.registry import Interrupted, list_interrupted, list_window_runs
+from flows.registry import Interrupted, list_interrupted, list_waiting, list_window_runs
 from flows.settings import AgentSettings
 from sched_core.misses import LOOKBACK
 from sched_core.model import Cache, format_go_time, parse_go_time
@@ -44,6 +44,7 @@ from sched_core.plan import (
     Missed,
     PlannedRun,
     Window,
+    late_skips,
     missed,
     moved,
     obsolete,
@@ -71,6 +72,8 @@ class PlanReport:
     deleted: list[tuple[PlannedRun, str]] = field(default_factory=list)
     moved: list[tuple[PlannedRun, datetime]] = field(default_factory=list)
     """(run, new scheduled start) for each untried run whose row's jitter changed."""
+    skipped: list[tuple[PlannedRun, str]] = field(default_factory=list)
+    """(run, reason) for each untried late run ended Skipped as its guard would have."""
     held_back: int = 0
     missed: list[Missed] = field(default_factory=list)
     recovered: list[tuple[JobRef, str]] = field(default_factory=list)
@@ -230,6 +233,20 @@ def plan_node(
     failed_moves = dict(runs.reschedule(shifted))
     report.moved = [(run, start) for run, start in shifted if run.run_id not in failed_moves]
     report.failed += [(run_id, error) for run_id, error in failed_moves.items()]
+    # Late untried runs the guard would skip end now, instead of each starting
+    # a process to say so (after a long downtime, hundreds of them).
+    gone = {run.run_id for run, _ in stale}
+    waiting, first_tries = list_waiting(
+        runs.client, deployment_id, node, since=now - reach, before=now - grace)
+    late = late_skips(
+        (run for run in waiting if run.run_id not in gone), rows,
+        last_fired=cache.last_fired_at, first_seen=cache.first_seen_at, now=now, grace=grace,
+        tz=tz, node=node, first_tries=first_tries,
+    )
+    ended, failed_skips = runs.skip(late)
+    done_skips = set(ended)
+    report.skipped = [(run, why) for run, why in late if run.run_id in done_skips]
+    report.failed += failed_skips
 
     _log(report, node)
     # A window is handled once it has a run or has been reported missed. A
@@ -265,13 +282,14 @@ def _ref(node: str, window: Window, trigger_key: str) -> JobRef:
 
 def _log(report: PlanReport, node: str) -> None:
     log.info(
-        "planned %d windows: %d created, %d existed, %d deleted, %d moved, %d held back by the "
-        "cap, %d recovered, %d interrupted jobs re-run, %d failed",
+        "planned %d windows: %d created, %d existed, %d deleted, %d moved, %d late ones ended "
+        "Skipped, %d held back by the cap, %d recovered, %d interrupted jobs re-run, %d failed",
         report.planned, len(report.created), report.existing, len(report.deleted),
-        len(report.moved), report.held_back, len(report.recovered), len(report.retried),
-        len(report.failed),
+        len(report.moved), len(report.skipped), report.held_back, len(report.recovered),
+        len(report.retried), len(report.failed),
         extra={"node": node, "planned": report.planned, "runs_created": len(report.created),
                "deleted": len(report.deleted), "moved": len(report.moved),
+               "skipped_late": len(report.skipped),
                "held_back": report.held_back,
                "recovered": len(report.recovered), "retried": len(report.retried),
                "failed": len(report.failed)},

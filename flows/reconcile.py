@@ -106,6 +106,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
         "created": len(report.created),
         "deleted": len(report.deleted),
         "moved": len(report.moved),
+        "skipped_late": len(report.skipped),
         "missed": sum(item.count for item in report.missed),
         "recovered": len(report.recovered),
         "retried": len(report.retried),

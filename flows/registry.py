@@ -34,7 +34,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import FlowRunSort
 
 from flows.runtime import RUN_JOB
-from sched_core.plan import WINDOW_TRIGGERS, PlannedRun
+from sched_core.plan import AWAITING_SLOT, WINDOW_TRIGGERS, PlannedRun
 from sched_core.scheduler import as_utc
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,37 @@ def list_window_runs(
     return found
 
 
+def list_waiting(
+    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime,
+    before: datetime,
+) -> tuple[list[PlannedRun], dict[str, datetime]]:
+    """Return this node's window runs not started yet that were due in [since, before).
+
+    Those nobody tried (Scheduled, Late) and those waiting for a job slot
+    (AwaitingConcurrencySlot), with, for the latter, when Prefect first tried
+    to start each (one state history read per waiting run).
+    """
+    flt = FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+        tags=FlowRunFilterTags(all_=[f"node:{node}"]),
+        expected_start_time=FlowRunFilterExpectedStartTime(after_=since, before_=before),
+        state=FlowRunFilterState(
+            name=FlowRunFilterStateName(any_=["Scheduled", "Late", AWAITING_SLOT])),
+    )
+    found: list[PlannedRun] = []
+    tries: dict[str, datetime] = {}
+    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
+        item = planned_run(run)
+        if item is None:
+            continue
+        found.append(item)
+        if item.state_name == AWAITING_SLOT:
+            tried = first_try(client.read_flow_run_states(run.id))
+            if tried is not None:
+                tries[item.run_id] = tried
+    return found, tries
+
+
 def planned_run(run: FlowRun) -> PlannedRun | None:
     """Return a run-job run as the kit's :class:`PlannedRun`, or None if it has no window."""
     tags = tag_values(run)
@@ -166,9 +197,25 @@ def planned_run(run: FlowRun) -> PlannedRun | None:
         window=window,
         trigger_key=trigger,
         state_name=(run.state.name or "") if run.state is not None else "",
-        start=as_utc(run.expected_start_time) if run.expected_start_time else None,
+        start=_start(run),
         retry="retry" in run.tags,
     )
+
+
+def _start(run: FlowRun) -> datetime | None:
+    """Return a run's scheduled start: its Scheduled state's time while untried.
+
+    Prefect sets ``expected_start_time`` once, from the first state, so a run
+    moved since (a row's jitter changed) keeps its old one there; the state's
+    ``scheduled_time`` is where the runner will start it. A run waiting for a
+    job slot has a retry time in its state instead: its planned start is then
+    the expected one.
+    """
+    state = run.state
+    if (state is not None and state.name in ("Scheduled", "Late")
+            and state.state_details.scheduled_time is not None):
+        return as_utc(state.state_details.scheduled_time)
+    return as_utc(run.expected_start_time) if run.expected_start_time else None
 
 
 @dataclass(frozen=True)

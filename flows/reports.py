@@ -131,6 +131,14 @@ def plan_lines(
         lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: now starts "
                   f"{start.astimezone(tz):%H:%M:%S}" for run, start in report.moved]
         lines.append("")
+    if report.skipped:
+        lines += ["Late runs ended Skipped (their start guard's answer, given without starting "
+                  "them):", ""]
+        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {cell(why)}"
+                  for run, why in report.skipped[:50]]
+        if len(report.skipped) > 50:
+            lines.append(f"- ... and {len(report.skipped) - 50} more")
+        lines.append("")
     if report.missed:
         lines += ["**Missed** (windows that never had a run: the node or Prefect was down "
                   "for longer than the plan horizon):", ""]

@@ -160,7 +160,6 @@ def test_the_sample_rows_render(name: str, tmp_path: Path, monkeypatch: pytest.M
     rows = _sample_rows(name)
     assert set(rows) == set(settings.actions)
     for row in rows.values():
-        # The shipped programs (the demo's check is examples/check-archives.py).
         assert _render(settings, row)[0] in ("tar", "cp", "find", "restic", "python3")
 
 

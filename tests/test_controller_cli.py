@@ -166,17 +166,21 @@ SCHEDULE = {
 
 def test_serve_api_only_answers_with_auth_and_logs_without_tokens(tmp_path: Path) -> None:
     with serving(tmp_path, "--api-only", SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
-                 SCHED_NODE_TOKENS=f"node-a={NODE_TOKEN}") as (base, log_path):
+                 SCHED_NODE_TOKENS=f"node-a={NODE_TOKEN}", PREFECT_API_URL="") as (base, log_path):
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         node = {"Authorization": f"Bearer {NODE_TOKEN}"}
         put = httpx.put(f"{base}/api/nodes/node-a/schedules/s-1", json=SCHEDULE, headers=admin)
         assert put.status_code == 200, put.text
+        # No PREFECT_API_URL: no sched.schedules.updated event, said in the answer.
+        assert put.json()["_propagation"]["event_sent"] is False
+        assert "PREFECT_API_URL is not set" in put.json()["_propagation"]["reason"]
         pulled = httpx.get(f"{base}/api/schedules?node=node-a", headers=node)
         assert pulled.status_code == 200
         assert [s["id"] for s in pulled.json()["schedules"]] == ["s-1"]
         assert httpx.get(f"{base}/api/schedules?node=node-b", headers=node).status_code == 403
         assert httpx.get(f"{base}/api/schedules?node=node-a").status_code == 401
     log = log_path.read_text()
+    assert "WARNING controller.events: the controller has no Prefect API" in log  # at start-up
     assert "GET /api/schedules node=node-a principal=node:node-a status=200" in log
     assert "principal=node:node-a status=403" in log
     assert "status=401" in log

@@ -285,6 +285,7 @@ def test_patch_pause_resume_and_propagation(fleet: Fleet) -> None:
     assert body["params"] == {"threads": 4}  # RFC 7386: null removes the member
     assert body["name"] == "nightly s-1"
     assert body["_propagation"]["next_window"] is None
+    assert "paused until resumed (disk swap)" in body["_propagation"]["reason"]
     stored = c.get(url, headers=NODE_A).json()
     assert stored["paused"]["note"] == "disk swap" and "_propagation" not in stored
     shown = c.get("/api/nodes/node-a/status", headers=ADMIN).json()["schedules"][0]
@@ -296,6 +297,9 @@ def test_patch_pause_resume_and_propagation(fleet: Fleet) -> None:
     assert resumed["_propagation"]["likely_in_time"] is True
     assert "pulls every 300 s" in resumed["_propagation"]["reason"]
 
+    typo = c.put(url, json={**row("s-1"), "pasued": {"note": "x"}, "colour": 1}, headers=ADMIN)
+    assert typo.status_code == 422
+    assert [e["field"] for e in typo.json()["detail"]] == ["colour", "pasued"]
     unknown = c.patch(url, json={"pasued": None, "enabled": False}, headers=ADMIN)
     assert unknown.status_code == 422
     assert unknown.json()["detail"][0]["field"] == "pasued"
@@ -343,3 +347,23 @@ def test_unreachable_prefect_never_fails_a_write(sqlite_url: str) -> None:
             assert "http://127.0.0.1:9/api" in prop["reason"]
     finally:
         events.close()
+
+
+def test_concurrent_patches_are_never_lost(fleet: Fleet) -> None:
+    """Each PATCH re-reads and re-applies itself when another write won: all are kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = fleet.client
+    put(c, "node-a", row("s-1", params={"base": 0}))
+    url = "/api/nodes/node-a/schedules/s-1"
+
+    def patch(index: int) -> int:
+        with httpx.Client(base_url=str(c.base_url), timeout=60) as own:
+            return own.patch(url, json={"params": {f"k{index}": index}}, headers=ADMIN).status_code
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        codes = list(pool.map(patch, range(8)))
+    assert codes == [200] * 8
+    stored = c.get(url, headers=ADMIN).json()
+    assert stored["params"] == {"base": 0, **{f"k{i}": i for i in range(8)}}
+    assert stored["version"] == 9

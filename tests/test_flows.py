@@ -310,6 +310,35 @@ def test_late_runs_follow_the_miss_policy_and_say_why(agent: Agent) -> None:
     assert agent.cache()["last_fired_at"] == {"once": "2026-12-02T16:30:00Z"}
 
 
+def test_a_reconcile_after_downtime_ends_the_late_runs_the_guard_would_skip(agent: Agent) -> None:
+    """No process per late run: the reconcile ends them Skipped with the guard's reason."""
+    from flows.reconcile import reconcile
+
+    agent.write_schedules([row("once", "backup", EVERY_HOUR_AT_30),
+                           {**row("never", "copy", EVERY_HOUR_AT_30), "miss_policy": "skip"}])
+    agent.register()
+    reconcile(now=T0)
+    back = WINDOW + timedelta(hours=1, minutes=15)  # 16:45: 15:30 and 16:30 are late
+    reconcile(now=back)
+    ended = {(run.parameters["schedule_id"], run.parameters["window"]): run.state
+             for run in agent.runs() if run.state.name == "Skipped"}
+    w1, w2 = WINDOW.isoformat(), (WINDOW + timedelta(hours=1)).isoformat()
+    assert set(ended) == {("once", w1), ("never", w1), ("never", w2)}
+    assert ended[("once", w1)].message.endswith(
+        "coalesced into 2026-12-02 11:30 EST (the latest missed window)")
+    assert ended[("never", w2)].message.endswith("15 min late (grace 5 min); miss policy skip")
+    assert all(state.is_completed() for state in ended.values())
+    # The latest missed window of run-once is left to its run, which runs it.
+    latest = planned(agent, "once", WINDOW + timedelta(hours=1))
+    assert latest.state.name == "Scheduled"
+    assert run_planned(latest, back + timedelta(seconds=5)).name == "Completed"
+    # A run the reconcile ended never started: no job event, nothing fired.
+    assert agent.cache()["last_fired_at"] == {"once": "2026-12-02T16:30:00Z"}
+    events = _events("sched.job.completed", agent.node, 2)
+    assert [(e["payload"]["schedule_id"], e["payload"]["window"]) for e in events] == [
+        ("once", latest.parameters["window"])]
+
+
 def test_a_row_removed_or_changed_after_planning_runs_in_its_new_version_or_not_at_all(
     agent: Agent,
 ) -> None:

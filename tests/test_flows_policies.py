@@ -154,6 +154,25 @@ def test_the_planner_jitters_pauses_and_blacks_out_and_the_artifact_says_so(
                              "(until resumed)")
 
 
+def test_a_new_jitter_moves_the_untried_runs_once(agent: Agent) -> None:
+    from flows.reconcile import reconcile
+    from sched_core.policies import jitter_offset
+
+    agent.write_schedules([row("j", "backup", EVERY_HOUR_AT_30)])
+    agent.register()
+    assert reconcile(now=T0)["created"] == 3
+    agent.write_schedules([{**row("j", "backup", EVERY_HOUR_AT_30), "jitter": 900}])
+    assert reconcile(now=T0 + timedelta(minutes=1))["moved"] == 3
+    offset = timedelta(seconds=jitter_offset(agent.node, "j", 900))
+    runs = scheduled(agent)
+    assert [run.state.state_details.scheduled_time.astimezone(UTC)
+            - datetime.fromisoformat(run.parameters["window"]) for run in runs] == [offset] * 3
+    assert [run.next_scheduled_start_time.astimezone(UTC)
+            - datetime.fromisoformat(run.parameters["window"]) for run in runs] == [offset] * 3
+    again = reconcile(now=T0 + timedelta(minutes=2))
+    assert again["moved"] == 0 and again["created"] == 0
+
+
 def test_a_jittered_run_is_late_only_a_grace_after_its_own_start(agent: Agent) -> None:
     from flows.job import run_job
     from sched_core.policies import jitter_offset

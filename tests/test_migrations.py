@@ -351,3 +351,40 @@ def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_th
         assert _schema(empty_url)["alembic_version"] == [HEAD]
     finally:
         engine.dispose()
+
+
+def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
+    """0006: the fleet's tables come and go; the schedules stay; history is pruned per node."""
+    from datetime import UTC, datetime
+
+    from sqlmodel import Session
+
+    from controller import nodes, schedules
+    from sched_core.model import LocalSchedule
+
+    db.migrate(empty_url, "0005")
+    engine = db.make_engine(empty_url)
+    row = LocalSchedule.model_validate({
+        "id": "s-1", "name": "x", "action": "backup", "miss_policy": "skip", "enabled": True,
+        "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}})
+    at = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
+    try:
+        with Session(engine) as session:
+            schedules.put_schedule(session, "n", row)
+        db.migrate(empty_url, "0006")
+        with Session(engine) as session:
+            for index in range(4):
+                nodes.record_report(session, "n", {"i": index}, received_at=at, keep=2)
+            nodes.record_report(session, "other", {"i": 9}, received_at=at, keep=2)
+            nodes.record_pulls(session, [nodes.Pull("n", at, "304", "e-1")])
+            assert [r.report for r in nodes.report_history(session, "n", limit=10)] == [
+                {"i": 3}, {"i": 2}]
+            assert nodes.latest_reports(session)["n"].report == {"i": 3}
+            assert nodes.report_history(session, "other", limit=10)[0].report == {"i": 9}
+            assert nodes.latest_pulls(session)["n"].status == "304"
+        db.downgrade(empty_url, "0005")
+        assert _tables(empty_url) == TABLES - {"node_report", "node_report_history", "node_pull"}
+        with Session(engine) as session:
+            assert [r.id for r in schedules.list_schedules(session, "n")[0]] == ["s-1"]
+    finally:
+        engine.dispose()

@@ -20,6 +20,7 @@ from sched_core.plan import (
     PlannedRun,
     Verdict,
     decide_start,
+    late_skips,
     missed,
     obsolete,
     plan_windows,
@@ -203,6 +204,55 @@ def test_runs_already_tried_or_not_window_runs_are_never_pruned() -> None:
             run("gone", w, trigger="chain-prune"), run("gone", w, trigger="manual"),
             run("gone", w, state="Late")]
     assert [r.state_name for r, _ in obsolete(runs, [], tz=NY)] == ["Late"]
+
+
+def test_late_untried_runs_the_guard_would_skip_are_ended_by_the_planner_with_its_reason() -> None:
+    """After 1 h 15 min down: every late run but the latest of run-once ends now; skip's all."""
+    hourly = at(["*"], "30")
+    rows = [row("once", hourly), row("never", hourly, miss_policy="skip"),
+            row("fresh", hourly)]
+    w1, w2 = utc(2026, 11, 30, 7, 30), utc(2026, 11, 30, 8, 30)
+    now = w2 + timedelta(minutes=15)
+
+    def planned(sid: str, window: datetime, state: str = "Scheduled", **kw: Any) -> PlannedRun:
+        return PlannedRun(run_id=f"{sid}-{window:%H%M}-{state}", schedule_id=sid, window=window,
+                          trigger_key="schedule", state_name=state, start=window, **kw)
+
+    runs = [planned("once", w1), planned("once", w2), planned("never", w1),
+            planned("never", w2, "Late"),
+            planned("never", w1, "AwaitingConcurrencySlot"),  # tried: its own guard decides
+            planned("once", w1, retry=True),  # an interrupted job's re-run: never
+            planned("fresh", now - timedelta(minutes=4)),  # within the grace: on time
+            planned("gone", w1)]  # the pruning deletes it
+    got = {(r.schedule_id, r.window, r.state_name): why
+           for r, why in late_skips(runs, rows, last_fired={}, first_seen={}, now=now,
+                                    grace=GRACE, tz=NY)}
+    assert got == {
+        ("once", w1, "Scheduled"): "window 2026-11-30 02:30 EST missed: 1 h 15 min late "
+        "(grace 5 min); coalesced into 2026-11-30 03:30 EST (the latest missed window)",
+        ("never", w1, "Scheduled"): "window 2026-11-30 02:30 EST missed: 1 h 15 min late "
+        "(grace 5 min); miss policy skip",
+        ("never", w2, "Late"): "window 2026-11-30 03:30 EST missed: 15 min late "
+        "(grace 5 min); miss policy skip",
+    }
+    # A run waiting for a job slot is judged from its first try: on time runs, late skips.
+    waiting = [planned("never", w1, "AwaitingConcurrencySlot"),
+               planned("never", w2, "AwaitingConcurrencySlot")]
+    tries = {waiting[0].run_id: w1 + timedelta(minutes=1), waiting[1].run_id: w2 + GRACE * 2}
+    got_waiting = late_skips(waiting, rows, last_fired={}, first_seen={}, now=now, grace=GRACE,
+                             tz=NY, first_tries=tries)
+    assert [(r.window, why) for r, why in got_waiting] == [
+        (w2, "window 2026-11-30 03:30 EST missed: 10 min late (grace 5 min); miss policy skip")]
+    # The answer is the guard's own when the run would start now, and final: later, too.
+    for (sid, window, _), why in got.items():
+        for later in (now, now + HOUR):
+            decision = decide_start(
+                rows[["once", "never"].index(sid)], schedule_id=sid, window=window,
+                last_fired=None, first_seen=None, first_try=later, now=later, grace=GRACE, tz=NY)
+            assert decision.verdict is Verdict.SKIP
+        assert why == decide_start(
+            rows[["once", "never"].index(sid)], schedule_id=sid, window=window, last_fired=None,
+            first_seen=None, first_try=now, now=now, grace=GRACE, tz=NY).reason
 
 
 # -- the start guard --------------------------------------------------------------------

@@ -25,8 +25,14 @@ from starlette.concurrency import run_in_threadpool
 
 from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
-from controller.api.fleet import FleetApi, fleet_router
-from controller.api.jsonbody import _unprocessable, check_name, read_model, validation_entries
+from controller.api.fleet import FleetApi, fleet_router, row_from_body
+from controller.api.jsonbody import (
+    _unprocessable,
+    check_name,
+    read_model,
+    read_object,
+    validation_entries,
+)
 from controller.api.page import FleetApiSource, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
@@ -35,7 +41,6 @@ from controller.events import NoEvents, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
 from controller.nodes import PullRecorder
-from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
 
@@ -158,7 +163,7 @@ def schedule_router(
     @router.put("/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node])
     async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
         _check_schedule_key(node, schedule_id, storing=True)
-        row = await read_model(request, LocalSchedule, "id", schedule_id)
+        row = row_from_body(await read_object(request, "id", schedule_id))
         stored = await run_in_threadpool(
             in_session, lambda s: schedules.put_schedule(s, node, row)
         )

@@ -125,14 +125,32 @@ class FleetApi:
         return Response(body, media_type="application/json")
 
 
-def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
-    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
-    unknown = sorted(key for key in patch if key not in _PATCHABLE)
+def refuse_unknown_fields(data: dict[str, Any]) -> None:
+    """Raise InvalidInput naming each top-level key of a row body that no row field has.
+
+    The wire model ignores unknown fields (an agent reading a newer controller's
+    rows), but a write must not: a misspelt ``pasued`` would be dropped silently.
+    """
+    unknown = sorted(key for key in data if key not in _PATCHABLE)
     if unknown:
         raise InvalidInput([
             {"field": key, "loc": ["body", key], "msg": f"unknown field {key!r}",
              "type": "extra_forbidden"} for key in unknown
         ])
+
+
+def row_from_body(data: dict[str, Any]) -> LocalSchedule:
+    """Return a PUT body as a row: unknown fields refused, then the model's checks (422)."""
+    refuse_unknown_fields(data)
+    try:
+        return LocalSchedule.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInput(_body_errors(exc)) from None
+
+
+def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
+    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
+    refuse_unknown_fields(patch)
     for key in ("id", "version"):
         if key in patch and patch[key] != current.model_dump(mode="json")[key]:
             raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
@@ -166,19 +184,16 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         return Response(status_code=204)
 
     def status_rows(session: Session, only: str | None) -> dict[str, Any]:
-        rows = schedules.all_schedules(session)
+        ids = nodes.schedule_ids(session, only)
         pulls = nodes.latest_pulls(session, only)
         reports = nodes.latest_reports(session, only)
         versions = nodes.list_versions(session, only)
-        names = set(pulls) | set(reports) | ({only} if only in rows else set(rows))
-        if only is not None:
-            names &= {only}
+        names = set(pulls) | set(reports) | set(ids)
         now = api.clock()
         return {
-            "now": now, "rows": rows, "pulls": pulls, "reports": reports, "versions": versions,
+            "now": now, "pulls": pulls, "reports": reports, "versions": versions,
             "nodes": [fleet.node_row(
-                name, schedules=len(rows.get(name, [])),
-                schedule_ids=[row.id for row in rows.get(name, [])],
+                name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
                 pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
                 now=now, settings=api.settings,
             ) for name in sorted(names)],
@@ -199,6 +214,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
 
         def read(session: Session) -> dict[str, Any]:
             found = status_rows(session, node)
+            found["rows"] = schedules.list_schedules(session, node)[0]
             found["history"] = nodes.report_history(
                 session, node, limit=api.settings.report_history)
             return found
@@ -215,7 +231,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                 item, node=node, tz=tz, reported=reported.get(item.id),
                 recent=fleet.recent_outcomes(found["history"], item.id), now=found["now"],
             )
-            for item in found["rows"].get(node, [])
+            for item in found["rows"]
         ]
         return JSONResponse(row)
 
@@ -233,7 +249,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
             raise _forbidden("a node token may only list its own node's windows (?node=NAME)")
 
         def read(session: Session) -> dict[str, Any]:
-            rows = schedules.all_schedules(session)
+            if node is not None:
+                rows = {node: schedules.list_schedules(session, node)[0]}
+            else:
+                rows = schedules.all_schedules(session)
             reports = nodes.latest_reports(session, node)
             return {"rows": rows, "reports": reports}
 

@@ -1,0 +1,353 @@
+"""How fast a schedule change reaches a node: PUT answered -> the node's cache.json holds it.
+
+Real components, as a user runs them, each its own process on loopback:
+
+- a Prefect server (``prefect server start``, SQLite, triggers service on);
+- two controller API processes (``sched controller serve --api-only``) over one
+  SQLite database: one with ``PREFECT_API_URL`` (it sends
+  ``sched.schedules.updated`` on every write), one without (the baseline's);
+- the node's agent: ``python -m deployments.serve`` (its reconcile deployment
+  has the trigger on ``sched.agent.<node>``), pulling from the controller with
+  its node token.
+
+Measured, one change at a time (the next PUT once the node has the previous):
+
+1. **event** (N writes, default 100): PUT through the controller with events;
+   time until the node's ``cache.json`` holds the row's new version.
+2. **baseline** (M writes, default 20): PUT through the controller without
+   events, then the bench itself asks Prefect for a reconcile run of the node
+   (what the trigger does, minus the event and the automation): the ratio shows
+   what the event path adds. Without either, the node would see the change at
+   its next periodic pull (``reconcile_interval``, 15 min by default).
+
+Prints p50/p95/max and writes them to docs/benchmarks.md between
+``<!-- propagation:begin -->`` and ``<!-- propagation:end -->``. Target: p95 < 10 s.
+Not part of ``make test`` (run: ``.venv/bin/python bench/bench_propagation.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- propagation:begin -->", "<!-- propagation:end -->"
+HEADING = "## Propagation: a schedule change reaching a node"
+NODE = "bench-node"
+ADMIN_TOKEN = "bench-admin-token-0123456789"
+NODE_TOKEN = "bench-node-token-abcdefghij"
+TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited; see {log}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{what} did not answer at {url}; see {log}")
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after 20 s."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Bench:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.prefect_port = free_port()
+        self.prefect_api = f"http://127.0.0.1:{self.prefect_port}/api"
+        self.db = f"sqlite:///{tmp / 'controller.db'}"
+        self.events_port, self.quiet_port = free_port(), free_port()
+        self.state = tmp / "state"
+        self.base_env = {
+            **os.environ,
+            "PREFECT_HOME": str(tmp / "prefect-home"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_UI_ENABLED": "false",
+            "PREFECT_UI_ENABLED": "false",
+            "SCHED_DATABASE_URL": self.db,
+            "SCHED_ADMIN_TOKEN": ADMIN_TOKEN,
+            "SCHED_NODE_TOKENS": f"{NODE}={NODE_TOKEN}",
+        }
+        for name in ("PREFECT_API_URL", "SCHED_CONFIG", "SCHED_NODE_NAME", "SCHED_PULL_URL"):
+            self.base_env.pop(name, None)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.tmp / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def up(self) -> None:
+        bin_dir = Path(sys.executable).parent
+        server = self.start("prefect-server", [
+            str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+            "--port", str(self.prefect_port)], {**self.base_env,
+                                                "PREFECT_API_URL": self.prefect_api})
+        wait_ok(f"{self.prefect_api}/health", server, "the Prefect server",
+                self.tmp / "prefect-server.log")
+        controller = [sys.executable, "-c", "from controller.cli import app; app()"]
+        subprocess.run([*controller, "migrate"], env=self.base_env, cwd=ROOT, check=True,
+                       capture_output=True)
+        for name, port, env in (
+            ("controller-events", self.events_port,
+             {**self.base_env, "PREFECT_API_URL": self.prefect_api}),
+            ("controller-quiet", self.quiet_port, self.base_env),
+        ):
+            proc = self.start(name, [*controller, "serve", "--api-only", "--port", str(port),
+                                     "--log-level", "warning"], env)
+            wait_ok(f"http://127.0.0.1:{port}/healthz", proc, name, self.tmp / f"{name}.log")
+        python = json.dumps(sys.executable)
+        config = self.tmp / "agent.toml"
+        config.write_text(
+            f'node_name = "{NODE}"\n'
+            f'pull_url = "http://127.0.0.1:{self.events_port}/api/schedules?node={NODE}"\n'
+            f'token = "{NODE_TOKEN}"\nstate_dir = "{self.state}"\n'
+            f'[actions.backup]\nargv = [{python}, "-c", "print(1)"]\n'
+        )
+        self.put(self.events_port, 0)  # the row exists before the node starts
+        self.start("agent", [sys.executable, "-m", "deployments.serve"], {
+            **self.base_env, "PREFECT_API_URL": self.prefect_api, "SCHED_CONFIG": str(config),
+        })
+        self.wait_version(1, TIMEOUT_S * 2)  # serve's first reconcile pulls it
+
+    def put(self, port: int, index: int) -> int:
+        row = {"id": "s-1", "name": f"nightly {index}", "repo_id": "r-1", "action": "backup",
+               "storage": "", "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+               "miss_policy": "run-once-within-24h", "enabled": True, "params": None}
+        answer = httpx.put(f"http://127.0.0.1:{port}/api/nodes/{NODE}/schedules/s-1",
+                           json=row, timeout=30,
+                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        answer.raise_for_status()
+        version: int = answer.json()["version"]
+        return version
+
+    def cached_version(self) -> int | None:
+        try:
+            data: dict[str, Any] = json.loads((self.state / "cache.json").read_text())
+        except (OSError, ValueError):
+            return None
+        versions = [row.get("version") for row in data.get("schedules") or []
+                    if row.get("id") == "s-1"]
+        return versions[0] if versions else None
+
+    def wait_version(self, version: int, timeout: float) -> float:
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            current = self.cached_version()
+            if current is not None and current >= version:
+                return time.perf_counter() - start
+            time.sleep(0.05)
+        raise SystemExit(f"the node did not get version {version} within {timeout:g} s; "
+                         f"see the logs in {self.tmp}")
+
+    def run_reconcile(self) -> None:
+        """Create a reconcile run of the node now, through Prefect's client (it retries 503s)."""
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.states import Scheduled
+
+        with SyncPrefectClient(self.prefect_api) as client:
+            deployment = client.read_deployment_by_name(f"reconcile/{NODE}")
+            client.create_flow_run_from_deployment(deployment.id, state=Scheduled())
+
+    def latest_reconcile(self) -> tuple[datetime, datetime | None] | None:
+        """Return when the newest reconcile run of the node was created and started."""
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        with SyncPrefectClient(self.prefect_api) as client:
+            runs = client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["reconcile"])),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=20)
+        started = [run for run in runs if run.start_time is not None and run.created]
+        if not started:
+            return None
+        newest = max(started, key=lambda run: run.created)  # type: ignore[arg-type,return-value]
+        return newest.created, newest.start_time  # type: ignore[return-value]
+
+    def settle(self, timeout: float = TIMEOUT_S) -> None:
+        """Wait until no reconcile run of the node is due, pending or running."""
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+        deadline = time.monotonic() + timeout
+        with SyncPrefectClient(self.prefect_api) as client:
+            while time.monotonic() < deadline:
+                now = datetime.now(UTC)
+                runs = client.read_flow_runs(
+                    flow_filter=FlowFilter(name=FlowFilterName(any_=["reconcile"])), limit=50)
+                busy = [run for run in runs if run.state is not None and (
+                    run.state.type.value in ("PENDING", "RUNNING") or (
+                        run.state.type.value == "SCHEDULED" and run.expected_start_time
+                        is not None and run.expected_start_time <= now))]
+                if not busy:
+                    return
+                time.sleep(0.2)
+        raise SystemExit(f"reconcile runs still busy after {timeout:g} s; see {self.tmp}")
+
+    def measure(self, count: int, *, events: bool) -> tuple[list[float], list[list[float]]]:
+        times: list[float] = []
+        parts: list[list[float]] = []
+        for index in range(count):
+            port = self.events_port if events else self.quiet_port
+            self.settle()  # one isolated change at a time: the node is idle
+            version = self.put(port, index)
+            answered = time.perf_counter()
+            answered_at = datetime.now(UTC)
+            if not events:
+                self.run_reconcile()
+            self.wait_version(version, TIMEOUT_S)
+            times.append(time.perf_counter() - answered)
+            found = self.latest_reconcile()
+            if found is not None and found[1] is not None:
+                created, started = found
+                parts.append([(created - answered_at).total_seconds(),
+                              (started - created).total_seconds(),
+                              times[-1] - (started - answered_at).total_seconds()])
+            print(f"  {'event' if events else 'baseline'} {index + 1}/{count}: "
+                  f"{times[-1]:.2f} s" + (" (run created +{:.2f} s, started +{:.2f} s, "
+                                          "cache +{:.2f} s)".format(*parts[-1])
+                                          if parts else ""), flush=True)
+        return times, parts
+
+    def down(self) -> None:
+        for proc in reversed(self.procs):
+            stop_group(proc)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def figures(times: list[float]) -> dict[str, float]:
+    return {"n": len(times), "p50": statistics.median(times), "p95": quantile(times, 0.95),
+            "max": max(times), "min": min(times)}
+
+
+def write_docs(body: str) -> None:
+    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n{body.strip()}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+    DOCS.write_text(text, encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--writes", type=int, default=100)
+    parser.add_argument("--baseline", type=int, default=20)
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-propagation-"))
+    bench = Bench(tmp)
+    try:
+        bench.up()
+        print("up; measuring", flush=True)
+        base_times, base_parts = bench.measure(args.baseline, events=False)
+        event_times, event_parts = bench.measure(args.writes, events=True)
+        base, event = figures(base_times), figures(event_times)
+    finally:
+        bench.down()
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    rows = [("event (`sched.schedules.updated` -> trigger -> reconcile)", event),
+            ("baseline: reconcile run created directly, no event", base)]
+    table = ["| path | writes | p50 s | p95 s | max s | min s | p50 vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, item in rows:
+        table.append(f"| {name} | {item['n']:.0f} | {item['p50']:.2f} | {item['p95']:.2f} | "
+                     f"{item['max']:.2f} | {item['min']:.2f} | "
+                     f"{item['p50'] / base['p50']:.2f}x |")
+    verdict = "meets" if event["p95"] < 10 else "MISSES"
+
+    def split(parts: list[list[float]]) -> str:
+        if not parts:
+            return "n/a"
+        created, started, cached = (statistics.median(p[i] for p in parts) for i in range(3))
+        return (f"run created {created:.2f} s after the answer, started {started:.2f} s after "
+                f"its creation, cache written {cached:.2f} s after its start (medians)")
+
+    body = "\n".join([
+        f"Measured by `bench/bench_propagation.py` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC "
+        f"(Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores "
+        f"shared with other work, load average {load} at the end).",
+        "",
+        "Time from a `PUT /api/nodes/{node}/schedules/{id}` answer to the node's `cache.json` "
+        "holding the row's new version, one change at a time (each PUT once the node's "
+        "previous reconcile has finished): a real Prefect server, the "
+        "controller API (`sched controller serve --api-only`, SQLite) and the node's "
+        "`python -m deployments.serve` (its serve process polls every 2 s), each its own "
+        "process on loopback.",
+        "",
+        *table,
+        "",
+        f"- event path: {split(event_parts)}.",
+        f"- baseline: {split(base_parts)}.",
+        "",
+        f"The event path {verdict} the target (p95 under 10 s): "
+        f"p95 {event['p95']:.2f} s. The baseline is the same change with the reconcile "
+        "run created by the bench at once (no event, no automation); without either the "
+        "node sees a change at its next periodic pull (`reconcile_interval`, 15 min by "
+        "default). Most of the time is the serve process's poll (0-2 s) and the reconcile "
+        "flow's own run in a fresh process (Python start-up, Prefect client, pull, plan).",
+        "",
+        "Not measured here: a change that arrives while the node's reconcile is still "
+        "running. The reconcile deployment runs one at a time (`concurrency_limit: 1`, "
+        "ENQUEUE), so the triggered run waits for the slot, and Prefect's server retries "
+        "it after `PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS` (30 s by "
+        "default): in a trial of back-to-back PUTs, 17-35 s.",
+    ])
+    print(body)
+    if not args.no_docs:
+        write_docs(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

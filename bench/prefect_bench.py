@@ -1,0 +1,152 @@
+"""What the Prefect benchmarks share: a throwaway server, CPU of process trees, the docs section.
+
+Rule: every figure a benchmark reports is CPU time read from ``/proc`` (user +
+system, of a process and all its descendants, reaped or alive) or wall time
+from ``time.perf_counter``; nothing here reads the server's own metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """Return a TCP port nothing listens on (127.0.0.1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, str]:
+    """Return the environment ``make run`` gives its server (deployments/run_local.py).
+
+    ``late_runs=False`` turns the late-runs service off, for benchmarks whose
+    runs nobody executes (it would mark them Late while they are measured).
+    """
+    from deployments.run_local import server_env as make_run_env
+
+    env = make_run_env(home, port)
+    env.pop("SCHED_CONFIG", None)
+    if not late_runs:
+        env["PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED"] = "false"
+    return env
+
+
+def start_server(home: Path, *, late_runs: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``prefect server start`` on a free port; return it and its API URL once healthy."""
+    import httpx
+
+    port = free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    env = server_env(home, port, late_runs=late_runs)
+    log = (home / "server.log").open("ab")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
+         "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log.close()
+    url = env["PREFECT_API_URL"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_group(proc, grace_s=0)
+    raise SystemExit(f"the Prefect server did not start; see {home / 'server.log'}")
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None, *, grace_s: float = 20) -> None:
+    """SIGTERM proc's process group, wait up to grace_s, then SIGKILL what is left of it."""
+    if proc is None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # children of the leader (flow-run subprocesses) may outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """Return (parent pid, CPU seconds of the process and its reaped children), or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    # After the command: state, ppid, ..., utime (11), stime (12), cutime (13), cstime (14).
+    cpu = sum(int(fields[index]) for index in (11, 12, 13, 14)) / TICKS
+    return int(fields[1]), cpu
+
+
+def tree_cpu(pid: int) -> float:
+    """Return the CPU seconds (user + system) used so far by pid and all its descendants.
+
+    A child that ended and was reaped counts through its parent's cutime and
+    cstime; a live one (or a zombie not yet reaped) counts through its own
+    entry. So the sum only grows, and the difference between two readings is
+    what the whole tree used in between.
+    """
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            found = _stat(int(entry.name))
+            if found is not None:
+                stats[int(entry.name)] = found
+    children: dict[int, list[int]] = {}
+    for child, (parent, _cpu) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        if current in stats:
+            total += stats[current][1]
+        todo.extend(children.get(current, ()))
+    return total
+
+
+def machine() -> str:
+    """Return a one-line description of the machine and its load."""
+    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    return (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores "
+            f"shared with other work, load average {load} at the end")
+
+
+def write_section(begin: str, end: str, heading: str, body: str) -> None:
+    """Replace the text between begin and end in docs/benchmarks.md (append it under heading)."""
+    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{body.strip()}\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
+    DOCS.write_text(text, encoding="utf-8")
+    print(f"wrote {DOCS.relative_to(ROOT)}")
