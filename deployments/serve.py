@@ -175,11 +175,15 @@ def _exit_between_serves(signum: int, frame: FrameType | None) -> None:
 
 
 def prepare(deployments: list[RunnerDeployment]) -> None:
-    """Register the deployments, ensure the agent's automations, and ask for a reconcile now.
+    """Register the deployments, ensure the agent's automations, and reconcile now.
 
-    The reconcile plans the node's windows and runs its interrupted jobs again
-    at once: without it a fresh or restarted node would wait for the first
-    interval run of reconcile (up to ``reconcile_interval``).
+    The reconcile plans the node's windows, ends the late runs its start guard
+    would skip, and runs its interrupted jobs again: without it a fresh or
+    restarted node would wait for the first interval run of reconcile (up to
+    ``reconcile_interval``). It runs here, in this process, before serving, so
+    that a node back from downtime does not first start a process for each late
+    run only to skip it. When it fails (no controller, a busy server) serving
+    starts anyway, with a reconcile run asked of the deployment.
     """
     from prefect.client.orchestration import get_client
     from prefect.states import Scheduled
@@ -189,7 +193,13 @@ def prepare(deployments: list[RunnerDeployment]) -> None:
     assert isinstance(reconcile_id, UUID)  # apply is sync here
     with get_client(sync_client=True) as client:
         ensure_automations(client)
-        client.create_flow_run_from_deployment(reconcile_id, state=Scheduled())
+    try:
+        reconcile()
+    except Exception as exc:
+        log.warning("the reconcile at start failed (%s: %s); serving, and asking for another",
+                    type(exc).__name__, exc, extra={"error": repr(exc)})
+        with get_client(sync_client=True) as client:
+            client.create_flow_run_from_deployment(reconcile_id, state=Scheduled())
 
 
 if __name__ == "__main__":

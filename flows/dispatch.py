@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 
 BULK_MAX = 100
 """The most runs Prefect's bulk create endpoint takes per request."""
-BULK_ATTEMPTS = 4
+BULK_ATTEMPTS = 6
 """Bulk requests per chunk before its still-failed entries are given up (and reported)."""
-BULK_RETRY_DELAYS = (0.1, 0.5, 1.0)
-"""Seconds to wait before each retry of a chunk's failed entries."""
+BULK_RETRY_DELAYS = (0.2, 0.5, 1.0, 3.0, 8.0)
+"""Seconds to wait before each retry of a chunk's failed entries: 12.7 s in all, because a
+busy SQLite server (a node starting with a backlog of runs) was measured refusing 52
+creates in a row with "database is locked" over 1.6 s of retries."""
 BULK_PAUSE = 0.5
 """Seconds between bulk requests once one lost the write race: the server writes its events."""
 

@@ -373,13 +373,19 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
 
     # One job event per run: the crashed slow job's (sent by the reconcile, its
     # process being gone) and its re-run's.
-    events = user.post("/events/filter", {"filter": {
-        "event": {"prefix": ["sched.job."]},
-        "resource": {"id": [f"sched.agent.{user.node}"]}}})["events"]
-    per_run: dict[str, int] = {}
-    for event in events:
-        per_run[event["payload"]["flow_run_id"]] = per_run.get(
-            event["payload"]["flow_run_id"], 0) + 1
+    # Events reach the server's store a moment after the states that caused them.
+    deadline = time.monotonic() + 60
+    while True:
+        events = user.post("/events/filter", {"filter": {
+            "event": {"prefix": ["sched.job."]},
+            "resource": {"id": [f"sched.agent.{user.node}"]}}, "limit": 50})["events"]
+        per_run: dict[str, int] = {}
+        for event in events:
+            per_run[event["payload"]["flow_run_id"]] = per_run.get(
+                event["payload"]["flow_run_id"], 0) + 1
+        if {slow["id"], retry["id"]} <= set(per_run) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert per_run[slow["id"]] == 1 and per_run[retry["id"]] == 1
     assert all(count == 1 for count in per_run.values()), per_run
     failed = [e for e in events if e["payload"]["flow_run_id"] == slow["id"]]
