@@ -96,7 +96,14 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
 
     monkeypatch.setattr(serve_module, "serve", fake_serve)
     monkeypatch.setattr(serve_module, "prepare", lambda deployments: None)
+    monkeypatch.delenv("PREFECT_RUNNER_POLL_FREQUENCY", raising=False)
     assert serve_module.main() == 0
-    assert served["options"] == {"limit": None, "print_starting_message": True}
+    # The runner polls every 2 s (a triggered reconcile starts within seconds).
+    assert served["options"] == {"limit": None, "print_starting_message": True,
+                                 "query_seconds": 2.0}
     limited = {name: d.concurrency_limit for name, d in served["deployments"].items()}
     assert limited == {"reconcile": 1, "run-job": 3, "advance-chain": 1}
+    # An operator's PREFECT_RUNNER_POLL_FREQUENCY wins (the runner reads it itself).
+    monkeypatch.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "10")
+    assert serve_module.main() == 0
+    assert served["options"]["query_seconds"] is None
