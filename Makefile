@@ -5,7 +5,7 @@ STAMP   := $(VENV)/.installed-stamp
 
 .PHONY: setup lint typecheck test run bench clean
 
-SYSTEM_PACKAGES := restic
+SYSTEM_PACKAGES := restic chromium chromium-driver
 
 $(STAMP): pyproject.toml constraints.txt scripts/system-packages.sh
 	bash scripts/system-packages.sh $(SYSTEM_PACKAGES)
@@ -15,12 +15,13 @@ $(STAMP): pyproject.toml constraints.txt scripts/system-packages.sh
 	touch $(STAMP)
 
 setup: $(STAMP)
+	@echo "sched is $(VENV)/bin/sched (or: source $(VENV)/bin/activate, then sched --help)"
 
 lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core flows deployments controller sched_cli.py
+	$(VENV)/bin/mypy sched_core flows deployments controller sched_ops sched_cli.py
 
 test: lint typecheck
 	$(VENV)/bin/pytest

@@ -149,6 +149,19 @@ class Tokens:
                 found = principal
         return found
 
+    def signer(self, message: bytes, signature: bytes) -> Principal | None:
+        """Return the principal whose token signed message, or None (see :func:`sign`).
+
+        Every configured token is tried, in constant time each, with no early
+        exit. A token removed from the configuration no longer signs anything.
+        """
+        found: Principal | None = None
+        for digest, principal in self._entries:
+            expected = hmac.new(digest, message, hashlib.sha256).digest()
+            if hmac.compare_digest(expected, signature):
+                found = principal
+        return found
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tokens:
         """Return the tokens named by the environment (admin, node list, tokens file)."""
@@ -167,6 +180,14 @@ class Tokens:
         for node, token in parse_node_tokens(env.get(NODE_TOKENS_ENV, "")):
             nodes.setdefault(node, []).append(token)
         return cls(admin, nodes)
+
+
+def sign(token: str, message: bytes) -> bytes:
+    """Return message's HMAC-SHA256 keyed by the token's digest (:meth:`Tokens.signer` checks it).
+
+    The fleet page's session cookie carries such a signature, never the token.
+    """
+    return hmac.new(_digest(token), message, hashlib.sha256).digest()
 
 
 def parse_node_tokens(text: str) -> list[tuple[str, str]]:

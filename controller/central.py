@@ -45,6 +45,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -85,7 +86,54 @@ PRUNE_BATCH = 10_000
 """Dispatch records deleted per transaction when pruning."""
 _MIN_WAIT = 0.005  # never spin: a due task someone else holds frees up later
 
-__all__ = ["CentralScheduler", "CentralSettings", "backoff", "retry_delay_from_env"]
+__all__ = [
+    "CentralScheduler", "CentralSettings", "backoff", "emit_gave_up", "retry_delay_from_env",
+]
+
+EVENT_GAVE_UP = "sched.task.gave-up"
+"""The Prefect event sent when the scheduler stops retrying a (task, scheduled time)."""
+_GAVE_UP_NAMESPACE = uuid.UUID("0b6e3c1e-7f5e-4a59-9d3a-2f4b8c1d5e60")
+
+
+def emit_gave_up(claim: Claim, message: str, attempts: int) -> None:
+    """Send ``sched.task.gave-up`` about claim's task to Prefect; log, never raise, on failure.
+
+    Resource ``sched.task.<name>``; payload: the task, the scheduled time, the
+    attempts, the error and what became of the task. The event id comes from
+    the claim's idempotency key, so two instances giving up on the same time
+    send one event. Best effort: when Prefect is what failed, the event fails
+    too, and the ERROR log line (and the task's ``last_error``) remain.
+    """
+    from controller.dispatch import prefect_api_url
+
+    try:
+        prefect_api_url()
+    except ConfigError as exc:
+        log.warning("the gave-up event was not sent", extra={
+            "task_name": claim.name, "scheduled_at": claim.scheduled_at, "error": str(exc)})
+        return
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.events import Event
+
+        event = Event(
+            event=EVENT_GAVE_UP,
+            resource={"prefect.resource.id": f"sched.task.{claim.name}",
+                      "prefect.resource.name": claim.name},
+            payload={
+                "task": claim.name, "scheduled_at": claim.scheduled_at.isoformat(),
+                "attempts": attempts, "error": message,
+                "next": "moves on to its next run" if claim.is_recurring else "disabled",
+                "idempotency_key": claim.idempotency_key,
+            },
+            id=uuid.uuid5(_GAVE_UP_NAMESPACE, claim.idempotency_key),
+        )
+        with get_client(sync_client=True) as client:
+            client.request("POST", "/events", json=[event.model_dump(mode="json")])
+    except Exception as exc:
+        log.error("the gave-up event was not sent", extra={
+            "task_name": claim.name, "scheduled_at": claim.scheduled_at,
+            "error": f"{type(exc).__name__}: {exc}"})
 
 
 def retry_delay_from_env(default: float = DEFAULT_RETRY_DELAY) -> float:
@@ -229,7 +277,8 @@ class CentralScheduler:
     disposes its own), a URL, or None for ``SCHED_DATABASE_URL`` / the SQLite
     default. ``settings`` default to :meth:`CentralSettings.from_env`;
     ``worker_id`` to one unique to this process; ``dispatcher`` to
-    :class:`controller.dispatch.PrefectDispatcher`.
+    :class:`controller.dispatch.PrefectDispatcher`; ``on_give_up`` to
+    :func:`emit_gave_up` (the ``sched.task.gave-up`` event; None sends nothing).
 
     ``start()`` runs it in background threads, ``stop()`` ends them and closes
     every connection it opened; it is also a context manager. ``run_once()``
@@ -243,11 +292,14 @@ class CentralScheduler:
         *,
         worker_id: str | None = None,
         dispatcher: TaskDispatcher | None = None,
+        on_give_up: Callable[[Claim, str, int], None] | None = emit_gave_up,
     ) -> None:
         self.settings = settings if settings is not None else CentralSettings.from_env()
         self.url: URL = database.url if isinstance(database, Engine) else database_url(database)
         self.worker_id = worker_id or default_worker_id()
         self.dispatcher: TaskDispatcher = dispatcher or PrefectDispatcher()
+        self.on_give_up = on_give_up
+        """Called with (claim, message, attempts) after giving up (default: the Prefect event)."""
         self.is_postgres = self.url.get_backend_name() == "postgresql"
         self.gave_up = 0
         """How many (task, scheduled time) this instance gave up on."""
@@ -689,6 +741,8 @@ class CentralScheduler:
                 else "the one-shot task is now disabled",
                 extra={**extra, "error": error, "attempts": attempts},
             )
+            if self.on_give_up is not None:
+                self.on_give_up(claim, message, attempts)
             return
         delay = backoff(
             attempts, base=settings.dispatch_retry_delay, cap=settings.max_dispatch_retry_delay,

@@ -128,13 +128,23 @@ def node_lock(settings: AgentSettings) -> Iterator[None]:
         os.close(fd)
 
 
-def emit(event: str, node: str, payload: dict[str, Any], *, event_id: Any = None) -> None:
+def emit(
+    event: str,
+    node: str,
+    payload: dict[str, Any],
+    *,
+    event_id: Any = None,
+    related: list[dict[str, str]] | None = None,
+) -> None:
     """Emit a ``sched.*`` event about this node (resource ``sched.agent.<node>``).
 
     An explicit ``event_id`` makes the event idempotent: the server keeps one
-    event per id.
+    event per id. ``related`` adds related resources (the run's own, from the
+    run context, are added by Prefect).
     """
     extra: dict[str, Any] = {} if event_id is None else {"id": event_id}
+    if related:
+        extra["related"] = related
     emit_event(
         event=event,
         resource={"prefect.resource.id": f"sched.agent.{node}", "prefect.resource.name": node},
@@ -143,16 +153,37 @@ def emit(event: str, node: str, payload: dict[str, Any], *, event_id: Any = None
     )
 
 
+ACTION_ROLE = "sched-action"
+"""Role of the related resource ``sched.action.<action>`` on a job event (what alerts match)."""
+
+
 def emit_job_event(node: str, payload: dict[str, Any], *, completed: bool) -> None:
     """Emit the one ``sched.job.completed`` or ``sched.job.failed`` of a run.
 
     Its id is derived from the run's id (``payload["flow_run_id"]``), so
     however many times it is sent (two terminal hooks, a hook and the planner
-    finding the run interrupted) the server keeps one event per run.
+    finding the run interrupted) the server keeps one event per run. The
+    action is also a related resource (:func:`action_related`), which the
+    fleet's alerts match.
     """
     emit(
         EVENT_JOB_COMPLETED if completed else EVENT_JOB_FAILED,
         node,
         payload,
         event_id=uuid.uuid5(JOB_EVENT_NAMESPACE, str(payload["flow_run_id"])),
+        related=action_related(str(payload.get("action") or "")),
     )
+
+
+def action_related(action: str) -> list[dict[str, str]]:
+    """Return the related resource naming a job's action, for triggers (none when unknown).
+
+    A trigger cannot match an event's payload; the run's ``action:<action>``
+    tag reaches an event only when it is emitted inside that run, so the
+    action is named here explicitly (resource ``sched.action.<action>``,
+    role ``sched-action``).
+    """
+    if not action:
+        return []
+    return [{"prefect.resource.id": f"sched.action.{action}",
+             "prefect.resource.role": ACTION_ROLE, "prefect.resource.name": action}]

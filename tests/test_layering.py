@@ -19,8 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 FORBIDDEN = {
-    "sched_core": {"flows", "deployments", "controller", "sched_cli"},
-    "controller": {"flows", "deployments", "sched_cli"},
+    "sched_core": {"flows", "deployments", "controller", "sched_cli", "sched_ops"},
+    "controller": {"flows", "deployments", "sched_cli", "sched_ops"},
+    # The operator's commands are a client: HTTP to the controller, Prefect's client.
+    "sched_ops": {"flows", "deployments", "controller", "sched_cli"},
 }
 
 

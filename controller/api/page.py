@@ -1,0 +1,230 @@
+"""The fleet page at ``/``: read-only, server-rendered, for the admin.
+
+Who may see it: the admin, by ``Authorization: Bearer <admin token>`` (scripts,
+proxies) or by the login form. The form's token travels in a POST body (never a
+URL, so never an access-log line or a browser history entry); the answer sets a
+session cookie that holds an expiry and an HMAC of it keyed by the token's
+SHA-256 digest (:func:`controller.auth.sign`), never the token or its digest.
+Any controller instance sharing the tokens accepts it, it ends after
+:data:`SESSION_S`, and removing the token from the configuration ends it at
+once. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
+HTTPS. A node token sees a 403.
+
+Where the data come from: a :class:`FleetSource`, the API's shapes
+(FLEET-CONTRACT.md) read in-process. :class:`FleetApiSource` (what the
+controller serves) reads them as the fleet API does: pulls, reports, job
+outcomes, windows in each node's zone.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+
+from controller import schedules
+from controller.auth import Principal, Tokens, bearer_token, sign
+from controller.fleetpage import AHEAD, FleetView, render_login, render_page
+
+log = logging.getLogger("controller.page")
+
+COOKIE = "sched_fleet_session"
+SESSION_S = 12 * 3600
+"""How long a login lasts (seconds)."""
+MAX_FORM = 4096
+"""The largest login form body read (bytes)."""
+_SESSION_CONTEXT = b"sched-fleet-page|v1|"
+
+Clock = Callable[[], datetime]
+
+
+class FleetSource(Protocol):
+    """The fleet in the API's shapes: ``/api/status``, each node's status, ``/api/upcoming``."""
+
+    def view(self, now: datetime) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
+                                           list[dict[str, Any]], str]:
+        """Return (status rows, schedules per node, windows of the next 24 h, a notice)."""
+        ...
+
+
+class FleetApiSource:
+    """The fleet as the fleet API serves it: pulls, reports, outcomes, windows in node zones.
+
+    The same module functions as ``GET /api/status``, ``GET /api/nodes/{node}/status``
+    and ``GET /api/upcoming`` (:mod:`controller.fleet`, :mod:`controller.nodes`), read
+    in one session, for every node at once (the latest report only, no history).
+    """
+
+    def __init__(self, api: Any) -> None:
+        self.api = api  # controller.api.fleet.FleetApi
+
+    def view(self, now: datetime) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
+                                           list[dict[str, Any]], str]:
+        from controller import fleet, nodes
+
+        settings = self.api.settings
+
+        def read(session: Session) -> dict[str, Any]:
+            rows = schedules.all_schedules(session)
+            reports = nodes.latest_reports(session, None)
+            return {"rows": rows, "pulls": nodes.latest_pulls(session, None),
+                    "reports": reports, "versions": nodes.list_versions(session, None)}
+
+        self.api.flush_pulls()
+        found = self.api.in_session(read)
+        rows, reports = found["rows"], found["reports"]
+        names = sorted(set(found["pulls"]) | set(reports) | set(rows))
+        status, per_node, windows = [], {}, []
+        for name in names:
+            mine = rows.get(name, [])
+            report = reports.get(name)
+            status.append(fleet.node_row(
+                name, schedules=len(mine), schedule_ids=[row.id for row in mine],
+                pull=found["pulls"].get(name), report=report,
+                version=found["versions"].get(name), now=now, settings=settings))
+            tz = fleet.node_zone(report, settings)
+            reported = fleet._reported(report)
+            # The latest job per schedule (the latest report's): no history per node, so
+            # the page costs four queries however many nodes there are.
+            per_node[name] = [fleet.schedule_view(
+                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now)
+                for row in mine]
+            windows.extend(fleet.upcoming_windows(
+                mine, node=name, tz=tz, now=now, until=now + AHEAD,
+                last_fired=fleet.last_fires(report)))
+        listed, _cut = fleet.sort_windows(windows, 10_000)
+        for row in status:
+            if not row.get("timezone"):  # never reported: its windows are in the default zone
+                row.update(timezone=settings.default_timezone, timezone_default=True)
+        unseen = [row["node"] for row in status if row["status"] == "never-seen"]
+        notice = (f"Never pulled nor reported: {', '.join(unseen)} (their windows are in "
+                  f"the controller's default zone, {settings.default_timezone})."
+                  if unseen else "")
+        return status, per_node, listed, notice
+
+
+def session_cookie(token: str, now: float) -> str:
+    """Return a session cookie value for token, valid for SESSION_S from now (epoch seconds)."""
+    expiry = int(now) + SESSION_S
+    signature = sign(token, _SESSION_CONTEXT + str(expiry).encode())
+    return f"v1.{expiry}.{base64.urlsafe_b64encode(signature).decode().rstrip('=')}"
+
+
+def cookie_principal(tokens: Tokens, value: str | None, now: float) -> Principal | None:
+    """Return the principal a session cookie was signed for, or None (bad, expired, revoked)."""
+    if not value or len(value) > 200:
+        return None
+    version, _, rest = value.partition(".")
+    expiry_text, _, signature_text = rest.partition(".")
+    if version != "v1" or not expiry_text.isdigit() or not signature_text:
+        return None
+    if int(expiry_text) <= now:
+        return None
+    try:
+        signature = base64.urlsafe_b64decode(signature_text + "=" * (-len(signature_text) % 4))
+    except ValueError:
+        return None
+    return tokens.signer(_SESSION_CONTEXT + expiry_text.encode(), signature)
+
+
+def prefect_ui_url() -> str | None:
+    """Return the Prefect UI for links: ``PREFECT_UI_URL``, else the API's URL minus ``/api``."""
+    try:
+        from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    except ImportError:  # pragma: no cover - prefect is a dependency
+        return None
+    if not PREFECT_API_URL.value():
+        return None
+    ui = PREFECT_UI_URL.value()
+    if ui:
+        return str(ui).rstrip("/")
+    api = str(PREFECT_API_URL.value()).rstrip("/")
+    return api[: -len("/api")] if api.endswith("/api") else api
+
+
+def page_router(
+    tokens: Tokens,
+    source: FleetSource,
+    *,
+    clock: Clock = lambda: datetime.now(UTC),
+    prefect_ui: Callable[[], str | None] = prefect_ui_url,
+) -> APIRouter:
+    """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``."""
+    router = APIRouter(include_in_schema=False)
+    html_headers = {"cache-control": "no-store", "x-frame-options": "DENY",
+                    "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                    "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'"}
+
+    def who(request: Request) -> tuple[Principal | None, str]:
+        """Return (principal, why not) from the Authorization header or the session cookie."""
+        if tokens.insecure:
+            return tokens.authenticate(None), ""
+        header = request.headers.get("authorization")
+        if header is not None:
+            principal = tokens.authenticate(bearer_token(header))
+            return principal, "" if principal else "invalid bearer token"
+        principal = cookie_principal(tokens, request.cookies.get(COOKIE), time.time())
+        if principal is None and request.cookies.get(COOKIE):
+            return None, "your session has ended: log in again"
+        return principal, ""
+
+    @router.get("/", response_class=HTMLResponse)
+    def fleet_page(request: Request) -> Response:
+        principal, why = who(request)
+        if principal is None:
+            return HTMLResponse(render_login(why), status_code=401, headers={
+                **html_headers, "www-authenticate": "Bearer"})
+        request.state.principal = principal
+        if not principal.is_admin:
+            return HTMLResponse("<!DOCTYPE html><p>The fleet page needs the admin token.</p>",
+                                status_code=403, headers=html_headers)
+        # app.state may carry another clock or source (tests pin the time; a richer source).
+        now = getattr(request.app.state, "clock", clock)()
+        fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
+        nodes, per_node, windows, notice = fleet.view(now)
+        ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
+        view = FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
+                         prefect_ui=ui, notice=notice)
+        return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_FORM:
+                return HTMLResponse(render_login("the form is too large"), status_code=413,
+                                    headers=html_headers)
+        form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=5)
+        token = (form.get("token") or [""])[0]
+        principal = await run_in_threadpool(tokens.authenticate, token or None)
+        if principal is None or not principal.is_admin:
+            request.state.principal = principal
+            log.info("fleet page login refused", extra={
+                "principal": principal.label if principal else "-"})
+            message = ("that token is not the admin's" if principal is not None
+                       else "unknown token")
+            return HTMLResponse(render_login(message), status_code=401, headers=html_headers)
+        request.state.principal = principal
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(COOKIE, session_cookie(token, time.time()), max_age=SESSION_S,
+                            httponly=True, samesite="strict", path="/",
+                            secure=request.url.scheme == "https")
+        return response
+
+    @router.post("/logout")
+    def logout() -> Response:
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    return router

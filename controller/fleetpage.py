@@ -1,0 +1,359 @@
+"""The fleet page's HTML: pure rendering of the fleet's status into one self-contained page.
+
+Pure: no clock reads, no I/O; ``now`` is an argument. The page loads nothing
+from anywhere (inline CSS, inline SVG, no script), so it works offline. Every
+value comes from rows and reports that anyone with a token wrote: each is
+escaped where it lands (``html.escape``), and a link to Prefect is built only
+from a flow run id that is a UUID.
+
+The data are the API's shapes (FLEET-CONTRACT.md): the rows of ``GET
+/api/status``, each node's ``schedules`` from ``GET /api/nodes/{node}/status``,
+and the windows of ``GET /api/upcoming``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from html import escape
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from sched_core.model import check_zone_name
+
+PAST = timedelta(hours=6)
+"""How far back the timeline shows the latest runs."""
+AHEAD = timedelta(hours=24)
+"""How far ahead the timeline shows windows."""
+FAILED_STATES = frozenset({"Failed", "Crashed", "TimedOut"})
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What the page shows."""
+
+    now: datetime
+    nodes: list[dict[str, Any]]
+    """``GET /api/status`` rows."""
+    schedules: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per node, its ``GET /api/nodes/{node}/status`` schedules."""
+    windows: list[dict[str, Any]] = field(default_factory=list)
+    """``GET /api/upcoming`` windows for the next 24 hours."""
+    prefect_ui: str | None = None
+    """The Prefect UI's base URL (``http://host:4200``), for links to runs."""
+    notice: str = ""
+    """A line about what the page cannot show (e.g. no reports yet)."""
+
+
+def _e(value: object) -> str:
+    return escape("" if value is None else str(value), quote=True)
+
+
+def _time(value: object) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed.astimezone(UTC) if parsed.tzinfo else None
+
+
+def _zone(name: object) -> ZoneInfo:
+    if isinstance(name, str) and name:
+        try:
+            return ZoneInfo(check_zone_name(name))
+        except ValueError:
+            pass
+    return ZoneInfo("UTC")
+
+
+def _local(instant: datetime | None, tz: ZoneInfo) -> str:
+    return "-" if instant is None else instant.astimezone(tz).strftime("%a %m-%d %H:%M %Z")
+
+
+def _ago(instant: datetime | None, now: datetime) -> str:
+    if instant is None:
+        return "-"
+    seconds = int((now - instant).total_seconds())
+    if seconds < 0:
+        return "in the future"
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{seconds // size} {unit} ago"
+    return f"{seconds} s ago"
+
+
+def run_link(prefect_ui: str | None, job: object, text: str) -> str:
+    """Return text linked to the job's run in the Prefect UI (escaped; plain if no valid id)."""
+    if not prefect_ui or not isinstance(job, dict):
+        return _e(text)
+    try:
+        run_id = uuid.UUID(str(job.get("flow_run_id")))
+    except ValueError:
+        return _e(text)
+    return f'<a href="{_e(prefect_ui)}/runs/flow-run/{run_id}">{_e(text)}</a>'
+
+
+def _outcome(job: object) -> tuple[str, str]:
+    """Return (state, css class) of a latest-job object."""
+    if not isinstance(job, dict):
+        return "", ""
+    state = str(job.get("state") or "unknown")
+    return state, "bad" if state in FAILED_STATES else "good" if state == "Completed" else ""
+
+
+# ---------------------------------------------------------------- the timeline
+
+
+def offset_changes(tz: ZoneInfo, start: datetime, end: datetime) -> list[tuple[datetime, str]]:
+    """Return each instant in [start, end) where tz's UTC offset changes, and the change."""
+    changes = []
+    step = timedelta(minutes=15)
+    at = start
+    before = at.astimezone(tz).utcoffset()
+    while at < end:
+        after = (at + step).astimezone(tz).utcoffset()
+        if after != before and before is not None and after is not None:
+            low, high = at, at + step
+            while high - low > timedelta(minutes=1):
+                mid = low + (high - low) / 2
+                if mid.astimezone(tz).utcoffset() == before:
+                    low = mid
+                else:
+                    high = mid
+            shift = int((after - before).total_seconds() // 60)
+            sign = "+" if shift > 0 else "-"
+            hours, minutes = divmod(abs(shift), 60)
+            text = f"{sign}{hours}h" + (f"{minutes:02d}" if minutes else "")
+            name = f"{high.astimezone(tz):%Z}"
+            changes.append((high, f"clocks {text} ({name} from {high.astimezone(tz):%H:%M})"))
+            before = after
+        at += step
+    return changes
+
+
+def timeline_svg(view: FleetView) -> str:
+    """Return the inline SVG: one lane per node, -6 h .. +24 h, windows, runs and DST shifts."""
+    now = view.now.astimezone(UTC)
+    start, end = now - PAST, now + AHEAD
+    label_w, width, lane_h, top = 150, 1100, 34, 28
+    nodes = [str(n.get("node")) for n in view.nodes]
+    height = top + lane_h * max(len(nodes), 1) + 10
+    span = (end - start).total_seconds()
+
+    def x(instant: datetime) -> float:
+        return label_w + (width - label_w - 10) * (instant - start).total_seconds() / span
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" id="timeline" role="img" '
+             f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             f'aria-label="The next 24 hours of the fleet, one lane per node">']
+    tick = start.replace(minute=0, second=0, microsecond=0) + timedelta(hours=1)
+    while tick < end:
+        if tick.hour % 3 == 0:
+            parts.append(f'<line class="grid" x1="{x(tick):.1f}" y1="{top - 6}" '
+                         f'x2="{x(tick):.1f}" y2="{height - 8}"/>')
+            parts.append(f'<text class="tick" x="{x(tick):.1f}" y="{top - 10}" '
+                         f'text-anchor="middle">{tick:%H:%M}Z</text>')
+        tick += timedelta(hours=1)
+    parts.append(f'<line class="now" x1="{x(now):.1f}" y1="{top - 6}" x2="{x(now):.1f}" '
+                 f'y2="{height - 8}"><title>now {now:%Y-%m-%d %H:%M}Z</title></line>')
+    lane_of = {name: i for i, name in enumerate(nodes)}
+    zones = {str(n.get("node")): _zone(n.get("timezone")) for n in view.nodes}
+    for index, node in enumerate(view.nodes):
+        name = str(node.get("node"))
+        y = top + lane_h * index + lane_h / 2
+        failing = node.get("status") == "failing"
+        parts.append(f'<line class="lane" x1="{label_w}" y1="{y}" x2="{width - 10}" y2="{y}"/>')
+        parts.append(f'<text class="lane-label{" bad" if failing else ""}" x="6" y="{y + 4}">'
+                     f'{_e(name[:20])}</text>')
+        for at, text in offset_changes(zones[name], start, end):
+            parts.append(f'<g class="dst"><line x1="{x(at):.1f}" y1="{y - 14}" x2="{x(at):.1f}" '
+                         f'y2="{y + 14}"/><text x="{x(at) + 3:.1f}" y="{y - 6}">DST</text>'
+                         f'<title>{_e(name)}: {_e(text)}</title></g>')
+        for schedule in view.schedules.get(name, []):
+            job = schedule.get("last_outcome")
+            state, css = _outcome(job)
+            ran: datetime | None = None
+            if isinstance(job, dict):
+                ran = _time(job.get("window")) or _time(job.get("ended_at"))
+            if ran is None or not start <= ran <= end:
+                continue
+            title = (f"{name} {schedule.get('id')} ({schedule.get('action')}): {state} "
+                     f"{_local(ran, zones[name])}")
+            mark = (f'<rect class="run {css}" x="{x(ran) - 5:.1f}" y="{y - 5}" width="10" '
+                    f'height="10"><title>{_e(title)}</title></rect>')
+            parts.append(run_link_svg(view.prefect_ui, job, mark))
+    for window in view.windows:
+        name = str(window.get("node"))
+        when = _time(window.get("at"))
+        if name not in lane_of or when is None or not start <= when <= end:
+            continue
+        at = when
+        y = top + lane_h * lane_of[name] + lane_h / 2
+        note = str(window.get("note") or "")
+        paused = bool(window.get("paused"))
+        title = (f"{name} {window.get('schedule_id')} {window.get('name') or ''} "
+                 f"({window.get('action')}) {window.get('local') or ''}"
+                 f"{' PAUSED' if paused else ''}{': ' + note if note else ''}")
+        moved = "DST" in note  # the note may also say a jitter or a pause
+        css = "window" + (" paused" if paused else "") + (" dst-moved" if moved else "")
+        if moved:
+            parts.append(f'<path class="{css}" d="M{x(at):.1f},{y - 7} l6,7 l-6,7 l-6,-7 z">'
+                         f'<title>{_e(title)}</title></path>')
+        else:
+            parts.append(f'<circle class="{css}" cx="{x(at):.1f}" cy="{y}" r="5">'
+                         f'<title>{_e(title)}</title></circle>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def run_link_svg(prefect_ui: str | None, job: object, mark: str) -> str:
+    """Return an SVG mark wrapped in a link to the job's run, when there is a valid run id."""
+    if not prefect_ui or not isinstance(job, dict):
+        return mark
+    try:
+        run_id = uuid.UUID(str(job.get("flow_run_id")))
+    except ValueError:
+        return mark
+    return f'<a href="{_e(prefect_ui)}/runs/flow-run/{run_id}">{mark}</a>'
+
+
+# ---------------------------------------------------------------- the page
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:16px 24px;color:#1b1f24;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 6px}
+.meta{color:#57606a;margin-bottom:12px}
+table{border-collapse:collapse;margin:4px 0 8px}
+th,td{border-bottom:1px solid #d0d7de;padding:3px 10px;text-align:left;vertical-align:top}
+th{background:#f6f8fa;font-weight:600}
+.status{font-weight:600;border-radius:8px;padding:0 6px}
+.st-ok{background:#dafbe1;color:#116329}.st-stale{background:#fff8c5;color:#7d4e00}
+.st-failing{background:#ffebe9;color:#a40e26}.st-never-seen{background:#eaeef2;color:#57606a}
+.bad{color:#cf222e;font-weight:600}.good{color:#116329}
+.note{color:#7d4e00}.paused{color:#57606a}
+svg{border:1px solid #d0d7de;background:#fbfcfd}
+svg .grid{stroke:#e1e4e8}svg .tick{font-size:11px;fill:#57606a}
+svg .now{stroke:#0969da;stroke-width:2}svg .lane{stroke:#d0d7de}
+svg .lane-label{font-size:12px;fill:#1b1f24}svg .lane-label.bad{fill:#cf222e}
+svg .window{fill:#0969da}svg .window.paused{fill:#fff;stroke:#8c959f;stroke-width:1.5}
+svg .window.dst-moved{fill:#bf8700}
+svg .dst line{stroke:#bf8700;stroke-dasharray:3 2;stroke-width:1.5}
+svg .dst text{font-size:10px;fill:#bf8700}
+svg .run{fill:#2da44e}svg .run.bad{fill:#cf222e}
+.legend span{margin-right:14px}.legend i{display:inline-block;width:10px;height:10px;
+margin-right:4px;vertical-align:-1px}
+form.inline{display:inline}button{font:inherit}
+"""
+
+
+def _status_cell(status: object) -> str:
+    text = str(status or "unknown")
+    css = "st-" + "".join(c if c.isalnum() or c == "-" else "-" for c in text)
+    return f'<span class="status {_e(css)}">{_e(text)}</span>'
+
+
+def nodes_table(view: FleetView) -> str:
+    """Return the nodes table."""
+    rows = []
+    for node in view.nodes:
+        tz = _zone(node.get("timezone"))
+        pulled = _time(node.get("last_pull_at"))
+        served, current = node.get("list_version_served"), node.get("list_version_current")
+        behind = (' <span class="note">(behind)</span>'
+                  if served is not None and current is not None and served != current else "")
+        name = _e(node.get("node"))
+        rows.append(
+            f'<tr><td><a href="#node-{name}">{name}</a></td><td>{_e(node.get("schedules"))}</td>'
+            f"<td>{_e(_local(pulled, tz))} {_e(node.get('last_pull_status') or '')}{behind}</td>"
+            f"<td>{_e(_ago(pulled, view.now))}</td><td>{_status_cell(node.get('status'))}</td>"
+            f"<td>{_e(node.get('timezone') or '-')}"
+            f"{' (default)' if node.get('timezone_default') else ''}</td>"
+            f"<td>{_e(node.get('agent_version') or '-')}"
+            "</td></tr>")
+    head = ("<tr><th>Node</th><th>Schedules</th><th>Last pull</th><th>Ago</th><th>Status</th>"
+            "<th>Zone</th><th>Agent</th></tr>")
+    body = "".join(rows) or '<tr><td colspan="7">no nodes yet</td></tr>'
+    return f'<table id="nodes">{head}{body}</table>'
+
+
+def schedules_table(view: FleetView, node: dict[str, Any]) -> str:
+    """Return one node's schedules: when, next window, last fire and outcome, pause."""
+    name = str(node.get("node"))
+    tz = _zone(node.get("timezone"))
+    rows = []
+    for schedule in view.schedules.get(name, []):
+        windows = [w for w in schedule.get("next_windows") or [] if isinstance(w, dict)]
+        first = windows[0] if windows else {}
+        note = first.get("note") or ""
+        next_cell = _e(first.get("local") or "-") + (
+            f' <span class="note">({_e(note)})</span>' if note else "")
+        job = schedule.get("last_outcome")
+        state, css = _outcome(job)
+        last = _e(_local(_time(schedule.get("last_fire")), tz))
+        if state:
+            last += f' <span class="{css}">{run_link(view.prefect_ui, job, state)}</span>'
+        paused = schedule.get("paused")
+        pause = ""
+        if isinstance(paused, dict):
+            until = _time(paused.get("until"))
+            pause = (f'<span class="paused">paused: {_e(paused.get("note") or "")}'
+                     f' ({_e("until " + _local(until, tz) if until else "until resumed")})</span>')
+        rows.append(
+            f"<tr><td>{_e(schedule.get('id'))}</td><td>{_e(schedule.get('name'))}</td>"
+            f"<td>{_e(schedule.get('action'))}</td><td>{_e(schedule.get('when'))}</td>"
+            f"<td>{next_cell}</td><td>{last}</td>"
+            f"<td>{_e(schedule.get('miss_policy'))} {pause}</td>"
+            f"<td>{'yes' if schedule.get('enabled') else 'no'}</td></tr>")
+    head = ("<tr><th>ID</th><th>Name</th><th>Action</th><th>When</th><th>Next</th>"
+            "<th>Last fire</th><th>Policy</th><th>Enabled</th></tr>")
+    body = "".join(rows) or '<tr><td colspan="8">no schedules</td></tr>'
+    return f'<table class="schedules" data-node="{_e(name)}">{head}{body}</table>'
+
+
+def render_page(view: FleetView, *, logout: bool = True) -> str:
+    """Return the whole fleet page."""
+    now = view.now.astimezone(UTC)
+    sections = "".join(
+        f'<h2 id="node-{_e(n.get("node"))}">{_e(n.get("node"))} '
+        f'{_status_cell(n.get("status"))}</h2>{schedules_table(view, n)}'
+        for n in view.nodes)
+    prefect = (f'Runs link to the Prefect UI at <a href="{_e(view.prefect_ui)}">'
+               f"{_e(view.prefect_ui)}</a>." if view.prefect_ui
+               else "No Prefect API is configured on the controller: runs are not linked.")
+    notice = f'<p class="note">{_e(view.notice)}</p>' if view.notice else ""
+    out = ('<form class="inline" method="post" action="/logout">'
+           '<button type="submit">Log out</button></form>') if logout else ""
+    legend = ('<p class="legend"><span><i style="background:#0969da;border-radius:5px"></i>'
+              'window</span><span><i style="background:#bf8700"></i>'
+              'DST moves or repeats it (hover for why)</span>'
+              '<span><i style="border:1.5px solid #8c959f"></i>paused</span>'
+              '<span><i style="background:#2da44e"></i>last run completed</span>'
+              '<span><i style="background:#cf222e"></i>last run failed</span>'
+              '<span style="color:#bf8700">- - DST: the zone\'s clocks change</span></p>')
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>sched fleet</title><style>{STYLE}</style></head><body>"
+        f"<h1>sched fleet</h1><div class=\"meta\">{len(view.nodes)} nodes, at "
+        f"{now:%Y-%m-%d %H:%M:%S}Z. {prefect} {out}</div>{notice}"
+        f'<h2>Nodes</h2>{nodes_table(view)}'
+        f"<h2>Next 24 hours</h2>{timeline_svg(view)}{legend}"
+        f"{sections}</body></html>"
+    )
+
+
+def render_login(message: str = "") -> str:
+    """Return the login form (the admin token goes in a POST body, never in a URL)."""
+    error = f'<p class="bad" id="login-error">{_e(message)}</p>' if message else ""
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>sched fleet: log in</title><style>{STYLE}</style></head><body>"
+        "<h1>sched fleet</h1><p>The fleet page needs the controller's admin token.</p>"
+        f'{error}<form method="post" action="/login">'
+        '<label>Admin token <input type="password" name="token" id="token" '
+        'autocomplete="current-password" required></label> '
+        '<button type="submit" id="login">Log in</button></form></body></html>'
+    )

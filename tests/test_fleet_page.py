@@ -1,0 +1,262 @@
+"""The fleet page in a real headless browser (Debian's chromium and chromium-driver, selenium).
+
+The controller is the real app on a SQLite file, served over loopback; the
+browser logs in through the form, reads the tables and the timeline, and
+checks what it loads (nothing but the page). The controller's clock is pinned
+to the New York fall-back night of 2026-11-01 so the timeline has a DST shift.
+Nodes a and b pull (their node tokens, ``GET /api/schedules``) and report
+their latest jobs (``POST /api/nodes/{node}/report``) through the real API
+two minutes before; node c never shows up.
+
+``SCHED_SCREENSHOT=docs/fleet-page.png .venv/bin/pytest tests/test_fleet_page.py``
+refreshes the screenshot kept in docs/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller import db
+from controller.api.app import create_app
+from controller.api.page import COOKIE
+from controller.auth import Tokens
+from controller.fleetpage import FleetView, render_page
+from controller.testing import serve_in_thread
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1280,1400", "--hide-scrollbars"]
+ADMIN, NODE = "page-admin-token", "page-node-token"
+NOW = datetime(2026, 11, 1, 0, 0, tzinfo=UTC)  # 20:00 EDT; New York falls back at 06:00Z
+PREFECT_UI = "http://127.0.0.1:4200"
+FAILED_RUN = uuid.UUID("9b2f64c6-0d4e-4a3b-8f53-0b7c2b0f1a11")
+
+
+def row(rid: str, name: str, action: str, schedule: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "name": name, "repo_id": "r-1", "action": action, "storage": "b2",
+            "schedule": schedule, "miss_policy": "run-once-within-24h", "enabled": True,
+            "params": {}, "version": 0, **extra}
+
+
+FLEET = {
+    "node-a": [row("a-backup", "nightly backup", "backup",
+                   {"days": ["*"], "hours": ["1"], "minute": "30"}),
+               row("a-copy", "copy <script>alert(1)</script>", "copy",
+                   {"days": ["*"], "hours": ["0", "6", "12", "18"],
+                    "minute": "15"})],
+    "node-b": [row("b-backup", "backup every 4 h", "backup",
+                   {"days": ["*"], "hours": ["2", "6", "10", "14", "18", "22"], "minute": "0"})],
+    "node-c": [row("c-backup", "hourly backup", "backup", {"interval_minutes": 90})],
+}
+
+
+def report(node: str, latest: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A node's report (FLEET-CONTRACT.md point 1): each schedule's latest job as given."""
+    return {"node": node, "agent_version": "0.1.0", "timezone": "America/New_York",
+            "grace_s": 300, "reported_at": "2026-10-31T23:59:00Z",
+            "last_pull": {"at": "2026-10-31T23:58:00Z", "ok": True, "error": None,
+                          "status": "304"},
+            "schedules": [{"id": rid, "last_fired": job["window"], "latest_job": job}
+                          for rid, job in latest.items()],
+            "counts": {"skipped": 0, "missed": 0}}
+
+
+# What the nodes report: node-b's last backup failed; node-c never pulled nor reported.
+REPORTS = {
+    "node-a": report("node-a", {
+        "a-backup": {"state": "Completed", "window": "2026-10-31T05:30:00Z",
+                     "ended_at": "2026-10-31T05:31:00Z", "flow_run_id": str(uuid.uuid4()),
+                     "flow_run_name": "backup-a-backup-20261031T0530Z"},
+        "a-copy": {"state": "Completed", "window": "2026-10-31T22:15:00Z",
+                   "ended_at": "2026-10-31T22:16:00Z", "flow_run_id": str(uuid.uuid4()),
+                   "flow_run_name": "copy-a-copy-20261031T2215Z"}}),
+    "node-b": report("node-b", {
+        "b-backup": {"state": "Failed", "window": "2026-10-31T22:00:00Z",
+                     "ended_at": "2026-10-31T22:03:10Z", "flow_run_id": str(FAILED_RUN),
+                     "flow_run_name": "backup-b-backup-20261031T2200Z"}}),
+}
+TOKENS = {node: [f"{node}-token"] for node in FLEET}
+
+
+def _chromium_or_skip() -> None:
+    missing = [pkg for pkg, path in (("chromium", CHROMIUM), ("chromium-driver", CHROMEDRIVER))
+               if not Path(path).exists()]
+    if missing:
+        pytest.skip(f"Debian package {' and '.join(missing)} not installed "
+                    "(make installs it when it can: scripts/system-packages.sh)")
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real controller, its clock pinned to NOW: rows put, nodes a and b pull and report."""
+    folder = tmp_path_factory.mktemp("page-controller")
+    url = db.database_url(f"sqlite:///{folder}/controller.db")
+    db.migrate(url, "head")
+    engine = db.make_engine(url)
+    clock = {"now": NOW - timedelta(minutes=2)}
+    app = create_app(engine, Tokens([ADMIN], {**TOKENS, "node-a": [NODE, *TOKENS["node-a"]]}),
+                     clock=lambda: clock["now"])
+    with serve_in_thread(app) as base:
+        auth = {"authorization": f"Bearer {ADMIN}"}
+        for node, rows in FLEET.items():
+            for item in rows:
+                answer = httpx.put(f"{base}/api/nodes/{node}/schedules/{item['id']}",
+                                   json=item, headers=auth)
+                assert answer.status_code == 200, answer.text
+        for node, body in REPORTS.items():
+            mine = {"authorization": f"Bearer {TOKENS[node][0]}"}
+            pull = httpx.get(f"{base}/api/schedules", params={"node": node}, headers=mine)
+            assert pull.status_code == 200, pull.text
+            answer = httpx.post(f"{base}/api/nodes/{node}/report", json=body, headers=mine)
+            assert answer.status_code == 204, answer.text
+        app.state.pull_recorder.flush()
+        clock["now"] = NOW
+        app.state.prefect_ui = PREFECT_UI
+        yield base
+        app.state.pull_recorder.close()
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    _chromium_or_skip()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def submit(browser: Any, token: str) -> None:
+    """Type token into the login form, submit it, and wait for the answer's page."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    field = browser.find_element(By.ID, "token")
+    field.send_keys(token)
+    browser.find_element(By.ID, "login").click()
+    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(field))
+
+
+def test_the_page_needs_the_admin_and_never_puts_the_token_in_a_url_or_cookie(
+    page: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.delete_all_cookies()
+    browser.get(page + "/")
+    assert browser.find_elements(By.ID, "token"), "the login form"
+    for token, message in (("nope", "unknown token"), (NODE, "not the admin's")):
+        submit(browser, token)
+        assert message in browser.find_element(By.ID, "login-error").text
+    submit(browser, ADMIN)
+    assert browser.find_elements(By.ID, "nodes"), browser.page_source[:500]
+    assert ADMIN not in browser.current_url
+    cookie = browser.get_cookie(COOKIE)
+    assert cookie is not None and cookie["httpOnly"] and cookie.get("sameSite") == "Strict"
+    assert ADMIN not in cookie["value"]
+    # The cookie alone opens the page; a forged one does not.
+    assert httpx.get(page + "/", cookies={COOKIE: cookie["value"]}).status_code == 200
+    forged = cookie["value"][:-4] + ("AAAA" if not cookie["value"].endswith("AAAA") else "BBBB")
+    assert httpx.get(page + "/", cookies={COOKIE: forged}).status_code == 401
+    assert httpx.get(page + "/", headers={"authorization": f"Bearer {NODE}"}).status_code == 403
+    assert httpx.get(page + "/docs").status_code == 404  # FastAPI's page loads from a CDN
+    assert httpx.get(page + "/openapi.json").status_code == 200
+
+
+def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(page + "/")
+    if not browser.find_elements(By.ID, "nodes"):
+        submit(browser, ADMIN)
+    nodes = browser.find_elements(By.CSS_SELECTOR, "#nodes tr")[1:]
+    assert [r.find_elements(By.TAG_NAME, "td")[0].text for r in nodes] == list(FLEET)
+    a, b, c = (r.text for r in nodes)
+    assert "ok" in a and "America/New_York" in a and "0.1.0" in a
+    assert "Sat 10-31 19:58 EDT 200" in a and "2 min ago" in a  # the pull the API recorded
+    assert "failing" in b  # its report says its last backup failed
+    assert "never-seen" in c and "America/New_York (default)" in c
+    assert "Never pulled nor reported: node-c" in browser.find_element(By.TAG_NAME, "body").text
+
+    # One lane per node, New York's fall-back marked in every lane, the windows drawn.
+    lanes = browser.find_elements(By.CSS_SELECTOR, "#timeline text.lane-label")
+    assert [lane.text for lane in lanes] == list(FLEET)
+    dst = browser.find_elements(By.CSS_SELECTOR, "#timeline g.dst title")
+    assert len(dst) == 3 and all("clocks -1h" in d.get_attribute("textContent") for d in dst)
+    windows = browser.find_elements(By.CSS_SELECTOR, "#timeline .window")
+    assert len(windows) > 20
+    moved = browser.find_elements(By.CSS_SELECTOR, "#timeline .window.dst-moved title")
+    assert any("a-backup" in m.get_attribute("textContent") and "01:30 happens twice"
+               in m.get_attribute("textContent") for m in moved)
+    # node-b's failed run: red, linked to its run in the Prefect UI.
+    failed = browser.find_element(By.CSS_SELECTOR, "#timeline rect.run.bad")
+    assert failed.value_of_css_property("fill") == "rgb(207, 34, 46)"
+    link = failed.find_element(By.XPATH, "..")
+    assert link.get_dom_attribute("href") == f"{PREFECT_UI}/runs/flow-run/{FAILED_RUN}"
+
+    tables = browser.find_elements(By.CSS_SELECTOR, "table.schedules")
+    assert [t.get_attribute("data-node") for t in tables] == list(FLEET)
+    node_b = tables[1].text
+    assert "b-backup" in node_b and "Failed" in node_b
+    assert "EDT" in tables[0].text  # next windows in the node's local time
+    # A hostile name is text, not markup, and the page runs no script and loads nothing else.
+    assert "copy <script>alert(1)</script>" in tables[0].text
+    assert browser.find_elements(By.TAG_NAME, "script") == []
+    assert browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name)") == []
+
+    shot = os.environ.get("SCHED_SCREENSHOT")
+    target = Path(shot) if shot else Path(browser.capabilities["chrome"]["userDataDir"]) / "p.png"
+    assert browser.save_screenshot(str(target))
+    assert target.stat().st_size > 10_000
+
+    button = browser.find_element(By.CSS_SELECTOR, "form[action='/logout'] button")
+    button.click()
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(button))
+    assert browser.find_elements(By.ID, "token")
+
+
+def test_the_page_escapes_every_value_and_links_only_run_ids() -> None:
+    hostile = '"><img src=x onerror=alert(1)>'
+    view = FleetView(now=NOW, prefect_ui=PREFECT_UI, nodes=[
+        {"node": hostile, "schedules": 1, "status": "failing", "timezone": "../../etc/passwd"}],
+        schedules={hostile: [{"id": "s", "name": hostile, "action": "backup", "enabled": True,
+                              "when": hostile, "last_outcome": {
+                                  "state": "Failed", "window": "2026-10-31T23:00:00Z",
+                                  "flow_run_id": "javascript:alert(1)"}}]},
+        windows=[{"node": hostile, "schedule_id": "s", "at": "2026-11-01T03:00:00Z",
+                  "name": hostile, "note": hostile}])
+    html = render_page(view)
+    assert "<img" not in html and "javascript:" not in html
+    assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_chromium_is_installed_where_make_can_install_it() -> None:
+    """On a machine where make can install Debian packages, the browser test must not skip."""
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("make cannot install Debian packages here (no apt-get, or not root)")
+    assert Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists(), (
+        "make installs chromium and chromium-driver (SYSTEM_PACKAGES)")
