@@ -98,8 +98,14 @@ def build_deployments(settings: AgentSettings) -> list[RunnerDeployment]:
     return [item for item in built if isinstance(item, RunnerDeployment)]
 
 
-RUNNER_POLL_S = 2
-"""Seconds between the serve process's polls for runs to start (PREFECT_RUNNER_POLL_FREQUENCY)."""
+RUNNER_POLL_S = 10
+"""Seconds between the serve process's polls for runs to start (PREFECT_RUNNER_POLL_FREQUENCY).
+
+Prefect's default. Polling every 2 s brought a triggered reconcile (a change the
+controller announced) a few seconds sooner, but an idle node's polls are most of
+what it costs the Prefect server (bench/bench_idle.py): every 2 s that is about
+23 s of server CPU an hour per node, more than the per-minute tick this design
+replaced. A fleet that wants it can set ``PREFECT_RUNNER_POLL_FREQUENCY``."""
 BACKOFF_MIN_S = 5.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_AFTER_S = 120.0
@@ -158,13 +164,11 @@ def main() -> int:
 
 
 def poll_seconds() -> float | None:
-    """Return how often serve polls for runs to start: every 2 s unless the environment says.
+    """Return how often serve polls for runs to start: every 10 s unless the environment says.
 
     The runs a trigger creates (the controller's ``sched.schedules.updated``: pull
-    now) start at the serve process's next poll: every :data:`RUNNER_POLL_S` s
-    instead of Prefect's 10 s, so a change reaches the node in seconds
-    (bench/bench_propagation.py). Each poll is one small query per node; a large
-    fleet may set ``PREFECT_RUNNER_POLL_FREQUENCY`` higher (None: Prefect's setting).
+    now) start at the serve process's next poll (bench/bench_propagation.py).
+    None: the operator's ``PREFECT_RUNNER_POLL_FREQUENCY``, which the runner reads.
     """
     return None if os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY") else float(RUNNER_POLL_S)
 

@@ -98,9 +98,9 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
     monkeypatch.setattr(serve_module, "prepare", lambda deployments: None)
     monkeypatch.delenv("PREFECT_RUNNER_POLL_FREQUENCY", raising=False)
     assert serve_module.main() == 0
-    # The runner polls every 2 s (a triggered reconcile starts within seconds).
+    # The runner polls every 10 s, Prefect's default (see RUNNER_POLL_S for why not faster).
     assert served["options"] == {"limit": None, "print_starting_message": True,
-                                 "query_seconds": 2.0}
+                                 "query_seconds": 10.0}
     limited = {name: d.concurrency_limit for name, d in served["deployments"].items()}
     assert limited == {"reconcile": 1, "run-job": 3, "advance-chain": 1}
     # An operator's PREFECT_RUNNER_POLL_FREQUENCY wins (the runner reads it itself).
