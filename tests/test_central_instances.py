@@ -22,7 +22,7 @@ from sqlmodel import Session
 
 from controller import claims, db, tasks
 from controller.central import CentralScheduler, CentralSettings
-from controller.models import ScheduledTask, TaskIn, TaskStatus
+from controller.models import DispatchStatus, ScheduledTask, TaskIn, TaskStatus
 from controller.testing import RecordingDispatcher
 
 pytestmark = pytest.mark.postgres
@@ -50,9 +50,11 @@ class _FileDispatcher:
 
 
 def _scheduler_process(url: str, worker_id: str, out: str, start: Any, stop: Any) -> None:
-    dispatcher = _FileDispatcher(Path(out), worker_id, slow_suffix="77", slow=0.4)
+    # The lease is short and a slow dispatch outlasts it, so only its renewal keeps the
+    # claim; not so short that a process the machine starves for a moment loses it.
+    dispatcher = _FileDispatcher(Path(out), worker_id, slow_suffix="77", slow=1.5)
     scheduler = CentralScheduler(
-        url, CentralSettings(poll_interval=0.2, lease=0.2, batch_size=20, retry_delay=0.05),
+        url, CentralSettings(poll_interval=0.2, lease=1.0, batch_size=20, retry_delay=0.05),
         worker_id=worker_id, dispatcher=dispatcher,
     )
     start.wait()
@@ -69,8 +71,11 @@ def _all_handled(url: str, first_cron_run: dict[str, datetime]) -> bool:
     try:
         with Session(engine) as session:
             stored = tasks.list_tasks(session)
+            records = claims.list_dispatches(session)
     finally:
         engine.dispose()
+    if any(record.status == DispatchStatus.DISPATCHING for record in records):
+        return False  # a dispatch still in flight: its window is not handled yet
     for task in stored:
         if task.name in first_cron_run:
             if task.next_run_at is None or task.next_run_at <= first_cron_run[task.name]:
