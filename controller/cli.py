@@ -215,6 +215,18 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    from controller.db import schema_problem
+
+    try:
+        problem = schema_problem(database_url)
+    except Exception as exc:  # unreachable: serve waits for it like for any outage
+        logging.getLogger("controller.cli").warning(
+            "could not read the database's schema version at start-up: %s",
+            repr(exc)[:300])
+        problem = None
+    if problem is not None:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
     run(
         url=database_url,
         tokens=tokens,

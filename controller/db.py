@@ -210,6 +210,28 @@ def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
     return current == targets
 
 
+def schema_problem(url: str | URL | None = None) -> str | None:
+    """Return why the database at url is not at the latest schema, or None when it is.
+
+    A database that cannot be reached is not a schema problem (the controller
+    waits for it like for any outage): this raises the driver's error instead.
+    """
+    config = alembic_config(url)
+    heads = set(ScriptDirectory.from_config(config).get_heads())
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    finally:
+        engine.dispose()
+    if current == heads:
+        return None
+    where = safe_url(database_url(url))
+    now = ", ".join(sorted(current)) or "no schema at all"
+    return (f"the database {where} is at {now}, and this controller needs "
+            f"{', '.join(sorted(heads))}: run `sched controller migrate` first")
+
+
 def migrate(url: str | URL | None = None, revision: str = "head") -> None:
     """Upgrade the database at url (default: see :func:`database_url`) to revision.
 

@@ -131,6 +131,10 @@ class PrefectEvents:
         max_pending: int = 200, senders: int = 2,
     ) -> None:
         self.api_url = api_url.rstrip("/")
+        from controller.dispatch import shown_url
+
+        self.shown = shown_url(self.api_url)
+        """The URL for logs and answers: without a user or password."""
         self.wait_s = wait_s
         self.timeout_s = timeout_s
         self.max_pending = max_pending
@@ -151,7 +155,9 @@ class PrefectEvents:
             log.warning(NO_PREFECT_API + "; set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api)",
                         extra={"event": EVENT_SCHEDULES_UPDATED})
             return NoEvents()
-        log.info("schedule writes send events to Prefect", extra={"prefect_api": url})
+        from controller.dispatch import shown_url
+
+        log.info("schedule writes send events to Prefect", extra={"prefect_api": shown_url(url)})
         return cls(url, **kwargs)
 
     def announce(self, node: str, schedule_id: str, version: int | None, op: str) -> Announced:
@@ -160,22 +166,23 @@ class PrefectEvents:
             if self._pending >= self.max_pending:
                 log.warning(
                     "schedule event dropped: too many events waiting for Prefect",
-                    extra={"node": node, "schedule_id": schedule_id, "prefect_api": self.api_url,
+                    extra={"node": node, "schedule_id": schedule_id, "prefect_api": self.shown,
                            "pending": self._pending},
                 )
                 return Announced(False, f"{self._pending} events are already waiting for "
-                                        f"Prefect at {self.api_url}; this one was dropped")
+                                        f"Prefect at {self.shown}; this one was dropped")
             self._pending += 1
         future = self._pool.submit(self._send, event)
         future.add_done_callback(self._done)
         try:
             future.result(timeout=self.wait_s)
         except FutureTimeout:
-            return Announced(False, f"Prefect at {self.api_url} did not accept the event within "
+            return Announced(False, f"Prefect at {self.shown} did not accept the event within "
                                     f"{self.wait_s:g} s (it is still being sent)")
         except Exception as exc:
-            return Announced(False, f"Prefect at {self.api_url} refused the event: {exc}")
-        return Announced(True, f"event {EVENT_SCHEDULES_UPDATED} accepted by {self.api_url}")
+            return Announced(False, f"Prefect at {self.shown} refused the event: "
+                                    f"{self._scrub(str(exc))}")
+        return Announced(True, f"event {EVENT_SCHEDULES_UPDATED} accepted by {self.shown}")
 
     def _done(self, future: Future[None]) -> None:
         with self._lock:
@@ -183,11 +190,16 @@ class PrefectEvents:
         error = future.exception()
         if error is not None:
             log.warning("could not send a schedule event to Prefect",
-                        extra={"prefect_api": self.api_url, "error": repr(error)[:500]})
+                        extra={"prefect_api": self.shown,
+                               "error": self._scrub(repr(error))[:500]})
 
     def _send(self, event: dict[str, Any]) -> None:
         with self._new_client() as client:
             client.request("POST", "/events", json=[event])
+
+    def _scrub(self, text: str) -> str:
+        """Return text with the API URL's user and password taken out."""
+        return text.replace(self.api_url, self.shown)
 
     def _new_client(self) -> Any:
         """Return a fresh Prefect client (rule 3): connects are neither pooled nor retried."""
