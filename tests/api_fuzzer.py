@@ -35,6 +35,19 @@ GOOD_SCHEDULE: dict[str, Any] = {
     "schedule": {"days": ["mon", "tue"], "hours": ["2"], "minute": "30"},
     "miss_policy": "run-once-within-24h", "enabled": True, "params": {"threads": 4},
 }
+GOOD_REPORT: dict[str, Any] = {
+    "agent_version": "0.1.0", "timezone": "America/New_York", "grace_s": 300,
+    "reported_at": "2026-12-03T07:31:02Z",
+    "last_pull": {"at": "2026-12-03T07:31:00Z", "ok": True, "error": None, "status": "200"},
+    "schedules": [{"id": "s-1", "last_fired": "2026-12-03T07:30:00Z",
+                   "next_planned": "2026-12-04T07:30:00Z", "latest_job": None}],
+    "counts": {"skipped": 0, "missed": 0},
+}
+PATCHES: list[dict[str, Any]] = [
+    {"paused": {"note": "disk swap", "until": None}}, {"paused": None},
+    {"name": "renamed", "jitter": 60}, {"schedule": {"days": ["*"], "hours": ["3"], "minute": "0"}},
+]
+"""Merge patches of a row (PATCH): their paths are a row's, so they are fuzzed as one."""
 GOOD_TASKS: list[dict[str, Any]] = [
     {"cron": "30 2 * * *", "event": "backup.nightly", "payload": {"repo": "r-9"}},
     {"schedule": {"interval_minutes": 15}, "timezone": "Europe/Paris", "event": "x"},
@@ -189,7 +202,8 @@ def fuzz(client: httpx.Client, document: dict[str, Any], *, requests: int, seed:
     result = Result()
     ops = operations(document)
     writes = [op for op in ops if "requestBody" in op[2]]
-    examples_by_model = {"LocalSchedule": [GOOD_SCHEDULE], "TaskIn": GOOD_TASKS}
+    examples_by_model = {"LocalSchedule": [GOOD_SCHEDULE], "TaskIn": GOOD_TASKS,
+                         "NodeReportIn": [GOOD_REPORT]}
     for _ in range(requests):
         # Half the requests carry a body: that is where the validation is.
         method, template, operation = rng.choice(writes if rng.random() < 0.5 else ops)
@@ -216,8 +230,11 @@ def fuzz(client: httpx.Client, document: dict[str, Any], *, requests: int, seed:
         body = operation.get("requestBody")
         if body is not None:
             schema = body["content"]["application/json"]["schema"]
-            model = schema["$ref"].rsplit("/", 1)[-1]
-            content, what = _body(document, schema, examples_by_model[model], rng)
+            if "$ref" in schema:
+                examples = examples_by_model[schema["$ref"].rsplit("/", 1)[-1]]
+            else:  # a merge patch of a row: any of a row's fields
+                schema, examples = {"$ref": "#/components/schemas/LocalSchedule"}, PATCHES
+            content, what = _body(document, schema, examples, rng)
             headers["content-type"] = "application/json"
         try:
             response = client.request(method, url, params=params, content=content,

@@ -43,7 +43,7 @@ from controller.events import NoEvents, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
-from controller.nodes import PullRecorder
+from controller.nodes import NodeReportIn, PullRecorder
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -302,7 +302,7 @@ def create_app(
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     _install_error_handlers(app)
-    install_openapi(app, [LocalSchedule, TaskIn])
+    install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
     auth = Auth(tokens)
 
     def in_session(work: Callable[[Session], T]) -> T:

@@ -35,6 +35,7 @@ from starlette.concurrency import run_in_threadpool
 
 from controller import fleet, nodes, schedules
 from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
+from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
@@ -166,7 +167,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     router = APIRouter()
     in_session = api.in_session
 
-    @router.post("/api/nodes/{node}/report", status_code=204)
+    @router.post(
+        "/api/nodes/{node}/report", status_code=204,
+        openapi_extra=json_body(nodes.NodeReportIn, "What the node's agent says about itself."),
+    )
     async def post_report(request: Request, node: str) -> Response:
         auth.require_node(request, node)
         check_name(("path", "node"), node, storing=True)
@@ -271,7 +275,12 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         listed, cut = fleet.sort_windows(windows, MAX_UPCOMING)
         return JSONResponse({"windows": listed, "truncated": cut})
 
-    @router.patch("/api/nodes/{node}/schedules/{schedule_id}")
+    @router.patch(
+        "/api/nodes/{node}/schedules/{schedule_id}",
+        openapi_extra=merge_patch_body(
+            "A JSON merge patch of the row (RFC 7386): the fields to change, null to remove "
+            "one (`{\"paused\": null}` resumes)."),
+    )
     async def patch_schedule(request: Request, node: str, schedule_id: str) -> Response:
         auth.require_admin_on_node(request, node)
         check_name(("path", "node"), node)

@@ -38,6 +38,18 @@ def json_body(model: type[BaseModel], description: str = "") -> dict[str, Any]:
     }
 
 
+def merge_patch_body(description: str) -> dict[str, Any]:
+    """Return a route's ``openapi_extra`` declaring a required JSON merge patch (RFC 7386)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/merge-patch+json": {"schema": {"type": "object"}},
+                        "application/json": {"schema": {"type": "object"}}},
+        }
+    }
+
+
 def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     """Make app's OpenAPI document carry models' schemas (validation mode) as components."""
 
