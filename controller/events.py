@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from controller.logtext import printable
 from controller.models import utc_now
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ class PrefectEvents:
             if self._pending >= self.max_pending:
                 log.warning(
                     "schedule event dropped: too many events waiting for Prefect",
-                    extra={"node": node, "schedule_id": schedule_id, "prefect_api": self.shown,
+                    extra={"node": printable(node), "schedule_id": printable(schedule_id),
+                           "prefect_api": self.shown,
                            "pending": self._pending},
                 )
                 return Announced(False, f"{self._pending} events are already waiting for "

@@ -45,15 +45,18 @@ HEARTBEAT_S = 30
 """Seconds between a run's heartbeats (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``; Prefect's minimum)."""
 RUNNING_SILENT_S = 75
 """A Running run silent this long (two heartbeats missed and then some) is Crashed."""
-PENDING_STUCK_S = 300
+PENDING_STUCK_S = 120
 """A run Pending this long never got its process: Crashed.
 
-Not shorter: a run is Pending from when the runner takes it (after its concurrency
-slot) until its own process says Running, and on a busy node that restarts with a
-backlog of late runs (each a fresh Python process importing Prefect, up to
-``job_limit`` at once) this was measured at 92 s with 90 s here: the automation
-crashed live runs, whose leases it revoked, so they were killed on their next
-lease renewal ("410 Gone")."""
+Not the 90 s first shipped: a run is Pending from when the runner takes it (after
+its concurrency slot) until its own process says Running, and on a busy node
+that restarted with a backlog of late runs (each a fresh Python process
+importing Prefect) this was measured at 92 s: the automation crashed live runs,
+whose leases it revoked, so they were killed at their next lease renewal ("410
+Gone"). The reconcile at start now ends such late runs without a process
+(:func:`sched_core.plan.late_skips`), which removes that backlog; 120 s keeps a
+margin and still frees the slot of a run killed while Pending within about
+two minutes."""
 CRASHED_BY_AGENT = "Flow run marked as crashed by the sched-agent automation:"
 """How the automations' Crashed states start: the re-run logic tells them apart."""
 

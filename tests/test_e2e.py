@@ -330,7 +330,7 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
     assert "sched-agent automation" in (crashed["state"]["message"] or "")
     # Every job the kill interrupted (the slow one, and an every-minute one that may have
     # been running too) is crashed in turn, and each frees its slot.
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 240  # heartbeats gone 75 s, or Pending 120 s, then Crashed
     while True:
         job_limit = user.get(f"/deployments/name/run-job/{user.node}")["global_concurrency_limit"]
         if job_limit["active_slots"] == 0 or time.monotonic() > deadline:

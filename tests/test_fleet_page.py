@@ -147,6 +147,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def submit(browser: Any, token: str) -> None:
     """Type token into the login form, submit it, and wait for the answer's page."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
@@ -154,7 +155,19 @@ def submit(browser: Any, token: str) -> None:
     field = browser.find_element(By.ID, "token")
     field.send_keys(token)
     browser.find_element(By.ID, "login").click()
-    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(field))
+
+    def replaced(_: Any) -> bool:
+        # staleness_of, and Chromium's other word for the same thing mid-navigation.
+        try:
+            return bool(expected_conditions.staleness_of(field)(browser))
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as exc:
+            if "does not belong to the document" in str(exc):
+                return True
+            raise
+
+    WebDriverWait(browser, 15).until(replaced)
 
 
 def test_the_page_needs_the_admin_and_never_puts_the_token_in_a_url_or_cookie(

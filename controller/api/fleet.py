@@ -39,6 +39,7 @@ from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
+from controller.logtext import printable
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -100,7 +101,8 @@ class FleetApi:
     def announce(self, node: str, schedule_id: str, version: int | None, op: str) -> Announced:
         announced = self.events.announce(node, schedule_id, version, op)
         log.info("schedule write announced" if announced.sent else "schedule write not announced",
-                 extra={"node": node, "schedule_id": schedule_id, "version": version, "op": op,
+                 extra={"node": printable(node), "schedule_id": printable(schedule_id),
+                        "version": version, "op": op,
                         "event_sent": announced.sent, "reason": announced.reason})
         return announced
 
@@ -183,7 +185,8 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
             keep=api.settings.report_history))
-        log.info("node report", extra={"node": node, "agent_version": report.agent_version,
+        log.info("node report", extra={"node": printable(node),
+                                       "agent_version": report.agent_version,
                                        "failing": report.failing})
         return Response(status_code=204)
 
@@ -302,9 +305,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                                  "msg": f"row {schedule_id!r} kept changing; try again"}])
 
         stored = await run_in_threadpool(in_session, apply)
-        log.info("schedule patched", extra={"node": node, "schedule_id": schedule_id,
-                                             "version": stored.version,
-                                             "fields": sorted(patch)})
+        log.info("schedule patched", extra={"node": printable(node),
+                                            "schedule_id": printable(schedule_id),
+                                            "version": stored.version,
+                                            "fields": sorted(patch)})
         return await run_in_threadpool(api.written, node, stored, "patch")
 
     return router
