@@ -331,6 +331,22 @@ def run_parameters(run: FlowRun) -> dict[str, Any]:
     return dict(run.parameters or {})
 
 
+@contextmanager
+def pulling_scheduler(settings: AgentSettings, *, now: datetime) -> Iterator[Scheduler]:
+    """Yield :func:`build_scheduler`'s Scheduler, and close its HTTP client after the block.
+
+    The client (an HTTP pull's keep-alive connection to the controller) is the
+    caller's to close: the kit only borrows an injected client.
+    """
+    scheduler = build_scheduler(settings, now=now)
+    try:
+        yield scheduler
+    finally:
+        client = scheduler._config.http_client  # built just above: ours to close
+        if client is not None:
+            client.close()
+
+
 def build_scheduler(
     settings: AgentSettings,
     *,

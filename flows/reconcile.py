@@ -28,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.automations import ensure_automations
-from flows.dispatch import build_scheduler, runs_of
+from flows.dispatch import pulling_scheduler, runs_of
 from flows.node_report import pull_outcome, report_after
 from flows.planner import PlanReport, plan_node
 from flows.reports import plan_lines, pull_lines
@@ -71,12 +71,12 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
     )
     result: PullResult | None = None
     error: str | None = None
-    scheduler = build_scheduler(settings, now=at)
-    try:
-        result = pull(scheduler, at)
-    except PullError as exc:
-        error = str(exc)
-        logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
+    with pulling_scheduler(settings, now=at) as scheduler:
+        try:
+            result = pull(scheduler, at)
+        except PullError as exc:
+            error = str(exc)
+            logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
     with node_lock(settings), runs_of(deployment_name(settings)) as runs:
         cache = scheduler.cache()
         report = plan_node(settings, cache, runs, now=at)

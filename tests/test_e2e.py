@@ -370,7 +370,8 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
     retry = final(f"slow-long-{stamp}-retry")
     assert retry["state"]["name"] == "Completed" and "retry" in retry["tags"]
     assert retry["parameters"]["retry_of"] == slow["id"]
-    assert "slow job done" in user.log_lines(retry["id"], "slow job done")
+    retry_lines = user.log_lines(retry["id"], "slow job done")
+    assert "slow job done" in retry_lines, retry_lines
     phase("late windows and the re-run done")
 
     # W3 runs on time for both; no window ran twice.
