@@ -24,13 +24,21 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.states import Scheduled
 
 from flows.dispatch import ChainDispatcher, build_scheduler
-from flows.registry import ACTIVE_STATES, FINISHED_STATES, count_jobs
+from flows.planner import load_plan_state, save_plan_state
+from flows.registry import (
+    ACTIVE_STATES,
+    FINISHED_STATES,
+    count_jobs,
+    list_interrupted_chain_runs,
+)
 from flows.runtime import ADVANCE_CHAIN, agent_settings, deployment_name, logical_now, slug
 from flows.settings import AgentSettings, StageSpec
 from sched_core import Chain, LocalSchedule, Spec, Stage
+from sched_core.chain import FOLLOW_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -141,3 +149,45 @@ def advance_chain(
             "run's retries and on the next job completion (see the log above for the errors)"
         )
     return fired
+
+
+def resume_interrupted(
+    client: SyncPrefectClient, settings: AgentSettings, *, now: datetime
+) -> list[tuple[str, str]]:
+    """Run again each advance-chain run the node's own stop interrupted; return (old, new) ids.
+
+    A chain run killed with its node (Pending or Running) never fed its job's
+    completion to the chain, and no later event brings it back: without this,
+    the day's prune would wait for the next wave. The re-run has the same
+    parameters, so it feeds the same completion; the chain's day markers and
+    its stage keys make a completion fed twice fire nothing twice. Each
+    interrupted run is handled once (the plan record), and its re-run is
+    created under an idempotency key of its own. Called by the reconcile
+    under the node lock.
+    """
+    record_path = settings.state_dir / "plan.json"
+    record = load_plan_state(record_path, now=now)
+    deployment = client.read_deployment_by_name(
+        f"{ADVANCE_CHAIN}/{deployment_name(settings)}")
+    resumed: list[tuple[str, str]] = []
+    for run in list_interrupted_chain_runs(client, deployment.id, since=now - FOLLOW_WINDOW):
+        if str(run.id) in record.interrupted:
+            continue
+        rerun = client.create_flow_run_from_deployment(
+            deployment.id,
+            parameters=dict(run.parameters or {}),
+            state=Scheduled(),
+            tags=["retry"],
+            idempotency_key=f"{settings.node_name}:chain:{run.id}:retry",
+        )
+        log.warning(
+            "advance-chain run %s was interrupted (%s): running it again as %s",
+            run.name, run.state.name if run.state else "no state", rerun.id,
+            extra={"node": settings.node_name, "flow_run_id": str(run.id),
+                   "rerun_id": str(rerun.id)},
+        )
+        record.interrupted[str(run.id)] = now
+        resumed.append((str(run.id), str(rerun.id)))
+    if resumed:
+        save_plan_state(record_path, record)
+    return resumed

@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from flows.automations import ensure_automations
+from flows.chain import resume_interrupted
 from flows.dispatch import pulling_scheduler, runs_of
 from flows.node_report import pull_outcome, report_after
 from flows.planner import PlanReport, plan_node
@@ -81,6 +82,11 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
         cache = scheduler.cache()
         report = plan_node(settings, cache, runs, now=at)
         try:
+            resumed = resume_interrupted(runs.client, settings, now=at)
+        except Exception as exc:  # the plan stands; the next reconcile looks again
+            resumed = []
+            logger.warning("could not look for interrupted advance-chain runs: %r", exc)
+        try:
             ensure_automations(runs.client)
         except Exception as exc:  # the plan stands; the next reconcile tries again
             logger.warning("could not ensure the agent's automations: %r", exc)
@@ -110,6 +116,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
         "missed": sum(item.count for item in report.missed),
         "recovered": len(report.recovered),
         "retried": len(report.retried),
+        "chains_resumed": len(resumed),
     }
     if result is not None and (result.changed_anything or result.rejected):
         emit(

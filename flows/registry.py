@@ -271,6 +271,33 @@ def list_interrupted(
     return found
 
 
+def list_interrupted_chain_runs(
+    client: SyncPrefectClient, deployment_id: UUID, *, since: datetime
+) -> list[FlowRun]:
+    """Return the node's advance-chain runs its own stop interrupted (ended since ``since``).
+
+    A trigger created them with the deployment's tags only; the deployment is
+    the node's. Re-runs (tag ``retry``), runs an operator cancelled and runs
+    still alive are left out.
+    """
+    flt = FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.CRASHED, StateType.CANCELLED])
+        ),
+        end_time=FlowRunFilterEndTime(after_=since),
+    )
+    found: list[FlowRun] = []
+    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
+        if "retry" in run.tags or not interrupted_by_the_node(client, run):
+            continue
+        stopped = run.state.timestamp if run.state is not None else None
+        if stopped is not None and alive_after(client, str(run.id), stopped):
+            continue
+        found.append(run)
+    return found
+
+
 def still_interrupted(client: SyncPrefectClient, run_id: str) -> str | None:
     """Return why a re-run must not run because its interrupted run was not, or None.
 

@@ -101,3 +101,61 @@ def test_ad_hoc_backup_by_schedule_id_starts_the_chain(
     assert advance_chain(action="", node=node, completed_run=backup_id) == ["prune"]
     marks = json.loads((tmp_path / "state" / "chain.json").read_text())["stages"]
     assert marks["prune"]["fired"] == ["p-1"]
+
+
+def test_reconcile_runs_again_an_advance_chain_run_the_node_stop_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the e2e test: the node was killed while the backup's advance-chain run was
+    Pending; the automation crashed it and the day's prune never came. The reconcile now
+    runs such a run again once, with the same parameters; an operator's cancel stays."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Cancelling, Crashed, Pending
+
+    from flows.chain import advance_chain
+    from flows.job import run_job
+    from flows.reconcile import reconcile
+
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "schedules.json").write_text(json.dumps({"schedules": []}))
+    config = tmp_path / "agent.toml"
+    config.write_text(f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n')
+    monkeypatch.setenv("SCHED_CONFIG", str(config))
+    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    run_job.to_deployment(name=node).apply()
+    chain_id = advance_chain.to_deployment(name=node).apply()
+    params = {"action": "backup", "node": node, "completed_run": str(uuid.uuid4())}
+    with get_client(sync_client=True) as client:
+        killed = client.create_flow_run_from_deployment(chain_id, parameters=params)
+        client.set_flow_run_state(killed.id, Pending(), force=True)
+        client.set_flow_run_state(
+            killed.id, Crashed(message="Flow run marked as crashed by the sched-agent "
+                                       "automation: still Pending after 120 s"), force=True)
+        cancelled = client.create_flow_run_from_deployment(
+            chain_id, parameters={**params, "action": "prune"})
+        client.set_flow_run_state(cancelled.id, Pending(), force=True)
+        client.set_flow_run_state(cancelled.id, Cancelling(), force=True)
+        client.set_flow_run_state(cancelled.id, Cancelled(), force=True)
+
+        assert reconcile()["chains_resumed"] == 1
+        reruns = _reruns(client, chain_id)
+        assert len(reruns) == 1, [(run.name, run.tags) for run in reruns]
+        assert reruns[0].parameters == params
+        assert reruns[0].state is not None and reruns[0].state.type.value == "SCHEDULED"
+        # Handled once: the next reconcile does not run it a third time.
+        assert reconcile()["chains_resumed"] == 0
+        again = _reruns(client, chain_id)
+        assert [run.id for run in again] == [reruns[0].id]
+
+
+def _reruns(client: Any, deployment_id: Any) -> list[Any]:
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterTags,
+    )
+
+    return list(client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
+        tags=FlowRunFilterTags(all_=["retry"]))))
