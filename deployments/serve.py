@@ -29,6 +29,7 @@ from prefect.schedules import Interval
 from flows.automations import HEARTBEAT_S, ensure_automations
 from flows.chain import advance_chain
 from flows.job import run_job
+from flows.pull_listener import PullListener
 from flows.reconcile import reconcile
 from flows.runtime import EVENT_JOB_COMPLETED, EVENT_JOB_FAILED, EVENT_SCHEDULES_UPDATED
 from flows.settings import AgentSettings, load_settings
@@ -117,6 +118,9 @@ log = logging.getLogger("deployments.serve")
 def main() -> int:
     """Load the settings, then serve until stopped (SIGTERM or SIGINT), whatever else happens.
 
+    A thread follows the node's ``sched.schedules.updated`` events and pulls
+    each change at once (:mod:`flows.pull_listener`).
+
     The node's one long-running process survives an outage of the Prefect
     server: ``serve`` gives up after about four minutes without it (or cannot
     register its deployments while it is down); it is then started again in
@@ -132,6 +136,9 @@ def main() -> int:
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
+    # A change the controller announces is pulled at once by this warm process
+    # (flows/pull_listener.py); the triggered reconcile run then plans it.
+    PullListener(settings).start()
     backoff = BACKOFF_MIN_S
     attempt = 0
     while True:
