@@ -138,7 +138,11 @@ def main() -> int:
         return 2
     # A change the controller announces is pulled at once by this warm process
     # (flows/pull_listener.py); the triggered reconcile run then plans it.
-    PullListener(settings).start()
+    if settings.listen:
+        PullListener(settings).start()
+    else:
+        log.info("not listening for the controller's changes (listen = false): they arrive "
+                 "with the reconcile runs their events trigger", extra={"node": settings.node_name})
     backoff = BACKOFF_MIN_S
     attempt = 0
     while True:

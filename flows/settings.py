@@ -277,6 +277,8 @@ class AgentSettings(BaseSettings):
     stages: list[StageSpec] = Field(default_factory=_default_stages)
     wave_lookback: Seconds = timedelta(hours=12)
     job_limit: int = Field(default=8, ge=1)
+    listen: bool = True
+    """serve follows the node's sched.schedules.updated events and pulls at once."""
     # The planner: runs created ahead of their windows (docs/agent.md, "The planner").
     reconcile_interval: Seconds = timedelta(minutes=15)
     plan_horizon: Seconds = timedelta(hours=1)

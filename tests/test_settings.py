@@ -88,6 +88,9 @@ def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ("prune", "prune", "after_wave"), ("check", "check", "after_wave"),
     ]
     assert settings.state_dir == tmp_path / ".state"
+    assert settings.listen is True
+    monkeypatch.setenv("SCHED_LISTEN", "0")
+    assert load_settings(pull_url="https://controller/api/schedules?node=a").listen is False
 
 
 @pytest.mark.parametrize(
