@@ -20,7 +20,8 @@ from html import escape
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from sched_core.model import check_zone_name
+from sched_core.model import local_text, zone_or_utc
+from sched_core.model import parse_api_time as _time
 
 PAST = timedelta(hours=6)
 """How far back the timeline shows the latest runs."""
@@ -45,32 +46,18 @@ class FleetView:
     notice: str = ""
     """A line about what the page cannot show (e.g. no reports yet)."""
 
+SHORT = "%a %m-%d %H:%M %Z"
+"""How the page writes a local time (the year is the reader's)."""
+
 
 def _e(value: object) -> str:
     return escape("" if value is None else str(value), quote=True)
 
 
-def _time(value: object) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed.astimezone(UTC) if parsed.tzinfo else None
 
 
-def _zone(name: object) -> ZoneInfo:
-    if isinstance(name, str) and name:
-        try:
-            return ZoneInfo(check_zone_name(name))
-        except ValueError:
-            pass
-    return ZoneInfo("UTC")
 
 
-def _local(instant: datetime | None, tz: ZoneInfo) -> str:
-    return "-" if instant is None else instant.astimezone(tz).strftime("%a %m-%d %H:%M %Z")
 
 
 def _ago(instant: datetime | None, now: datetime) -> str:
@@ -160,7 +147,7 @@ def timeline_svg(view: FleetView) -> str:
     parts.append(f'<line class="now" x1="{x(now):.1f}" y1="{top - 6}" x2="{x(now):.1f}" '
                  f'y2="{height - 8}"><title>now {now:%Y-%m-%d %H:%M}Z</title></line>')
     lane_of = {name: i for i, name in enumerate(nodes)}
-    zones = {str(n.get("node")): _zone(n.get("timezone")) for n in view.nodes}
+    zones = {str(n.get("node")): zone_or_utc(n.get("timezone")) for n in view.nodes}
     for index, node in enumerate(view.nodes):
         name = str(node.get("node"))
         y = top + lane_h * index + lane_h / 2
@@ -181,7 +168,7 @@ def timeline_svg(view: FleetView) -> str:
             if ran is None or not start <= ran <= end:
                 continue
             title = (f"{name} {schedule.get('id')} ({schedule.get('action')}): {state} "
-                     f"{_local(ran, zones[name])}")
+                     f"{local_text(ran, zones[name], SHORT)}")
             mark = (f'<rect class="run {css}" x="{x(ran) - 5:.1f}" y="{y - 5}" width="10" '
                     f'height="10"><title>{_e(title)}</title></rect>')
             parts.append(run_link_svg(view.prefect_ui, job, mark))
@@ -259,7 +246,7 @@ def nodes_table(view: FleetView) -> str:
     """Return the nodes table."""
     rows = []
     for node in view.nodes:
-        tz = _zone(node.get("timezone"))
+        tz = zone_or_utc(node.get("timezone"))
         pulled = _time(node.get("last_pull_at"))
         served, current = node.get("list_version_served"), node.get("list_version_current")
         behind = (' <span class="note">(behind)</span>'
@@ -267,7 +254,8 @@ def nodes_table(view: FleetView) -> str:
         name = _e(node.get("node"))
         rows.append(
             f'<tr><td><a href="#node-{name}">{name}</a></td><td>{_e(node.get("schedules"))}</td>'
-            f"<td>{_e(_local(pulled, tz))} {_e(node.get('last_pull_status') or '')}{behind}</td>"
+            f"<td>{_e(local_text(pulled, tz, SHORT))} "
+            f"{_e(node.get('last_pull_status') or '')}{behind}</td>"
             f"<td>{_e(_ago(pulled, view.now))}</td><td>{_status_cell(node.get('status'))}</td>"
             f"<td>{_e(node.get('timezone') or '-')}"
             f"{' (default)' if node.get('timezone_default') else ''}</td>"
@@ -282,7 +270,7 @@ def nodes_table(view: FleetView) -> str:
 def schedules_table(view: FleetView, node: dict[str, Any]) -> str:
     """Return one node's schedules: when, next window, last fire and outcome, pause."""
     name = str(node.get("node"))
-    tz = _zone(node.get("timezone"))
+    tz = zone_or_utc(node.get("timezone"))
     rows = []
     for schedule in view.schedules.get(name, []):
         windows = [w for w in schedule.get("next_windows") or [] if isinstance(w, dict)]
@@ -292,15 +280,16 @@ def schedules_table(view: FleetView, node: dict[str, Any]) -> str:
             f' <span class="note">({_e(note)})</span>' if note else "")
         job = schedule.get("last_outcome")
         state, css = _outcome(job)
-        last = _e(_local(_time(schedule.get("last_fire")), tz))
+        last = _e(local_text(_time(schedule.get("last_fire")), tz, SHORT))
         if state:
             last += f' <span class="{css}">{run_link(view.prefect_ui, job, state)}</span>'
         paused = schedule.get("paused")
         pause = ""
         if isinstance(paused, dict):
             until = _time(paused.get("until"))
+            until_text = "until " + local_text(until, tz, SHORT) if until else "until resumed"
             pause = (f'<span class="paused">paused: {_e(paused.get("note") or "")}'
-                     f' ({_e("until " + _local(until, tz) if until else "until resumed")})</span>')
+                     f' ({_e(until_text)})</span>')
         rows.append(
             f"<tr><td>{_e(schedule.get('id'))}</td><td>{_e(schedule.get('name'))}</td>"
             f"<td>{_e(schedule.get('action'))}</td><td>{_e(schedule.get('when'))}</td>"

@@ -180,6 +180,32 @@ def check_zone_name(value: str, what: str = "timezone") -> str:
     return value
 
 
+def zone_or_utc(name: object) -> ZoneInfo:
+    """Return the zone named (an IANA name from an API or a report), UTC when absent or unknown."""
+    if isinstance(name, str) and name:
+        try:
+            return ZoneInfo(check_zone_name(name))
+        except (ValueError, ZoneInfoNotFoundError):
+            pass
+    return ZoneInfo("UTC")
+
+
+def parse_api_time(value: object) -> datetime | None:
+    """Return an RFC 3339 time from an API as an aware UTC datetime; None if absent or bad."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed.astimezone(UTC) if parsed.tzinfo is not None else None
+
+
+def local_text(instant: datetime | None, tz: ZoneInfo, fmt: str = "%a %Y-%m-%d %H:%M %Z") -> str:
+    """Return an instant in tz (``Wed 2026-12-03 02:30 EST`` by default); ``-`` for None."""
+    return "-" if instant is None else instant.astimezone(tz).strftime(fmt)
+
+
 def _check_days(days: list[str]) -> None:
     if not days:
         raise ValueError("no days (expected mon..sun or *)")

@@ -25,18 +25,11 @@ import typer
 from sched_core.clock import utcnow
 from sched_core.errors import WireError
 from sched_core.jsonwire import MAX_DEPTH, decode
+from sched_core.model import local_text as local
+from sched_core.model import parse_api_time as parse_time
+from sched_core.model import zone_or_utc
 from sched_ops.client import Controller, Exit, OpsError
-from sched_ops.render import (
-    NONE,
-    ago,
-    cell,
-    local,
-    outcome,
-    parse_time,
-    policy_summary,
-    table,
-    zone_or_utc,
-)
+from sched_ops.render import NONE, ago, cell, outcome, policy_summary, table
 
 MAX_ROW_FILE = 1 << 20
 """The largest row file ``schedules put --file`` reads (bytes)."""

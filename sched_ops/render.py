@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo
+from datetime import datetime, timedelta
 
-from sched_core.model import check_zone_name
 from sched_core.policies import duration_text
 
 NONE = "-"
@@ -47,34 +45,10 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def parse_time(value: object) -> datetime | None:
-    """Return an RFC 3339 time from the API as an aware UTC datetime; None if absent or bad."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if parsed.tzinfo is None:
-        return None
-    return parsed.astimezone(UTC)
 
 
-def zone_or_utc(name: object) -> ZoneInfo:
-    """Return the zone named (an IANA name from the API), UTC when absent or unknown."""
-    if isinstance(name, str) and name:
-        try:
-            return ZoneInfo(check_zone_name(name))
-        except ValueError:
-            pass
-    return ZoneInfo("UTC")
 
 
-def local(instant: datetime | None, tz: ZoneInfo) -> str:
-    """Return an instant in tz: ``Wed 2026-12-03 02:30 EST``; ``-`` for None."""
-    if instant is None:
-        return NONE
-    return instant.astimezone(tz).strftime("%a %Y-%m-%d %H:%M %Z")
 
 
 def ago(instant: datetime | None, now: datetime) -> str:
