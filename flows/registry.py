@@ -136,13 +136,19 @@ def _pages(client: SyncPrefectClient, flt: FlowRunFilter, sort: FlowRunSort) -> 
 
 
 def list_window_runs(
-    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime
+    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime,
+    before: datetime | None = None, states: Sequence[str] | None = None,
 ) -> list[PlannedRun]:
-    """Return this node's window runs (any state) whose scheduled start is since or later."""
+    """Return this node's window runs whose scheduled start is in [since, before).
+
+    ``states``: only runs in those state names (any state when None).
+    """
     flt = FlowRunFilter(
         deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
         tags=FlowRunFilterTags(all_=[f"node:{node}"]),
-        expected_start_time=FlowRunFilterExpectedStartTime(after_=since),
+        expected_start_time=FlowRunFilterExpectedStartTime(after_=since, before_=before),
+        state=None if states is None else FlowRunFilterState(
+            name=FlowRunFilterStateName(any_=list(states))),
     )
     found: list[PlannedRun] = []
     for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
@@ -162,22 +168,12 @@ def list_waiting(
     (AwaitingConcurrencySlot), with, for the latter, when Prefect first tried
     to start each (one state history read per waiting run).
     """
-    flt = FlowRunFilter(
-        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
-        tags=FlowRunFilterTags(all_=[f"node:{node}"]),
-        expected_start_time=FlowRunFilterExpectedStartTime(after_=since, before_=before),
-        state=FlowRunFilterState(
-            name=FlowRunFilterStateName(any_=["Scheduled", "Late", AWAITING_SLOT])),
-    )
-    found: list[PlannedRun] = []
+    found = list_window_runs(client, deployment_id, node, since=since, before=before,
+                             states=["Scheduled", "Late", AWAITING_SLOT])
     tries: dict[str, datetime] = {}
-    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
-        item = planned_run(run)
-        if item is None:
-            continue
-        found.append(item)
+    for item in found:
         if item.state_name == AWAITING_SLOT:
-            tried = first_try(client.read_flow_run_states(run.id))
+            tried = first_try(client.read_flow_run_states(UUID(item.run_id)))
             if tried is not None:
                 tries[item.run_id] = tried
     return found, tries
