@@ -12,6 +12,7 @@ Prefect never creates scheduled runs.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -20,7 +21,6 @@ import time
 from types import FrameType
 from uuid import UUID
 
-from prefect import serve
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
@@ -136,13 +136,7 @@ def main() -> int:
     except SchedError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
-    # A change the controller announces is pulled at once by this warm process
-    # (flows/pull_listener.py); the triggered reconcile run then plans it.
-    if settings.listen:
-        PullListener(settings).start()
-    else:
-        log.info("not listening for the controller's changes (listen = false): they arrive "
-                 "with the reconcile runs their events trigger", extra={"node": settings.node_name})
+    listener: PullListener | None = None
     backoff = BACKOFF_MIN_S
     attempt = 0
     while True:
@@ -152,6 +146,8 @@ def main() -> int:
         try:
             deployments = build_deployments(settings)
             prepare(deployments)
+            if listener is None:  # once, after the first prepare: logging is set up by then
+                listener = listen(settings)
             # No runner-wide limit: it would be one pool of slots for all three
             # deployments, and long jobs holding them would keep reconcile from
             # planning. Jobs are limited by run-job's own limit (job_limit).
@@ -172,6 +168,57 @@ def main() -> int:
         signal.signal(signal.SIGTERM, _exit_between_serves)
         time.sleep(backoff)
         backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+def serve(
+    *deployments: RunnerDeployment,
+    limit: int | None,
+    print_starting_message: bool,
+    query_seconds: float | None,
+) -> None:
+    """Run Prefect's runner over the deployments until stopped: ``prefect.serve``, with two changes.
+
+    1. The deployments are not paused on the way out (``pause_on_shutdown=False``):
+       the node's planned runs stay as they are while it is down (the next start
+       applies the deployments again), and a stop during a Prefect outage does
+       not wait on a server that is gone.
+    2. A failure after a stop was asked (SIGTERM, SIGINT) is a stop, not a
+       failure: the supervisor loop in :func:`main` must not start serving again
+       because the way out could not reach the server.
+    """
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    runner = Runner(pause_on_shutdown=False, limit=limit, query_seconds=query_seconds)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    if print_starting_message:
+        names = ", ".join(f"{item.flow_name}/{item.name}" for item in deployments)
+        print(f"sched-agent: serving {names}; polling for runs every "
+              f"{runner.query_seconds:g} s (stop with Ctrl-C or SIGTERM)", flush=True)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal):
+        return
+    except Exception as exc:
+        if not runner.stopping:
+            raise
+        log.warning("stopped; the way out failed (%s: %s): runs this process had may be "
+                    "left Running until the agent's automations mark them Crashed",
+                    type(exc).__name__, exc, extra={"error": repr(exc)[:300]})
+
+
+def listen(settings: AgentSettings) -> PullListener:
+    """Start the listener that pulls each change the controller announces, unless turned off.
+
+    The triggered reconcile run then plans the change (flows/pull_listener.py).
+    """
+    listener = PullListener(settings)
+    if settings.listen:
+        return listener.start()
+    log.info("not listening for the controller's changes (listen = false): they arrive with "
+             "the reconcile runs their events trigger", extra={"node": settings.node_name})
+    return listener
 
 
 def poll_seconds() -> float | None:

@@ -96,6 +96,7 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
 
     monkeypatch.setattr(serve_module, "serve", fake_serve)
     monkeypatch.setattr(serve_module, "prepare", lambda deployments: None)
+    monkeypatch.setenv("SCHED_LISTEN", "0")  # no event stream here (tests/test_pull_listener.py)
     monkeypatch.delenv("PREFECT_RUNNER_POLL_FREQUENCY", raising=False)
     assert serve_module.main() == 0
     # The runner polls every 10 s, Prefect's default (see RUNNER_POLL_S for why not faster).
