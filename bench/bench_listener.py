@@ -191,6 +191,9 @@ def main() -> int:
         f"{fleet(100, 10)}; 1,000 nodes at 10 events/s {fleet(1000, 10)}; 1,000 nodes at "
         f"100 events/s {fleet(1000, 100)}.",
         "",
+        "A served node already holds one such stream without the listener: Prefect's "
+        "runner watches its runs' cancellations over it (`FlowRunCancellingObserver`); the "
+        "listener adds a second. "
         "The check is per event per subscriber, so the busy cost grows with nodes times "
         "events: a fleet of a few hundred nodes pays little; a fleet of thousands with busy "
         "servers should turn the listener off (`listen = false`, `SCHED_LISTEN=0`) and "

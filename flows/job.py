@@ -202,13 +202,43 @@ def _report_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> N
                     extra={"flow_run_id": str(flow_run.id), "error": repr(exc)[:300]})
 
 
+FLUSH_S = 10.0
+"""The longest the last hook waits for the run's queued logs and events to reach the server."""
+
+
+def _flush(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
+    """State hook, the last one: send the run's queued logs and events to the server now.
+
+    Seen in the e2e test (1 run in 3 under load): a run-job process whose run
+    was already Completed never reached Prefect's own end (its "Finished in
+    state" line was never printed), and what its background workers still
+    held was lost with it: the command's last output lines never reached the
+    run's log. Draining here, before the engine's teardown, makes the run's
+    log and its job event reach the server whatever happens to the process
+    afterwards. Best effort: a failure is logged, never raised.
+    """
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        try:
+            pending = service.drain_all(timeout=FLUSH_S)
+            if inspect.isawaitable(pending):  # inside an event loop: cannot block here
+                pending.close()
+        except Exception as exc:
+            log.warning("could not send the run's queued %s", service.__name__,
+                        extra={"flow_run_id": str(flow_run.id), "error": repr(exc)[:300]})
+
+
 @flow(
     name=RUN_JOB,
     flow_run_name=_run_name,
-    on_completion=[_emit_terminal, _report_terminal],
-    on_failure=[_emit_terminal, _report_terminal],
-    on_crashed=[_emit_terminal, _report_terminal],
-    on_cancellation=[_emit_terminal, _report_terminal],
+    on_completion=[_emit_terminal, _report_terminal, _flush],
+    on_failure=[_emit_terminal, _report_terminal, _flush],
+    on_crashed=[_emit_terminal, _report_terminal, _flush],
+    on_cancellation=[_emit_terminal, _report_terminal, _flush],
 )
 def run_job(
     schedule_id: str | None = None,

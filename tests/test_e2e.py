@@ -192,11 +192,15 @@ class User:
             time.sleep(1)
         raise AssertionError(f"{name}: not {state_type} in {timeout:g} s: {run.get('state')}")
 
-    def printed(self, run_name: str, text: str) -> list[str]:
-        """Return the lines the processes printed naming run_name or text (to set beside
-        what the server has)."""
-        return [line for line in self.log.read_text(errors="replace").splitlines()
-                if run_name in line or text in line][-40:]
+    def missing(self, run: dict[str, Any], lines: list[str], text: str) -> str:
+        """Say, in full, what the server has of run's log and what the processes printed."""
+        printed = [line for line in self.log.read_text(errors="replace").splitlines()
+                   if run["name"] in line or text in line or run["id"] in line]
+        return "\n".join([
+            f"{text!r} missing from the server's log of {run['name']} ({run['id']}, "
+            f"{run['state']['name']}, {run['start_time']} .. {run['end_time']}); it has:",
+            *(f"  | {line}" for line in lines),
+            "the processes printed:", *(f"  > {line}" for line in printed[-60:])])
 
     def log_lines(self, run_id: str, expected: str) -> list[str]:
         """Return the run's log messages once expected is among them (or after 90 s).
@@ -388,8 +392,8 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
     assert retry["parameters"]["retry_of"] == slow["id"]
     # The re-run ran the whole slow command (45 s) from its start.
     retry_lines = user.log_lines(retry["id"], "slow job done")
-    assert "slow job starts" in retry_lines and "slow job done" in retry_lines, (
-        retry_lines, user.printed(retry["name"], "slow job done"))
+    if not {"slow job starts", "slow job done"} <= set(retry_lines):
+        pytest.fail(user.missing(retry, retry_lines, "slow job done"), pytrace=False)
     ran_for = _utc(retry["end_time"]) - _utc(retry["start_time"])
     assert ran_for >= timedelta(seconds=45), ran_for
     phase("late windows and the re-run done")
@@ -430,8 +434,8 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
     assert "trigger:chain-prune" in prune["tags"]
     assert prune["parameters"]["schedule_id"] == "e2e-prune", prune["parameters"]
     prune_lines = user.log_lines(prune["id"], "prune of r-e2e fired by chain-prune")
-    assert "prune of r-e2e fired by chain-prune" in prune_lines, (
-        prune_lines, user.printed(prune["name"], "prune of r-e2e"))
+    if "prune of r-e2e fired by chain-prune" not in prune_lines:
+        pytest.fail(user.missing(prune, prune_lines, "prune of r-e2e"), pytrace=False)
 
     # An ad hoc run goes by schedule id, from the node's cache.
     user.run("deployment", "run", f"run-job/{user.node}", "--params",
