@@ -22,7 +22,7 @@ From those: the server CPU per idle subscriber-hour (2 - 1), and per event per
 subscriber (4 - 3 - (2 - 1)), then what 1,000 listening nodes cost at a given
 event rate. Writes docs/benchmarks.md between ``listener:begin`` and ``listener:end``.
 
-    .venv/bin/python bench/bench_listener.py [--nodes 200] [--rate 20] [--window 60]
+    .venv/bin/python bench/bench_listener.py [--nodes 50] [--rate 20] [--window 60]
 """
 
 from __future__ import annotations
@@ -60,20 +60,27 @@ SUBSCRIBERS = textwrap.dedent("""
     from prefect.events.clients import PrefectEventSubscriber
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    async def one(index: int, ready: list[int]) -> None:
+    async def one(index: int, entered: asyncio.Event) -> None:
         flt = EventFilter(event=EventNameFilter(name=["sched.schedules.updated"]),
                           resource=EventResourceFilter(id=[f"sched.agent.bench-{index}"]))
         async with PrefectEventSubscriber(api_url=sys.argv[1], filter=flt,
                                           reconnect_on_clean_close=True) as sub:
-            ready.append(index)
-            if len(ready) == int(sys.argv[2]):
-                print("ready", flush=True)
+            entered.set()
             async for _event in sub:
                 pass
 
     async def main() -> None:
-        ready: list[int] = []
-        await asyncio.gather(*(one(i, ready) for i in range(int(sys.argv[2]))))
+        tasks = []
+        for index in range(int(sys.argv[2])):  # one at a time, as nodes start
+            entered = asyncio.Event()
+            tasks.append(asyncio.create_task(one(index, entered)))
+            try:
+                await asyncio.wait_for(entered.wait(), 60)
+            except TimeoutError:
+                print(f"subscriber {index + 1} did not connect in 60 s", flush=True)
+                raise SystemExit(1)
+        print("ready", flush=True)
+        await asyncio.gather(*tasks)
 
     asyncio.run(main())
 """)
@@ -113,9 +120,22 @@ def window(server: subprocess.Popen[bytes], seconds: float) -> float:
     return tree_cpu(server.pid) - before
 
 
+def with_events(server: subprocess.Popen[bytes], api: str, rate: int, seconds: float
+                ) -> tuple[float, int]:
+    """Return the server tree's CPU seconds over a window with rate events a second, and
+    how many events were sent."""
+    sender = Sender(api, rate)
+    sender.thread.start()
+    try:
+        return window(server, seconds), sender.sent
+    finally:
+        sender.stop.set()
+        sender.thread.join()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nodes", type=int, default=200)
+    parser.add_argument("--nodes", type=int, default=50)
     parser.add_argument("--rate", type=int, default=20)
     parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--no-write", action="store_true")
@@ -128,12 +148,7 @@ def main() -> int:
     try:
         time.sleep(10)  # let the server's start-up work end
         cpu["idle"] = window(server, args.window)
-        sender = Sender(api, args.rate)
-        sender.thread.start()
-        cpu["events"] = window(server, args.window)
-        sender.stop.set()
-        sender.thread.join()
-        sent["events"] = sender.sent
+        cpu["events"], sent["events"] = with_events(server, api, args.rate, args.window)
         subs = subprocess.Popen([sys.executable, "-c", SUBSCRIBERS, api, str(args.nodes)],
                                 stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                 start_new_session=True, cwd=ROOT)
@@ -143,12 +158,8 @@ def main() -> int:
             raise SystemExit(f"the subscribers did not connect: {line!r}")
         time.sleep(5)
         cpu["subscribed"] = window(server, args.window)
-        sender = Sender(api, args.rate)
-        sender.thread.start()
-        cpu["subscribed+events"] = window(server, args.window)
-        sender.stop.set()
-        sender.thread.join()
-        sent["subscribed+events"] = sender.sent
+        cpu["subscribed+events"], sent["subscribed+events"] = with_events(
+            server, api, args.rate, args.window)
         assert subs.poll() is None, "the subscribers' process ended"
     finally:
         stop_group(subs, grace_s=5)

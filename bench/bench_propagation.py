@@ -31,8 +31,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,8 +42,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "benchmarks.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.prefect_bench import ROOT, free_port, stop_group, write_section
+
 BEGIN, END = "<!-- propagation:begin -->", "<!-- propagation:end -->"
 HEADING = "## Propagation: a schedule change reaching a node"
 NODE = "bench-node"
@@ -56,11 +56,6 @@ APPEAR_S = 20.0
 """How long the bench waits for the reconcile run an event triggers to be created."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
@@ -77,18 +72,6 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes], what: str, log: Path) -> No
     raise SystemExit(f"{what} did not answer at {url}; see {log}")
 
 
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group, then SIGKILL what is left after 20 s."""
-    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 class Bench:
@@ -297,15 +280,6 @@ def figures(times: list[float]) -> dict[str, float]:
             "max": max(times), "min": min(times)}
 
 
-def write_docs(body: str) -> None:
-    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{body.strip()}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
-    DOCS.write_text(text, encoding="utf-8")
 
 
 def main() -> int:
@@ -375,7 +349,7 @@ def main() -> int:
     ])
     print(body)
     if not args.no_docs:
-        write_docs(body)
+        write_section(BEGIN, END, HEADING, body)
     return 0
 
 
