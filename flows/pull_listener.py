@@ -54,6 +54,11 @@ def pull_now(settings: AgentSettings) -> PullResult:
         return scheduler.pull(now)
 
 
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
+
+
 def changed_payload(node: str, result: PullResult) -> dict[str, Any]:
     """Return the ``sched.schedules.changed`` payload of a listener's pull."""
     return {
@@ -109,8 +114,10 @@ class PullListener:
         self._stopping.set()
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            for task in asyncio.all_tasks(loop):
-                loop.call_soon_threadsafe(task.cancel)
+            try:  # the tasks are the loop's own: cancel them from its thread
+                loop.call_soon_threadsafe(_cancel_all, loop)
+            except RuntimeError:  # closed meanwhile
+                pass
         if self._thread is not None:
             self._thread.join(timeout)
 
