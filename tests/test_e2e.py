@@ -229,13 +229,28 @@ class User:
 def user(tmp_path: Path) -> Iterator[User]:
     session = User(tmp_path)
     yield session
-    # Workers first (they may be running flows), then the server.
-    for proc in reversed(session.procs):
+    # Workers first (they may be running flows), then the server; flow runs a stopped
+    # worker leaves (each in its own session) end against a live server before it stops.
+    marker = session.marker.split("=")[1]
+    server, workers = session.procs[0], session.procs[1:]
+    for proc in reversed(workers):
         _stop(proc, grace_s=30)
-    left = _marked(session.marker.split("=")[1])
+    deadline = time.monotonic() + 60
+    while [pid for pid in _marked(marker) if _group(pid) != server.pid] \
+            and time.monotonic() < deadline:
+        time.sleep(1)
+    _stop(server, grace_s=30)
+    left = {pid: _cmdline(pid) for pid in _marked(marker)}
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert left == [], f"processes left behind: {left}"
+    assert left == {}, f"processes left behind: {left}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:300]
+    except OSError:
+        return "?"
 
 
 def _row(sid: str, action: str, schedule: dict[str, Any], policy: str) -> dict[str, Any]:
