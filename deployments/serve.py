@@ -17,8 +17,10 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from types import FrameType
+from typing import Any
 from uuid import UUID
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -157,6 +159,8 @@ def main() -> int:
         except (KeyboardInterrupt, SystemExit):
             return 0
         except Exception as exc:
+            if _stop_asked.is_set():
+                return 0  # a stop was asked; what failed was the way out
             log.error(
                 "serving stopped after %.0f s (%s: %s); starting again in %.0f s",
                 time.monotonic() - started, type(exc).__name__, exc,
@@ -190,6 +194,13 @@ def serve(
     from prefect.runner import Runner
 
     runner = Runner(pause_on_shutdown=False, limit=limit, query_seconds=query_seconds)
+    prefect_sigterm = runner.handle_sigterm
+
+    def on_sigterm(*args: Any, **kwargs: Any) -> None:
+        _stopping()
+        prefect_sigterm(*args, **kwargs)
+
+    runner.handle_sigterm = on_sigterm  # type: ignore[method-assign]  # start() installs it
     for deployment in deployments:
         runner.add_deployment(deployment)
     if print_starting_message:
@@ -201,7 +212,7 @@ def serve(
     except (KeyboardInterrupt, TerminationSignal):
         return
     except Exception as exc:
-        if not runner.stopping:
+        if not runner.stopping and not _stop_asked.is_set():
             raise
         log.warning("stopped; the way out failed (%s: %s): runs this process had may be "
                     "left Running until the agent's automations mark them Crashed",
@@ -231,8 +242,36 @@ def poll_seconds() -> float | None:
     return None if os.environ.get("PREFECT_RUNNER_POLL_FREQUENCY") else float(RUNNER_POLL_S)
 
 
+STOP_GRACE_S = 30.0
+"""The longest the process lives on once a stop was asked (then it exits, code 0)."""
+_stop_asked = threading.Event()
+
+
+def _stopping() -> None:
+    """Note that a stop was asked, and make sure the process ends within STOP_GRACE_S.
+
+    Prefect's way out (the runner's, or a flow's in this process) may wait on
+    a server that is gone, with retries; a node told to stop must stop, as
+    systemd would make it after its own timeout. Runs still in flight are
+    then ended by the agent's automations (Crashed), then re-run once.
+    """
+    if _stop_asked.is_set():
+        return
+    _stop_asked.set()
+
+    def deadline() -> None:
+        time.sleep(STOP_GRACE_S)
+        log.error("still running %.0f s after the stop was asked: exiting now", STOP_GRACE_S)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)
+
+    threading.Thread(target=deadline, name="stop-deadline", daemon=True).start()
+
+
 def _exit_between_serves(signum: int, frame: FrameType | None) -> None:
     """Stop at once when told to between two serves (serve installs its own handlers)."""
+    _stopping()
     raise SystemExit(0)
 
 

@@ -108,3 +108,18 @@ def test_only_jobs_are_limited_so_long_jobs_never_hold_back_reconcile(
     monkeypatch.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "10")
     assert serve_module.main() == 0
     assert served["options"]["query_seconds"] is None
+
+
+def test_a_stop_that_prefect_cannot_finish_still_ends_the_process_with_code_0() -> None:
+    """serve's stop deadline: once a stop is asked, the process ends within STOP_GRACE_S,
+    whatever Prefect's way out is waiting on (a server that is gone, say)."""
+    import subprocess
+    import sys
+
+    code = ("import time, deployments.serve as s; s.STOP_GRACE_S = 0.5; s._stopping(); "
+            "time.sleep(60); print('not stopped')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "not stopped" not in done.stdout
+    assert "exiting now" in done.stderr
