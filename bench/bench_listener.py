@@ -206,10 +206,12 @@ def main() -> int:
         "runner watches its runs' cancellations over it (`FlowRunCancellingObserver`); the "
         "listener adds a second. "
         "The check is per event per subscriber, so the busy cost grows with nodes times "
-        "events: a fleet of a few hundred nodes pays little; a fleet of thousands with busy "
-        "servers should turn the listener off (`listen = false`, `SCHED_LISTEN=0`) and "
-        "keep the trigger path (figures in the propagation section), or shard its nodes "
-        "over several Prefect servers.",
+        "events. A default Prefect server also caps the streams it takes (99 were "
+        "accepted here, the 100th timed out), and a served node already holds one: past "
+        "about 50 listening nodes per server, listeners that cannot connect retry every "
+        "30 s and their nodes keep the trigger path (figures in the propagation section). "
+        "A larger fleet should turn the listener off (`listen = false`, `SCHED_LISTEN=0`) "
+        "or spread its nodes over several Prefect servers.",
     ])
     print(body)
     if not args.no_write:
