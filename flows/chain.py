@@ -33,7 +33,7 @@ from flows.registry import (
     ACTIVE_STATES,
     FINISHED_STATES,
     count_jobs,
-    list_interrupted_chain_runs,
+    interrupted_runs,
 )
 from flows.runtime import ADVANCE_CHAIN, agent_settings, deployment_name, logical_now, slug
 from flows.settings import AgentSettings, StageSpec
@@ -170,7 +170,7 @@ def resume_interrupted(
     deployment = client.read_deployment_by_name(
         f"{ADVANCE_CHAIN}/{deployment_name(settings)}")
     resumed: list[tuple[str, str]] = []
-    for run in list_interrupted_chain_runs(client, deployment.id, since=now - FOLLOW_WINDOW):
+    for run in interrupted_runs(client, deployment.id, since=now - FOLLOW_WINDOW):
         if str(run.id) in record.interrupted:
             continue
         rerun = client.create_flow_run_from_deployment(

@@ -36,7 +36,7 @@ from prefect.states import Completed
 
 from flows.actions import CommandResult, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
-from flows.guard import cached_row, first_try_of, start_window
+from flows.guard import cached_row, cached_rows, first_try_of, stage_rerun, start_window
 from flows.node_report import report_after
 from flows.overlap import cancel_run, job_slot, longest_run_s
 from flows.registry import SKIPPED, still_interrupted, tag_values
@@ -284,6 +284,20 @@ def run_job(
             logger.info("skipped: %s", decision.reason)
             return _skip(settings.node_name, schedule_id, window, decision.reason)
         logger.info("start guard: %s", decision.reason)
+        row = found
+    elif retry_of:  # the one re-run of a chain stage's interrupted job
+        with get_client(sync_client=True) as client:
+            reason = still_interrupted(client, retry_of)
+        found = next((item for item in cached_rows(settings, now=at) if item.id == schedule_id),
+                     None)
+        if reason is None:
+            decision = stage_rerun(settings, found, schedule_id=schedule_id,
+                                   trigger_key=trigger_key, stopped_at=None, now=at)
+            reason = None if decision.runs else decision.reason
+        if reason is not None or found is None:
+            reason = reason or f"schedule {schedule_id} was removed from this node's list"
+            logger.info("skipped: %s", reason)
+            return _skip(settings.node_name, schedule_id, window, reason)
         row = found
     else:
         row = cached_row(settings, schedule_id, now=at)

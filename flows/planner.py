@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from flows.dispatch import JobRef, Planned, Runs
+from flows.guard import stage_rerun
 from flows.registry import Interrupted, list_interrupted, list_waiting, list_window_runs
 from flows.settings import AgentSettings
 from sched_core.misses import LOOKBACK
@@ -198,11 +199,16 @@ def plan_node(
             continue
         report.interrupted.append(stopped)
         row = by_id.get(stopped.schedule_id)
-        decision = retry_allowed(
-            row, schedule_id=stopped.schedule_id, window=stopped.window,
-            last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace, tz=tz,
-            node=node,
-        )
+        if stopped.window is None:
+            decision = stage_rerun(settings, row, schedule_id=stopped.schedule_id,
+                                   trigger_key=stopped.trigger_key,
+                                   stopped_at=stopped.stopped_at, now=now)
+        else:
+            decision = retry_allowed(
+                row, schedule_id=stopped.schedule_id, window=stopped.window,
+                last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace,
+                tz=tz, node=node,
+            )
         if not decision.runs or row is None:
             report.not_retried.append((stopped, decision.reason))
             continue

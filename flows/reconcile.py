@@ -186,7 +186,7 @@ def emit_interrupted(node: str, report: PlanReport) -> None:
                 "action": item.action,
                 "schedule_id": item.schedule_id,
                 "trigger_key": item.trigger_key,
-                "window": item.window.isoformat(),
+                "window": item.window.isoformat() if item.window else None,
                 "flow_run_id": item.run_id,
                 "flow_run_name": item.run_name,
                 "state": item.state_name,

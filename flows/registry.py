@@ -216,65 +216,34 @@ def _start(run: FlowRun) -> datetime | None:
 
 @dataclass(frozen=True)
 class Interrupted:
-    """A window job the node's own shutdown or a crash stopped, to be run once more."""
+    """A job the node's own shutdown or a crash stopped, to be run once more.
+
+    ``window`` is None for a chain stage's job (its trigger is the stage's,
+    its key ``<id>@<stage>@<day>``).
+    """
 
     run_id: str
     run_name: str
     action: str
     schedule_id: str
-    window: datetime
+    window: datetime | None
     key: str
     trigger_key: str
     state_name: str
     stopped_at: datetime | None = None
 
 
-def list_interrupted(
-    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime
-) -> list[Interrupted]:
-    """Return this node's window jobs that ended Crashed, or Cancelled by its own shutdown.
-
-    A run an operator cancelled is not interrupted: it stays cancelled. A
-    run that is itself a re-run (tag ``retry``) is never re-run again.
-    """
-    flt = FlowRunFilter(
-        deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
-        tags=FlowRunFilterTags(all_=[f"node:{node}"]),
-        state=FlowRunFilterState(
-            type=FlowRunFilterStateType(any_=[StateType.CRASHED, StateType.CANCELLED])
-        ),
-        end_time=FlowRunFilterEndTime(after_=since),
-    )
-    found: list[Interrupted] = []
-    for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
-        if "retry" in run.tags:
-            continue
-        item = planned_run(run)
-        key = (run.parameters or {}).get("key")
-        if item is None or not isinstance(key, str) or not key:
-            continue
-        if not interrupted_by_the_node(client, run):
-            continue
-        stopped = run.state.timestamp if run.state is not None else None
-        if stopped is not None and alive_after(client, item.run_id, stopped):
-            continue  # marked Crashed while it still ran (a Prefect outage): not interrupted
-        found.append(Interrupted(
-            run_id=item.run_id, run_name=run.name, action=tag_values(run).get("action", ""),
-            schedule_id=item.schedule_id,
-            window=item.window, key=key, trigger_key=item.trigger_key,
-            state_name=item.state_name, stopped_at=None if stopped is None else as_utc(stopped),
-        ))
-    return found
-
-
-def list_interrupted_chain_runs(
-    client: SyncPrefectClient, deployment_id: UUID, *, since: datetime
+def interrupted_runs(
+    client: SyncPrefectClient, deployment_id: UUID, *, since: datetime, node: str | None = None
 ) -> list[FlowRun]:
-    """Return the node's advance-chain runs its own stop interrupted (ended since ``since``).
+    """Return a deployment's runs, ended since ``since``, that their node's own stop interrupted.
 
-    A trigger created them with the deployment's tags only; the deployment is
-    the node's. Re-runs (tag ``retry``), runs an operator cancelled and runs
-    still alive are left out.
+    Crashed, or Cancelled by the node's shutdown (:func:`interrupted_by_the_node`);
+    ``node`` keeps the runs tagged ``node:<node>`` only (run-job's; an
+    advance-chain run has the deployment's tags only, and the deployment is
+    the node's). A run an operator cancelled stays cancelled; a re-run (tag
+    ``retry``) is never run again; a run marked Crashed that still sent
+    heartbeats afterwards (a Prefect outage, not a stop) is left out.
     """
     flt = FlowRunFilter(
         deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]),
@@ -283,6 +252,8 @@ def list_interrupted_chain_runs(
         ),
         end_time=FlowRunFilterEndTime(after_=since),
     )
+    if node is not None:
+        flt.tags = FlowRunFilterTags(all_=[f"node:{node}"])
     found: list[FlowRun] = []
     for run in _pages(client, flt, FlowRunSort.EXPECTED_START_TIME_ASC):
         if "retry" in run.tags or not interrupted_by_the_node(client, run):
@@ -291,6 +262,37 @@ def list_interrupted_chain_runs(
         if stopped is not None and alive_after(client, str(run.id), stopped):
             continue
         found.append(run)
+    return found
+
+
+def list_interrupted(
+    client: SyncPrefectClient, deployment_id: UUID, node: str, *, since: datetime
+) -> list[Interrupted]:
+    """Return this node's jobs that ended Crashed, or Cancelled by its own shutdown.
+
+    Window jobs, and the jobs chain stages fired (no window, a key and a
+    trigger of their own). An ad hoc run (no key) is not re-run: whoever
+    started it sees how it ended.
+    """
+    found: list[Interrupted] = []
+    for run in interrupted_runs(client, deployment_id, since=since, node=node):
+        params = run.parameters or {}
+        key, schedule_id = params.get("key"), params.get("schedule_id")
+        tags = tag_values(run)
+        trigger = tags.get("trigger", "")
+        if not isinstance(key, str) or not key or not isinstance(schedule_id, str):
+            continue
+        item = planned_run(run)
+        if item is None and trigger in WINDOW_TRIGGERS:
+            continue  # a window trigger without a window: not one of ours
+        stopped = run.state.timestamp if run.state is not None else None
+        found.append(Interrupted(
+            run_id=str(run.id), run_name=run.name, action=tags.get("action", ""),
+            schedule_id=schedule_id,
+            window=item.window if item is not None else None, key=key, trigger_key=trigger,
+            state_name=(run.state.name or "") if run.state is not None else "",
+            stopped_at=None if stopped is None else as_utc(stopped),
+        ))
     return found
 
 

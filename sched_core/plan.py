@@ -657,3 +657,42 @@ def retry_allowed(
         lookback=lookback,
         node=node,
     )
+
+
+def stage_retry_allowed(
+    row: LocalSchedule | None,
+    *,
+    schedule_id: str,
+    stage: str,
+    action: str,
+    on: str,
+    stopped_at: datetime | None,
+    now: datetime,
+    follow: timedelta,
+    tz: ZoneInfo,
+) -> StartDecision:
+    """Return whether an interrupted job of a chain stage may be run again now.
+
+    A chain stage's job has no window: the chain fired it after the wave.
+    Its one re-run runs while the row is still a schedule of that stage
+    (enabled, same action, same ``on``), the row's policies let it fire now,
+    and the stop was within ``follow`` (the chain's follow window, after
+    which the chain has moved on to the next day).
+    """
+    def skip(reason: str) -> StartDecision:
+        return StartDecision(Verdict.SKIP, reason)
+
+    if row is None:
+        return skip(f"schedule {schedule_id} was removed from this node's list")
+    if not row.enabled:
+        return skip(f"schedule {schedule_id} is disabled")
+    if row.action != action or row.schedule.on != on:
+        return skip(f"schedule {schedule_id} is no longer a {on!r} {action} schedule of the "
+                    f"chain stage {stage}")
+    held = policy_block(row, now, last_fired=None, tz=tz, retry=True)
+    if held is not None:
+        return skip(held)
+    if stopped_at is not None and now - stopped_at > follow:
+        return skip(f"interrupted at {_local(stopped_at, tz)}, more than {_minutes(follow)} ago: "
+                    f"the chain has moved on")
+    return StartDecision(Verdict.RUN, f"interrupted job of the chain stage {stage}: run once more")

@@ -149,6 +149,111 @@ def test_reconcile_runs_again_an_advance_chain_run_the_node_stop_interrupted(
         assert [run.id for run in again] == [reruns[0].id]
 
 
+def test_reconcile_runs_again_a_chain_stage_job_the_node_stop_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the clean-clone CI run of the e2e test: the node was killed while the
+    chain's prune ran; it ended Crashed and the day's prune never ran. The reconcile now
+    runs a chain stage's interrupted job once more, under ``<key>:retry``; the re-run
+    runs the cached row. A stage job an operator cancelled stays cancelled, and a row
+    that left the stage is not re-run (the artifact says why)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled, Cancelling, Crashed, Running
+
+    from flows.dispatch import JobRef, Planned, runs_of
+    from flows.job import run_job
+    from flows.reconcile import reconcile
+
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    py = json.dumps(sys.executable)
+    out = tmp_path / "pruned.txt"
+    schedules = tmp_path / "schedules.json"
+    schedules.write_text(json.dumps({"schedules": [
+        _row("p-1", "prune", {"on": "after_wave"}),
+        _row("p-2", "prune", {"on": "after_wave"}),
+        _row("p-3", "prune", {"on": "after_wave"}),
+    ]}))
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
+        f'[actions.prune]\nargv = [{py}, "-c", "import sys; open(sys.argv[1], \'a\')'
+        f'.write(sys.argv[2] + chr(10))", {json.dumps(str(out))}, "{{schedule_id}}"]\n'
+        '[[stages]]\nname = "prune"\naction = "prune"\n'
+    )
+    monkeypatch.setenv("SCHED_CONFIG", str(config))
+    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    deployment_id = run_job.to_deployment(name=node).apply()
+    assert reconcile()["schedules"] == 3
+
+    # The chain fired the day's prune of three rows (as ChainDispatcher does).
+    refs = {sid: JobRef(node=node, action="prune", schedule_id=sid, trigger_key="chain-prune",
+                        window=None, key=f"{sid}@prune@2026-12-03") for sid in ("p-1", "p-2",
+                                                                               "p-3")}
+    with runs_of(node) as runs:
+        created = runs.create([Planned(ref=ref, start=ref_start()) for ref in refs.values()])
+    ids = {sid: created.runs[ref.idempotency_key] for sid, ref in refs.items()}
+    with get_client(sync_client=True) as client:
+        for sid, run_id in ids.items():
+            client.set_flow_run_state(run_id, Running(), force=True)
+        # p-1 and p-3: killed with the node; p-2: an operator cancelled it.
+        for sid in ("p-1", "p-3"):
+            client.set_flow_run_state(
+                ids[sid], Crashed(message="Process exited with status code -9"), force=True)
+        client.set_flow_run_state(ids["p-2"], Cancelling(), force=True)
+        client.set_flow_run_state(ids["p-2"], Cancelled(), force=True)
+    # p-3 leaves the stage before the node is back: it now runs by hand only.
+    rows = json.loads(schedules.read_text())["schedules"]
+    rows[2]["schedule"] = {"on": "manual"}
+    rows[2]["version"] = 2
+    schedules.write_text(json.dumps({"schedules": rows}))
+
+    counts = reconcile()
+    assert counts["retried"] == 1, counts
+    with get_client(sync_client=True) as client:
+        reruns = _reruns(client, deployment_id)
+        assert [run.name for run in reruns] == [f"{refs['p-1'].name}-retry"]
+        rerun = reruns[0]
+        assert rerun.parameters["retry_of"] == ids["p-1"]
+        assert rerun.parameters["key"] == "p-1@prune@2026-12-03"
+        assert rerun.parameters["trigger_key"] == "chain-prune"
+        assert rerun.parameters["window"] is None
+        assert "trigger:chain-prune" in rerun.tags
+        artifact = _latest_markdown(client, f"reconcile-{node}")
+        assert "is no longer a 'after_wave' prune schedule of the chain stage prune" in artifact
+        # Handled once: the next reconcile creates nothing more.
+        assert reconcile()["retried"] == 0
+        assert [run.id for run in _reruns(client, deployment_id)] == [rerun.id]
+
+    # The re-run runs the cached row once (started as a worker would: its parameters).
+    state = run_job(**rerun.parameters, return_state=True)
+    assert state.is_completed() and state.name == "Completed", (state.name, state.message)
+    assert out.read_text().splitlines() == ["p-1"]
+
+    # Were the killed run alive after all (it completed), its re-run would not run.
+    with get_client(sync_client=True) as client:
+        from prefect.states import Completed
+        client.set_flow_run_state(ids["p-1"], Completed(), force=True)
+    state = run_job(**rerun.parameters, return_state=True)
+    assert state.name == "Skipped", (state.name, state.message)
+    assert "is Completed now, not interrupted" in (state.message or "")
+    assert out.read_text().splitlines() == ["p-1"]
+
+
+def ref_start() -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC)
+
+
+def _latest_markdown(client: Any, key: str) -> str:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    [artifact] = client.read_latest_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=1)
+    return str(artifact.data)
+
+
 def _reruns(client: Any, deployment_id: Any) -> list[Any]:
     from prefect.client.schemas.filters import (
         FlowRunFilter,

@@ -25,6 +25,7 @@ from sched_core.plan import (
     obsolete,
     plan_windows,
     retry_allowed,
+    stage_retry_allowed,
 )
 
 NY = ZoneInfo("America/New_York")
@@ -354,6 +355,38 @@ def test_the_retry_of_an_interrupted_job_runs_its_stamped_window_once_more() -> 
                      last_fired=W + timedelta(days=1), retry=True).runs
     assert retry_allowed(NIGHTLY, schedule_id="s", window=W, last_fired=W,
                          now=W + timedelta(hours=2), grace=GRACE, tz=NY).runs
+
+
+def test_a_chain_stage_job_is_rerun_while_its_row_is_still_of_the_stage() -> None:
+    prune = row("p", {"on": "after_wave"}, action="prune")
+    stopped = utc(2026, 12, 3, 20, 20)
+
+    def decide(candidate: LocalSchedule | None, now: datetime) -> Any:
+        return stage_retry_allowed(candidate, schedule_id="p", stage="prune", action="prune",
+                                   on="after_wave", stopped_at=stopped, now=now,
+                                   follow=timedelta(hours=24), tz=NY)
+
+    soon = stopped + timedelta(minutes=3)
+    assert decide(prune, soon).runs
+    assert decide(prune, soon).reason == "interrupted job of the chain stage prune: run once more"
+    for candidate, reason in [
+        (None, "schedule p was removed from this node's list"),
+        (row("p", {"on": "after_wave"}, action="prune", enabled=False),
+         "schedule p is disabled"),
+        (row("p", {"on": "manual"}, action="prune"),
+         "schedule p is no longer a 'after_wave' prune schedule of the chain stage prune"),
+        (row("p", {"on": "after_wave"}, action="check"),
+         "schedule p is no longer a 'after_wave' prune schedule of the chain stage prune"),
+    ]:
+        decision = decide(candidate, soon)
+        assert decision.verdict is Verdict.SKIP and decision.reason == reason
+    paused = row("p", {"on": "after_wave"}, action="prune",
+                 paused={"note": "repo moved", "until": None})
+    assert not decide(paused, soon).runs and "repo moved" in decide(paused, soon).reason
+    late = decide(prune, stopped + timedelta(hours=25))
+    assert not late.runs
+    assert late.reason == ("interrupted at 2026-12-03 15:20 EST, more than 24 h ago: "
+                           "the chain has moved on")
 
 
 # -- windows nobody planned -------------------------------------------------------------
