@@ -216,3 +216,44 @@ def test_a_failed_pull_keeps_the_cache_and_the_next_event_pulls_again(
         _wait("version 7 in the cache", lambda: _cached_version(state, "s-1") == 7)
     finally:
         listener.stop()
+
+
+def test_the_listener_threads_records_stay_out_of_the_api_log() -> None:
+    """Seen in serve's output: Prefect's API log handler (on the ``flows`` and
+    ``sched_core`` loggers) warned that the listener's records have no flow run.
+    They are now marked not to be sent; other threads' records are untouched."""
+    import logging
+
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.pull_listener import _keep_local
+
+    logger = logging.getLogger(f"flows.test-listener-{uuid.uuid4().hex[:6]}")
+    handler = APILogHandler()
+    logger.addHandler(handler)
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    logger.addHandler(Keep())
+    logger.propagate = False
+    try:
+        _keep_local("pull-listener-t")
+        _keep_local("pull-listener-t")  # once per handler
+        assert sum(1 for item in handler.filters if type(item).__name__ == "_StayLocal") == 1
+        with pytest.warns(UserWarning, match="without a flow run id"):
+            logger.warning("from another thread")
+        thread = threading.Thread(target=lambda: logger.warning("from the listener"),
+                                  name="pull-listener-t")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            thread.start()
+            thread.join()
+    finally:
+        logger.handlers.clear()
+    assert [(r.getMessage(), getattr(r, "send_to_api", True)) for r in seen] == [
+        ("from another thread", True), ("from the listener", False)]
