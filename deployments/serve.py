@@ -26,6 +26,7 @@ from uuid import UUID
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
+from prefect.exceptions import TerminationSignal
 from prefect.schedules import Interval
 
 from flows.automations import HEARTBEAT_S, ensure_automations
@@ -156,7 +157,10 @@ def main() -> int:
             serve(*deployments, limit=None, print_starting_message=attempt == 1,
                   query_seconds=poll_seconds())
             return 0  # serve returns only when it was stopped (SIGTERM, SIGINT)
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, TerminationSignal):
+            # TerminationSignal: a SIGTERM while the reconcile at start ran (a
+            # flow run in this process installs Prefect's own SIGTERM handler).
+            _stopping()
             return 0
         except Exception as exc:
             if _stop_asked.is_set():
@@ -190,7 +194,6 @@ def serve(
        failure: the supervisor loop in :func:`main` must not start serving again
        because the way out could not reach the server.
     """
-    from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
     runner = Runner(pause_on_shutdown=False, limit=limit, query_seconds=query_seconds)
