@@ -204,32 +204,80 @@ def _report_terminal(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> N
 
 FLUSH_S = 10.0
 """The longest the last hook waits for the run's queued logs and events to reach the server."""
+EXIT_GRACE_S = 60.0
+"""How long a run's own process may live after its last hook (then it prints its stacks, exits)."""
 
 
 def _flush(flow: Flow[..., Any], flow_run: FlowRun, state: State) -> None:
     """State hook, the last one: send the run's queued logs and events to the server now.
 
-    Seen in the e2e test (1 run in 3 under load): a run-job process whose run
-    was already Completed never reached Prefect's own end (its "Finished in
-    state" line was never printed), and what its background workers still
-    held was lost with it: the command's last output lines never reached the
-    run's log. Draining here, before the engine's teardown, makes the run's
-    log and its job event reach the server whatever happens to the process
-    afterwards. Best effort: a failure is logged, never raised.
+    Seen in the e2e test (1 run in 3 under load, then about 1 CI run in 4): a
+    run-job process whose run was already Completed never reached Prefect's
+    own end (its "Finished in state" line was never printed), and what its
+    background workers still held was lost with it: the command's last output
+    lines never reached the run's log. Draining here, before the engine's
+    teardown, sends them while the process is still sound. The drain runs in a
+    thread of its own, waited for at most twice FLUSH_S, so this hook cannot
+    hang on Prefect's internals whatever they wait on. Best effort: a failure
+    is logged, never raised.
+
+    In the run's own process (a worker's or serve's subprocess), a watchdog
+    then makes sure the process ends: EXIT_GRACE_S after this hook it prints
+    every thread's stack (each line with the run's name, so the hang can be
+    found in the worker's output) and exits with the run's outcome. The run's
+    state is final by then; nothing is lost but the wait.
     """
-    import inspect
+    import os
+    import threading
 
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    run_id = str(flow_run.id)
+    if os.environ.get("PREFECT__FLOW_RUN_ID") == run_id:  # not a run called in-process
+        threading.Thread(target=_exit_watchdog, args=(flow_run.name, state.is_completed()),
+                         name="run-job-exit-watchdog", daemon=True).start()
+    done = threading.Event()
+    errors: list[str] = []
 
-    for service in (APILogWorker, EventsWorker):
-        try:
-            pending = service.drain_all(timeout=FLUSH_S)
-            if inspect.isawaitable(pending):  # inside an event loop: cannot block here
-                pending.close()
-        except Exception as exc:
-            log.warning("could not send the run's queued %s", service.__name__,
-                        extra={"flow_run_id": str(flow_run.id), "error": repr(exc)[:300]})
+    def drain() -> None:
+        import inspect
+
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        for service in (APILogWorker, EventsWorker):
+            try:
+                pending = service.drain_all(timeout=FLUSH_S)
+                if inspect.isawaitable(pending):  # inside an event loop: cannot block here
+                    pending.close()
+            except Exception as exc:
+                errors.append(f"{service.__name__}: {exc!r}"[:300])
+        done.set()
+
+    threading.Thread(target=drain, name="run-job-flush", daemon=True).start()
+    if not done.wait(2 * FLUSH_S + 1):
+        errors.append(f"the drain did not return in {2 * FLUSH_S + 1:g} s")
+    for error in errors:
+        log.warning("could not send the run's queued logs and events: %s", error,
+                    extra={"flow_run_id": run_id, "error": error})
+
+
+def _exit_watchdog(run_name: str, completed: bool) -> None:
+    """End a run-job process still alive EXIT_GRACE_S after its last hook; print where it hung."""
+    import os
+    import sys
+    import threading
+    import time
+    import traceback
+
+    time.sleep(EXIT_GRACE_S)
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    lines = [f"run-job {run_name}: the process is still alive {EXIT_GRACE_S:g} s after the "
+             f"run's final state; its threads:"]
+    for ident, frame in sys._current_frames().items():
+        lines.append(f"run-job {run_name}: thread {names.get(ident, ident)}:")
+        lines += [f"run-job {run_name}:   {line}" for entry in traceback.format_stack(frame)
+                  for line in entry.rstrip().splitlines()]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    os._exit(0 if completed else 1)
 
 
 @flow(

@@ -776,3 +776,30 @@ def test_stage_that_could_not_fire_fails_the_run_and_is_retried_on_the_next_comp
     assert "trigger:chain-prune" in prune.tags
     assert advance_chain(action="check", node=agent.node) == []
     assert len(agent.runs("prune")) == 1
+
+
+def test_a_run_job_process_hung_after_its_final_state_prints_its_stacks_and_exits() -> None:
+    """Seen in CI: a run-job process whose run was already Completed hung in its last
+    hook and never exited. The watchdog the last hook starts in the run's own process
+    prints every thread's stack (each line naming the run) and ends the process with the
+    run's outcome."""
+    import subprocess
+
+    script = (
+        "import threading, flows.job as job\n"
+        "job.EXIT_GRACE_S = 0.5\n"
+        "threading.Thread(target=job._exit_watchdog, args=('backup-s-1-x', False),"
+        " daemon=True).start()\n"
+        "def stuck_in_prefect_teardown():\n"
+        "    threading.Event().wait()\n"
+        "stuck_in_prefect_teardown()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == ("run-job backup-s-1-x: the process is still alive 0.5 s after the "
+                        "run's final state; its threads:"), done.stderr
+    assert "run-job backup-s-1-x: thread MainThread:" in lines
+    assert any("in stuck_in_prefect_teardown" in line for line in lines), done.stderr
+    assert all(line.startswith("run-job backup-s-1-x:") for line in lines), done.stderr
