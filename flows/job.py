@@ -42,13 +42,16 @@ from flows.overlap import cancel_run, job_slot, longest_run_s
 from flows.registry import SKIPPED, still_interrupted, tag_values
 from flows.repolock import repo_lock
 from flows.runtime import (
+    ADVANCE_CHAIN,
     RUN_JOB,
     agent_settings,
+    deployment_name,
     emit_job_event,
     logical_now,
     slug,
     wall_clock,
 )
+from flows.settings import AgentSettings
 from sched_core import ConfigError, LocalSchedule, SchedError
 from sched_core.plan import WINDOW_TRIGGERS
 
@@ -178,6 +181,30 @@ def _skip(node: str, schedule_id: str, window: datetime | None, reason: str) -> 
         description=f"{schedule_id}: skipped",
     )
     return Completed(name=SKIPPED, message=reason)
+
+
+def _feed_chain(settings: AgentSettings, trigger_key: str) -> None:
+    """Run advance-chain for a chain stage's re-run that ends without running.
+
+    While the re-run waited, it was an active job of its stage, so the chain
+    held the next stage back for it; a run that ends Skipped sends no job
+    event, and without this the next stage would wait for the next day's
+    wave. Best effort: a failure is logged (the next job completion feeds the
+    chain again).
+    """
+    stage = next((spec for spec in settings.stages if spec.key() == trigger_key), None)
+    if stage is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = client.read_deployment_by_name(
+                f"{ADVANCE_CHAIN}/{deployment_name(settings)}")
+            client.create_flow_run_from_deployment(deployment.id, parameters={
+                "action": stage.action, "node": settings.node_name,
+                "completed_run": str(current_run.id or "")})
+    except Exception as exc:
+        log.warning("could not feed the chain after a skipped re-run of stage %s: %r",
+                    stage.name, exc, extra={"node": settings.node_name, "error": repr(exc)})
 
 
 _reported: set[str] = set()
@@ -345,6 +372,7 @@ def run_job(
         if reason is not None or found is None:
             reason = reason or f"schedule {schedule_id} was removed from this node's list"
             logger.info("skipped: %s", reason)
+            _feed_chain(settings, trigger_key)
             return _skip(settings.node_name, schedule_id, window, reason)
         row = found
     else:

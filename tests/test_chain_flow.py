@@ -230,7 +230,12 @@ def test_reconcile_runs_again_a_chain_stage_job_the_node_stop_interrupted(
     assert state.is_completed() and state.name == "Completed", (state.name, state.message)
     assert out.read_text().splitlines() == ["p-1"]
 
-    # Were the killed run alive after all (it completed), its re-run would not run.
+    # Were the killed run alive after all (it completed), its re-run would not run; it
+    # then feeds the chain itself (it sends no job event, and while it waited the chain
+    # held the next stage back for it).
+    from flows.chain import advance_chain
+
+    chain_id = advance_chain.to_deployment(name=node).apply()
     with get_client(sync_client=True) as client:
         from prefect.states import Completed
         client.set_flow_run_state(ids["p-1"], Completed(), force=True)
@@ -238,6 +243,14 @@ def test_reconcile_runs_again_a_chain_stage_job_the_node_stop_interrupted(
     assert state.name == "Skipped", (state.name, state.message)
     assert "is Completed now, not interrupted" in (state.message or "")
     assert out.read_text().splitlines() == ["p-1"]
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+        fed = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[chain_id])))
+    assert [run.parameters for run in fed] == [{
+        "action": "prune", "node": node,
+        "completed_run": str(state.state_details.flow_run_id)}]
 
 
 def ref_start() -> Any:
