@@ -28,7 +28,7 @@ from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.states import Scheduled
 
 from flows.dispatch import ChainDispatcher, build_scheduler
-from flows.planner import load_plan_state, save_plan_state
+from flows.planner import PlanState
 from flows.registry import (
     ACTIVE_STATES,
     FINISHED_STATES,
@@ -152,7 +152,7 @@ def advance_chain(
 
 
 def resume_interrupted(
-    client: SyncPrefectClient, settings: AgentSettings, *, now: datetime
+    client: SyncPrefectClient, settings: AgentSettings, record: PlanState, *, now: datetime
 ) -> list[tuple[str, str]]:
     """Run again each advance-chain run the node's own stop interrupted; return (old, new) ids.
 
@@ -161,12 +161,12 @@ def resume_interrupted(
     the day's prune would wait for the next wave. The re-run has the same
     parameters, so it feeds the same completion; the chain's day markers and
     its stage keys make a completion fed twice fire nothing twice. Each
-    interrupted run is handled once (the plan record), and its re-run is
-    created under an idempotency key of its own. Called by the reconcile
-    under the node lock.
+    interrupted run is handled once (noted in the plan record, which the
+    caller saves: the reconcile's :func:`~flows.planner.plan_node`), and its
+    re-run is created under an idempotency key of its own, so a record lost
+    in a crash makes no second re-run. Called by the reconcile under the
+    node lock.
     """
-    record_path = settings.state_dir / "plan.json"
-    record = load_plan_state(record_path, now=now)
     deployment = client.read_deployment_by_name(
         f"{ADVANCE_CHAIN}/{deployment_name(settings)}")
     resumed: list[tuple[str, str]] = []
@@ -188,6 +188,4 @@ def resume_interrupted(
         )
         record.interrupted[str(run.id)] = now
         resumed.append((str(run.id), str(rerun.id)))
-    if resumed:
-        save_plan_state(record_path, record)
     return resumed

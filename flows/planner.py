@@ -138,7 +138,8 @@ def save_plan_state(path: Path, state: PlanState) -> None:
 
 
 def plan_node(
-    settings: AgentSettings, cache: Cache, runs: Runs, *, now: datetime
+    settings: AgentSettings, cache: Cache, runs: Runs, *, now: datetime,
+    record: PlanState | None = None,
 ) -> PlanReport:
     """Run one planning pass (the module's steps 1 to 5) and return what it did."""
     node, tz, grace = settings.node_name, settings.tz, settings.grace
@@ -146,7 +147,8 @@ def plan_node(
     rows = cache.schedules
     deployment_id = runs.deployment_id()
     record_path = settings.state_dir / "plan.json"
-    record = load_plan_state(record_path, now=now)
+    if record is None:
+        record = load_plan_state(record_path, now=now)
     planned_through = record.planned_through
     # List back to the oldest window not yet handled (after downtime), at most
     # the longest catch-up window: those runs are the guard's, not missed.

@@ -31,7 +31,7 @@ from flows.automations import ensure_automations
 from flows.chain import resume_interrupted
 from flows.dispatch import pulling_scheduler, runs_of
 from flows.node_report import pull_outcome, report_after
-from flows.planner import PlanReport, plan_node
+from flows.planner import PlanReport, load_plan_state, plan_node
 from flows.reports import plan_lines, pull_lines
 from flows.runtime import (
     EVENT_SCHEDULES_CHANGED,
@@ -80,12 +80,13 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
             logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
     with node_lock(settings), runs_of(deployment_name(settings)) as runs:
         cache = scheduler.cache()
-        report = plan_node(settings, cache, runs, now=at)
+        record = load_plan_state(settings.state_dir / "plan.json", now=at)
         try:
-            resumed = resume_interrupted(runs.client, settings, now=at)
-        except Exception as exc:  # the plan stands; the next reconcile looks again
+            resumed = resume_interrupted(runs.client, settings, record, now=at)
+        except Exception as exc:  # planning goes on; the next reconcile looks again
             resumed = []
             logger.warning("could not look for interrupted advance-chain runs: %r", exc)
+        report = plan_node(settings, cache, runs, now=at, record=record)  # saves the record
         try:
             ensure_automations(runs.client)
         except Exception as exc:  # the plan stands; the next reconcile tries again

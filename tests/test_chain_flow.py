@@ -194,7 +194,7 @@ def test_reconcile_runs_again_a_chain_stage_job_the_node_stop_interrupted(
         created = runs.create([Planned(ref=ref, start=ref_start()) for ref in refs.values()])
     ids = {sid: created.runs[ref.idempotency_key] for sid, ref in refs.items()}
     with get_client(sync_client=True) as client:
-        for sid, run_id in ids.items():
+        for run_id in ids.values():
             client.set_flow_run_state(run_id, Running(), force=True)
         # p-1 and p-3: killed with the node; p-2: an operator cancelled it.
         for sid in ("p-1", "p-3"):
