@@ -348,9 +348,9 @@ def test_planned_runs_the_guard_the_chain_and_a_stopped_worker_like_a_user(user:
 
     # The node dies mid-job (its worker and the job's process killed at once): nothing
     # is left to report a state. First the chain's prune (fired by the backup's completion)
-    # ends, so that the kill interrupts the slow job only: an interrupted chain stage job
-    # is not re-run yet (left open, in the note), and on a loaded machine the prune can
-    # still be starting at W0+15 s.
+    # ends, so that the kill interrupts the slow job only, as the timeline says (on a loaded
+    # machine the prune can still be starting at W0+15 s). An interrupted chain stage job
+    # is run again too: test_chain_flow.py, with a real server.
     _at(w0 + timedelta(seconds=15))
     deadline = time.monotonic() + max(0.0, (w0 + timedelta(seconds=35) - datetime.now(UTC))
                                       .total_seconds())
