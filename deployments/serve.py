@@ -34,7 +34,12 @@ from flows.chain import advance_chain
 from flows.job import run_job
 from flows.pull_listener import PullListener
 from flows.reconcile import reconcile
-from flows.runtime import EVENT_JOB_COMPLETED, EVENT_JOB_FAILED, EVENT_SCHEDULES_UPDATED
+from flows.runtime import (
+    EVENT_JOB_COMPLETED,
+    EVENT_JOB_FAILED,
+    EVENT_SCHEDULES_UPDATED,
+    keep_runless_logs_local,
+)
 from flows.settings import AgentSettings, load_settings
 from sched_core import SchedError
 
@@ -134,6 +139,7 @@ def main() -> int:
     # Heartbeats every 30 s from each flow run's process: the agent's automations
     # crash runs whose process is gone (flows/automations.py).
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    keep_runless_logs_local()  # this process's own lines (not its runs') stay on the console
     try:
         settings = load_settings()
     except SchedError as exc:

@@ -33,7 +33,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from flows.runtime import EVENT_SCHEDULES_CHANGED, EVENT_SCHEDULES_UPDATED, emit, wall_clock
+from flows.runtime import (
+    EVENT_SCHEDULES_CHANGED,
+    EVENT_SCHEDULES_UPDATED,
+    emit,
+    keep_runless_logs_local,
+    wall_clock,
+)
 from flows.settings import AgentSettings
 from sched_core import PullResult
 
@@ -52,39 +58,6 @@ def pull_now(settings: AgentSettings) -> PullResult:
     now = wall_clock()
     with pulling_scheduler(settings, now=now) as scheduler:
         return scheduler.pull(now)
-
-
-class _StayLocal(logging.Filter):
-    """Keep the listener thread's records out of the API: they belong to no flow run.
-
-    Prefect's API handler (on the ``flows`` and ``sched_core`` loggers through
-    ``PREFECT_LOGGING_EXTRA_LOGGERS``) would warn, once per call site, that it
-    cannot send them; they still reach the console.
-    """
-
-    def __init__(self, thread_name: str) -> None:
-        super().__init__()
-        self.thread_name = thread_name
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.threadName == self.thread_name:
-            record.send_to_api = False
-        return True
-
-
-def _keep_local(thread_name: str) -> None:
-    """Add a :class:`_StayLocal` filter for thread_name to every Prefect API log handler."""
-    from prefect.logging.handlers import APILogHandler
-
-    loggers = [logging.getLogger(), *(item for item in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(item, logging.Logger))]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, APILogHandler) and not any(
-                isinstance(f, _StayLocal) and f.thread_name == thread_name
-                for f in handler.filters
-            ):
-                handler.addFilter(_StayLocal(thread_name))
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
@@ -137,9 +110,9 @@ class PullListener:
     def start(self) -> PullListener:
         """Start the thread (once); return self."""
         if self._thread is None:
-            name = f"pull-listener-{self.node}"
-            _keep_local(name)
-            self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+            keep_runless_logs_local()  # its lines belong to no flow run
+            self._thread = threading.Thread(
+                target=self._main, name=f"pull-listener-{self.node}", daemon=True)
             self._thread.start()
         return self
 

@@ -54,6 +54,43 @@ def setup_logging() -> None:
         logging.getLogger(name).setLevel(level)
 
 
+class _RunlessStaysLocal(logging.Filter):
+    """Keep records logged outside any flow or task run out of Prefect's API log handler.
+
+    Prefect's API handler (on the ``flows`` and ``sched_core`` loggers through
+    ``PREFECT_LOGGING_EXTRA_LOGGERS``) cannot send them, and warns so once per
+    call site. In the serve process (its start, its pull listener thread)
+    they are the process's own lines: they go to the console only.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "flow_run_id", None) or getattr(record, "task_run_id", None):
+            return True
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if FlowRunContext.get() is None and TaskRunContext.get() is None:
+            record.send_to_api = False
+        return True
+
+
+def keep_runless_logs_local() -> None:
+    """Add :class:`_RunlessStaysLocal` to every Prefect API log handler of this process (once).
+
+    Records logged in a flow or task run are untouched: they still reach the run's log.
+    Prefect sets its handlers up when its flow machinery is imported (before this runs
+    in serve).
+    """
+    from prefect.logging.handlers import APILogHandler
+
+    loggers = [logging.getLogger(), *(item for item in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(item, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, APILogHandler) and not any(
+                    isinstance(item, _RunlessStaysLocal) for item in handler.filters):
+                handler.addFilter(_RunlessStaysLocal())
+
+
 def agent_settings() -> AgentSettings:
     """Return the settings for this run (``$SCHED_CONFIG`` plus ``SCHED_*``)."""
     setup_logging()

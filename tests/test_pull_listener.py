@@ -218,42 +218,51 @@ def test_a_failed_pull_keeps_the_cache_and_the_next_event_pulls_again(
         listener.stop()
 
 
-def test_the_listener_threads_records_stay_out_of_the_api_log() -> None:
+def test_records_outside_any_run_stay_out_of_the_api_log_and_run_records_go() -> None:
     """Seen in serve's output: Prefect's API log handler (on the ``flows`` and
-    ``sched_core`` loggers) warned that the listener's records have no flow run.
-    They are now marked not to be sent; other threads' records are untouched."""
+    ``sched_core`` loggers) warned that the listener's records, and serve's own at start,
+    have no flow run. Records logged outside any flow or task run are now marked not to be
+    sent (no warning; the console still has them); a flow run's records are untouched."""
     import logging
+    import warnings
 
+    from prefect import flow
     from prefect.logging.handlers import APILogHandler
 
-    from flows.pull_listener import _keep_local
+    from flows.runtime import keep_runless_logs_local
 
-    logger = logging.getLogger(f"flows.test-listener-{uuid.uuid4().hex[:6]}")
+    logger = logging.getLogger(f"flows.test-runless-{uuid.uuid4().hex[:6]}")
     handler = APILogHandler()
-    logger.addHandler(handler)
     seen: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record)
 
+    logger.addHandler(handler)
     logger.addHandler(Keep())
     logger.propagate = False
-    try:
-        _keep_local("pull-listener-t")
-        _keep_local("pull-listener-t")  # once per handler
-        assert sum(1 for item in handler.filters if type(item).__name__ == "_StayLocal") == 1
-        with pytest.warns(UserWarning, match="without a flow run id"):
-            logger.warning("from another thread")
-        thread = threading.Thread(target=lambda: logger.warning("from the listener"),
-                                  name="pull-listener-t")
-        import warnings
 
+    @flow(name="runless-probe")
+    def probe() -> None:
+        logger.warning("inside a flow run")
+
+    try:
+        with pytest.warns(UserWarning, match="without a flow run id"):
+            logger.warning("before the filter")
+        keep_runless_logs_local()
+        keep_runless_logs_local()  # once per handler
+        assert sum(1 for item in handler.filters
+                   if type(item).__name__ == "_RunlessStaysLocal") == 1
         with warnings.catch_warnings():
             warnings.simplefilter("error")
+            logger.warning("serve's own line")
+            thread = threading.Thread(target=lambda: logger.warning("the listener's line"))
             thread.start()
             thread.join()
+        probe()
     finally:
         logger.handlers.clear()
     assert [(r.getMessage(), getattr(r, "send_to_api", True)) for r in seen] == [
-        ("from another thread", True), ("from the listener", False)]
+        ("before the filter", True), ("serve's own line", False),
+        ("the listener's line", False), ("inside a flow run", True)]
