@@ -69,7 +69,7 @@ def stage_rerun(
     now: datetime,
 ) -> StartDecision:
     """Return whether the interrupted job of a chain stage (trigger_key) runs once more now."""
-    stage = next((spec for spec in settings.stages if spec.key() == trigger_key), None)
+    stage = settings.stage(trigger_key)
     if stage is None:
         return StartDecision(
             Verdict.SKIP, f"its trigger {trigger_key} is no chain stage of this node")

@@ -192,7 +192,7 @@ def _feed_chain(settings: AgentSettings, trigger_key: str) -> None:
     wave. Best effort: a failure is logged (the next job completion feeds the
     chain again).
     """
-    stage = next((spec for spec in settings.stages if spec.key() == trigger_key), None)
+    stage = settings.stage(trigger_key)
     if stage is None:
         return
     try:

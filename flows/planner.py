@@ -146,7 +146,7 @@ def plan_node(
     report = PlanReport()
     rows = cache.schedules
     deployment_id = runs.deployment_id()
-    record_path = settings.state_dir / "plan.json"
+    record_path = settings.plan_path
     if record is None:
         record = load_plan_state(record_path, now=now)
     planned_through = record.planned_through

@@ -80,7 +80,7 @@ def reconcile(now: datetime | None = None) -> dict[str, int]:
             logger.error("pull failed after %d retries: %s", settings.pull_retries, exc)
     with node_lock(settings), runs_of(deployment_name(settings)) as runs:
         cache = scheduler.cache()
-        record = load_plan_state(settings.state_dir / "plan.json", now=at)
+        record = load_plan_state(settings.plan_path, now=at)
         try:
             resumed = resume_interrupted(runs.client, settings, record, now=at)
         except Exception as exc:  # planning goes on; the next reconcile looks again

@@ -348,6 +348,15 @@ class AgentSettings(BaseSettings):
         """Return the lock file that keeps ticks and reconciles of this node apart."""
         return self.state_dir / "agent.lock"
 
+    @property
+    def plan_path(self) -> Path:
+        """Return the planner's record (windows handled, interrupted runs handled)."""
+        return self.state_dir / "plan.json"
+
+    def stage(self, trigger_key: str) -> StageSpec | None:
+        """Return the chain stage whose fires carry trigger_key, or None."""
+        return next((spec for spec in self.stages if spec.key() == trigger_key), None)
+
     def action(self, name: str) -> ActionSpec:
         """Return the action table entry for name, or raise ConfigError."""
         try:
