@@ -40,6 +40,20 @@ def _of(event: dict[str, Any], run_id: str) -> bool:
     return bool(event["payload"].get("flow_run_id") == run_id)
 
 
+def _node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: list[dict[str, Any]],
+          tables: str = "") -> str:
+    """Set up a node (its schedules file, agent.toml and environment); return its name."""
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "schedules.json").write_text(json.dumps({"schedules": rows}))
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n{tables}')
+    monkeypatch.setenv("SCHED_CONFIG", str(config))
+    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    return node
+
+
 def test_completed_action_reads_the_run_tag() -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -65,22 +79,13 @@ def test_ad_hoc_backup_by_schedule_id_starts_the_chain(
     from flows.job import run_job
     from flows.reconcile import reconcile
 
-    node = f"n-{uuid.uuid4().hex[:8]}"
     py = json.dumps(sys.executable)
-    (tmp_path / "schedules.json").write_text(json.dumps({"schedules": [
+    node = _node(tmp_path, monkeypatch, [
         _row("b-1", "backup", {"on": "manual"}),
         _row("p-1", "prune", {"on": "after_wave"}),
-    ]}))
-    config = tmp_path / "agent.toml"
-    config.write_text(
-        f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
-        f'[actions.backup]\nargv = [{py}, "-c", "print(1)"]\n'
-        f'[actions.prune]\nargv = [{py}, "-c", "print(2)"]\n'
-        '[[stages]]\nname = "prune"\naction = "prune"\n'
-    )
-    monkeypatch.setenv("SCHED_CONFIG", str(config))
-    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
-        monkeypatch.delenv(name, raising=False)
+    ], f'[actions.backup]\nargv = [{py}, "-c", "print(1)"]\n'
+       f'[actions.prune]\nargv = [{py}, "-c", "print(2)"]\n'
+       '[[stages]]\nname = "prune"\naction = "prune"\n')
     run_job.to_deployment(name=node).apply()  # the chain's stage fires land here
 
     assert reconcile()["schedules"] == 2
@@ -116,13 +121,7 @@ def test_reconcile_runs_again_an_advance_chain_run_the_node_stop_interrupted(
     from flows.job import run_job
     from flows.reconcile import reconcile
 
-    node = f"n-{uuid.uuid4().hex[:8]}"
-    (tmp_path / "schedules.json").write_text(json.dumps({"schedules": []}))
-    config = tmp_path / "agent.toml"
-    config.write_text(f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n')
-    monkeypatch.setenv("SCHED_CONFIG", str(config))
-    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
-        monkeypatch.delenv(name, raising=False)
+    node = _node(tmp_path, monkeypatch, [])
     run_job.to_deployment(name=node).apply()
     chain_id = advance_chain.to_deployment(name=node).apply()
     params = {"action": "backup", "node": node, "completed_run": str(uuid.uuid4())}
@@ -164,25 +163,14 @@ def test_reconcile_runs_again_a_chain_stage_job_the_node_stop_interrupted(
     from flows.job import run_job
     from flows.reconcile import reconcile
 
-    node = f"n-{uuid.uuid4().hex[:8]}"
     py = json.dumps(sys.executable)
     out = tmp_path / "pruned.txt"
     schedules = tmp_path / "schedules.json"
-    schedules.write_text(json.dumps({"schedules": [
-        _row("p-1", "prune", {"on": "after_wave"}),
-        _row("p-2", "prune", {"on": "after_wave"}),
-        _row("p-3", "prune", {"on": "after_wave"}),
-    ]}))
-    config = tmp_path / "agent.toml"
-    config.write_text(
-        f'node_name = "{node}"\npull_url = "schedules.json"\nstate_dir = "state"\n'
-        f'[actions.prune]\nargv = [{py}, "-c", "import sys; open(sys.argv[1], \'a\')'
-        f'.write(sys.argv[2] + chr(10))", {json.dumps(str(out))}, "{{schedule_id}}"]\n'
-        '[[stages]]\nname = "prune"\naction = "prune"\n'
-    )
-    monkeypatch.setenv("SCHED_CONFIG", str(config))
-    for name in ("SCHED_NODE_NAME", "SCHED_PULL_URL", "SCHED_STATE_DIR"):
-        monkeypatch.delenv(name, raising=False)
+    node = _node(tmp_path, monkeypatch, [
+        _row(sid, "prune", {"on": "after_wave"}) for sid in ("p-1", "p-2", "p-3")
+    ], f'[actions.prune]\nargv = [{py}, "-c", "import sys; open(sys.argv[1], \'a\')'
+       f'.write(sys.argv[2] + chr(10))", {json.dumps(str(out))}, "{{schedule_id}}"]\n'
+       '[[stages]]\nname = "prune"\naction = "prune"\n')
     deployment_id = run_job.to_deployment(name=node).apply()
     assert reconcile()["schedules"] == 3
 
