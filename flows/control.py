@@ -101,12 +101,17 @@ class Control:
                 kind = (run.get("state") or {}).get("type")
                 if kind == "CANCELLING":
                     acted += self._cancelling(run)
+                elif self._ours(run) or self._claimed(str(run["id"])):
+                    continue  # a run the node made (its plan, its records) or took already
                 elif flow == RECONCILE:
                     acted += self._take(run, lambda item: self._reconcile(str(item["id"])))
-                elif flow == RUN_JOB and not str(run.get("idempotency_key") or "").startswith(
-                        f"{self.node}:") and not self._claimed(str(run["id"])):
+                elif flow == RUN_JOB:
                     acted += self._take(run, self._run_job)
             return acted
+
+    def _ours(self, run: dict[str, Any]) -> bool:
+        """Return whether the node made the run (its idempotency key is ``<node>:...``)."""
+        return str(run.get("idempotency_key") or "").startswith(f"{self.node}:")
 
     def _take(self, run: dict[str, Any], act: Callable[[dict[str, Any]], None]) -> int:
         """Claim a Scheduled run for this node (Pending), then act on it."""
@@ -221,9 +226,10 @@ class ControllerWait:
 class PrefectStream:
     """One websocket on Prefect's event stream, filtered to the node (the module's second way)."""
 
-    def __init__(self, *, node: str, deployment_ids: Callable[[], list[str]],
+    def __init__(self, *, node: str, api_url: str, deployment_ids: Callable[[], list[str]],
                  on_schedules: Callable[[], None], on_prefect: Callable[[], None]) -> None:
         self.node = node
+        self.api_url = api_url
         self._deployment_ids = deployment_ids
         self._on_schedules = on_schedules
         self._on_prefect = on_prefect
@@ -301,7 +307,8 @@ class PrefectStream:
                 f"sched.agent.{self.node}",
                 *(f"prefect.deployment.{item}" for item in deployment_ids)]),
         )
-        async with PrefectEventSubscriber(filter=event_filter, reconnection_attempts=2,
+        async with PrefectEventSubscriber(api_url=self.api_url, filter=event_filter,
+                                          reconnection_attempts=2,
                                           reconnect_on_clean_close=True) as subscriber:
             self.connected.set()
             log.info("following Prefect's events for node %s", self.node,

@@ -155,7 +155,7 @@ class FiringLoop:
             self._skip(due, due.window, decision.reason)
 
     def run(self, stop: threading.Event) -> None:
-        """Turn until stop is set (step 4)."""
+        """Turn until stop is set (step 4); whoever sets stop calls :meth:`wake` too."""
         while not stop.is_set():
             self._wake.clear()
             try:

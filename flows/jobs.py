@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from flows import launcher
 from flows.outbox import (
@@ -48,6 +48,7 @@ from flows.outbox import (
     Outbox,
     utc_text,
 )
+from sched_core import SchedError
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,9 @@ class Jobs:
         """Run a job's attempts (rule 4) and end it; in the job's own thread."""
         try:
             state, message, error = self._attempts(job)
+        except SchedError as exc:  # the job's own failure (a repository lock that stayed taken)
+            job.folder.log(self._clock(), str(exc))
+            state, message, error = FAILED, str(exc), str(exc)
         except Exception as exc:  # a bug or a broken disk: the job must still end
             log.exception("job %s failed in the node", job.spec.run_name,
                           extra={"job_id": job.spec.job_id})
@@ -360,9 +364,10 @@ class Jobs:
         spec = job.spec
         self._journal(job.folder, "launch", attempt=number)
         try:
+            offset = (self._clock() - datetime.now(UTC)).total_seconds()
             keeper = launcher.launch(job.folder, number, argv=spec.argv, cwd=spec.cwd,
                                      umask=spec.umask, timeout_s=spec.timeout_s,
-                                     env=self._env_for(spec))
+                                     env=self._env_for(spec), clock_offset_s=offset)
         except OSError as exc:
             job.folder.log(self._clock(), f"could not start the job's keeper: {exc}")
             self._journal(job.folder, "interrupted", attempt=number,

@@ -81,6 +81,7 @@ def launch(
     umask: int,
     timeout_s: float,
     env: Mapping[str, str],
+    clock_offset_s: float = 0.0,
     max_bytes: int = OUTPUT_MAX_BYTES,
 ) -> Keeper:
     """Start attempt number's keeper with the job's environment; return it at once.
@@ -91,7 +92,7 @@ def launch(
     spec_path = folder.attempt_path(number, "spec.json")
     spec = {
         "argv": argv, "cwd": cwd, "umask": umask, "timeout_s": timeout_s,
-        "max_bytes": max_bytes,
+        "max_bytes": max_bytes, "clock_offset_s": clock_offset_s,
         "out": str(folder.attempt_path(number, "out")),
         "started": str(folder.attempt_path(number, "started")),
         "exit": str(folder.attempt_path(number, "exit")),

@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
@@ -56,7 +57,7 @@ from flows.control import Control, ControllerWait, PrefectStream
 from flows.firing import Decided, FiringLoop
 from flows.history import History
 from flows.identity import AGENT_TAG, JobRef
-from flows.jobs import Jobs
+from flows.jobs import Jobs, longest_run_s
 from flows.node_report import Reporter, build_report, controller_url, pull_outcome
 from flows.outbox import (
     COMPLETED,
@@ -74,6 +75,7 @@ from flows.outbox import (
 from flows.planner import Planner, PlanReport
 from flows.prefect_api import PrefectApi, PrefectUnavailable, api_settings
 from flows.recorder import Deployments, Recorder
+from flows.repolock import repo_lock
 from flows.reports import plan_lines, pull_lines
 from flows.settings import AgentSettings, load_settings
 from sched_core import Chain, Config, ConfigError, Fire, LocalSchedule, PullError, Scheduler, Spec
@@ -97,6 +99,8 @@ log = logging.getLogger("flows.node")
 
 BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "USER", "LOGNAME", "TMPDIR")
 """The agent's variables a job's command gets (besides its action's ``env`` and ``TZ``)."""
+CONTROL_RETRY_S = 5.0
+"""How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
 PLAN_RETRY_S = 30.0
 """How soon a plan the Prefect server could not take is tried again."""
 STOP_GRACE_S = 10.0
@@ -152,7 +156,8 @@ class Node:
         # Step 3: jobs and the chain.
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
                          env_for=lambda spec: job_environment(settings, spec),
-                         on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun)
+                         on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
+                         repo_lock=self._repo_lock)
         self.chain = Chain(self.scheduler, self._chain_spec())
         # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
@@ -342,6 +347,17 @@ class Node:
             return decision.runs, decision.reason
         return False, "an ad hoc run is not run again: whoever started it sees how it ended"
 
+    def _repo_lock(self, spec: JobSpec, folder: JobFolder) -> AbstractContextManager[None]:
+        if not spec.repo_lock:
+            return nullcontext()
+
+        def say(text: str) -> None:
+            folder.log(self._clock(), text)
+            self.recorder.wake()
+
+        return repo_lock(self.api, spec.repo_lock, wait_s=longest_run_s(spec), info=say,
+                         warn=say)
+
     def _recorded(self, folder: JobFolder) -> None:
         if not self.reporter.enabled or (folder.read_json("report.json") or {}).get("done"):
             self.outbox.forget(folder)
@@ -441,15 +457,19 @@ class Node:
         self._control_wake.set()
 
     def _control_main(self) -> None:
+        wait = self.settings.reconcile_interval.total_seconds()
         while not self._stopping.is_set():
-            self._control_wake.wait(self.settings.reconcile_interval.total_seconds())
+            self._control_wake.wait(wait)
             self._control_wake.clear()
             if self._stopping.is_set():
                 return
+            wait = self.settings.reconcile_interval.total_seconds()
             try:
                 self.control.check()
             except PrefectUnavailable as exc:
-                log.info("no control check: %s", exc)
+                log.info("no control check now (trying again in %g s): %s", CONTROL_RETRY_S,
+                         exc)
+                wait = CONTROL_RETRY_S
             except Exception:
                 log.exception("the control check failed")
 
@@ -478,13 +498,19 @@ class Node:
 
     def _stream(self) -> None:
         self.stream = PrefectStream(
-            node=self.node, deployment_ids=lambda: list(self.deployments.get().values()),
+            node=self.node, api_url=self.api.settings.url,
+            deployment_ids=lambda: list(self.deployments.get().values()),
             on_schedules=lambda: self.reconciler.poke("event"),
             on_prefect=self.wake_control).start()
 
-    def run(self, stop: threading.Event) -> None:
-        """Run until stop is set (step 6)."""
-        self._stopping = stop
+    def stop(self) -> None:
+        """Ask the node to stop (from a signal handler or another thread)."""
+        self._stopping.set()
+        self.firing.wake()
+
+    def run(self) -> None:
+        """Run until :meth:`stop` (step 6)."""
+        stop = self._stopping
         resumed = self.jobs.resume()
         for name, what in resumed:
             log.info("outbox job %s: %s", name, what, extra={"node": self.node})
@@ -576,11 +602,13 @@ class Reconciler:
         """Plan again after a plan the Prefect server could not take (no pull)."""
         now = self.n._clock()
         try:
-            self.n.planner.plan(self.n.view(now), now=now)
+            report = self.n.planner.plan(self.n.view(now), now=now)
             self.n.control.check()
         except PrefectUnavailable:
             return
-        self.plan_pending = False
+        self.plan_pending = bool(report.failed)
+        if self.plan_pending:
+            return
         log.info("the plan reached Prefect", extra={"node": self.n.node})
 
     def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
@@ -599,10 +627,16 @@ class Reconciler:
         try:
             report = n.planner.plan(view, now=now)
             n.control.check()
-            self.plan_pending = False
+            self.plan_pending = bool(report.failed)
         except PrefectUnavailable as exc:
             plan_error = str(exc)
             self.plan_pending = True
+        if report is not None:
+            log.info("planned %d windows: %d runs created, %d deleted, %d moved, %d failed%s",
+                     report.planned, len(report.created), len(report.deleted), len(report.moved),
+                     len(report.failed),
+                     f" (first: {report.failed[0][0]}: {report.failed[0][1]})"
+                     if report.failed else "", extra={"node": n.node})
         changed = result is not None and (result.changed_anything or bool(result.rejected))
         on_demand = [run_id for _, run_id in reasons if run_id]
         first = any(reason == "start" for reason, _ in reasons)
@@ -684,14 +718,6 @@ def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:
     }
 
 
-_stop_event = threading.Event()
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    log.info("stopping (signal %d): running jobs go on in their keepers", signum)
-    _stop_event.set()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the node until SIGTERM or SIGINT; exit 2 on bad settings."""
     logging.basicConfig(level=os.environ.get("SCHED_LOG_LEVEL", "INFO").upper(),
@@ -704,13 +730,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     node = Node(settings, api=api)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("stopping (signal %d): running jobs go on in their keepers", signum)
+        node.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     print(f"sched-agent: node {settings.node_name} fires its windows from "
           f"{Path(settings.cache_path)}; records go to {api.settings.shown_url} "
           "(stop with Ctrl-C or SIGTERM)", flush=True)
-    node.run(_stop_event)
+    node.run()
     return 0
 
 

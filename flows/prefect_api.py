@@ -27,6 +27,7 @@ import base64
 import logging
 import os
 import ssl
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -43,6 +44,10 @@ TIMEOUT_S = 10.0
 """The longest one request may take (connect, send, answer) before it counts as unreachable."""
 RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
 """Answers that mean "not now": the same request may succeed later."""
+BUSY = frozenset({429, 503})
+"""Answers of a server too busy to do anything (a SQLite server's "database is locked" is a
+503): asked again at once, a few times, as Prefect's own client does."""
+BUSY_RETRY_DELAYS = (0.1, 0.3, 1.0)
 PAGE = 200
 """Runs per page when filtering (the server's default and maximum)."""
 
@@ -195,13 +200,17 @@ class PrefectApi:
 
     def _call(self, method: str, path: str, *, json: Any = None,
               params: Mapping[str, Any] | None = None) -> httpx.Response:
-        self.requests += 1
-        try:
-            response = self._client.request(method, path, json=json, params=params)
-        except httpx.HTTPError as exc:
-            raise PrefectUnavailable(
-                f"cannot reach the Prefect API at {self.settings.shown_url} "
-                f"({type(exc).__name__}: {exc})") from None
+        for delay in (*BUSY_RETRY_DELAYS, None):
+            self.requests += 1
+            try:
+                response = self._client.request(method, path, json=json, params=params)
+            except httpx.HTTPError as exc:
+                raise PrefectUnavailable(
+                    f"cannot reach the Prefect API at {self.settings.shown_url} "
+                    f"({type(exc).__name__}: {exc})") from None
+            if response.status_code not in BUSY or delay is None:
+                break
+            time.sleep(delay)  # the server was busy and did nothing: ask again
         if response.status_code in RETRYABLE:
             raise PrefectUnavailable(
                 f"the Prefect API at {self.settings.shown_url} answered "
@@ -211,6 +220,10 @@ class PrefectApi:
                 f"the Prefect API at {self.settings.shown_url} refused {method} {path} "
                 f"({response.status_code}): {response.text[:500]}", response.status_code)
         return response
+
+    def call(self, method: str, path: str, *, json: Any = None) -> httpx.Response:
+        """Send any request of the API (the module's two failures apply)."""
+        return self._call(method, path, json=json)
 
     # -- flows and deployments -------------------------------------------------------
 

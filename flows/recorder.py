@@ -139,6 +139,30 @@ class Deployments:
         self.ids = None
 
 
+def job_event(node: str, payload: dict[str, Any], *, completed: bool,
+              occurred: datetime) -> dict[str, Any]:
+    """Return a job's one ``sched.job.completed`` or ``sched.job.failed`` event (pure).
+
+    Its id is derived from the run's (``payload["flow_run_id"]``), so however many
+    times it is sent the server keeps one; the action is also a related resource
+    (:func:`action_related`), which the fleet's alerts match.
+    """
+    run = str(payload["flow_run_id"])
+    action = str(payload.get("action") or "")
+    return {
+        "id": str(uuid.uuid5(JOB_EVENT_NAMESPACE, run)),
+        "occurred": format_go_time(occurred),
+        "event": EVENT_JOB_COMPLETED if completed else EVENT_JOB_FAILED,
+        "resource": {"prefect.resource.id": f"sched.agent.{node}",
+                     "prefect.resource.name": node},
+        "related": [{"prefect.resource.id": f"prefect.flow-run.{run}",
+                     "prefect.resource.role": "flow-run",
+                     "prefect.resource.name": str(payload.get("flow_run_name") or "")},
+                    *action_related(action)],
+        "payload": payload,
+    }
+
+
 def job_markdown(view: JobView, node: str) -> str:
     """Return a job's artifact: outcome, tries with real times and exit codes, identity."""
     spec = view.spec
@@ -528,18 +552,8 @@ class _Steps:
                 "error": self.view.error, "offline": bool(self.p.get("offline")),
             }
             occurred = self.view.end_at or self.r._clock()
-            self.api.emit_events([{
-                "id": str(uuid.uuid5(JOB_EVENT_NAMESPACE, self.run)),
-                "occurred": format_go_time(occurred),
-                "event": EVENT_JOB_COMPLETED if state == COMPLETED else EVENT_JOB_FAILED,
-                "resource": {"prefect.resource.id": f"sched.agent.{self.r.node}",
-                             "prefect.resource.name": self.r.node},
-                "related": [{"prefect.resource.id": f"prefect.flow-run.{self.run}",
-                             "prefect.resource.role": "flow-run",
-                             "prefect.resource.name": self.spec.run_name},
-                            *action_related(self.spec.action)],
-                "payload": payload,
-            }])
+            self.api.emit_events([job_event(self.r.node, payload, completed=state == COMPLETED,
+                                            occurred=occurred)])
 
     # a restart in mid-step
     def check_inflight(self) -> None:

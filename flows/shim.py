@@ -5,7 +5,9 @@ a few milliseconds and ~10 MB), in a session of its own: it outlives the node
 process, so a node killed mid-job neither kills the job nor loses its outcome.
 
 1. Read SPEC (JSON: ``argv``, ``cwd``, ``umask``, ``timeout_s``, ``out``,
-   ``started``, ``exit``, ``max_bytes``). Its own environment is the job's.
+   ``started``, ``exit``, ``max_bytes``, ``clock_offset_s``). Its own environment
+   is the job's. Every time it writes is the wall clock plus ``clock_offset_s``
+   (the node's clock, which is the wall clock unless a test shifts it).
 2. Start ``argv`` without a shell, in a process group of its own, stdin from
    /dev/null, stdout and stderr to one pipe. If it cannot start, write the exit
    file with the error and end.
@@ -34,14 +36,20 @@ import signal
 import subprocess
 import sys
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 TAIL_LINES = 100
 KILL_AFTER_S = 10.0
 
 
+_OFFSET = timedelta(0)
+"""The node's clock minus the wall clock when it started this keeper (~0: both read the wall
+clock; a test's node runs a shifted clock): the keeper's times are in the node's clock."""
+
+
 def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return (datetime.now(UTC) + _OFFSET).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
 
 
 def _write_once(path: str, data: dict[str, object]) -> None:
@@ -62,8 +70,10 @@ def _kill_group(pid: int, sig: int) -> None:
 
 def main(spec_path: str) -> int:
     """Run the attempt SPEC describes (the module's steps); return the shim's exit status."""
+    global _OFFSET
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
+    _OFFSET = timedelta(seconds=float(spec.get("clock_offset_s", 0.0)))
     out = open(spec["out"], "a", encoding="utf-8")  # closed at the end
     try:
         proc = subprocess.Popen(

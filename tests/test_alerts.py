@@ -2,7 +2,7 @@
 
 The windows are short (10 s, Prefect's least for a proactive trigger) so the
 proactive alerts fire within the test. The events are sent by the code that
-sends them in production: the agent's ``flows.runtime.emit_job_event``, the
+sends them in production: the node's recorder (``flows.recorder.job_event``), the
 controller's ``controller.central.emit_gave_up``, and Prefect's own server for
 a ``reconcile`` flow run that completes (a real deployment and flow run whose
 states are set through the API). Each firing is read back from the server: the
@@ -23,6 +23,19 @@ import pytest
 from typer.testing import CliRunner
 
 from sched_cli import app as sched
+
+
+def emit_job_event(node: str, payload: dict[str, Any], *, completed: bool) -> None:
+    """Send a job's event as the node's recorder sends it (its format, through the REST API)."""
+    from flows.prefect_api import PrefectApi, api_settings
+    from flows.recorder import job_event
+
+    api = PrefectApi(api_settings())
+    try:
+        api.emit_events([job_event(node, payload, completed=completed,
+                                   occurred=datetime.now(UTC))])
+    finally:
+        api.close()
 
 pytestmark = pytest.mark.prefect
 
@@ -172,8 +185,6 @@ def test_a_notification_block_becomes_each_alerts_action(prefect_server: str) ->
 def test_a_node_without_a_completed_wave_job_in_the_window_fires_for_that_node_only(
     alerts: dict[str, str],
 ) -> None:
-    from flows.runtime import emit_job_event
-
     node, quiet, other = (f"alert-{uuid.uuid4().hex[:6]}" for _ in range(3))
     for who in (node, quiet):
         emit_job_event(who, {"node": who, "action": "backup", "schedule_id": "s-1",
@@ -203,8 +214,6 @@ def test_a_node_without_a_completed_wave_job_in_the_window_fires_for_that_node_o
 
 
 def test_a_failed_job_fires_at_once(alerts: dict[str, str]) -> None:
-    from flows.runtime import emit_job_event
-
     node = f"alert-{uuid.uuid4().hex[:6]}"
     run_id = str(uuid.uuid4())
     emit_job_event(node, {"node": node, "action": "backup", "schedule_id": "s-1",
