@@ -571,8 +571,8 @@ class _Steps:
         elif step in ("running", "final"):
             run = self.api.read_run(self.run) or {}
             kind = (run.get("state") or {}).get("type")
-            done = kind == "RUNNING" if step == "running" else kind in (
-                "COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+            after = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+            done = kind in (after | {"RUNNING", "CANCELLING"} if step == "running" else after)
         elif step == "event":
             done = False  # the event's id is the run's: sending it twice keeps one
         if done:

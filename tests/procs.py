@@ -45,7 +45,8 @@ def stop_group(proc: subprocess.Popen[bytes] | None, *, grace: float = 20.0) -> 
     """Stop a process started in its own session: SIGTERM its group, then SIGKILL."""
     if proc is None:
         return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    steps = [(signal.SIGTERM, grace)] if grace > 0 else []
+    for sig, wait in [*steps, (signal.SIGKILL, 10.0)]:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -99,7 +100,7 @@ class PrefectServer:
                           env=self.env, log=self.log, cwd=self.home)
         wait_for("the Prefect server healthy", self.healthy, timeout, log=self.log)
 
-    def stop(self) -> None:
-        """Stop the server (its database stays for the next start)."""
-        stop_group(self.proc)
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server (its database stays for the next start); kill: SIGKILL at once."""
+        stop_group(self.proc, grace=0.0 if kill else 20.0)
         self.proc = None
