@@ -83,7 +83,11 @@ def _instant(value: object) -> datetime:
         raise ValueError(f"{value[:60]!r} is not an RFC 3339 time") from None
     if parsed.tzinfo is None:
         raise ValueError(f"time {value[:60]!r} has no UTC offset")
-    return parsed.astimezone(UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:59:59-14:00 is past year 9999 in UTC
+        raise ValueError(
+            f"time {value[:60]!r} is out of range in UTC (years 1 to 9999)") from None
 
 
 AwareInstant = Annotated[datetime, BeforeValidator(_instant)]

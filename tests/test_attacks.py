@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -576,3 +577,141 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     prune = node.run("good-prune")
     assert prune.is_completed(), prune.message
     assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
+
+
+# == Issue 20: the controller and the job's environment, attacked from outside ===========
+#
+# Each test shows the attack's mechanism live first (the primitive the old code
+# hit, or the old behaviour itself), then the controller over real HTTP on
+# loopback (a real SQLite file, the real migrations) refusing it, naming what was
+# wrong, with nothing stored before lost.
+
+ADMIN_TOKEN = "admin-token-for-the-attacks-0123456789"
+NODE_TOKEN = "node-a-token-for-the-attacks-abcdef"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+NODE = {"Authorization": f"Bearer {NODE_TOKEN}"}
+
+
+class Controller:
+    """The controller's API served in a thread over a fresh SQLite file; a client to it."""
+
+    def __init__(self, url: str, base: str) -> None:
+        import httpx
+
+        self.url = url
+        self.base = base
+        # No keep-alive: an answer the server closes the connection after stays its own.
+        self.http = httpx.Client(base_url=base, timeout=30,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Any:
+    from controller.api import create_app
+    from controller.auth import Tokens
+    from controller.db import make_engine, migrate
+    from controller.testing import serve_in_thread
+
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as base:
+            api = Controller(url, base)
+            try:
+                yield api
+            finally:
+                api.http.close()
+    finally:
+        engine.dispose()
+
+
+def _report(**changes: Any) -> dict[str, Any]:
+    """Return a valid node report of node-a, with changes applied."""
+    data: dict[str, Any] = {
+        "node": "node-a", "agent_version": "0.1.0", "timezone": "UTC", "grace_s": 300,
+        "reported_at": "2026-12-03T07:31:00Z",
+        "schedules": [{"id": "s-1", "last_fired": "2026-12-03T07:30:00Z",
+                       "next_planned": "2026-12-04T07:30:00Z",
+                       "latest_job": {"state": "Completed", "window": "2026-12-03T07:30:00Z"}}],
+    }
+    data.update(changes)
+    return data
+
+
+def _with_time(where: str, value: str) -> dict[str, Any]:
+    """Return a report with value at where: reported_at, last_fired, next_planned or window."""
+    report = _report()
+    item = report["schedules"][0]
+    if where == "reported_at":
+        report["reported_at"] = value
+    elif where == "window":
+        item["latest_job"]["window"] = value
+    else:
+        item[where] = value
+    return report
+
+
+FIELD_OF = {"reported_at": "reported_at", "last_fired": "schedules.0.last_fired",
+            "next_planned": "schedules.0.next_planned", "window": "schedules.0.latest_job.window"}
+
+
+def test_a_report_time_out_of_range_in_utc_is_a_422_and_one_log_line(
+    controller: Controller, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Point 3: years 1-9999 left in UTC was a 500 with a traceback per request."""
+    values = ["9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00"]
+    # The attack's mechanism, live: valid RFC 3339, but UTC has no year 10000 nor 0.
+    for value in values:
+        with pytest.raises(OverflowError):
+            datetime.fromisoformat(value).astimezone(UTC)
+    http = controller.http
+    assert http.post("/api/nodes/node-a/report", json=_report(), headers=NODE).status_code == 204
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    sent = 0
+    for where, field in FIELD_OF.items():
+        for value in values:
+            answer = http.post("/api/nodes/node-a/report", json=_with_time(where, value),
+                               headers=NODE)
+            sent += 1
+            assert answer.status_code == 422, (where, value, answer.text)
+            [entry] = answer.json()["detail"]
+            assert entry["field"] == field
+            assert entry["msg"] == (f"time {value!r} is out of range in UTC (years 1 to 9999)")
+    for _ in range(50 - sent):  # the issue's 50 requests
+        assert http.post("/api/nodes/node-a/report", json=_with_time("window", values[0]),
+                         headers=NODE).status_code == 422
+    # The server's lines but its access log (one short line per request) and the
+    # test client's own.
+    lines = [r for r in caplog.records if r.name not in ("controller.access", "httpx")]
+    assert [r.getMessage().split(":")[0] for r in lines] == [
+        "node reports refused"], [r.getMessage() for r in lines]
+    assert "1 since the last such line" in lines[0].getMessage()
+    assert not any(r.exc_info or "Traceback" in r.getMessage() for r in caplog.records)
+    # Nothing the node stored before is lost: its last good report still stands.
+    status = http.get("/api/nodes/node-a/status", headers=NODE).json()
+    assert status["last_report_at"] is not None and status["agent_version"] == "0.1.0"
+
+
+def test_refusals_are_logged_once_per_interval_with_their_count(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    from controller.api.fleet import RefusalLog
+
+    now = [1000.0]
+    refusals = RefusalLog("node reports", interval=60, clock=lambda: now[0])
+    entry = [{"field": "reported_at", "msg": "bad"}]
+    caplog.set_level(logging.WARNING, logger="controller.api")
+    for _ in range(5):
+        refusals.note("node-a", entry)
+        now[0] += 10  # 1000, 1010, ... 1040: one line, four counted
+    now[0] = 1061
+    refusals.note("node-\x1b[2J", entry)
+    assert [r.getMessage() for r in caplog.records] == [
+        "node reports refused: 1 since the last such line (at most one line per 60 s); the "
+        "latest from node node-a: reported_at: bad",
+        "node reports refused: 5 since the last such line (at most one line per 60 s); the "
+        "latest from node node-\\x1b[2J: reported_at: bad",
+    ]

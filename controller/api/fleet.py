@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
@@ -56,6 +58,46 @@ _PATCHABLE = frozenset(
     {alias for name, info in LocalSchedule.model_fields.items()
      for alias in (name, info.alias) if alias}
 )
+
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+"""At most one log line per this many seconds says that node reports were refused."""
+
+
+class RefusalLog:
+    """One WARNING line per interval at most for refused requests of one kind, with a count.
+
+    The first refusal of a quiet period is logged at once; later ones are only
+    counted, and the next line (the first refusal after the interval) says how
+    many there were. A flood of bad reports costs one short line a minute, not
+    a traceback per request.
+    """
+
+    def __init__(self, what: str, interval: float = REFUSAL_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.interval = interval
+        self.clock = clock
+        self.pending = 0
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def note(self, node: str, entries: list[dict[str, Any]]) -> None:
+        """Count one refusal of node's request (its 422 entries); log if the interval passed."""
+        now = self.clock()
+        with self._lock:
+            self.pending += 1
+            if self._last is not None and now - self._last < self.interval:
+                return
+            count, self.pending, self._last = self.pending, 0, now
+        first = entries[0] if entries else {}
+        field = printable(str(first.get("field", ""))[:200])
+        reason = printable(str(first.get("msg", ""))[:300])
+        log.warning(
+            "%s refused: %d since the last such line (at most one line per %g s); the latest "
+            "from node %s: %s: %s", self.what, count, self.interval, printable(node[:200]),
+            field, reason, extra={"node": printable(node[:200]), "count": count},
+        )
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -168,6 +210,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     """Return the fleet's routes (auth: :class:`controller.api.app.Auth`)."""
     router = APIRouter()
     in_session = api.in_session
+    refused_reports = RefusalLog("node reports")
 
     @router.post(
         "/api/nodes/{node}/report", status_code=204,
@@ -176,11 +219,15 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     async def post_report(request: Request, node: str) -> Response:
         auth.require_node(request, node)
         check_name(("path", "node"), node, storing=True)
-        data = await read_object(request, "node", node)
         try:
-            report = nodes.NodeReportIn.model_validate(data)
-        except ValidationError as exc:
-            raise InvalidInput(_body_errors(exc)) from None
+            data = await read_object(request, "node", node)
+            try:
+                report = nodes.NodeReportIn.model_validate(data)
+            except ValidationError as exc:
+                raise InvalidInput(_body_errors(exc)) from None
+        except InvalidInput as refused:
+            refused_reports.note(node, refused.detail)
+            raise
         received = api.clock()
         await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
