@@ -34,7 +34,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from sched_core.matcher import zone
-from sched_core.model import Schedule
+from sched_core.model import Schedule, check_zone_name
 
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
@@ -282,7 +282,9 @@ class TaskIn(SQLModel):
             raise ValueError(
                 f"unknown timezone {shown!r} (expected an IANA name such as Europe/Paris)"
             ) from None
-        return value
+        # A file of the zone database that is no IANA name ("localtime", the
+        # machine's own zone; "posix/..."): refused as a row's timezone is.
+        return check_zone_name(value)
 
     @field_validator("cron")
     @classmethod

@@ -715,3 +715,119 @@ def test_refusals_are_logged_once_per_interval_with_their_count(
         "node reports refused: 5 since the last such line (at most one line per 60 s); the "
         "latest from node node-\\x1b[2J: reported_at: bad",
     ]
+
+
+def _row(**changes: Any) -> dict[str, Any]:
+    """Return a valid schedule row body (every 2 minutes), with changes applied."""
+    data: dict[str, Any] = {
+        "name": "every two minutes", "repo_id": "r-9", "action": "backup",
+        "schedule": {"interval_minutes": 2}, "miss_policy": "skip", "enabled": True,
+    }
+    data.update(changes)
+    return data
+
+
+def _stored(api: Controller, schedule_id: str) -> dict[str, Any] | None:
+    answer = api.http.get(f"/api/nodes/node-a/schedules/{schedule_id}", headers=ADMIN)
+    if answer.status_code == 404:
+        return None
+    assert answer.status_code == 200, answer.text
+    data: dict[str, Any] = answer.json()
+    return data
+
+
+def _only(answer: Any) -> dict[str, Any]:
+    assert answer.status_code == 422, answer.text
+    [entry] = answer.json()["detail"]
+    return dict(entry)
+
+
+def test_unknown_keys_inside_schedule_are_refused_naming_them(controller: Controller) -> None:
+    """Point 7: a typo inside schedule was dropped (every 2 minutes became an hourly row)."""
+    typo = {"interval_minute": 2, "days": ["*"], "hours": ["*"], "minute": "0"}
+    # Live: the wire model ignores unknown keys (as agents must), so the typo vanishes.
+    parsed = LocalSchedule.model_validate({**_row(schedule=typo), "id": "s-typo"})
+    assert parsed.schedule.interval_minutes is None and parsed.schedule.hours == ["*"]
+    http = controller.http
+    answer = http.put("/api/nodes/node-a/schedules/s-typo", json=_row(schedule=typo),
+                      headers=ADMIN)
+    assert _only(answer) == {"field": "schedule.interval_minute",
+                             "loc": ["body", "schedule", "interval_minute"],
+                             "msg": "unknown field 'interval_minute'", "type": "extra_forbidden"}
+    assert _stored(controller, "s-typo") is None
+    # A task's schedule, and the task body itself, likewise.
+    task = {"schedule": typo, "event": "x"}
+    assert _only(http.put("/api/tasks/t-typo", json=task, headers=ADMIN))["field"] == (
+        "schedule.interval_minute")
+    assert _only(http.put("/api/tasks/t-typo", json={"cron": "0 6 * * *", "event": "x",
+                                                     "paylod": {}}, headers=ADMIN)
+                 )["msg"] == "unknown field 'paylod'"
+    assert http.get("/api/tasks/t-typo", headers=ADMIN).status_code == 404
+    # PATCH {"schedule": {"interval": 1}} answered 200 and bumped the version, changing nothing.
+    assert http.put("/api/nodes/node-a/schedules/s-1", json=_row(),
+                    headers=ADMIN).status_code == 200
+    answer = http.patch("/api/nodes/node-a/schedules/s-1", json={"schedule": {"interval": 1}},
+                        headers=ADMIN)
+    assert _only(answer)["field"] == "schedule.interval"
+    assert LocalSchedule.model_validate(_stored(controller, "s-1")) == (
+        LocalSchedule.model_validate({**_row(), "id": "s-1", "version": 1}))
+
+
+@pytest.mark.parametrize(("field", "value", "json_type"), [
+    ("enabled", "false", "string"), ("enabled", 0, "number"), ("repo_lock", "true", "string"),
+    ("jitter", "15", "string"), ("version", "3", "string"),
+])
+def test_a_bool_is_a_json_bool_and_a_number_a_json_number(
+    controller: Controller, field: str, value: Any, json_type: str
+) -> None:
+    """Point 7: enabled "false" was stored as false while repo_lock "true" was refused."""
+    if field == "enabled":
+        # Live: the wire model's lax reading turns the string into a bool.
+        lax = LocalSchedule.model_validate({**_row(), "id": "s-x", field: value})
+        assert lax.enabled is False
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-x", json=_row(**{field: value}),
+                                 headers=ADMIN)
+    entry = _only(answer)
+    assert entry["field"] == field and entry["input"] == value
+    kind = "boolean" if field in ("enabled", "repo_lock") else "integer"
+    assert entry["msg"] == (f"Input should be a valid {kind}, not a JSON {json_type} "
+                            "(no conversion)")
+    assert _stored(controller, "s-x") is None
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "latin-1"])
+def test_a_body_that_is_not_utf8_is_refused(controller: Controller, encoding: str) -> None:
+    """Point 7: a UTF-16 body was read (Python's json guesses the encoding; Go does not)."""
+    body = json.dumps(_row(name="café"), ensure_ascii=False).encode(encoding)
+    if encoding != "latin-1":
+        assert json.loads(body)["name"] == "café"  # live: Python reads it
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-enc", content=body,
+                                 headers={**ADMIN, "content-type": "application/json"})
+    entry = _only(answer)
+    assert entry["field"] == "" and entry["loc"] == ["body"]
+    assert entry["msg"].startswith("the body is not UTF-8") or entry["msg"].startswith(
+        "invalid JSON"), entry  # UTF-16-LE without a BOM is valid UTF-8 (with NULs)
+    assert _stored(controller, "s-enc") is None
+    # The same row as UTF-8 is stored.
+    assert controller.http.put("/api/nodes/node-a/schedules/s-enc", content=json.dumps(
+        _row(name="café"), ensure_ascii=False).encode(), headers=ADMIN).status_code == 200
+
+
+def test_a_task_timezone_localtime_is_refused_as_a_row_is(controller: Controller) -> None:
+    """Point 7: a task in "localtime" followed the controller machine's zone."""
+    from sched_core.matcher import zone
+
+    assert zone("localtime") is not None  # live: the zone database has a file by that name
+    http = controller.http
+    for value in ("localtime", "posixrules", "posix/Europe/Berlin"):
+        task = {"cron": "0 6 * * *", "event": "x", "timezone": value}
+        entry = _only(http.put("/api/tasks/t-local", json=task, headers=ADMIN))
+        assert entry["field"] == "timezone"
+        assert entry["msg"] == (f"timezone {value!r} is not an IANA zone name such as "
+                                "'Europe/Berlin'")
+        row_entry = _only(http.put("/api/nodes/node-a/schedules/s-local",
+                                   json=_row(timezone=value), headers=ADMIN))
+        assert row_entry["msg"] == entry["msg"]
+    assert http.get("/api/tasks/t-local", headers=ADMIN).status_code == 404
+    task = {"cron": "0 6 * * *", "event": "x", "timezone": "Europe/Berlin"}
+    assert http.put("/api/tasks/t-local", json=task, headers=ADMIN).status_code == 200

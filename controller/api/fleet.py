@@ -36,7 +36,14 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
 from controller import fleet, nodes, schedules
-from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
+from controller.api.jsonbody import (
+    _body_errors,
+    _unprocessable,
+    check_name,
+    read_object,
+    unknown_keys,
+    validate_as_go,
+)
 from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
@@ -171,26 +178,21 @@ class FleetApi:
 
 
 def refuse_unknown_fields(data: dict[str, Any]) -> None:
-    """Raise InvalidInput naming each top-level key of a row body that no row field has.
+    """Raise InvalidInput naming each key of a row body, at any depth, that no row field has.
 
     The wire model ignores unknown fields (an agent reading a newer controller's
-    rows), but a write must not: a misspelt ``pasued`` would be dropped silently.
+    rows), but a write must not: a misspelt ``pasued`` would be dropped silently,
+    and a misspelt ``schedule.interval_minute`` would turn "every 2 minutes"
+    into the row's days and hours.
     """
-    unknown = sorted(key for key in data if key not in _PATCHABLE)
+    unknown = unknown_keys(LocalSchedule, data)
     if unknown:
-        raise InvalidInput([
-            {"field": key, "loc": ["body", key], "msg": f"unknown field {key!r}",
-             "type": "extra_forbidden"} for key in unknown
-        ])
+        raise InvalidInput(unknown)
 
 
 def row_from_body(data: dict[str, Any]) -> LocalSchedule:
-    """Return a PUT body as a row: unknown fields refused, then the model's checks (422)."""
-    refuse_unknown_fields(data)
-    try:
-        return LocalSchedule.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidInput(_body_errors(exc)) from None
+    """Return a PUT body as a row: unknown fields and Go's types refused, then the row's checks."""
+    return validate_as_go(LocalSchedule, data)
 
 
 def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
@@ -200,10 +202,7 @@ def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule
         if key in patch and patch[key] != current.model_dump(mode="json")[key]:
             raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
     merged = merge_patch(current.model_dump(mode="json", by_alias=True), patch)
-    try:
-        return LocalSchedule.model_validate(merged)
-    except ValidationError as exc:
-        raise InvalidInput(_body_errors(exc)) from None
+    return validate_as_go(LocalSchedule, merged)
 
 
 def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
