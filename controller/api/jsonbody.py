@@ -279,7 +279,9 @@ def _json_type(value: Any) -> str:
         return "number"
     if value is None:
         return "null"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), "value")
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
 
 
 async def read_model(request: Request, model: type[M], key: str, value: str) -> M:
