@@ -27,14 +27,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from sqlalchemy import JSON, Column, DateTime, Index, String, Text, UniqueConstraint
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from sched_core.matcher import zone
-from sched_core.model import Schedule, check_zone_name
+from sched_core.model import NAME_MAX_LENGTH, Schedule, check_text, check_zone_name
 
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
@@ -264,6 +264,14 @@ class TaskIn(SQLModel):
     deployment: str | None = None
     payload: dict[str, Any] = Field(default_factory=dict)
     status: TaskStatus = TaskStatus.ACTIVE
+
+    @field_validator("name", "cron", "event", "deployment")
+    @classmethod
+    def _plain_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # The one rule for text people read (sched_core.model.check_text).
+        if value is not None:
+            check_text(value, info.field_name or "text", max_length=NAME_MAX_LENGTH)
+        return value
 
     @field_validator("timezone")
     @classmethod

@@ -831,3 +831,115 @@ def test_a_task_timezone_localtime_is_refused_as_a_row_is(controller: Controller
     assert http.get("/api/tasks/t-local", headers=ADMIN).status_code == 404
     task = {"cron": "0 6 * * *", "event": "x", "timezone": "Europe/Berlin"}
     assert http.put("/api/tasks/t-local", json=task, headers=ADMIN).status_code == 200
+
+
+@pytest.mark.parametrize(("changes", "field", "words"), [
+    ({"name": "x" * 100_000}, "name", "name is 100000 characters long; the most is 200"),
+    ({"name": "invoice\u202egpj.exe"}, "name", "name holds U+202E (a bidi control) at character 8"),
+    ({"name": "a\u2066b"}, "name", "name holds U+2066 (a bidi control)"),
+    ({"name": "a\x1b[2Jb"}, "name", "name holds U+001B (a control character)"),
+    ({"name": "two\nlines"}, "name", "name holds U+000A (a control character)"),
+    ({"storage": "b2\x85"}, "storage", "storage holds U+0085 (a control character)"),
+    ({"paused": {"note": "disk swap\u202e"}}, "paused.note", "paused.note holds U+202E"),
+    ({"schedule": {"on": "after_wave\u200f"}}, "schedule.on", "schedule.on holds U+200F"),
+])
+def test_free_text_in_a_row_is_bounded_and_printable(
+    controller: Controller, changes: dict[str, Any], field: str, words: str
+) -> None:
+    """Point 8: a 100,000-character name (or a bidi control) was stored and shown."""
+    # Live: the wire model (as agents read rows) takes it as it is.
+    parsed = LocalSchedule.model_validate({**_row(**changes), "id": "s-text"})
+    if field == "name":
+        assert parsed.name == changes["name"]
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-text", json=_row(**changes),
+                                 headers=ADMIN)
+    entry = _only(answer)
+    assert entry["field"] == field and words in entry["msg"], entry
+    assert _stored(controller, "s-text") is None
+    # A PATCH is held to the same rule; the longest name allowed is stored.
+    assert controller.http.put("/api/nodes/node-a/schedules/s-text", json=_row(name="é" * 200),
+                               headers=ADMIN).status_code == 200
+    answer = controller.http.patch("/api/nodes/node-a/schedules/s-text", json=changes,
+                                   headers=ADMIN)
+    assert _only(answer)["field"] == field
+    stored = _stored(controller, "s-text")
+    assert stored is not None and stored["version"] == 1 and stored["name"] == "é" * 200
+
+
+def test_a_row_stored_before_the_text_rule_stays_readable_pullable_and_deletable(
+    controller: Controller
+) -> None:
+    """Nothing stored before is lost: a long name already in the database is still served."""
+    from sqlmodel import Session
+
+    from controller import schedules as store
+    from controller.db import make_engine
+
+    legacy = LocalSchedule.model_validate({**_row(name="y" * 3000), "id": "s-old"})
+    engine = make_engine(controller.url)
+    try:
+        with Session(engine) as session:
+            store.put_schedule(session, "node-a", legacy)
+    finally:
+        engine.dispose()
+    assert _stored(controller, "s-old")["name"] == "y" * 3000  # type: ignore[index]
+    pulled = controller.http.get("/api/schedules", params={"node": "node-a"}, headers=NODE)
+    assert [row["name"] for row in pulled.json()["schedules"]] == ["y" * 3000]
+    assert controller.http.get("/api/nodes/node-a/status", headers=NODE).status_code == 200
+    assert controller.http.delete("/api/nodes/node-a/schedules/s-old",
+                                  headers=ADMIN).status_code == 204
+
+
+@pytest.mark.parametrize(("where", "value", "field", "words"), [
+    ("agent_version", "1.0\u202e", "agent_version", "agent_version holds U+202E (a bidi control)"),
+    ("agent_version", "1.0\x1b[31m", "agent_version", "holds U+001B (a control character)"),
+    ("error", "refused\x07", "last_pull.error", "error holds U+0007 (a control character)"),
+    ("error", "e" * 2001, "last_pull.error", "at most 2000 characters"),
+    ("state", "Completed\u2067", "schedules.0.latest_job.state", "state holds U+2067"),
+    ("flow_run_name", "<b>run</b>\u202d", "schedules.0.latest_job.flow_run_name", "U+202D"),
+])
+def test_free_text_in_a_report_is_bounded_and_printable(
+    controller: Controller, where: str, value: str, field: str, words: str
+) -> None:
+    report = _report()
+    if where == "agent_version":
+        report["agent_version"] = value
+    elif where == "error":
+        report["last_pull"] = {"at": "2026-12-03T07:31:00Z", "ok": False, "error": value}
+    else:
+        report["schedules"][0]["latest_job"][where] = value
+    entry = _only(controller.http.post("/api/nodes/node-a/report", json=report, headers=NODE))
+    assert entry["field"] == field and words in entry["msg"], entry
+    assert controller.http.get("/api/nodes/node-a/status", headers=NODE).status_code == 404
+    # An error message of several lines is text too: it is stored.
+    report = _report(last_pull={"at": "2026-12-03T07:31:00Z", "ok": False,
+                                "error": "pull failed:\n\tconnection refused"})
+    assert controller.http.post("/api/nodes/node-a/report", json=report,
+                                headers=NODE).status_code == 204
+
+
+@pytest.mark.parametrize("node", ["<img src=x onerror=alert(1)>", "node\u202ea", "a b", "-n",
+                                  "x" * 129, "node\x1b[2J"])
+def test_one_node_name_rule_for_puts_reports_and_pulls(controller: Controller, node: str) -> None:
+    """Point 8: a node created only by a report (or a pull) could be any text."""
+    from urllib.parse import quote
+
+    from controller.api.jsonbody import check_name
+
+    check_name(("path", "node"), node, storing=True)  # live: the report's old rule passed it
+    http = controller.http
+    path = quote(node, safe="")
+    for answer in (
+        http.post(f"/api/nodes/{path}/report", json=_report(node=node), headers=ADMIN),
+        http.put(f"/api/nodes/{path}/schedules/s-1", json=_row(), headers=ADMIN),
+    ):
+        entry = _only(answer)
+        assert entry["field"] == "node" and entry["loc"] == ["path", "node"]
+        assert "is not an identifier: 1 to 128 ASCII letters" in entry["msg"], entry
+    # A pull by such a name is answered (a row stored before the rule stays readable) but
+    # adds no node to the fleet.
+    pulled = http.get("/api/schedules", params={"node": node}, headers=ADMIN)
+    assert pulled.status_code == 200 and pulled.json() == {"schedules": []}
+    http.get("/api/nodes/node-a/schedules", headers=NODE)  # a node that is one: recorded
+    nodes = [row["node"] for row in http.get("/api/status", headers=ADMIN).json()["nodes"]]
+    assert nodes == ["node-a"]

@@ -40,6 +40,7 @@ from controller.api.jsonbody import (
     _body_errors,
     _unprocessable,
     check_name,
+    check_node,
     read_object,
     unknown_keys,
     validate_as_go,
@@ -49,7 +50,14 @@ from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
-from sched_core.model import LocalSchedule
+from sched_core.model import (
+    NAME_MAX_LENGTH,
+    NOTE_MAX_LENGTH,
+    TEXT_MAX_LENGTH,
+    LocalSchedule,
+    check_identifier,
+    text_problem,
+)
 
 log = logging.getLogger("controller.api")
 
@@ -107,6 +115,15 @@ class RefusalLog:
         )
 
 
+def is_node_name(node: str) -> bool:
+    """Return whether node may be stored as a node's name: an identifier (the kit's rule)."""
+    try:
+        check_identifier(node, "node")
+    except ValueError:
+        return False
+    return True
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """Return target with the RFC 7386 JSON merge patch applied (neither is changed)."""
     if not isinstance(patch, dict):
@@ -139,8 +156,13 @@ class FleetApi:
         self.clock = clock
 
     def record_pull(self, node: str, status: int, etag: str) -> None:
-        """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted)."""
-        if self.recorder is not None:
+        """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
+
+        Only a node name that is an identifier (the one node-name rule, as a PUT
+        and a report have it) is recorded: a pull by any other name is answered
+        (rows stored before the rule stay readable) but adds no node to the fleet.
+        """
+        if self.recorder is not None and is_node_name(node):
             self.recorder.record(node, str(status), etag.removeprefix("W/").strip('"'))
 
     def flush_pulls(self) -> None:
@@ -190,9 +212,35 @@ def refuse_unknown_fields(data: dict[str, Any]) -> None:
         raise InvalidInput(unknown)
 
 
+ROW_TEXT = (("name", NAME_MAX_LENGTH), ("storage", TEXT_MAX_LENGTH),
+            ("schedule.on", NAME_MAX_LENGTH), ("paused.note", NOTE_MAX_LENGTH))
+"""A row's free text a write bounds, and its longest (characters): :func:`check_text`'s rule."""
+
+
+def refuse_bad_text(row: LocalSchedule) -> LocalSchedule:
+    """Return row if its free text (ROW_TEXT) is bounded and printable; else InvalidInput (422).
+
+    Checked on writes only: agents reading rows, and rows stored before the
+    rule, are not refused for it (a node never loses a row it has).
+    """
+    entries = []
+    for field, longest in ROW_TEXT:
+        value: Any = row
+        for part in field.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, str):
+            problem = text_problem(value, max_length=longest)
+            if problem is not None:
+                entries.append({"field": field, "loc": ["body", *field.split(".")],
+                                "msg": f"{field} {problem}", "type": "value_error"})
+    if entries:
+        raise InvalidInput(entries)
+    return row
+
+
 def row_from_body(data: dict[str, Any]) -> LocalSchedule:
     """Return a PUT body as a row: unknown fields and Go's types refused, then the row's checks."""
-    return validate_as_go(LocalSchedule, data)
+    return refuse_bad_text(validate_as_go(LocalSchedule, data))
 
 
 def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
@@ -202,7 +250,7 @@ def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule
         if key in patch and patch[key] != current.model_dump(mode="json")[key]:
             raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
     merged = merge_patch(current.model_dump(mode="json", by_alias=True), patch)
-    return validate_as_go(LocalSchedule, merged)
+    return refuse_bad_text(validate_as_go(LocalSchedule, merged))
 
 
 def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
@@ -217,7 +265,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     )
     async def post_report(request: Request, node: str) -> Response:
         auth.require_node(request, node)
-        check_name(("path", "node"), node, storing=True)
+        check_node(("path", "node"), node, storing=True)
         try:
             data = await read_object(request, "node", node)
             try:
