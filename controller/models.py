@@ -19,6 +19,7 @@ Tables:
 - ``node_report``, ``node_report_history``: each node's latest report (what
   its agent says about itself), and its newest reports (bounded per node).
 - ``node_pull``: each node's latest pull as the controller answered it.
+- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
 """
 
 from __future__ import annotations
@@ -238,6 +239,17 @@ class NodePull(SQLModel, table=True):
     """``"200"`` (the list sent) or ``"304"`` (the node had it)."""
     list_version: str = Field(sa_type=Text)
     """The list version served: the list's ETag without its quotes (``3f2a9c0b1d4e5f60-12``)."""
+
+
+class RevokedSession(SQLModel, table=True):
+    """A fleet page session ended by Log out before its expiry: every instance refuses it."""
+
+    __tablename__ = "revoked_session"
+
+    digest: str = Field(primary_key=True, max_length=64)
+    """The SHA-256 (hex) of the session cookie's signature; never the cookie itself."""
+    expires_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the cookie expires anyway: the row is pruned after it."""
 
 
 class TaskIn(SQLModel):

@@ -943,3 +943,54 @@ def test_one_node_name_rule_for_puts_reports_and_pulls(controller: Controller, n
     http.get("/api/nodes/node-a/schedules", headers=NODE)  # a node that is one: recorded
     nodes = [row["node"] for row in http.get("/api/status", headers=ADMIN).json()["nodes"]]
     assert nodes == ["node-a"]
+
+
+def test_log_out_ends_the_session_on_every_instance_at_once(controller: Controller) -> None:
+    """Point 6: the signed cookie went on working for the rest of its 12 h after Log out."""
+    import httpx
+
+    from controller.api import create_app
+    from controller.api.page import COOKIE, cookie_principal
+    from controller.auth import Tokens
+    from controller.db import make_engine
+    from controller.testing import serve_in_thread
+
+    tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
+    http = controller.http
+
+    def log_in(client: httpx.Client) -> str:
+        answer = client.post("/login", data={"token": ADMIN_TOKEN})
+        assert answer.status_code == 303
+        client.cookies.clear()  # each request below says which cookie it sends
+        return str(answer.cookies[COOKIE])
+
+    def jar(value: str) -> dict[str, str]:
+        return {"cookie": f"{COOKIE}={value}"}
+
+    cookie = log_in(http)
+    # A second login gets a cookie of its own (logging one out ends that one only).
+    other = log_in(http)
+    assert other != cookie
+    engine = make_engine(controller.url)
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as second_base, \
+                httpx.Client(base_url=second_base, timeout=30) as second:
+            for client in (http, second):  # any instance sharing the tokens accepts it
+                assert client.get("/", headers=jar(cookie)).status_code == 200
+            out = http.post("/logout", headers=jar(cookie))
+            assert out.status_code == 303
+            assert 'Max-Age=0' in out.headers["set-cookie"]
+            # Live: the cookie is still a valid signature of the admin's token, unexpired:
+            # a client that keeps it (a copy, a stolen one) would still be the admin...
+            assert cookie_principal(tokens, cookie, time.time()) is not None
+            # ...but both instances refuse it at once.
+            for client in (http, second):
+                page = client.get("/", headers=jar(cookie))
+                assert page.status_code == 401, page.text
+                assert "your session has ended: log in again" in page.text
+                assert client.get("/", headers=jar(other)).status_code == 200
+            # Logging in again works at once.
+            again = log_in(second)
+            assert http.get("/", headers=jar(again)).status_code == 200
+    finally:
+        engine.dispose()

@@ -35,7 +35,7 @@ from controller.api.jsonbody import (
     validation_entries,
 )
 from controller.api.openapi import install_openapi, json_body
-from controller.api.page import FleetApiSource, page_router
+from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
@@ -331,5 +331,6 @@ def create_app(
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
     app.include_router(task_router(in_session, auth, on_task_saved))
-    app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock))
+    app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
+                                   revocations=SessionRevocations(in_session)))
     return app

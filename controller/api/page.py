@@ -7,7 +7,9 @@ session cookie that holds an expiry and an HMAC of it keyed by the token's
 SHA-256 digest (:func:`controller.auth.sign`), never the token or its digest.
 Any controller instance sharing the tokens accepts it, it ends after
 :data:`SESSION_S`, and removing the token from the configuration ends it at
-once. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
+once. Log out ends the session on every instance at once: the cookie's digest
+is stored in the database (:class:`SessionRevocations`) and refused from then
+on. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
 HTTPS. A node token sees a 403.
 
 Where the data come from: a :class:`FleetSource`, the API's shapes
@@ -19,7 +21,9 @@ outcomes, windows in each node's zone.
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -28,12 +32,16 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy import Table, delete, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
 from controller import schedules
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import AHEAD, FleetView, render_login, render_page
+from controller.models import RevokedSession
 
 log = logging.getLogger("controller.page")
 
@@ -113,27 +121,100 @@ class FleetApiSource:
 
 
 def session_cookie(token: str, now: float) -> str:
-    """Return a session cookie value for token, valid for SESSION_S from now (epoch seconds)."""
+    """Return a session cookie value for token, valid for SESSION_S from now (epoch seconds).
+
+    ``v2.<expiry>.<nonce>.<signature>``: the random nonce makes every login's
+    cookie its own, so logging one out (:class:`SessionRevocations`) ends that
+    session only, and a new login at once gets a cookie that works.
+    """
     expiry = int(now) + SESSION_S
-    signature = sign(token, _SESSION_CONTEXT + str(expiry).encode())
-    return f"v1.{expiry}.{base64.urlsafe_b64encode(signature).decode().rstrip('=')}"
+    nonce = secrets.token_urlsafe(12)
+    signature = sign(token, _SESSION_CONTEXT + f"{expiry}.{nonce}".encode())
+    return f"v2.{expiry}.{nonce}.{base64.urlsafe_b64encode(signature).decode().rstrip('=')}"
 
 
-def cookie_principal(tokens: Tokens, value: str | None, now: float) -> Principal | None:
-    """Return the principal a session cookie was signed for, or None (bad, expired, revoked)."""
+def _cookie_parts(value: str | None) -> tuple[int, bytes, bytes] | None:
+    """Return (expiry, signed message, signature) of a well-formed cookie (v1 or v2), or None."""
     if not value or len(value) > 200:
         return None
     version, _, rest = value.partition(".")
-    expiry_text, _, signature_text = rest.partition(".")
-    if version != "v1" or not expiry_text.isdigit() or not signature_text:
+    if version == "v1":  # a cookie from before nonces: <expiry>.<signature>
+        expiry_text, _, signature_text = rest.partition(".")
+        signed = expiry_text
+    elif version == "v2":
+        expiry_text, _, rest = rest.partition(".")
+        nonce, _, signature_text = rest.partition(".")
+        if not nonce.isascii() or not nonce.replace("-", "").replace("_", "").isalnum():
+            return None
+        signed = f"{expiry_text}.{nonce}"
+    else:
         return None
-    if int(expiry_text) <= now:
+    if not expiry_text.isdigit() or not signature_text or not expiry_text.isascii():
         return None
     try:
         signature = base64.urlsafe_b64decode(signature_text + "=" * (-len(signature_text) % 4))
     except ValueError:
         return None
-    return tokens.signer(_SESSION_CONTEXT + expiry_text.encode(), signature)
+    return int(expiry_text), _SESSION_CONTEXT + signed.encode(), signature
+
+
+def cookie_principal(tokens: Tokens, value: str | None, now: float) -> Principal | None:
+    """Return the principal a session cookie was signed for, or None (bad, expired, revoked).
+
+    Revoked here means its token was removed from the configuration; a cookie
+    ended by Log out is refused by :class:`SessionRevocations` on top of this.
+    """
+    parts = _cookie_parts(value)
+    if parts is None or parts[0] <= now:
+        return None
+    _, message, signature = parts
+    return tokens.signer(message, signature)
+
+
+def cookie_digest(value: str) -> str:
+    """Return the key a logged-out cookie is remembered by: SHA-256 (hex) of the cookie."""
+    return hashlib.sha256(value.encode("utf-8")).hexdigest()
+
+
+_REVOKED: Table = RevokedSession.__table__  # type: ignore[attr-defined]
+
+
+class SessionRevocations:
+    """Session cookies ended by Log out, in the database every controller instance shares.
+
+    A cookie is a signed expiry (any instance sharing the tokens accepts it
+    without state), so ending one before its time needs state they share:
+    Log out stores the cookie's digest with its expiry, and every instance
+    refuses a cookie whose digest is stored (one key lookup per page view).
+    Rows past their expiry are pruned at each Log out.
+    """
+
+    def __init__(self, in_session: Callable[[Callable[[Session], Any]], Any]) -> None:
+        self.in_session = in_session
+
+    def revoke(self, value: str, *, now: datetime) -> bool:
+        """End the session of a well-formed, unexpired cookie value; False if there was none."""
+        parts = _cookie_parts(value)
+        if parts is None or parts[0] <= now.timestamp():
+            return False
+        expires_at = datetime.fromtimestamp(parts[0], UTC)
+
+        def store(session: Session) -> None:
+            insert: Any = (pg_insert if session.get_bind().dialect.name == "postgresql"
+                           else sqlite_insert)(_REVOKED)
+            session.execute(insert.values(digest=cookie_digest(value), expires_at=expires_at)
+                            .on_conflict_do_nothing(index_elements=[_REVOKED.c.digest]))
+            session.execute(delete(_REVOKED).where(_REVOKED.c.expires_at < now))
+
+        self.in_session(store)
+        return True
+
+    def is_revoked(self, value: str) -> bool:
+        """Return whether the session of this cookie value was ended by Log out."""
+        digest = cookie_digest(value)
+        found = self.in_session(lambda session: session.execute(
+            select(_REVOKED.c.digest).where(_REVOKED.c.digest == digest)).first())
+        return found is not None
 
 
 def prefect_ui_url() -> str | None:
@@ -157,8 +238,13 @@ def page_router(
     *,
     clock: Clock = lambda: datetime.now(UTC),
     prefect_ui: Callable[[], str | None] = prefect_ui_url,
+    revocations: SessionRevocations | None = None,
 ) -> APIRouter:
-    """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``."""
+    """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``.
+
+    With ``revocations``, Log out ends the session on every instance at once
+    (the cookie stops working); without, it only deletes the browser's cookie.
+    """
     router = APIRouter(include_in_schema=False)
     html_headers = {"cache-control": "no-store", "x-frame-options": "DENY",
                     "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
@@ -172,8 +258,12 @@ def page_router(
         if header is not None:
             principal = tokens.authenticate(bearer_token(header))
             return principal, "" if principal else "invalid bearer token"
-        principal = cookie_principal(tokens, request.cookies.get(COOKIE), time.time())
-        if principal is None and request.cookies.get(COOKIE):
+        cookie = request.cookies.get(COOKIE)
+        principal = cookie_principal(tokens, cookie, time.time())
+        if principal is not None and cookie and revocations is not None \
+                and revocations.is_revoked(cookie):
+            principal = None
+        if principal is None and cookie:
             return None, "your session has ended: log in again"
         return principal, ""
 
@@ -222,7 +312,11 @@ def page_router(
         return response
 
     @router.post("/logout")
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
+        cookie = request.cookies.get(COOKIE)
+        if cookie and revocations is not None and revocations.revoke(
+                cookie, now=datetime.fromtimestamp(time.time(), UTC)):
+            log.info("fleet page session ended (log out)")
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response
