@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from flows.actions import ValueRefused, render_argv, run_command
+from flows.actions import ValueRefused, job_environment, render_argv, run_command
 from flows.settings import AgentSettings, load_settings, template_fields
 from sched_core import ConfigError, LocalSchedule
 
@@ -216,7 +216,7 @@ def test_restic_password_command_runs_unguarded_and_is_refused_now(
     password = tmp_path / "pw"
     password.write_text("pw\n")
     settings = _restic_settings(tmp_path, password)
-    env = settings.actions["backup"].env
+    env = job_environment(settings.actions["backup"].env, tz="UTC")
     repo, data, marker = tmp_path / "repos" / "r-9", tmp_path / "data", tmp_path / "marker"
     data.mkdir()
     (data / "a").write_text("a")
@@ -994,3 +994,76 @@ def test_log_out_ends_the_session_on_every_instance_at_once(controller: Controll
             assert http.get("/", headers=jar(again)).status_code == 200
     finally:
         engine.dispose()
+
+
+SECRETS = {"SCHED_TOKEN": "sched-node-token-SECRET-1", "PREFECT_API_KEY": "pnu_SECRET-2",
+           "PREFECT_API_AUTH_STRING": "admin:SECRET-3", "AWS_SECRET_ACCESS_KEY": "SECRET-4"}
+
+
+def test_job_environment_is_the_base_the_zone_and_the_declared_env_only() -> None:
+    agent = {"PATH": "/opt/bin:/usr/bin", "HOME": "/var/lib/sched", "LANG": "C.UTF-8",
+             "USER": "sched", "TMPDIR": "/tmp/x", "PYTHONPATH": "/srv/agent", **SECRETS}
+    declared = {"RESTIC_PASSWORD_FILE": "/etc/sched-agent/pw", "LANG": "de_DE.UTF-8"}
+    assert job_environment(declared, tz="Europe/Berlin", base=agent) == {
+        "PATH": "/opt/bin:/usr/bin", "HOME": "/var/lib/sched", "USER": "sched",
+        "LANG": "de_DE.UTF-8", "TMPDIR": "/tmp/x", "TZ": "Europe/Berlin",
+        "RESTIC_PASSWORD_FILE": "/etc/sched-agent/pw"}
+    # No zone on the row: UTC; no PATH on the agent: a default one.
+    assert job_environment({}, tz="", base={}) == {"PATH": "/usr/local/bin:/usr/bin:/bin",
+                                                   "TZ": "UTC"}
+
+
+def test_a_command_never_sees_the_agents_credentials(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Point 5: `env` as a job printed SCHED_TOKEN and PREFECT_API_AUTH_STRING into the log."""
+    import subprocess
+
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    # Live: a child that inherits the agent's environment (what run_command did) prints them.
+    leaked = subprocess.run(["env"], env={**os.environ}, capture_output=True, text=True,
+                            check=True).stdout
+    assert all(value in leaked for value in SECRETS.values())
+    lines: list[str] = []
+    assert run_command(["env"], timeout_s=30, log=lines.append).exit_code == 0
+    assert not any(value in line for value in SECRETS.values() for line in lines), lines
+    assert "TZ=UTC" in lines and any(line.startswith("PATH=") for line in lines)
+    lines.clear()
+    run_command(["env"], timeout_s=30, log=lines.append,
+                env=job_environment({"X_DECLARED": "1"}, tz="America/New_York"))
+    assert sorted(line.split("=")[0] for line in lines) == sorted(
+        ["X_DECLARED", "TZ", *(n for n in ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL",
+                                          "LC_CTYPE", "TMPDIR") if os.environ.get(n) or
+                                n == "PATH")])
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_run_job_gives_its_command_no_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Point 5 through run-job: the run's log shows the command's environment, no secret."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    node = Node(tmp_path, monkeypatch, "agent.toml")
+    with node.config.open("a") as config:
+        config.write('\n[actions.printenv]\nargv = ["env"]\nenv = { X_DECLARED = "yes" }\n')
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    node.cache([{**_demo("p-env", "printenv"), "timezone": "Europe/Berlin"}])
+    state = node.run("p-env")
+    assert state.is_completed(), state.message
+    run_id = state.state_details.flow_run_id
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            lines = [entry.message for entry in client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            if "X_DECLARED=yes" in lines or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert "X_DECLARED=yes" in lines and "TZ=Europe/Berlin" in lines, lines
+    assert not any(value in line for value in SECRETS.values() for line in lines)
+    assert not any(line.startswith(("SCHED_", "PREFECT_")) for line in lines), lines
