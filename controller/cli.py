@@ -199,6 +199,8 @@ def serve(
                 err=True,
             )
             raise typer.Exit(2)
+        else:
+            tokens.warn_short()
     if not api_only:
         from controller.dispatch import prefect_api_url
 

@@ -23,8 +23,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import secrets
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -41,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from controller import schedules
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import AHEAD, FleetView, render_login, render_page
+from controller.logtext import printable
 from controller.models import RevokedSession
 
 log = logging.getLogger("controller.page")
@@ -217,6 +221,54 @@ class SessionRevocations:
         return found is not None
 
 
+LOGIN_FAILURES = 10
+"""Failed logins one client address may make within LOGIN_WINDOW_S before it must wait."""
+LOGIN_WINDOW_S = 60.0
+"""The sliding window of LOGIN_FAILURES (seconds)."""
+
+
+class LoginThrottle:
+    """Failed logins per client address: past ``failures`` within ``window`` seconds, wait.
+
+    While an address must wait, its logins are answered 429 without looking at
+    the token (a guess is not even tried), the right token included. Kept in
+    memory per controller process, for at most ``max_addresses`` addresses (the
+    oldest forgotten first). Behind a proxy every client has the proxy's address.
+    """
+
+    def __init__(self, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW_S, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 max_addresses: int = 10_000) -> None:
+        self.failures = failures
+        self.window = window
+        self.clock = clock
+        self.max_addresses = max_addresses
+        self._seen: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str) -> float:
+        """Return how long address must wait before its next login (0: it may try now)."""
+        now = self.clock()
+        with self._lock:
+            times = self._seen.get(address)
+            if not times:
+                return 0.0
+            while times and times[0] <= now - self.window:
+                times.popleft()
+            if len(times) < self.failures:
+                return 0.0
+            return times[-self.failures] + self.window - now
+
+    def failed(self, address: str) -> None:
+        """Count one failed login of address."""
+        with self._lock:
+            times = self._seen.pop(address, None) or deque(maxlen=self.failures)
+            times.append(self.clock())
+            self._seen[address] = times  # re-inserted: the newest last
+            while len(self._seen) > self.max_addresses:
+                del self._seen[next(iter(self._seen))]
+
+
 def prefect_ui_url() -> str | None:
     """Return the Prefect UI for links: ``PREFECT_UI_URL``, else the API's URL minus ``/api``."""
     try:
@@ -286,8 +338,20 @@ def page_router(
                          prefect_ui=ui, notice=notice)
         return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
 
+    throttle = LoginThrottle()
+
     @router.post("/login")
     async def login(request: Request) -> Response:
+        address = request.client.host if request.client else "-"
+        wait = throttle.wait_s(address)
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            log.warning("fleet page login refused: too many failed logins",
+                        extra={"client": printable(address), "retry_after_s": retry})
+            return HTMLResponse(
+                render_login(f"too many failed logins from your address: try again in "
+                             f"{retry} s"), status_code=429,
+                headers={**html_headers, "retry-after": str(retry)})
         body = b""
         async for chunk in request.stream():
             body += chunk
@@ -298,6 +362,7 @@ def page_router(
         token = (form.get("token") or [""])[0]
         principal = await run_in_threadpool(tokens.authenticate, token or None)
         if principal is None or not principal.is_admin:
+            throttle.failed(address)
             request.state.principal = principal
             log.info("fleet page login refused", extra={
                 "principal": principal.label if principal else "-"})
