@@ -1067,3 +1067,136 @@ def test_run_job_gives_its_command_no_credentials(
     assert "X_DECLARED=yes" in lines and "TZ=Europe/Berlin" in lines, lines
     assert not any(value in line for value in SECRETS.values() for line in lines)
     assert not any(line.startswith(("SCHED_", "PREFECT_")) for line in lines), lines
+
+
+def test_login_guesses_are_limited_per_address(controller: Controller) -> None:
+    """Point 9: 200 wrong logins in 2.6 s were each tried."""
+    http = controller.http
+    answers = [http.post("/login", data={"token": f"guess-{i}"}).status_code for i in range(200)]
+    # The first 10 are tried (each a 401 "unknown token"); the rest are not even tried.
+    assert answers == [401] * 10 + [429] * 190
+    refused = http.post("/login", data={"token": ADMIN_TOKEN})  # the right one, too, must wait
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert "too many failed logins from your address: try again in" in refused.text
+    # Bearer callers (scripts) are not affected; the API's tokens are not guessed here.
+    assert http.get("/api/nodes", headers=ADMIN).status_code == 200
+
+
+def test_the_login_throttle_forgets_failures_after_its_window() -> None:
+    from controller.api.page import LoginThrottle
+
+    now = [0.0]
+    throttle = LoginThrottle(failures=3, window=60, clock=lambda: now[0], max_addresses=2)
+    for at in (0.0, 10.0, 20.0):
+        now[0] = at
+        assert throttle.wait_s("10.0.0.1") == 0
+        throttle.failed("10.0.0.1")
+    assert throttle.wait_s("10.0.0.1") == 40.0  # the oldest failure leaves the window at 60
+    assert throttle.wait_s("10.0.0.2") == 0     # another address is not held back
+    now[0] = 60.0
+    assert throttle.wait_s("10.0.0.1") == 0
+    throttle.failed("10.0.0.2")
+    throttle.failed("10.0.0.3")                 # a third address: the oldest is forgotten
+    assert throttle.wait_s("10.0.0.1") == 0
+
+
+def test_every_answer_carries_nosniff_and_no_referrer(controller: Controller) -> None:
+    """Point 9 (HSTS over HTTPS: tests/test_controller_cli.py, on a real TLS serve)."""
+    http = controller.http
+    for answer in (http.get("/healthz"), http.get("/api/nodes"), http.get("/"),
+                   http.get("/openapi.json"), http.post("/api/nodes", headers=ADMIN),
+                   http.put("/api/nodes/node-a/schedules/s", content=b"\xff", headers=ADMIN)):
+        assert answer.headers["x-content-type-options"] == "nosniff", answer.request.url
+        assert answer.headers["referrer-policy"] == "no-referrer"
+        assert "strict-transport-security" not in answer.headers  # plain HTTP: no HSTS
+
+
+def test_an_unreachable_database_is_a_503_with_a_reason(tmp_path: Path) -> None:
+    """Point 9: with the database unreachable the API answered a bare 500."""
+    import socket
+
+    import httpx
+    from sqlalchemy.exc import OperationalError
+
+    from controller.api import create_app
+    from controller.auth import Tokens
+    from controller.db import make_engine
+    from controller.testing import serve_in_thread
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    engine = make_engine(f"postgresql://sched:db-pw-secret@127.0.0.1:{port}/sched")
+    try:
+        # Live: every query raises, and FastAPI's default for an exception is a bare 500.
+        with pytest.raises(OperationalError):
+            engine.connect()
+        app = create_app(engine, Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]}),
+                         record_pulls=False)
+        with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+            for method, path, headers in (
+                    ("GET", "/api/nodes", ADMIN), ("GET", "/api/schedules?node=node-a", NODE),
+                    ("GET", "/api/tasks", ADMIN), ("GET", "/api/status", ADMIN),
+                    ("PUT", "/api/nodes/node-a/schedules/s-1", ADMIN)):
+                answer = http.request(method, path, headers=headers,
+                                      json=_row() if method == "PUT" else None)
+                assert answer.status_code == 503, (path, answer.text)
+                assert answer.json() == {"detail": "the database is unavailable "
+                                         "(OperationalError); try again shortly"}
+                assert answer.headers["retry-after"] == "5"
+                assert "db-pw-secret" not in answer.text
+            assert http.get("/healthz").status_code == 503
+            # Auth still comes first: no token is a 401, not a 503.
+            assert http.get("/api/nodes").status_code == 401
+    finally:
+        engine.dispose()
+
+
+def test_a_short_admin_token_is_served_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Point 9: a one-character admin token was accepted silently."""
+    from controller.auth import MIN_TOKEN_LENGTH, Tokens
+
+    tokens = Tokens(admin=["a", "x" * MIN_TOKEN_LENGTH], nodes={"node-a": ["tok1"]})
+    assert tokens.authenticate("a") is not None  # live: one character is the admin
+    caplog.set_level(logging.WARNING, logger="controller.auth")
+    tokens.warn_short()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the admin token is 1 characters long, under the minimum of 16: anyone who can reach "
+        "the API can guess it; use a long random one (openssl rand -hex 32)",
+        "the node:node-a token is 4 characters long, under the minimum of 16: anyone who can "
+        "reach the API can guess it; use a long random one (openssl rand -hex 32)"]
+    caplog.clear()
+    Tokens(admin=["x" * MIN_TOKEN_LENGTH]).warn_short()
+    assert caplog.records == []
+
+
+def test_the_openapi_document_declares_what_the_server_answers(controller: Controller) -> None:
+    """Point 9 (schemathesis' findings): undeclared 401/403/404/413, and a 405's Allow."""
+    http = controller.http
+    document = http.get("/openapi.json").json()
+    methods = ("get", "put", "post", "patch", "delete")
+    for template, operations in document["paths"].items():
+        path = (template.replace("{node}", "node-a").replace("{schedule_id}", "s-none")
+                .replace("{name}", "t-none"))
+        documented = [m.upper() for m in methods if m in operations]
+        for method, operation in operations.items():
+            declared = set(operation["responses"])
+            if template.startswith("/api/"):
+                assert {"401", "403", "503"} <= declared, (method, template, declared)
+                # The server gives the declared 401 to a caller without a token.
+                assert http.request(method.upper(), path).status_code == 401
+            if "{" in template:
+                assert "404" in declared, (method, template)
+            if "requestBody" in operation:
+                assert {"413", "422"} <= declared, (method, template)
+        # A method the path does not take: 405, and Allow names exactly the documented ones.
+        for method in methods:
+            if method in operations:
+                continue
+            answer = http.request(method.upper(), path, headers=ADMIN)
+            assert answer.status_code == 405, (method, template)
+            assert answer.headers["allow"].split(", ") == documented, (method, template)
+    # Starlette alone answered "Allow: GET" here (its first route's only method).
+    assert http.post("/api/nodes/node-a/schedules/s-1", headers=ADMIN).headers["allow"] == (
+        "GET, PUT, PATCH, DELETE")

@@ -594,3 +594,21 @@ def test_log_lines_never_carry_a_urls_password() -> None:
     record.__dict__.update(url="postgresql://sched:pw2@db/sched")
     assert formatter.format(record) == (
         "WARNING httpx: HTTP Request: GET https://***@h.example/api url=postgresql://***@db/sched")
+
+
+def test_serve_over_https_sends_hsts_and_warns_of_a_short_admin_token(tmp_path: Path) -> None:
+    """Issue 20, point 9: Strict-Transport-Security over HTTPS; a 1-character token warned of."""
+    cert, key = make_self_signed_cert(tmp_path)
+    with serving(tmp_path, "--api-only", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                 SCHED_ADMIN_TOKEN="a") as (base, log_path):
+        trusted = ssl.create_default_context(cafile=str(cert))
+        for path in ("/healthz", "/api/nodes", "/"):
+            answer = httpx.get(f"{base}{path}", verify=trusted)
+            assert answer.headers["strict-transport-security"] == "max-age=31536000"
+            assert answer.headers["x-content-type-options"] == "nosniff"
+        # The token still works (a warning, not a refusal: existing set-ups keep running).
+        assert httpx.get(f"{base}/api/nodes", headers={"Authorization": "Bearer a"},
+                         verify=trusted).status_code == 200
+    log = log_path.read_text()
+    assert ("WARNING controller.auth: the admin token is 1 characters long, under the minimum "
+            "of 16") in log, log
