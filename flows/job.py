@@ -34,13 +34,7 @@ from prefect.client.schemas.objects import FlowRun, State
 from prefect.runtime import flow_run as current_run
 from prefect.states import Completed
 
-from flows.actions import (
-    CommandResult,
-    job_environment,
-    render_argv,
-    run_command,
-    window_stamp,
-)
+from flows.actions import CommandResult, job_environment, render_argv, run_command, window_stamp
 from flows.dispatch import JobRef, job_run_name
 from flows.guard import cached_row, cached_rows, first_try_of, stage_rerun, start_window
 from flows.node_report import report_after
