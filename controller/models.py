@@ -19,6 +19,7 @@ Tables:
 - ``node_report``, ``node_report_history``: each node's latest report (what
   its agent says about itself), and its newest reports (bounded per node).
 - ``node_pull``: each node's latest pull as the controller answered it.
+- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from sqlalchemy import JSON, Column, DateTime, Index, String, Text, UniqueConstraint
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from sched_core.matcher import zone
-from sched_core.model import Schedule
+from sched_core.model import NAME_MAX_LENGTH, Schedule, check_text, check_zone_name
 
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
@@ -240,6 +241,17 @@ class NodePull(SQLModel, table=True):
     """The list version served: the list's ETag without its quotes (``3f2a9c0b1d4e5f60-12``)."""
 
 
+class RevokedSession(SQLModel, table=True):
+    """A fleet page session ended by Log out before its expiry: every instance refuses it."""
+
+    __tablename__ = "revoked_session"
+
+    digest: str = Field(primary_key=True, max_length=64)
+    """The SHA-256 (hex) of the session cookie's signature; never the cookie itself."""
+    expires_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the cookie expires anyway: the row is pruned after it."""
+
+
 class TaskIn(SQLModel):
     """What a client sends to create or replace a task (validated, never stored as is).
 
@@ -265,6 +277,14 @@ class TaskIn(SQLModel):
     payload: dict[str, Any] = Field(default_factory=dict)
     status: TaskStatus = TaskStatus.ACTIVE
 
+    @field_validator("name", "cron", "event", "deployment")
+    @classmethod
+    def _plain_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # The one rule for text people read (sched_core.model.check_text).
+        if value is not None:
+            check_text(value, info.field_name or "text", max_length=NAME_MAX_LENGTH)
+        return value
+
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
@@ -282,7 +302,9 @@ class TaskIn(SQLModel):
             raise ValueError(
                 f"unknown timezone {shown!r} (expected an IANA name such as Europe/Paris)"
             ) from None
-        return value
+        # A file of the zone database that is no IANA name ("localtime", the
+        # machine's own zone; "posix/..."): refused as a row's timezone is.
+        return check_zone_name(value)
 
     @field_validator("cron")
     @classmethod

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_serializer
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+)
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -35,7 +43,7 @@ from sqlmodel import Session
 
 from controller.db import transaction
 from controller.models import AgentSchedule, NodePull, NodeReport, NodeReportHistory, NodeRevision
-from sched_core.model import check_zone_name, format_go_time
+from sched_core.model import TEXT_MAX_LENGTH, check_text, check_zone_name, format_go_time
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +79,19 @@ class _Strict(BaseModel):
         return format_go_time(value) if isinstance(value, datetime) else value
 
 
-Text = Annotated[str, Field(max_length=2000)]
-Name = Annotated[str, Field(min_length=1, max_length=300)]
+def _plain(value: str, info: ValidationInfo) -> str:
+    return check_text(value, info.field_name or "text", max_length=TEXT_MAX_LENGTH)
+
+
+def _lines(value: str, info: ValidationInfo) -> str:
+    return check_text(value, info.field_name or "text", max_length=TEXT_MAX_LENGTH,
+                      multiline=True)
+
+
+# Free text a node reports is held to the kit's one text rule (check_text): bounded, no
+# control or bidi character (a message may have several lines).
+Text = Annotated[str, Field(max_length=2000), AfterValidator(_lines)]
+Name = Annotated[str, Field(min_length=1, max_length=300), AfterValidator(_plain)]
 def _instant(value: object) -> datetime:
     """Return an RFC 3339 time with a UTC offset as an aware UTC datetime; else ValueError."""
     if not isinstance(value, str):
@@ -83,7 +102,11 @@ def _instant(value: object) -> datetime:
         raise ValueError(f"{value[:60]!r} is not an RFC 3339 time") from None
     if parsed.tzinfo is None:
         raise ValueError(f"time {value[:60]!r} has no UTC offset")
-    return parsed.astimezone(UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:  # 9999-12-31T23:59:59-14:00 is past year 9999 in UTC
+        raise ValueError(
+            f"time {value[:60]!r} is out of range in UTC (years 1 to 9999)") from None
 
 
 AwareInstant = Annotated[datetime, BeforeValidator(_instant)]
@@ -115,7 +138,7 @@ class LastPull(_Strict):
     at: AwareInstant | None = None
     ok: bool
     error: Text | None = None
-    status: Annotated[str, Field(max_length=20)] | None = None
+    status: Annotated[str, Field(max_length=20), AfterValidator(_plain)] | None = None
 
 
 class Counts(_Strict):
@@ -133,7 +156,7 @@ class NodeReportIn(_Strict):
     """A node's report of itself (the fleet contract's point 1); every field checked."""
 
     node: Name
-    agent_version: Annotated[str, Field(min_length=1, max_length=100)]
+    agent_version: Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_plain)]
     timezone: Annotated[str, AfterValidator(_zone_name)]
     grace_s: Annotated[float, Field(ge=0, le=86_400)]
     reported_at: AwareInstant

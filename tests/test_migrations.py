@@ -19,7 +19,7 @@ from controller import db
 from controller import models as _models  # noqa: F401  (registers the tables)
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
-          "node_report_history", "node_pull"}
+          "node_report_history", "node_pull", "revoked_session"}
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
@@ -383,8 +383,19 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
             assert nodes.report_history(session, "other", limit=10)[0].report == {"i": 9}
             assert nodes.latest_pulls(session)["n"].status == "304"
         db.downgrade(empty_url, "0005")
-        assert _tables(empty_url) == TABLES - {"node_report", "node_report_history", "node_pull"}
+        assert _tables(empty_url) == TABLES - {"node_report", "node_report_history", "node_pull",
+                                               "revoked_session"}
         with Session(engine) as session:
             assert [r.id for r in schedules.list_schedules(session, "n")[0]] == ["s-1"]
     finally:
         engine.dispose()
+
+
+def test_revoked_sessions_migration_up_and_down(empty_url: str) -> None:
+    """0007: the table of logged-out sessions comes and goes; the rest stays."""
+    db.migrate(empty_url, "0006")
+    assert _tables(empty_url) == TABLES - {"revoked_session"}
+    db.migrate(empty_url)
+    assert _tables(empty_url) == TABLES
+    db.downgrade(empty_url, "0006")
+    assert _tables(empty_url) == TABLES - {"revoked_session"}
