@@ -43,7 +43,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 
 import httpx
 
-from flows.actions import render_argv
+from flows.actions import job_environment, render_argv
 from flows.control import Control, ControllerWait, PrefectStream
 from flows.firing import Decided, FiringLoop
 from flows.history import History
@@ -97,8 +96,6 @@ from sched_core.pull import NOT_MODIFIED
 
 log = logging.getLogger("flows.node")
 
-BASE_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "USER", "LOGNAME", "TMPDIR")
-"""The agent's variables a job's command gets (besides its action's ``env`` and ``TZ``)."""
 CONTROL_RETRY_S = 5.0
 """How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
 PLAN_RETRY_S = 30.0
@@ -112,19 +109,11 @@ def wall_clock() -> datetime:
     return datetime.now(UTC)
 
 
-def job_environment(settings: AgentSettings, spec: JobSpec, *,
-                    base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Return a job's environment: a few of the agent's variables, ``TZ``, the action's ``env``.
-
-    Never the agent's credentials (``SCHED_TOKEN``, ``PREFECT_API_*``): a job's
-    output goes to Prefect, where anyone with the API reads it.
-    """
-    source = os.environ if base is None else base
-    env = {name: source[name] for name in BASE_ENV if name in source}
-    env["TZ"] = settings.timezone
-    if spec.kind == KIND_JOB and spec.action in settings.actions:
-        env.update(settings.actions[spec.action].env)
-    return env
+def job_env(settings: AgentSettings, spec: JobSpec) -> dict[str, str]:
+    """Return a job's environment (:func:`flows.actions.job_environment`): never the agent's
+    credentials, ``TZ`` the row's zone (UTC unless it has one), the action's ``env``."""
+    action = settings.actions.get(spec.action) if spec.kind == KIND_JOB else None
+    return job_environment(action.env if action else {}, tz=spec.zone)
 
 
 class Node:
@@ -155,7 +144,7 @@ class Node:
                                max_runs=settings.plan_max_runs, now=now)
         # Step 3: jobs and the chain.
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
-                         env_for=lambda spec: job_environment(settings, spec),
+                         env_for=lambda spec: job_env(settings, spec),
                          on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
                          repo_lock=self._repo_lock)
         self.chain = Chain(self.scheduler, self._chain_spec())
@@ -228,7 +217,7 @@ class Node:
             retries=action.retries if action else 0,
             retry_delay_s=action.retry_delay.total_seconds() if action else 0.0,
             umask=self.settings.job_umask, tags=ref.tags(), parameters=ref.parameters(),
-            overlap=(row.overlap.value if row.overlap else "skip"),
+            overlap=(row.overlap.value if row.overlap else "skip"), zone=row.timezone or "",
             repo_lock=row.repo_id if row.repo_lock else None,
         )
 

@@ -104,6 +104,8 @@ class JobSpec:
     tags: list[str] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     overlap: str = "skip"
+    zone: str = ""
+    """The row's own zone (its ``timezone``), empty for the node's: the command's ``TZ``."""
     repo_lock: str | None = None
     """The repository whose fleet-wide lock the job holds (``repo_lock`` rows)."""
 

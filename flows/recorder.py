@@ -36,7 +36,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from flows.outbox import (
@@ -71,8 +71,6 @@ BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
 IDLE_WAIT_S = 30.0
 """How long the recorder sleeps with nothing to send (a new job wakes it at once)."""
-OFFLINE_AFTER = timedelta(seconds=60)
-"""A job whose start reached Prefect later than this after it started ran offline."""
 
 JOB_PARAMETERS: dict[str, Any] = {
     "type": "object",
@@ -286,11 +284,16 @@ class Recorder:
         Raises PrefectUnavailable when the server cannot be reached (the caller waits).
         """
         pending = False
-        for folder in list(self.outbox.jobs()):
+        folders = list(self.outbox.jobs())
+        for index, folder in enumerate(folders):
             if self._stop.is_set():
                 return True
             try:
                 complete = self.record(folder)
+            except PrefectUnavailable:
+                for later in folders[index + 1:]:
+                    self._mark_offline(later)
+                raise
             except PrefectRefused as exc:
                 log.error("Prefect refused a record of job %s; it stays in the outbox: %s",
                           folder.job_id, exc, extra={"node": self.node, "job_id": folder.job_id})
@@ -306,6 +309,19 @@ class Recorder:
                 pending = True
         return pending
 
+    def _mark_offline(self, folder: JobFolder) -> None:
+        """Note that a started job's start could not be recorded in time (the server is away)."""
+        progress = folder.read_json("record.json") or {}
+        if "offline" in progress or progress.get("complete"):
+            return
+        try:
+            started = bool(folder.view().attempts)
+        except ValueError:
+            return
+        if started:
+            progress["offline"] = True
+            folder.write_json("record.json", progress)
+
     # -- one job ------------------------------------------------------------------------
 
     def record(self, folder: JobFolder) -> bool:
@@ -319,12 +335,18 @@ class Recorder:
             steps.check_inflight()
             self._checked.add(folder.job_id)
         try:
-            return self._steps(steps, view, progress, folder)
+            complete = self._steps(steps, view, progress, folder)
         except PrefectUnavailable:
             # The request may have reached the server before the answer was lost:
             # check the step in flight again before sending it a second time.
             self._checked.discard(folder.job_id)
+            if view.attempts and "offline" not in progress:
+                # Its start could not be recorded when the node first tried (at once):
+                # the job runs while Prefect cannot be reached from the node.
+                progress["offline"] = True
+                folder.write_json("record.json", progress)
             raise
+        return complete
 
     def _steps(self, steps: _Steps, view: JobView, progress: dict[str, Any],
                folder: JobFolder) -> bool:
@@ -410,10 +432,9 @@ class _Steps:
 
     # 2. Running
     def running(self) -> None:
+        started = self.view.started_at or self.spec.accepted_at
+        offline = bool(self.p.get("offline"))
         for _ in self._step("running"):
-            started = self.view.started_at or self.spec.accepted_at
-            offline = self.r._clock() - started > OFFLINE_AFTER
-            self.p["offline"] = offline
             keeper = self.view.attempts[0].shim_pid if self.view.attempts else None
             fields: dict[str, Any] = {"infrastructure_pid": f"{self.r.node}:{keeper or 0}"}
             if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
@@ -423,6 +444,7 @@ class _Steps:
             note = " (recorded late: the Prefect server was unreachable)" if offline else ""
             self._set(state_body("RUNNING", message=f"started on {self.r.node} at "
                                                     f"{utc_text(started)}{note}"))
+        self.p.setdefault("offline", False)
 
     def _set(self, state: dict[str, Any]) -> None:
         try:

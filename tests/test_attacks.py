@@ -409,10 +409,62 @@ class Node:
             "last_fetched_at": "2026-12-02T07:00:00Z",
         }))
 
-    def run(self, schedule_id: str) -> Any:
-        from flows.job import run_job
+    def run(self, schedule_id: str) -> Outcome:
+        """Run the cached row by id as an operator's ad hoc run: created in Prefect, taken by
+        the node, recorded back (the node's own path for a Run of ``run-job/<node>``)."""
+        from prefect.settings import PREFECT_API_URL
 
-        return run_job(schedule_id=schedule_id, return_state=True)
+        from flows.node import Node as AgentNode
+        from flows.prefect_api import ApiSettings, PrefectApi, state_body
+
+        api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+        agent = AgentNode(load_settings(), api=api)
+        try:
+            deployment = agent.deployments.get()["run-job"]
+            created = api.create_run(deployment, {"parameters": {"schedule_id": schedule_id},
+                                                  "state": state_body("SCHEDULED")})
+            assert agent.control.check() == 1, "the node took the run"
+            assert agent.jobs.wait_idle(120), "the job ended"
+            agent.recorder.drain()
+            run = api.read_run(str(created["id"]))
+            assert run is not None
+            return Outcome(run)
+        finally:
+            agent.jobs.stop()
+            api.close()
+
+
+def _argv(outcome: Outcome) -> list[str]:
+    """Return the command line a run ran, from the node's line in its log (``running [...]``)."""
+    import ast
+
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.prefect_api import ApiSettings, PrefectApi
+
+    api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+    try:
+        logs = api.filter_logs({"logs": {"flow_run_id": {"any_": [outcome.flow_run_id]}}})
+    finally:
+        api.close()
+    line = next(item["message"] for item in logs if item["message"].startswith("running ["))
+    argv: list[str] = ast.literal_eval(line.removeprefix("running "))
+    return argv
+
+
+class Outcome:
+    """An ad hoc run's end as Prefect records it (what the tests read of a run's state)."""
+
+    def __init__(self, run: dict[str, Any]) -> None:
+        self.run = run
+        self.message = str(run["state"].get("message") or "")
+        self.flow_run_id = str(run["id"])
+
+    def is_failed(self) -> bool:
+        return bool(self.run["state"]["type"] == "FAILED")
+
+    def is_completed(self) -> bool:
+        return bool(self.run["state"]["type"] == "COMPLETED")
 
 
 def _task_runs(run_id: Any) -> list[Any]:
@@ -439,7 +491,7 @@ def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) 
         message = str(state.message)
         assert state.is_failed(), (sid, message)
         assert any(part in message for part in text.split(" | ")), (sid, message)
-        assert _task_runs(state.state_details.flow_run_id) == [], f"{sid}: a command ran"
+        assert _task_runs(state.flow_run_id) == [], f"{sid}: a command ran"
     assert not node.marker.exists()
     assert _outside_the_cache(_snapshot(node.world)) == before
     # The node's own cache may have been rewritten without the rows its model
@@ -452,10 +504,16 @@ def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) 
                for row in kept)
 
 
+NODE_RECORDS = ("node/state/cache.json", "node/state/outbox", "node/state/history.json",
+                "node/state/chain.json.lock", "node/state/decided.json")
+"""The node's own bookkeeping: its cache, and its records of the jobs it refused."""
+
+
 def _outside_the_cache(snapshot: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
-    """Return a snapshot without the node's cache file, its lock and their folder's times."""
+    """Return a snapshot without the node's own records (its cache, outbox, history) and
+    their folder's times: what a hostile row could reach."""
     return {path: value for path, value in snapshot.items()
-            if not path.startswith("node/state/cache.json") and path != "node/state"}
+            if not path.startswith(NODE_RECORDS) and path != "node/state"}
 
 
 # A row the kit's model may refuse (identifier rules) is dropped when the cache
@@ -555,7 +613,7 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     assert "exited with code 1" in str(nothing.message)
     state = node.run("good")
     assert state.is_completed(), state.message
-    assert state.result()["argv"][-2:] == ["--", "."]
+    assert _argv(state)[-2:] == ["--", "."]
     [archive] = node.state.glob("archive-demo-*.tar.gz")
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     assert stat.S_IMODE(node.state.stat().st_mode) == 0o700
@@ -1055,7 +1113,7 @@ def test_run_job_gives_its_command_no_credentials(
     node.cache([{**_demo("p-env", "printenv"), "timezone": "Europe/Berlin"}])
     state = node.run("p-env")
     assert state.is_completed(), state.message
-    run_id = state.state_details.flow_run_id
+    run_id = state.flow_run_id
     deadline = time.monotonic() + 15
     with get_client(sync_client=True) as client:
         while True:

@@ -119,7 +119,7 @@ def test_a_job_gets_its_declared_env_and_never_the_agents_credentials(
     finally:
         node.stop()
     logs = prefect.logs(run["id"])
-    assert "DECLARED=yes" in logs and "TZ=America/New_York" in logs
+    assert "DECLARED=yes" in logs and "TZ=UTC" in logs
     printed = "\n".join(logs)
     assert "node-secret-token" not in printed and "hunter2" not in printed
     assert "PREFECT_API_URL" not in printed and "SCHED_" not in printed

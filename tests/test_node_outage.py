@@ -105,7 +105,9 @@ def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_
     for name, sid in zip(names, ("a", "b"), strict=True):
         run = runs[name]
         assert run["state"]["type"] == "COMPLETED", run["state"]
-        assert "recorded after the Prefect server came back" in run["state"]["message"]
+        assert "recorded after the Prefect server came back" in run["state"]["message"], [
+            (state["type"], state["timestamp"], state["message"])
+            for state in prefect.states(run["id"])]
         assert len(_started_in_logs(prefect, run, sid)) == 1, "its output is its log, once"
         kinds = [state["type"] for state in prefect.states(run["id"])]
         assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds

@@ -17,9 +17,10 @@ import pytest
 
 from flows.identity import JobRef
 from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from flows.prefect_api import ApiSettings, PrefectApi
+from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
 from flows.recorder import Deployments, Recorder
 from tests.nodekit import Prefect
+from tests.procs import free_port
 
 pytestmark = [pytest.mark.prefect]
 
@@ -90,6 +91,10 @@ def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
     ended = started + timedelta(seconds=3)
     clock = Clock(ended + timedelta(minutes=40))  # the server came back 40 minutes later
     folder = _job(outbox, node, started=started, ended=ended, lines=["one", "two", "three"])
+    away = PrefectApi(ApiSettings(url=f"http://127.0.0.1:{free_port()}/api"))
+    with pytest.raises(PrefectUnavailable):  # the node's first try: nobody answers
+        _recorder(away, outbox, node, clock).drain()
+    away.close()
     recorder = _recorder(api, outbox, node, clock)
     assert recorder.drain() is False, "nothing left open"
     run_id = (folder.read_json("record.json") or {})["flow_run_id"]
