@@ -185,8 +185,15 @@ class Jobs:
         self._journal(folder, "accepted", reason=spec.reason)
         with self._lock:
             job = _Job(folder=folder, spec=spec)
-            self._jobs[spec.job_id] = job
-            self._order.append(spec.job_id)
+            verdict, reason = overlap_verdict(spec.overlap, spec.schedule_id, self._peers(job))
+            if verdict != "skip":
+                self._jobs[spec.job_id] = job
+                self._order.append(spec.job_id)
+        if verdict == "skip":  # rule 3, at once: a job of its schedule runs (or one waits)
+            folder.log(self._clock(), f"skipped: {reason}")
+            self._journal(folder, "end", state=SKIPPED, message=reason, error=None)
+            self._on_end(folder.view())
+            return folder
         self._dispatch()
         return folder
 

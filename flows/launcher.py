@@ -13,7 +13,6 @@ import logging
 import os
 import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,11 +33,11 @@ OUTPUT_MAX_BYTES = 10 << 20
 
 @dataclass
 class Keeper:
-    """A running keeper: its pid, its start time in clock ticks, and its Popen when ours."""
+    """A keeper process: its pid, its start time in clock ticks, and whether it is our child."""
 
     pid: int
     start_ticks: int | None
-    popen: subprocess.Popen[bytes] | None = None
+    child: bool = False
 
 
 def start_ticks(pid: int) -> int | None:
@@ -98,31 +97,32 @@ def launch(
         "exit": str(folder.attempt_path(number, "exit")),
     }
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    with open(folder.attempt_path(number, "keeper.err"), "ab") as errors:
-        popen = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(SHIM), str(spec_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-            env=dict(env), start_new_session=True, close_fds=True,
-        )
-    return Keeper(pid=popen.pid, start_ticks=start_ticks(popen.pid), popen=popen)
+    errors = str(folder.attempt_path(number, "keeper.err"))
+    # posix_spawn: no copy of the node's memory and no Popen to outlive (the keeper may
+    # outlive this process); its own session, so a signal to the node's group misses it.
+    pid = os.posix_spawn(
+        sys.executable, [sys.executable, "-I", "-S", str(SHIM), str(spec_path)], dict(env),
+        setsid=True,
+        file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+        ],
+    )
+    return Keeper(pid=pid, start_ticks=start_ticks(pid), child=True)
 
 
 def wait(keeper: Keeper, stop: threading.Event | None = None) -> bool:
-    """Wait until the keeper has ended; return False if stop was set first."""
-    if keeper.popen is not None:
-        while True:
-            try:
-                keeper.popen.wait(timeout=1.0)
-                return True
-            except subprocess.TimeoutExpired:
-                if stop is not None and stop.is_set():
-                    return False
+    """Wait until the keeper has ended (and reap it when it is our child).
+
+    Return False if stop was set first.
+    """
     try:
         fd = os.pidfd_open(keeper.pid)
     except (OSError, AttributeError):
         fd = None
     try:
-        while alive(keeper.pid, keeper.start_ticks):
+        while not _ended(keeper):
             if stop is not None and stop.is_set():
                 return False
             if fd is not None:
@@ -133,6 +133,16 @@ def wait(keeper: Keeper, stop: threading.Event | None = None) -> bool:
         if fd is not None:
             os.close(fd)
     return True
+
+
+def _ended(keeper: Keeper) -> bool:
+    if keeper.child:
+        try:
+            pid, _ = os.waitpid(keeper.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already
+            return True
+        return pid == keeper.pid
+    return not alive(keeper.pid, keeper.start_ticks)
 
 
 def cancel(keeper: Keeper) -> bool:
