@@ -36,6 +36,7 @@ from controller.connections import ConnectionLimits, guarded_protocol, quiet_rep
 from controller.db import make_engine, safe_url
 from controller.events import PrefectEvents
 from controller.fleet import FleetSettings
+from controller.waits import NodeWaits, PrefectRelay
 from sched_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -183,6 +184,22 @@ def on_sighup(callback: Callable[[], None]) -> Iterator[None]:
         signal.signal(signal.SIGHUP, previous)
 
 
+def start_relay(waits: NodeWaits) -> PrefectRelay | None:
+    """Follow Prefect's events for the nodes' waits when a Prefect API is configured.
+
+    Without one, a node's wait answers only its schedule changes (and says
+    ``relay: false``): the node then follows Prefect's events itself.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        log.warning("no PREFECT_API_URL: nodes' waits carry no ad hoc runs or cancels from "
+                    "Prefect (each node then holds its own Prefect event stream)")
+        return None
+    return PrefectRelay(waits, str(url)).start()
+
+
 def run(
     *,
     url: str | None,
@@ -232,6 +249,8 @@ def run(
                 raise ValueError("the API needs a token configuration")
             wake = getattr(central, "wake", None)
             events = PrefectEvents.from_settings()
+            waits = NodeWaits()
+            relay = start_relay(waits)
             app = create_app(
                 engine,
                 tokens,
@@ -239,6 +258,7 @@ def run(
                 pull_cache_bytes=pull_cache_bytes,
                 events=events,
                 fleet_settings=fleet_settings,
+                waits=waits,
             )
             config = uvicorn_config(app, host=host, port=port, log_level=log_level,
                                     limits=limits, ssl_certfile=ssl_certfile,
@@ -250,6 +270,8 @@ def run(
                 if app.state.pull_recorder is not None:
                     app.state.pull_recorder.close()
                 events.close()
+                if relay is not None:
+                    relay.stop()
     finally:
         engine.dispose()
         log.info("controller stopped")

@@ -151,6 +151,8 @@ class ControllerWait:
                  etag: Callable[[], str | None], heartbeat: timedelta,
                  on_schedules: Callable[[], None], on_prefect: Callable[[], None],
                  on_unsupported: Callable[[], None], verify: bool | str = True) -> None:
+        """``on_unsupported()`` is called once when the controller cannot carry Prefect's
+        wakes: it has no wait endpoint, or its answers say it follows no Prefect events."""
         self.url = url
         self._token = token
         self._etag = etag
@@ -162,6 +164,7 @@ class ControllerWait:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.supported = True
+        self._told = False
         self.relay = False
         """True when the controller said it follows Prefect for the node."""
         self.answers = 0
@@ -200,7 +203,9 @@ class ControllerWait:
                     log.info("the controller has no wait endpoint; following Prefect's events "
                              "instead", extra={"url": self.url})
                     self.supported = False
-                    self._on_unsupported()
+                    if not self._told:
+                        self._told = True
+                        self._on_unsupported()
                     return
                 if response.status_code != 200:
                     self.connected.clear()
@@ -214,6 +219,11 @@ class ControllerWait:
                 self.answers += 1
                 data = response.json()
                 self.relay = bool(data.get("relay"))
+                if not self.relay and not self._told:
+                    self._told = True
+                    log.info("the controller follows no Prefect events; following them from "
+                             "the node", extra={"url": self.url})
+                    self._on_unsupported()
                 if str(data.get("etag") or "") not in ("", self._etag() or ""):
                     self._on_schedules()
                 prefect = str(data.get("prefect") or "")

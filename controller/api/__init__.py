@@ -20,6 +20,7 @@ GET    /api/schedules?node=N              admin, node N   ``{"schedules": [...]}
 GET    /api/nodes                         admin           ``{"nodes": [...]}``
 GET    /api/nodes/{node}/schedules        admin, node     as ``/api/schedules?node=``
 GET    /api/nodes/{node}/schedules/{id}   admin, node     one row, or 404
+GET    /api/nodes/{node}/wait             admin, node     a long poll (``controller.waits``)
 PUT    /api/nodes/{node}/schedules/{id}   admin           the stored row (version bumped)
 DELETE /api/nodes/{node}/schedules/{id}   admin           204, or 404
 GET    /api/tasks                         admin           ``{"tasks": [...]}``

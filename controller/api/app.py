@@ -43,6 +43,7 @@ from controller.api.jsonbody import (
 from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
+from controller.api.wait import wait_router
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
 from controller.events import NoEvents, ScheduleEvents
@@ -50,6 +51,7 @@ from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
 from controller.nodes import NodeReportIn, PullRecorder
+from controller.waits import NodeWaits
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -334,6 +336,7 @@ def create_app(
     fleet_settings: FleetSettings | None = None,
     record_pulls: bool = True,
     clock: Callable[[], datetime] = utc_now,
+    waits: NodeWaits | None = None,
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
 
@@ -347,7 +350,9 @@ def create_app(
     ``events`` announce each write of a node's schedules (default: none, said in
     every write's answer); every pull answered is recorded (``record_pulls``),
     written behind in batches (``app.state.pull_recorder``: close it on shutdown).
-    ``clock`` is the fleet's now (status, upcoming, propagation).
+    ``clock`` is the fleet's now (status, upcoming, propagation). ``waits`` are the
+    nodes' long polls (``app.state.waits``; a relay from Prefect pokes them, see
+    :mod:`controller.waits`); a write of a node's schedules wakes its waits.
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
@@ -376,12 +381,16 @@ def create_app(
 
     recorder = PullRecorder(engine, clock=clock) if record_pulls else None
     app.state.pull_recorder = recorder
+    waits = waits or NodeWaits()
+    app.state.waits = waits
     fleet_api = FleetApi(
         in_session, settings=fleet_settings or FleetSettings(), events=events or NoEvents(),
-        recorder=recorder, clock=clock,
+        recorder=recorder, clock=clock, waits=waits,
     )
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
+    app.include_router(wait_router(in_session, auth.require_node, waits,
+                                   lambda node, etag: fleet_api.record_pull(node, 304, etag)))
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
                                    revocations=SessionRevocations(in_session)))

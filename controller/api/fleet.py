@@ -50,6 +50,7 @@ from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
+from controller.waits import NodeWaits
 from sched_core.model import (
     NAME_MAX_LENGTH,
     NOTE_MAX_LENGTH,
@@ -148,12 +149,14 @@ class FleetApi:
         events: ScheduleEvents,
         recorder: nodes.PullRecorder | None,
         clock: Callable[[], datetime],
+        waits: NodeWaits | None = None,
     ) -> None:
         self.in_session = in_session
         self.settings = settings
         self.events = events
         self.recorder = recorder
         self.clock = clock
+        self.waits = waits
 
     def record_pull(self, node: str, status: int, etag: str) -> None:
         """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
@@ -170,6 +173,8 @@ class FleetApi:
             self.recorder.flush()
 
     def announce(self, node: str, schedule_id: str, version: int | None, op: str) -> Announced:
+        if self.waits is not None:  # the node's long poll answers at once
+            self.waits.poke(node, "schedules")
         announced = self.events.announce(node, schedule_id, version, op)
         log.info("schedule write announced" if announced.sent else "schedule write not announced",
                  extra={"node": printable(node), "schedule_id": printable(schedule_id),

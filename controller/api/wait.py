@@ -1,0 +1,62 @@
+"""``GET /api/nodes/{node}/wait``: a node's long poll (:mod:`controller.waits`).
+
+The node sends the ETag of the list it holds (``etag``) and the Prefect counter
+of its last answer (``seen``); the answer comes at once when either is out of
+date, else when something for the node happens, else after ``timeout`` seconds
+(1 to 300, default 60): ``{"etag": <the list's ETag now>, "prefect": <counter>,
+"relay": <whether this instance follows Prefect's events>}``. A node's wait with
+its own token is its heartbeat (it is recorded as it pull); an admin may wait
+too (to watch a node) and is recorded as nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from sqlmodel import Session
+from starlette.concurrency import run_in_threadpool
+
+from controller import schedules
+from controller.api.jsonbody import check_name
+from controller.api.pull import etag_matches
+from controller.waits import NodeWaits
+
+MAX_WAIT_S = 300.0
+DEFAULT_WAIT_S = 60.0
+
+
+def wait_router(
+    in_session: Callable[[Callable[[Session], Any]], Any],
+    require_node: Callable[..., Any],
+    waits: NodeWaits,
+    seen_by_node: Callable[[str, str], None],
+) -> APIRouter:
+    """Return the wait route; ``seen_by_node(node, etag)`` records a node's own wait."""
+    router = APIRouter()
+
+    @router.get("/api/nodes/{node}/wait", dependencies=[Depends(require_node)])
+    async def wait(
+        request: Request, node: str, etag: str = "", seen: str = "",
+        timeout: float = Query(DEFAULT_WAIT_S, ge=1, le=MAX_WAIT_S),
+    ) -> JSONResponse:
+        check_name(("path", "node"), node)
+
+        def current() -> str:
+            value: str = in_session(lambda session: schedules.node_etag(session, node))
+            return value
+
+        now = await run_in_threadpool(current)
+        principal = getattr(request.state, "principal", None)
+        if principal is not None and not principal.is_admin:
+            seen_by_node(node, now)
+        changed = (etag and not etag_matches(etag, now)) or (seen and seen != waits.token(node))
+        if not changed:
+            await waits.wait(node, timeout)
+            now = await run_in_threadpool(current)
+        return JSONResponse({"etag": now, "prefect": waits.token(node), "relay": waits.relay},
+                            headers={"Cache-Control": "no-store"})
+
+    return router

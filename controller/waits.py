@@ -1,0 +1,198 @@
+"""Nodes' long polls: wake a node when its schedules change or Prefect has a run for it.
+
+Each node holds one long poll, ``GET /api/nodes/<node>/wait`` (:mod:`controller.api.wait`),
+and the controller answers it when there is something for the node, so a node needs
+no connection of its own to the Prefect server between its windows.
+
+Rules:
+
+1. A write of a node's schedules through this process wakes its waits at once
+   (:meth:`NodeWaits.poke` with ``schedules``); a write through another
+   instance reaches this one as the write's Prefect event (the relay), or at
+   the latest when the wait times out and answers the current ETag.
+2. The relay (:class:`PrefectRelay`) follows Prefect's event stream once for
+   the whole fleet and pokes ``prefect`` for a run of ``run-job/<node>`` or
+   ``reconcile/<node>`` created (Scheduled) or asked to cancel (Cancelling),
+   leaving out the runs the node made itself (its plan and its records carry a
+   ``trigger:`` tag of their own).
+3. A ``prefect`` poke bumps the node's counter; a wait's answer carries it as
+   ``<process epoch>:<count>``, so a node that moves to another instance sees a
+   new value and looks once, and a node never misses a poke made while it was
+   between two waits.
+4. The waits live in this process's event loop; pokes come from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
+"""Tags of the runs a node makes itself (rule 2): their events wake nobody."""
+NODE_FLOWS = frozenset({"run-job", "reconcile"})
+
+
+class NodeWaits:
+    """The nodes' waits in this process (the module's rules 1, 3 and 4)."""
+
+    def __init__(self) -> None:
+        self.epoch = uuid.uuid4().hex[:8]
+        self.relay = False
+        """True while the Prefect relay follows the event stream (a wait's answer says it)."""
+        self._lock = threading.Lock()
+        self._seq: defaultdict[str, int] = defaultdict(int)
+        self._events: dict[str, asyncio.Event] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.waiting = 0
+        self.pokes = 0
+
+    def token(self, node: str) -> str:
+        """Return the node's Prefect counter as a wait's answer gives it (rule 3)."""
+        with self._lock:
+            return f"{self.epoch}:{self._seq[node]}"
+
+    def poke(self, node: str, kind: str) -> None:
+        """Wake node's waits; kind ``prefect`` also bumps its counter (any thread)."""
+        with self._lock:
+            if kind == "prefect":
+                self._seq[node] += 1
+            self.pokes += 1
+            loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._release, node)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits
+                pass
+
+    def _release(self, node: str) -> None:
+        event = self._events.pop(node, None)
+        if event is not None:
+            event.set()
+
+    async def wait(self, node: str, timeout: float) -> bool:
+        """Wait for a poke of node, at most timeout s; return whether one came."""
+        self._loop = asyncio.get_running_loop()
+        event = self._events.get(node)
+        if event is None:
+            event = self._events[node] = asyncio.Event()
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+            if self._events.get(node) is event and not event.is_set() and self.waiting == 0:
+                self._events.pop(node, None)
+
+
+def node_of(event: Any) -> tuple[str, str] | None:
+    """Return (node, kind) a Prefect event wakes, or None (rule 2; pure over the event)."""
+    name = str(getattr(event, "event", ""))
+    if name == "sched.schedules.updated":
+        node = event.resource.get("prefect.resource.name") or str(event.resource.id).removeprefix(
+            "sched.agent.")
+        return (str(node), "schedules") if node else None
+    flow = deployment = None
+    tags: list[str] = []
+    for related in event.related:
+        role = related.role
+        if role == "flow":
+            flow = related.get("prefect.resource.name")
+        elif role == "deployment":
+            deployment = related.get("prefect.resource.name")
+        elif role == "tag":
+            tags.append(str(related.id).removeprefix("prefect.tag."))
+    if flow not in NODE_FLOWS or not deployment:
+        return None
+    if name == "prefect.flow-run.Scheduled" and any(tag.startswith(NODE_TRIGGERS) for tag in tags):
+        return None  # a run the node made (its plan, its records)
+    return str(deployment), "prefect"
+
+
+class PrefectRelay:
+    """Follow Prefect's event stream for the whole fleet and poke the nodes' waits (rule 2)."""
+
+    def __init__(self, waits: NodeWaits, api_url: str) -> None:
+        self.waits = waits
+        self.api_url = api_url
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.events = 0
+
+    def start(self) -> PrefectRelay:
+        """Start the thread (once); return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="prefect-relay", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop following (the stream is closed)."""
+        self._stop.set()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(lambda: [task.cancel() for task in
+                                                   asyncio.all_tasks(loop)])
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._listen())
+        except asyncio.CancelledError:
+            pass
+        finally:
+            loop.close()
+
+    async def _listen(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                await self._follow()
+                raise ConnectionError("the event stream ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.waits.relay = False
+                if time.monotonic() - started > 60:
+                    backoff = BACKOFF_MIN_S
+                log.warning("no Prefect event stream for the nodes' waits (%s: %s); trying again "
+                            "in %.0f s", type(exc).__name__, str(exc)[:200], backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _follow(self) -> None:
+        from prefect.events.clients import PrefectEventSubscriber
+        from prefect.events.filters import EventFilter, EventNameFilter
+
+        event_filter = EventFilter(event=EventNameFilter(name=[
+            "prefect.flow-run.Scheduled", "prefect.flow-run.Cancelling",
+            "sched.schedules.updated"]))
+        async with PrefectEventSubscriber(api_url=self.api_url, filter=event_filter,
+                                          reconnection_attempts=2,
+                                          reconnect_on_clean_close=True) as subscriber:
+            self.waits.relay = True
+            log.info("following Prefect's events for the nodes' waits")
+            async for event in subscriber:
+                self.events += 1
+                found = node_of(event)
+                if found is not None:
+                    self.waits.poke(*found)

@@ -1,0 +1,156 @@
+"""A node's one connection to the center: its long poll on the controller.
+
+A real controller (over HTTP on loopback) whose relay follows the session's
+Prefect server, and a real node pulling from it: a write reaches the node's
+wait at once, and so does a run created for the node in Prefect, which the node
+then starts without any connection of its own to Prefect between its windows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from controller.api import create_app
+from controller.auth import Tokens
+from controller.db import make_engine, migrate
+from controller.testing import serve_in_thread
+from controller.waits import NodeWaits, PrefectRelay
+from flows.prefect_api import ApiSettings, PrefectApi, state_body
+from tests.nodekit import NodeUnderTest, Prefect, final, row
+from tests.procs import wait_for
+
+pytestmark = [pytest.mark.prefect]
+
+ADMIN_TOKEN = "admin-secret-token-0123456789"
+
+
+class Center:
+    """The controller (its URL, tokens and waits) and the Prefect it relays from."""
+
+    def __init__(self, base: str, node: str, token: str, waits: NodeWaits) -> None:
+        self.base = base
+        self.node = node
+        self.token = token
+        self.waits = waits
+        self.admin = httpx.Client(base_url=base, timeout=30,
+                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+    def put(self, data: dict[str, Any]) -> None:
+        answer = self.admin.put(f"/api/nodes/{self.node}/schedules/{data['id']}", json=data)
+        assert answer.status_code == 200, answer.text
+
+    def wait(self, **params: Any) -> tuple[dict[str, Any], float]:
+        started = time.monotonic()
+        answer = httpx.get(f"{self.base}/api/nodes/{self.node}/wait", params=params,
+                           headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json(), time.monotonic() - started
+
+
+@pytest.fixture
+def center(tmp_path: Path, prefect_server: str) -> Iterator[Center]:
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    node = f"node-{uuid.uuid4().hex[:6]}"
+    token = f"{node}-secret-token-0123456789"
+    waits = NodeWaits()
+    relay = PrefectRelay(waits, prefect_server).start()
+    app = create_app(engine, Tokens(admin=[ADMIN_TOKEN], nodes={node: [token]}), waits=waits)
+    try:
+        with serve_in_thread(app) as base:
+            wait_for("the relay following Prefect", lambda: waits.relay, 30)
+            center = Center(base, node, token, waits)
+            yield center
+            center.admin.close()
+    finally:
+        relay.stop()
+        engine.dispose()
+
+
+def _later(work: Any) -> tuple[threading.Thread, list[Any]]:
+    found: list[Any] = []
+    thread = threading.Thread(target=lambda: found.append(work()), daemon=True)
+    thread.start()
+    return thread, found
+
+
+def test_a_wait_answers_a_write_and_a_prefect_run_at_once_and_else_its_timeout(
+    center: Center, prefect_server: str,
+) -> None:
+    first, _ = center.wait(timeout=1)
+    quiet, took = center.wait(etag=first["etag"], seen=first["prefect"], timeout=1)
+    assert quiet == first and took >= 0.9, "nothing happened: the timeout's answer"
+    thread, found = _later(lambda: center.wait(etag=first["etag"], seen=first["prefect"],
+                                               timeout=30))
+    time.sleep(0.5)
+    center.put(row("s-1"))
+    thread.join(30)
+    (written, took), = found
+    assert written["etag"] != first["etag"] and took < 5
+    api = PrefectApi(ApiSettings(url=prefect_server))
+    try:
+        deployment = api.ensure_deployment(api.ensure_flow("run-job"), center.node)
+        thread, found = _later(lambda: center.wait(etag=written["etag"],
+                                                   seen=written["prefect"], timeout=30))
+        time.sleep(0.5)
+        api.create_run(deployment, {"parameters": {"schedule_id": "s-1"},
+                                    "state": state_body("SCHEDULED")})
+        thread.join(30)
+        (woken, took), = found
+        assert woken["prefect"] != written["prefect"] and woken["relay"] is True
+        assert took < 10, f"the relay took {took:.1f} s"
+        # The node's own runs (its plan: a trigger tag) wake nobody.
+        thread, found = _later(lambda: center.wait(etag=woken["etag"], seen=woken["prefect"],
+                                                   timeout=3))
+        api.create_run(deployment, {"parameters": {}, "tags": ["trigger:schedule"],
+                                    "state": state_body("SCHEDULED")})
+        thread.join(30)
+        (planned, _), = found
+        assert planned["prefect"] == woken["prefect"]
+    finally:
+        api.close()
+
+
+def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
+    tmp_path: Path, center: Center, prefect_server: str,
+) -> None:
+    center.put(row("q-1", every=None, minute="7", hours=["3"]))
+    node = NodeUnderTest(tmp_path / "node", prefect_server, name=center.node, rows=[],
+                         settings=f'token = "{center.token}"')
+    node.config.write_text(node.config.read_text().replace(
+        'pull_url = "schedules.json"',
+        f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
+    prefect = Prefect(prefect_server)
+    started = node.start()
+    try:
+        wait_for("the node's wait", lambda: bool(started.wait and started.wait.answers
+                                                 and started.wait.connected.is_set()), 30)
+        wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
+            "run-job", center.node) is not None, 30)
+        deployment = prefect.api.deployment_by_name("run-job", center.node)
+        assert deployment is not None
+        asked = time.monotonic()
+        run = prefect.api.create_run(deployment["id"], {"parameters": {"schedule_id": "q-1"},
+                                                        "state": state_body("SCHEDULED")})
+        wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(str(run["id"]))),
+                 30)
+        took = time.monotonic() - asked
+        assert started.stream is None, "the node holds no Prefect event stream of its own"
+        center.put(row("q-2", every=None, minute="9", hours=["3"]))
+        wait_for("the new row in the node's cache", lambda: any(
+            item.id == "q-2" for item in started.scheduler.schedules()), 10)
+        done = prefect.api.read_run(str(run["id"]))
+    finally:
+        node.stop()
+        prefect.close()
+    assert took < 15, f"the ad hoc run took {took:.1f} s"
+    assert done is not None and done["state"]["type"] == "COMPLETED", done["state"]
