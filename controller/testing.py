@@ -110,6 +110,9 @@ def serve_in_thread(
             time.sleep(0.01)  # uvicorn has no started event to wait on
         yield f"http://{host}:{port}"
     finally:
+        waits = getattr(getattr(app, "state", None), "waits", None)
+        if waits is not None:
+            waits.close()  # the nodes' long polls answer now, so the server can stop
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()

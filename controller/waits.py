@@ -52,8 +52,23 @@ class NodeWaits:
         self._seq: defaultdict[str, int] = defaultdict(int)
         self._events: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
         self.waiting = 0
         self.pokes = 0
+
+    def close(self) -> None:
+        """Answer every wait now and every later one at once (the server is stopping)."""
+        self.closed = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._release_all)
+            except RuntimeError:
+                pass
+
+    def _release_all(self) -> None:
+        for node in list(self._events):
+            self._release(node)
 
     def token(self, node: str) -> str:
         """Return the node's Prefect counter as a wait's answer gives it (rule 3)."""
@@ -81,6 +96,8 @@ class NodeWaits:
     async def wait(self, node: str, timeout: float) -> bool:
         """Wait for a poke of node, at most timeout s; return whether one came."""
         self._loop = asyncio.get_running_loop()
+        if self.closed:
+            return False
         event = self._events.get(node)
         if event is None:
             event = self._events[node] = asyncio.Event()
