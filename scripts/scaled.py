@@ -80,6 +80,22 @@ class LayoutError(Exception):
     """Something the user must fix; the message says what and how."""
 
 
+class MissingPrograms(LayoutError):
+    """Programs the layout needs are not installed: Debian packages, or the project's own."""
+
+    def __init__(self, debian: list[str], project: list[str]) -> None:
+        self.debian, self.project = debian, project
+        parts = []
+        if debian:
+            parts.append(
+                f"missing Debian packages: {', '.join(debian)} (`make scaled-up` installs them"
+                " where it may, as root; else `apt-get install postgresql postgresql-contrib"
+                " redis-server haproxy`)")
+        if project:
+            parts.append(f"missing: {'; '.join(project)} (run `make setup`)")
+        super().__init__("; ".join(parts))
+
+
 _T0 = time.monotonic()
 
 
@@ -182,30 +198,33 @@ class Tools:
 
     @staticmethod
     def find() -> Tools:
-        missing = []
+        debian: list[str] = []
+        project: list[str] = []
         candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), reverse=True)
         pg_bin = candidates[0].parent if candidates else None
         if pg_bin is None:
-            missing.append("postgresql (its /usr/lib/postgresql/<version>/bin/pg_ctl)")
+            debian.append("postgresql")
         elif not (pg_bin.parent / "lib" / "pg_trgm.so").exists():
-            missing.append(f"postgresql-contrib (pg_trgm for {pg_bin.parent.name})")
+            debian.append(f"postgresql-contrib (pg_trgm for PostgreSQL {pg_bin.parent.name})")
         redis = shutil.which("redis-server")
         if redis is None:
-            missing.append("redis-server")
+            debian.append("redis-server")
         haproxy = shutil.which("haproxy") or (
             "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
         if haproxy is None:
-            missing.append("haproxy")
+            debian.append("haproxy")
+        if os.geteuid() == 0 and pg_bin is not None:
+            try:
+                pwd.getpwnam("postgres")
+            except KeyError:
+                debian.append("postgresql (its `postgres` user, to run the server as, not root)")
         for program in ("prefect", "sched"):
             if not (BIN / program).exists():
-                missing.append(f"{BIN / program} (run `make setup`)")
+                project.append(str(BIN / program))
         if importlib.util.find_spec("prefect_redis") is None:
-            missing.append("the prefect-redis package in this Python (run `make setup`)")
-        if missing:
-            raise LayoutError(
-                "missing: " + "; ".join(missing)
-                + ". `make scaled-up` installs the Debian packages where it may (as root); else"
-                " `apt-get install postgresql postgresql-contrib redis-server haproxy`")
+            project.append(f"the prefect-redis package in {sys.executable}")
+        if debian or project:
+            raise MissingPrograms(debian, project)
         assert pg_bin is not None and redis is not None and haproxy is not None
         return Tools(pg_bin, redis, haproxy)
 
@@ -412,11 +431,6 @@ class Postgres:
         if (self.data / "PG_VERSION").exists():
             return
         if self.user:
-            try:
-                pwd.getpwnam(self.user)
-            except KeyError:
-                raise LayoutError("running as root, but there is no `postgres` user to run "
-                                  "PostgreSQL as (Debian's postgresql package makes it)") from None
             reach = subprocess.run(self._cmd("test", "-x", str(self.layout.dir)), check=False)
             if reach.returncode != 0:
                 raise LayoutError(
@@ -479,6 +493,12 @@ class Postgres:
                            "fast", "-w", "-t", "60", check=False)
         if result.returncode != 0:
             raise LayoutError(f"pg_ctl stop failed: {result.stderr.strip()}")
+        # pg_ctl returns once the pid file is gone, a moment before the process itself.
+        deadline = time.monotonic() + 30
+        while pid is not None and start_time(pid) is not None:
+            if time.monotonic() > deadline:
+                raise LayoutError(f"postgres (pid {pid}) still runs after pg_ctl stop")
+            time.sleep(0.05)
         say(f"stopped postgres (pid {pid})")
 
 
@@ -585,8 +605,8 @@ frontend stats
     return conf
 
 
-def haproxy_servers(layout: Layout) -> dict[str, str]:
-    """Return {server: status} from HAProxy's stats socket ({} when it does not answer)."""
+def haproxy_stats(layout: Layout) -> dict[str, dict[str, str]]:
+    """Return HAProxy's ``show stat`` rows for its servers, by ``backend/server`` ({} if none)."""
     path = str(layout.dir / "haproxy" / "admin.sock")
     try:
         with socket.socket(socket.AF_UNIX) as sock:
@@ -602,12 +622,17 @@ def haproxy_servers(layout: Layout) -> dict[str, str]:
     if not lines or not lines[0].startswith("# "):
         return {}
     head = lines[0][2:].split(",")
-    status: dict[str, str] = {}
+    rows: dict[str, dict[str, str]] = {}
     for line in lines[1:]:
         row = dict(zip(head, line.split(","), strict=False))
         if row.get("svname") not in ("FRONTEND", "BACKEND", None):
-            status[f"{row['pxname']}/{row['svname']}"] = row.get("status", "")
-    return status
+            rows[f"{row['pxname']}/{row['svname']}"] = row
+    return rows
+
+
+def haproxy_servers(layout: Layout) -> dict[str, str]:
+    """Return {backend/server: status (UP, DOWN, ...)} as HAProxy's health checks see them."""
+    return {name: row.get("status", "") for name, row in haproxy_stats(layout).items()}
 
 
 # --- Prefect and the controller ------------------------------------------------------------
