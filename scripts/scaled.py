@@ -677,6 +677,9 @@ def prefect_server_env(layout: Layout, home: Path) -> dict[str, str]:
         "PREFECT_REDIS_WORKER_CLEANUP_QUEUE_PORT": str(layout.redis_port),
         "PREFECT_REDIS_WORKER_CLEANUP_QUEUE_DB": "0",
         "PREFECT_SERVER_DOCKET_URL": f"{redis}/1",
+        # As `make run`: the services process deletes runs and events older than 7 days.
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(7 * 24 * 3600),
         "PREFECT_UI_API_URL": layout.prefect_url,
     })
     return env
