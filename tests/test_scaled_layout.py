@@ -299,6 +299,7 @@ def _in_redis_stream(port: int, event_ids: set[str]) -> bool:
     return event_ids <= seen
 
 
+@pytest.mark.timeout(900)  # ~50 s here; the deadlines inside are generous for a loaded machine
 def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_restarts(
         layout: Layout) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -347,10 +348,13 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
             # 2. Redis restarted (SIGTERM: it writes its append-only file and exits), then `up`.
             limit = f"{tag}-slot"
             with httpx.Client(base_url=api, timeout=30) as client:
-                client.post("/v2/concurrency_limits/", json={"name": limit, "limit": 1})
-                lease = client.post("/v2/concurrency_limits/increment-with-lease", json={
-                    "names": [limit], "slots": 1, "mode": "concurrency",
-                    "lease_duration": 600}).json()
+                client.post("/v2/concurrency_limits/",
+                            json={"name": limit, "limit": 1}).raise_for_status()
+                taken = client.post("/v2/concurrency_limits/increment-with-lease", json={
+                    "names": [limit], "slots": 1, "mode": "concurrency", "lease_duration": 600})
+                taken.raise_for_status()
+                lease = taken.json()
+                assert client.get(f"/v2/concurrency_limits/{limit}").json()["active_slots"] == 1
             failed = len(node.failed_attempts)
             os.kill(layout.pid("redis"), signal.SIGTERM)
             _wait("Redis exited", lambda: not scaled.alive(layout.state.proc("redis")))
