@@ -49,7 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = ROOT / ".scaled"
 BIN = Path(sys.executable).parent  # the venv's bin: prefect, sched
-START_TIMEOUT_S = float(os.environ.get("SCALED_START_TIMEOUT", "240"))
+START_TIMEOUT_ENV = "SCALED_START_TIMEOUT"  # seconds `up` waits for the parts to answer
 STOP_GRACE_S = 20.0
 
 # Every setting a user may give at the first `up`: (variable, default, what it is).
@@ -791,7 +791,7 @@ def parts(layout: Layout) -> tuple[list[Part], list[Part]]:
     return prefect_parts, controller_parts
 
 
-def wait_ready(layout: Layout, waiting: list[Part], timeout: float = START_TIMEOUT_S) -> None:
+def wait_ready(layout: Layout, waiting: list[Part], timeout: float) -> None:
     """Wait until every part is ready; raise naming the first that died or is still not ready."""
     deadline = time.monotonic() + timeout
     pending = list(waiting)
@@ -816,6 +816,7 @@ def up(layout: Layout) -> None:
     began = time.monotonic()
     tools = Tools.find()
     env = dict(os.environ)
+    timeout = float(_int(START_TIMEOUT_ENV, env.get(START_TIMEOUT_ENV, "240"), 1))
     if layout.exists:
         layout.check_env(env)
     else:
@@ -882,7 +883,7 @@ def up(layout: Layout) -> None:
         started.append(part.name)
     if to_start or controllers_to_start:
         say(f"started {', '.join(p.name for p in to_start + controllers_to_start)}; waiting")
-    wait_ready(layout, prefect_parts + controller_parts)
+    wait_ready(layout, prefect_parts + controller_parts, timeout)
     # Through the balancer: every API process UP in HAProxy's checks, and /api/health answers.
     deadline = time.monotonic() + 60
     want = {f"prefect_api/{n}" for n in layout.api_names()} | {
