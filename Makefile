@@ -3,9 +3,12 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed-stamp
 
-.PHONY: setup lint typecheck test run bench clean
+.PHONY: setup lint typecheck test run bench clean scaled-up scaled-down scaled-status
 
-SYSTEM_PACKAGES := restic chromium chromium-driver
+# The scaled layout's servers (scripts/scaled.py, docs/scaled.md) are Debian's too; its test
+# skips, naming the package, where one cannot be installed.
+SCALED_PACKAGES := postgresql postgresql-contrib redis-server haproxy
+SYSTEM_PACKAGES := restic chromium chromium-driver $(SCALED_PACKAGES)
 
 $(STAMP): pyproject.toml constraints.txt scripts/system-packages.sh
 	bash scripts/system-packages.sh $(SYSTEM_PACKAGES)
@@ -22,6 +25,7 @@ lint: setup
 
 typecheck: setup
 	$(VENV)/bin/mypy sched_core flows deployments controller sched_ops sched_cli.py
+	$(VENV)/bin/mypy --strict scripts/scaled.py
 
 test: lint typecheck
 	$(VENV)/bin/pytest
@@ -38,6 +42,18 @@ ifneq ($(BENCH_PREFECT),)
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_propagation.py
 endif
+
+# The scaled layout (docs/scaled.md): PostgreSQL, Redis, two Prefect API processes and one
+# services process, two controller instances, HAProxy in front; state and logs in .scaled/.
+scaled-up: setup
+	@bash scripts/system-packages.sh $(SCALED_PACKAGES)
+	$(PY) scripts/scaled.py up
+
+scaled-down:
+	@if [ -x $(PY) ]; then $(PY) scripts/scaled.py down; else echo "no $(VENV): nothing was started"; fi
+
+scaled-status: setup
+	$(PY) scripts/scaled.py status
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
