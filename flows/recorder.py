@@ -53,6 +53,7 @@ from flows.outbox import (
     utc_text,
 )
 from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable, state_body
+from sched_core import SchedError
 from sched_core.model import format_go_time
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,11 @@ JOB_PARAMETERS: dict[str, Any] = {
     },
     "required": ["schedule_id"],
 }
+LEGACY_AUTOMATIONS = frozenset({
+    "sched-agent: crash runs whose heartbeats stopped",
+    "sched-agent: crash runs stuck in Pending",
+})
+"""What the runner-driven agent (before the node fired its windows itself) installed."""
 RECONCILE_PARAMETERS: dict[str, Any] = {"type": "object", "title": "Parameters",
                                         "properties": {}}
 
@@ -130,7 +136,22 @@ class Deployments:
             self.ids = ids
             log.info("registered the node's deployments %s/%s and %s/%s", RUN_JOB, self.node,
                      RECONCILE, self.node, extra={"node": self.node})
+            self._remove_legacy_automations()
         return self.ids
+
+    def _remove_legacy_automations(self) -> None:
+        """Delete the automations the runner-driven agent made (they would crash the runs the
+        node records: those send no heartbeats). Best effort."""
+        try:
+            found = self.api.call("POST", "/automations/filter", json={"limit": 200}).json()
+            for automation in found:
+                if automation.get("name") in LEGACY_AUTOMATIONS:
+                    self.api.call("DELETE", f"/automations/{automation['id']}")
+                    log.warning("deleted the old agent's automation %r: the node records its "
+                                "runs itself, with no heartbeats", automation.get("name"),
+                                extra={"node": self.node})
+        except SchedError as exc:
+            log.info("could not look for the old agent's automations: %s", exc)
 
     def forget(self) -> None:
         """Register again at the next use (a deployment was deleted on the server)."""
