@@ -48,6 +48,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -100,6 +101,8 @@ CONTROL_RETRY_S = 5.0
 """How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
 PLAN_RETRY_S = 30.0
 """How soon a plan the Prefect server could not take is tried again."""
+FILE_WATCH_S = 2.0
+"""How often a node that pulls a file looks whether it changed."""
 STOP_GRACE_S = 10.0
 """How long the recorder and the reporter get to send what they hold when the node stops."""
 
@@ -475,7 +478,14 @@ class Node:
     # -- run ----------------------------------------------------------------------------
 
     def start_channel(self) -> None:
-        """Open the node's one channel from the center (the controller's wait, else Prefect's)."""
+        """Open the node's one channel from the center (the controller's wait, else Prefect's).
+
+        A node that pulls a file watches it instead of a controller (a change is pulled
+        within :data:`FILE_WATCH_S`), and follows Prefect's events for its runs.
+        """
+        if self.settings.pull_url.startswith("file://"):
+            threading.Thread(target=self._watch_file, name="pull-file-watch",
+                             daemon=True).start()
         url = controller_url(self.settings, "wait") if self.settings.listen else None
         if url is not None:
             self.wait = ControllerWait(
@@ -484,6 +494,24 @@ class Node:
                 on_prefect=self.wake_control, on_unsupported=self._stream).start()
         elif self.settings.listen:
             self._stream()
+
+    def _watch_file(self) -> None:
+        path = Path(urlsplit(self.settings.pull_url).path)
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                info = path.stat()
+            except OSError:
+                return None
+            return info.st_mtime_ns, info.st_size
+
+        seen = stamp()
+        while not self._stopping.wait(FILE_WATCH_S):
+            now = stamp()
+            if now != seen:
+                seen = now
+                log.info("the pull file changed: pulling now", extra={"node": self.node})
+                self.reconciler.poke("the pull file changed")
 
     def _stream(self) -> None:
         self.stream = PrefectStream(
