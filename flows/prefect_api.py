@@ -9,8 +9,10 @@ Two kinds of failure, and nothing else (:class:`PrefectUnavailable`,
 :class:`PrefectRefused`):
 
 1. the server cannot be reached or is not answering well: a refused or
-   timed-out connection, a 5xx, a 408 or a 429. The caller keeps what it was
-   sending and tries again later: nothing is lost, only delayed;
+   timed-out connection, a 5xx, a 408 or a 429, or a 401/403 (the node's
+   credentials are not the server's: fixing them is an operator's change, not the
+   record's). The caller keeps what it was sending and tries again later: nothing
+   is lost, only delayed;
 2. the server refused the request itself (any other 4xx): trying again the
    same way will not help; the caller logs it and moves on.
 
@@ -211,6 +213,11 @@ class PrefectApi:
             if response.status_code not in BUSY or delay is None:
                 break
             time.sleep(delay)  # the server was busy and did nothing: ask again
+        if response.status_code in (401, 403):
+            raise PrefectUnavailable(
+                f"the Prefect API at {self.settings.shown_url} refused the node's credentials "
+                f"({response.status_code}) to {method} {path}: set PREFECT_API_AUTH_STRING "
+                "(or PREFECT_API_KEY) to the server's; the node keeps its records until then")
         if response.status_code in RETRYABLE:
             raise PrefectUnavailable(
                 f"the Prefect API at {self.settings.shown_url} answered "

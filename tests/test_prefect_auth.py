@@ -3,9 +3,9 @@
 Starts a real ``prefect server start`` with ``PREFECT_SERVER_API_AUTH_STRING``
 on a free loopback port (as docs/agent.md's multi-node section sets it up),
 then, as separate processes with ``PREFECT_API_AUTH_STRING`` (as a node and a
-controller host run them): the agent pulls (``reconcile``), registers
-``run-job`` and runs a job by ``schedule_id`` (its log lines and its
-``sched.job.completed`` event reach the server); the controller's
+controller host run them): the node registers its deployments, pulls and plans
+(a reconcile), and runs an ad hoc run of a cached ``schedule_id`` (its log lines
+and its ``sched.job.completed`` event reach the server); the controller's
 ``PrefectDispatcher`` dispatches one deployment claim and one event claim. An
 unauthenticated client, or one with the wrong string, gets 401 from the API
 and cannot run a flow or dispatch; only the health probe answers without it.
@@ -188,13 +188,21 @@ def _wait(read: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:
 
 AGENT = """
 import json
-from flows.job import run_job
-from flows.reconcile import reconcile
-run_job.to_deployment(name=NODE).apply()
-out = {"schedules": reconcile()["schedules"]}
-state = run_job(schedule_id="s-1", return_state=True)
-out["completed"] = state.is_completed()
-out["run_id"] = str(state.state_details.flow_run_id)
+from flows.node import Node
+from flows.prefect_api import PrefectApi, api_settings, state_body
+from flows.settings import load_settings
+api = PrefectApi(api_settings())
+node = Node(load_settings(), api=api)
+ids = node.deployments.get()  # registers run-job/<node> and reconcile/<node>
+node.reconciler.reconcile([("start", None)])  # pull, plan, record the reconcile
+run = api.create_run(ids["run-job"], {"parameters": {"schedule_id": "s-1"},
+                                      "state": state_body("SCHEDULED")})
+assert node.control.check() == 1  # the node takes the ad hoc run and runs the cached row
+assert node.jobs.wait_idle(60)
+node.recorder.drain()
+out = {"schedules": len(node.scheduler.schedules()), "run_id": str(run["id"]),
+       "completed": api.read_run(str(run["id"]))["state"]["type"] == "COMPLETED"}
+node.jobs.stop()
 print("RESULT " + json.dumps(out))
 """
 
