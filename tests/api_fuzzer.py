@@ -30,6 +30,8 @@ from urllib.parse import quote
 
 import httpx
 
+WAIT_TIMEOUTS = ["1", "0", "-5", "301", "1e9", "nan", "abc", "", "0.5", "1" * 400]
+"""A node's long poll: every timeout the fuzzer sends is refused or answered within 1 s."""
 GOOD_SCHEDULE: dict[str, Any] = {
     "name": "nightly", "repo_id": "r-9", "action": "backup", "storage": "b2",
     "schedule": {"days": ["mon", "tue"], "hours": ["2"], "minute": "30"},
@@ -219,6 +221,9 @@ def fuzz(client: httpx.Client, document: dict[str, Any], *, requests: int, seed:
             params["node"] = rng.choice(NAMES[:20])
         if template.endswith("/dispatches"):
             params["limit"] = rng.choice(LIMITS)
+        if template.endswith("/wait"):  # a long poll: hostile bounds, or at most a second
+            params["timeout"] = rng.choice(WAIT_TIMEOUTS)
+            params["etag"] = rng.choice(ETAGS)
         headers: dict[str, str] = {}
         token = rng.choice(tokens)
         if token is not None:
