@@ -416,7 +416,9 @@ class Node:
         self._claimed.add(run_id)
         params = run.get("parameters") or {}
         schedule_id = params.get("schedule_id")
-        trigger = str(params.get("trigger_key") or "manual")
+        # An ad hoc run is always that: its parameters name a cached row and nothing else
+        # (never a window, a trigger or a clock: anyone with the Prefect API sets them).
+        trigger = "manual"
         row = self._row(schedule_id) if isinstance(schedule_id, str) else None
         if row is None:
             known = ", ".join(sorted(item.id for item in self.scheduler.schedules())) or "none"

@@ -79,8 +79,6 @@ JOB_PARAMETERS: dict[str, Any] = {
     "properties": {
         "schedule_id": {"type": "string", "title": "schedule_id", "position": 0,
                         "description": "The node's cached schedule to run now."},
-        "trigger_key": {"type": "string", "title": "trigger_key", "position": 1,
-                        "default": "manual"},
     },
     "required": ["schedule_id"],
 }

@@ -157,3 +157,94 @@ def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records
     assert "still running: following it" in "\n".join(prefect.logs(run["id"]))
     kinds = [state["type"] for state in prefect.states(run["id"])]
     assert "CRASHED" not in kinds and kinds[-1] == "COMPLETED", kinds
+
+
+def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_once(
+    tmp_path: Path, server: PrefectServer, prefect: Prefect,
+) -> None:
+    offset = offset_to(30)
+    node = NodeUnderTest(tmp_path / "node", server.url, name=f"idle-{uuid.uuid4().hex[:6]}",
+                         rows=[], offset=offset)
+    window = (node.clock() + timedelta(seconds=35)).replace(second=0, microsecond=0)
+    node.write_rows([_hourly("w", window)])
+    log = tmp_path / "node.log"
+    proc = node.spawn(log)
+    try:
+        wait_for("the plan in Prefect", lambda: any(
+            run["name"] == job_run_name("echo", "w", window)
+            for run in prefect.node_runs(node.name)), 30, log=log)
+        os.killpg(proc.pid, signal.SIGKILL)  # idle, 10-20 s before the window
+        proc.wait(10)
+        wait_for("20 s past the window", lambda: node.clock() >= window + timedelta(
+            seconds=20), 90)
+        proc = node.spawn(log)
+        time.sleep(0.4)
+        os.killpg(proc.pid, signal.SIGKILL)  # during the reconcile at its start
+        proc.wait(10)
+        time.sleep(5)
+        proc = node.spawn(log)
+        name = job_run_name("echo", "w", window)
+        runs = wait_runs(prefect, node.name, [name], timeout=90)
+        wait_for("the outbox drained", lambda: not list(
+            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+    finally:
+        stop_group(proc)
+    run = runs[name]
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert len(_started_in_logs(prefect, run, "w")) == 1, "the window ran once"
+    late = _started_in_logs(prefect, run, "w")[0] - (window - offset).timestamp()
+    assert 20 <= late < 120, f"it ran {late:.1f} s after its window, within the grace"
+    assert any("on time" in line for line in prefect.logs(run["id"]))
+    everything = [item for item in prefect.node_runs(node.name) if item["name"] == name]
+    assert len(everything) == 1
+
+
+def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded_twice(
+    tmp_path: Path, server: PrefectServer, prefect: Prefect,
+) -> None:
+    offset = offset_to(30)
+    node = NodeUnderTest(tmp_path / "node", server.url, name=f"drain-{uuid.uuid4().hex[:6]}",
+                         rows=[], offset=offset)
+    window = (node.clock() + timedelta(seconds=35)).replace(second=0, microsecond=0)
+    chatty = {**_hourly("chatty", window), "action": "fail"}  # fails twice: a task's retries
+    del chatty["params"]
+    node.write_rows([_hourly("quick", window), _hourly("long", window, sleep=25), chatty])
+    log = tmp_path / "node.log"
+    proc = node.spawn(log)
+    try:
+        wait_for("the plan in Prefect", lambda: any(
+            run["name"] == job_run_name("echo", "quick", window)
+            for run in prefect.node_runs(node.name)), 30, log=log)
+        server.stop(kill=True)
+        wait_for("the quick job's end, offline", lambda: "done quick" in _outputs(
+            node.state), 90, log=log)
+        time.sleep(2)  # the failing job's two tries, offline too
+        server.start()  # back while the long job still runs
+        wait_for("the drain under way", lambda: any(
+            (folder / "record.json").exists() for folder in (node.state / "outbox").iterdir()
+            if folder.is_dir()), 60, log=log)
+        os.killpg(proc.pid, signal.SIGKILL)  # in mid-drain
+        proc.wait(10)
+        time.sleep(5)
+        proc = node.spawn(log)
+        names = {sid: job_run_name("fail" if sid == "chatty" else "echo", sid, window)
+                 for sid in ("quick", "long", "chatty")}
+        runs = wait_runs(prefect, node.name, list(names.values()), timeout=120)
+        wait_for("the outbox drained", lambda: not list(
+            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+    finally:
+        stop_group(proc)
+    for sid, name in names.items():
+        run = runs[name]
+        kinds = [state["type"] for state in prefect.states(run["id"])]
+        expected = "FAILED" if sid == "chatty" else "COMPLETED"
+        assert kinds.count("RUNNING") == 1 and kinds.count(expected) == 1, (sid, kinds)
+        logs = prefect.logs(run["id"])
+        assert len(logs) == len(set(logs)) or sid == "chatty", (sid, logs)
+        artifacts = prefect.api.filter_artifacts({"artifacts": {"flow_run_id": {
+            "any_": [run["id"]]}}})
+        assert len(artifacts) == 1, sid
+    assert prefect.logs(runs[names["chatty"]]["id"]).count("failing chatty") == 2
+    assert "done long" in prefect.logs(runs[names["long"]]["id"])
+    assert len(prefect.events("sched.job.completed", node.name, at_least=2)) == 2
+    assert len(prefect.events("sched.job.failed", node.name)) == 1
