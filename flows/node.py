@@ -176,6 +176,7 @@ class Node:
             client = httpx.Client(
                 headers={"Authorization": f"Bearer {token}"} if token else {},
                 timeout=settings.pull_timeout.total_seconds(), follow_redirects=True)
+        self._pull_client = client
         return Scheduler(Config(pull_url=settings.pull_url, node_name=self.node,
                                 cache_path=settings.cache_path, fire=self._stage_fire,
                                 http_client=client, timezone=settings.tz,
@@ -564,6 +565,8 @@ class Node:
                 break
         self.recorder.stop()
         self.api.close()
+        if self._pull_client is not None:
+            self._pull_client.close()
 
 
 class Reconciler:
