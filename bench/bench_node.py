@@ -295,7 +295,7 @@ def _old_design(work: Path, minutes: int) -> dict[str, Any]:
         end = begin + timedelta(minutes=minutes)
         stop = threading.Event()
         rss: list[int] = []
-        sampler = threading.Thread(target=_max_rss_of, args=("flow-run execute", stop, rss),
+        sampler = threading.Thread(target=_max_rss_of, args=("prefect.engine", stop, rss),
                                    daemon=True)
         sampler.start()
         while datetime.now(UTC) < begin:
