@@ -276,6 +276,7 @@ class Jobs:
                         job.waiting = True
                         job.wait_until = time.monotonic() + longest_run_s(job.spec)
                         job.folder.log(self._clock(), reason)
+                        self._wakeup.set()  # the ticker watches its deadline
                     elif job.wait_until is not None and time.monotonic() > job.wait_until:
                         waited = longest_run_s(job.spec)
                         to_end.append((job, SKIPPED, f"{reason}; waited {waited:g} s and it "
@@ -317,9 +318,11 @@ class Jobs:
             self._dispatch()
 
     def _tick(self) -> None:
-        """Look at the queue every second: a waiting job's deadline passes with no event."""
+        """Look at the queue every second while a job waits for another (its deadline can
+        pass with no event); sleep otherwise."""
+        waiting = False
         while not self._stopping.is_set():
-            self._wakeup.wait(1.0)
+            self._wakeup.wait(1.0 if waiting else None)
             self._wakeup.clear()
             with self._lock:
                 waiting = any(job.waiting for job in self._jobs.values())

@@ -158,7 +158,8 @@ class Node:
         # Step 5: reconcile, control, report.
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
-                                 heartbeat=self.heartbeat, done=self._reported)
+                                 heartbeat=self.heartbeat, done=self._reported,
+                                 covered=lambda: bool(self.wait and self.wait.connected.is_set()))
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
                                run_job=self._adhoc, reconcile=self._on_demand,
                                cancel=self._cancel, claimed=self._is_claimed)

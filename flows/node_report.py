@@ -47,6 +47,8 @@ AGENT_VERSION = "0.1.0"
 COUNT_WINDOW = timedelta(hours=24)
 DEBOUNCE_S = 1.0
 RETRY_S = 15.0
+COVERED_EVERY = timedelta(minutes=15)
+"""How often a node whose long poll is its heartbeat still sends a full report."""
 MAX_JOBS = 1000
 """Job records per report (the controller's limit); more go in the next one."""
 
@@ -153,7 +155,10 @@ class Reporter:
                  clock: Callable[[], datetime],
                  facts: Callable[[datetime], dict[str, Any]],
                  heartbeat: timedelta,
-                 done: Callable[[JobFolder], None] = lambda folder: None) -> None:
+                 done: Callable[[JobFolder], None] = lambda folder: None,
+                 covered: Callable[[], bool] = lambda: False) -> None:
+        """``covered()`` says whether the node's long poll is its heartbeat now: reports are
+        then sent on changes and every :data:`COVERED_EVERY` only."""
         self.settings = settings
         self.outbox = outbox
         self.url = report_url(settings)
@@ -161,6 +166,7 @@ class Reporter:
         self._facts = facts
         self.heartbeat = heartbeat
         self._done = done
+        self._covered = covered
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -204,7 +210,10 @@ class Reporter:
                 self._stop.wait(DEBOUNCE_S)
             self._wake.clear()
             ok = self.send_now()
-            wait = self.heartbeat.total_seconds() if ok else RETRY_S
+            every = self.heartbeat.total_seconds()
+            if self._covered():
+                every = max(every, COVERED_EVERY.total_seconds())
+            wait = every if ok else RETRY_S
 
     def _next_seq(self) -> int:
         try:

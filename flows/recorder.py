@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -68,8 +69,11 @@ ACTION_ROLE = "sched-action"
 
 LOG_BATCH = 500
 """Log lines per request."""
+LOG_BATCH_BYTES = 1 << 20
+"""The most of a log file read at once (a batch of lines is sent per read)."""
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
+TRIM_EVERY_S = 60.0
 IDLE_WAIT_S = 30.0
 """How long the recorder sleeps with nothing to send (a new job wakes it at once)."""
 
@@ -210,22 +214,32 @@ def _attempt_row(attempt: Attempt) -> str:
             f"{bool(exit_info.get('timed_out'))} | {exit_info.get('lines', '-')} |")
 
 
-def _lines(folder: JobFolder, name: str, start: int) -> list[dict[str, Any]]:
-    """Return the JSON lines of a log file from line start (a torn last line is left for later)."""
+def read_lines(folder: JobFolder, name: str, start: int,
+               limit: int = LOG_BATCH) -> tuple[list[dict[str, Any]], int]:
+    """Return up to limit JSON lines of a log file from byte start, and the byte after them.
+
+    Only whole lines are read: the part after the last newline may still be written.
+    """
     try:
-        text = (folder.path / name).read_text(encoding="utf-8", errors="replace")
+        with open(folder.path / name, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(LOG_BATCH_BYTES)
     except FileNotFoundError:
-        return []
-    lines = text.split("\n")
-    complete = lines[:-1]  # the part after the last newline may still be written
+        return [], start
     found: list[dict[str, Any]] = []
-    for line in complete[start:]:
+    end = start
+    for raw in data.split(b"\n")[:-1][:limit]:
+        end += len(raw) + 1
         try:
-            value = json.loads(line)
+            value = json.loads(raw)
         except ValueError:
-            value = {"t": None, "m": line}
+            value = {"t": None, "m": raw.decode("utf-8", "replace")}
         found.append(value if isinstance(value, dict) else {"t": None, "m": str(value)})
-    return found
+    if not found and len(data) == LOG_BATCH_BYTES:  # one line longer than a batch: skip it
+        cut = data.find(b"\n")
+        return [{"t": None, "m": "[an output line longer than 1 MiB was left out]"}], (
+            start + cut + 1 if cut >= 0 else start + len(data))
+    return found, end
 
 
 class Recorder:
@@ -250,6 +264,7 @@ class Recorder:
         self._checked: set[str] = set()  # folders whose in-flight step was checked this process
         self.reachable = True
         """False while the server cannot be reached (for the node's status and its log)."""
+        self._trimmed = float("-inf")
         self.recorded = 0
 
     # -- the thread ---------------------------------------------------------------------
@@ -283,6 +298,7 @@ class Recorder:
                     log.warning("the Prefect server cannot be reached; jobs go on, their records "
                                 "wait in the outbox: %s", exc, extra={"node": self.node})
                 self.reachable = False
+                self._trim()
                 self._wake.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
@@ -296,6 +312,22 @@ class Recorder:
             self.reachable = True
             backoff = BACKOFF_MIN_S
             self._wake.wait(1.0 if pending else IDLE_WAIT_S)
+
+    def _trim(self) -> None:
+        """Keep the outbox within its size while the server is away (at most once a minute)."""
+        now = time.monotonic()
+        if now - self._trimmed < TRIM_EVERY_S:
+            return
+        self._trimmed = now
+
+        def untouched(folder: JobFolder, attempt: int) -> bool:
+            sent = (folder.read_json("record.json") or {}).get("bytes", {})
+            return not sent.get(f"a{attempt}")
+
+        try:
+            self.outbox.trim(now=self._clock(), untouched=untouched)
+        except OSError as exc:
+            log.warning("could not trim the outbox: %s", exc, extra={"node": self.node})
 
     def drain(self) -> bool:
         """Send what can be sent now, oldest job first; return whether any job is still open.
@@ -522,14 +554,15 @@ class _Steps:
         sources += [(f"a{item.number}.out", f"a{item.number}", self.p.get("task_run_id"))
                     for item in self.view.attempts]
         for name, mark, task_run in sources:
-            start = int(self.p.get("lines", {}).get(mark, 0))
-            pending = _lines(self.folder, name, start)
-            for offset in range(0, len(pending), LOG_BATCH):
-                batch = pending[offset:offset + LOG_BATCH]
-                self.p["inflight"] = f"logs:{mark}:{start + offset}:{len(batch)}"
+            while True:
+                start = int(self.p.get("bytes", {}).get(mark, 0))
+                batch, end = read_lines(self.folder, name, start)
+                if end == start:
+                    break
+                self.p["inflight"] = f"logs:{mark}:{start}:{end}"
                 self._save()
                 self.api.send_logs([self._log(item, task_run) for item in batch])
-                self.p.setdefault("lines", {})[mark] = start + offset + len(batch)
+                self.p.setdefault("bytes", {})[mark] = end
                 self.p.pop("inflight", None)
                 self._save()
 
@@ -618,20 +651,33 @@ class _Steps:
             done = False  # the event's id is the run's: sending it twice keeps one
         if done:
             if step.startswith("logs:"):
-                _, mark, start, count = step.split(":")
-                self.p.setdefault("lines", {})[mark] = int(start) + int(count)
+                _, mark, _start, end = step.split(":")
+                self.p.setdefault("bytes", {})[mark] = int(end)
             else:
                 self.p[step] = True
         self.p.pop("inflight", None)
         self._save()
 
     def _logs_arrived(self, step: str) -> bool:
-        _, mark, start, count = step.split(":")
+        """Return whether the batch a kill left in flight (bytes start to end) reached the server.
+
+        Its last line is looked for among the run's logs from that line's time on.
+        """
+        _, mark, start, end = step.split(":")
         name = "log.jsonl" if mark == "node" else f"{mark}.out"
-        batch = _lines(self.folder, name, int(start))[:int(count)]
-        if not batch:
+        try:
+            with open(self.folder.path / name, "rb") as handle:
+                handle.seek(int(start))
+                data = handle.read(int(end) - int(start))
+        except FileNotFoundError:
             return True
-        last = batch[-1]
+        lines = [line for line in data.split(b"\n") if line]
+        if not lines:
+            return True
+        try:
+            last = json.loads(lines[-1])
+        except ValueError:
+            return False
         found = self.api.filter_logs({"logs": {"flow_run_id": {"any_": [self.run]},
                                                "timestamp": {"after_": last.get("t")}},
                                       "limit": 200})
