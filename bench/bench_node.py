@@ -71,6 +71,8 @@ from sched_core.policies import window_starts  # noqa: E402
 
 BEGIN, END = "<!-- node:begin -->", "<!-- node:end -->"
 HEADING = "## The node fires, Prefect records (Prefect)"
+RESULTS = ROOT / "bench" / "bench_node.json"
+"""The last figures of each part (a run of some parts keeps the others')."""
 OLD_COMMIT = "0025202"
 """The last commit of the runner-driven agent (serve, run-job flow runs, automations)."""
 NY = "America/New_York"
@@ -644,13 +646,14 @@ def _restart(home: Path, port: int) -> subprocess.Popen[bytes]:
 
 
 def report(found: dict[str, Any]) -> str:
-    lines = [f"Measured {datetime.now(UTC):%Y-%m-%d} on {machine()}. "
-             f"`.venv/bin/python bench/bench_node.py` (all parts about 75 minutes).", ""]
+    lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 75 "
+             "minutes; `--parts latency,idle,fleet,outage` runs some, keeping the others' last "
+             "figures, each with the time it was measured).", ""]
     lat = found.get("latency")
     if lat:
         lines += [
-            "**Firing latency**, window (after its jitter) to the command's own first "
-            "instant (`date +%s.%N`):", "",
+            f"**Firing latency** ({lat.get('measured', '')}), window (after its jitter) to "
+            "the command's own first instant (`date +%s.%N`):", "",
             "| what | latency |", "|---|---|",
             f"| the node, 30 rows jittered over each minute | {_stats(lat['new_idle'])} |",
             f"| the node, with 5 long jobs running | {_stats(lat['new_busy'])} |",
@@ -664,13 +667,17 @@ def report(found: dict[str, Any]) -> str:
             f"({lat['old_cpu_per_job'] / max(lat['new_cpu_per_job'], 1e-6):.0f}x the CPU).", ""]
     idle_found = found.get("idle")
     if idle_found:
-        lines += ["**An idle node's cost on the Prefect server**, per node-hour (10 schedules, "
+        when = idle_found.get("measured", "")
+        lines += [f"**An idle node's cost on the Prefect server** ({when}), per node-hour "
+                  "(10 schedules, "
                   "none due; pulling from a controller that relays Prefect's events to its "
                   "long poll; requests and connections counted by a proxy in front of the "
                   "server):", "",
                   "| server holds | server CPU | requests | connections opened | open (max, "
                   "mean) |", "|---|---|---|---|---|"]
         for label, item in idle_found.items():
+            if not isinstance(item, dict):
+                continue
             lines.append(f"| {label} | {item['server_cpu_s_per_hour']:.2f} s | "
                          f"{item['requests_per_hour']:.1f} | "
                          f"{item['connections_opened_per_hour']:.1f} | "
@@ -680,7 +687,8 @@ def report(found: dict[str, Any]) -> str:
                   "no planned runs, 181 ms with 200,000.", ""]
     fleet_found = found.get("fleet")
     if fleet_found:
-        lines += [f"**{fleet_found['nodes']} nodes on the embedded SQLite server** (the real "
+        lines += [f"**{fleet_found['nodes']} nodes on the embedded SQLite server** "
+                  f"({fleet_found.get('measured', '')}; the real "
                   "node code, each pulling from the controller; started in "
                   f"{fleet_found['start_s']:.0f} s): server CPU "
                   f"{fleet_found['server_cpu_s_per_hour']:.0f} s per hour for the whole fleet, "
@@ -694,7 +702,8 @@ def report(found: dict[str, Any]) -> str:
     out = found.get("outage")
     if out:
         late = out["starts"]
-        lines += [f"**A {out['down_s'] / 60:.0f}-minute outage** (the server killed, "
+        lines += [f"**A {out['down_s'] / 60:.0f}-minute outage** ({out.get('measured', '')}; "
+                  "the server killed, "
                   f"{out['windows']} windows of two every-minute rows): {len(late)} ran, "
                   f"{_stats(late)}; recorded after the server's return in "
                   f"{min(out['recorded_after_return_s'] or [0]):.0f}-"
@@ -712,7 +721,8 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-node-"))
-    found: dict[str, Any] = {}
+    # The figures of the parts not run now are the last run's (each part says its date).
+    found: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     parts: dict[str, Callable[[], Any]] = {
         "latency": lambda: latency(work, args.minutes),
         "idle": lambda: idle(work, args.idle_minutes),
@@ -722,13 +732,14 @@ def main() -> int:
     try:
         for part in args.parts.split(","):
             print(f"running {part} ...", flush=True)
-            found[part] = parts[part]()
+            found[part] = {**parts[part](), "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"}
             (work / "found.json").write_text(json.dumps(found, default=str, indent=1))
     finally:
         print(f"work folder: {work}", flush=True)
     text = report(found)
     print(text)
     if not args.no_write:
+        RESULTS.write_text(json.dumps(found, default=str, indent=1) + "\n")
         write_section(BEGIN, END, HEADING, text)
     shutil.rmtree(work, ignore_errors=True)
     return 0

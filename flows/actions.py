@@ -48,10 +48,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from flows.identity import window_stamp
 from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec
 from sched_core import ConfigError, LocalSchedule
 
@@ -101,20 +102,6 @@ def job_environment(
 
 class ValueRefused(ConfigError):
     """A value of the schedule breaks a rule of the action table; nothing was run."""
-
-
-def window_stamp(window: datetime | None) -> str:
-    """Return a window as a compact UTC stamp for names and file names: 20261202T0730Z.
-
-    A window without a UTC offset is a ConfigError: reading it in the machine's
-    local time would name (and write) a different window on every host.
-    """
-    if window is not None and (window.tzinfo is None or window.utcoffset() is None):
-        raise ConfigError(
-            f"window {window.isoformat()} has no UTC offset; give one, "
-            f"such as {window.isoformat()}Z or {window.isoformat()}-05:00"
-        )
-    return (window or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%MZ")
 
 
 def _show(text: object) -> str:
@@ -278,8 +265,12 @@ def render_argv(
     node: str,
     window: datetime | None,
     trigger_key: str,
+    now: datetime | None = None,
 ) -> list[str]:
     """Return the argv of spec filled from schedule, every value checked (module rules).
+
+    ``{window}`` is the window's UTC stamp, or ``now``'s for a job without a window (a
+    chain stage's, an ad hoc run's): a template that names it needs one of them.
 
     Raises ConfigError naming a missing value, ValueRefused (a ConfigError)
     naming the schedule, the field and the rule a value broke.
@@ -292,7 +283,7 @@ def render_argv(
                     f"{where}: params.{_name(name)} refused: "
                     f"{_undeclared(schedule.action, _name(name))}"
                 )
-    fixed = {"state_dir": str(state_dir), "window": window_stamp(window)}
+    fixed = {"state_dir": lambda: str(state_dir), "window": lambda: window_stamp(window, now=now)}
     argv: list[str] = []
     for index, template in enumerate(spec.argv):
         pieces = _parse(template)
@@ -305,7 +296,7 @@ def render_argv(
             if field is None:
                 continue
             if field in fixed:
-                out.append(fixed[field])
+                out.append(fixed[field]())
                 continue
             slot, value = _slot_value(spec, schedule, field, name, where=where, node=node,
                                       trigger_key=trigger_key)

@@ -117,7 +117,8 @@ class Jobs:
     every step (the recorder and the reporter follow); ``on_end(view)`` of every
     end (the chain); ``may_rerun(spec)`` decides an interrupted job's second run
     (``(True, why)`` or ``(False, why)``); ``repo_lock(spec)`` holds a job's
-    fleet-wide repository lock around its attempts.
+    fleet-wide repository lock around its attempts; ``warm`` keepers started ahead take
+    the jobs (without them each try starts its own keeper).
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class Jobs:
         on_end: Callable[[JobView], None] = lambda view: None,
         may_rerun: Callable[[JobSpec], tuple[bool, str]] = lambda spec: (False, "no re-runs"),
         repo_lock: Callable[[JobSpec, JobFolder], AbstractContextManager[None]] | None = None,
+        warm: launcher.WarmKeepers | None = None,
     ) -> None:
         self.outbox = outbox
         self.slots = slots
@@ -140,6 +142,7 @@ class Jobs:
         self._on_end = on_end
         self._may_rerun = may_rerun
         self._repo_lock = repo_lock or (lambda spec, folder: nullcontext())
+        self._warm = warm
         self._lock = threading.RLock()
         self._jobs: dict[str, _Job] = {}
         self._order: list[str] = []  # accept order of the jobs not ended
@@ -377,7 +380,8 @@ class Jobs:
             offset = (self._clock() - datetime.now(UTC)).total_seconds()
             keeper = launcher.launch(job.folder, number, argv=spec.argv, cwd=spec.cwd,
                                      umask=spec.umask, timeout_s=spec.timeout_s,
-                                     env=self._env_for(spec), clock_offset_s=offset)
+                                     env=self._env_for(spec), clock_offset_s=offset,
+                                     warm=self._warm)
         except OSError as exc:
             job.folder.log(self._clock(), f"could not start the job's keeper: {exc}")
             self._journal(job.folder, "interrupted", attempt=number,

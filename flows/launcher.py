@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flows.outbox import JobFolder
 
@@ -29,6 +30,9 @@ POLL_S = 0.5
 """How often a keeper that is not this process's child is checked, where pidfds are missing."""
 OUTPUT_MAX_BYTES = 10 << 20
 """Output an attempt keeps in full (the keeper keeps the last lines beyond it)."""
+WARM_KEEPERS = 2
+"""Keepers started ahead, each waiting for a job (about 10 MB each)."""
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 @dataclass
@@ -71,6 +75,99 @@ def alive(pid: int | None, ticks: int | None) -> bool:
     return state not in (b"Z", b"X")
 
 
+def _spawn(argv: list[str], env: Mapping[str, str], errors: str,
+           stdin: int | None = None) -> Keeper:
+    """Start a keeper in a session of its own (posix_spawn: no copy of the node's memory)."""
+    actions: list[tuple[Any, ...]] = [
+        (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+    ]
+    if stdin is None:
+        actions.insert(0, (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0))
+    else:
+        actions.insert(0, (os.POSIX_SPAWN_DUP2, stdin, 0))
+    pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", str(SHIM), *argv],
+                         dict(env), setsid=True, file_actions=actions)
+    return Keeper(pid=pid, start_ticks=start_ticks(pid), child=True)
+
+
+@dataclass
+class _Warm:
+    keeper: Keeper
+    handoff: int
+    """The write end of its stdin: one line hands it its job."""
+
+
+class WarmKeepers:
+    """Keepers started ahead (``shim.py --wait``), so a job starts when it is handed over.
+
+    A warm keeper has imported what it needs and waits on a pipe; it gets the job's
+    spec and environment through it, so its own environment is a bare ``PATH`` (never
+    the agent's). It ends on its own when the pipe closes unused (the node stopped).
+    """
+
+    def __init__(self, size: int = WARM_KEEPERS) -> None:
+        self.size = size
+        self._ready: list[_Warm] = []
+        self._lock = threading.Lock()
+        self._filling = False
+
+    def take(self) -> _Warm | None:
+        """Return a live warm keeper, if one is ready (and start filling up again)."""
+        with self._lock:
+            while self._ready:
+                warm = self._ready.pop(0)
+                if alive(warm.keeper.pid, warm.keeper.start_ticks):
+                    self._fill_later()
+                    return warm
+                os.close(warm.handoff)
+            self._fill_later()
+        return None
+
+    def _fill_later(self) -> None:
+        if not self._filling and self.size > 0:
+            self._filling = True
+            threading.Thread(target=self._fill, name="warm-keepers", daemon=True).start()
+
+    def _fill(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if len(self._ready) >= self.size:
+                        return
+                read, write = os.pipe()
+                try:
+                    os.set_inheritable(read, False)
+                    keeper = _spawn(["--wait"], {"PATH": os.environ.get("PATH", DEFAULT_PATH)},
+                                    os.devnull, stdin=read)
+                except OSError as exc:
+                    os.close(write)
+                    log.warning("could not start a warm keeper: %s", exc)
+                    return
+                finally:
+                    os.close(read)
+                with self._lock:
+                    closed = self.size == 0
+                    if not closed:
+                        self._ready.append(_Warm(keeper, write))
+                if closed:  # closed meanwhile: let it go
+                    os.close(write)
+                    wait(keeper)
+                    return
+        finally:
+            with self._lock:
+                self._filling = False
+
+    def close(self) -> None:
+        """Let the warm keepers go (each ends when its pipe closes) and reap them."""
+        with self._lock:
+            self.size = 0
+            ready, self._ready = self._ready, []
+        for warm in ready:
+            os.close(warm.handoff)
+            wait(warm.keeper)
+
+
 def launch(
     folder: JobFolder,
     number: int,
@@ -82,10 +179,12 @@ def launch(
     env: Mapping[str, str],
     clock_offset_s: float = 0.0,
     max_bytes: int = OUTPUT_MAX_BYTES,
+    warm: WarmKeepers | None = None,
 ) -> Keeper:
-    """Start attempt number's keeper with the job's environment; return it at once.
+    """Start attempt number in a keeper with the job's environment; return it at once.
 
-    Raises OSError when the keeper itself cannot start (the command's own
+    A warm keeper gets the job through its pipe; without one ready, a keeper is
+    started for it. Raises OSError when no keeper can start (the command's own
     failure to start is the keeper's to report, in its exit file).
     """
     spec_path = folder.attempt_path(number, "spec.json")
@@ -97,19 +196,17 @@ def launch(
         "exit": str(folder.attempt_path(number, "exit")),
     }
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
-    errors = str(folder.attempt_path(number, "keeper.err"))
-    # posix_spawn: no copy of the node's memory and no Popen to outlive (the keeper may
-    # outlive this process); its own session, so a signal to the node's group misses it.
-    pid = os.posix_spawn(
-        sys.executable, [sys.executable, "-I", "-S", str(SHIM), str(spec_path)], dict(env),
-        setsid=True,
-        file_actions=[
-            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
-        ],
-    )
-    return Keeper(pid=pid, start_ticks=start_ticks(pid), child=True)
+    ready = warm.take() if warm is not None else None
+    if ready is not None:
+        line = json.dumps({"spec": str(spec_path), "env": dict(env)}) + "\n"
+        try:
+            os.write(ready.handoff, line.encode())
+            return ready.keeper
+        except OSError:  # it died between the check and the write: start one for the job
+            pass
+        finally:
+            os.close(ready.handoff)
+    return _spawn([str(spec_path)], env, str(folder.attempt_path(number, "keeper.err")))
 
 
 def wait(keeper: Keeper, stop: threading.Event | None = None) -> bool:

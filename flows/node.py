@@ -58,6 +58,7 @@ from flows.firing import Decided, FiringLoop
 from flows.history import History
 from flows.identity import AGENT_TAG, JobRef
 from flows.jobs import Jobs, longest_run_s
+from flows.launcher import WarmKeepers
 from flows.node_report import Reporter, build_report, controller_url, pull_outcome
 from flows.outbox import (
     COMPLETED,
@@ -145,11 +146,12 @@ class Node:
         self.planner = Planner(api, self.deployments, settings.plan_path,
                                horizon=settings.plan_horizon, min_windows=settings.plan_min_windows,
                                max_runs=settings.plan_max_runs, now=now)
-        # Step 3: jobs and the chain.
+        # Step 3: jobs (warm keepers started ahead take them) and the chain.
+        self.keepers = WarmKeepers()
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
                          env_for=lambda spec: job_env(settings, spec),
                          on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
-                         repo_lock=self._repo_lock)
+                         repo_lock=self._repo_lock, warm=self.keepers)
         self.chain = Chain(self.scheduler, self._chain_spec())
         # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
@@ -234,7 +236,8 @@ class Node:
         try:
             action = self.settings.action(row.action)
             argv = render_argv(action, row, state_dir=self.settings.state_dir, node=self.node,
-                               window=spec.window, trigger_key=spec.trigger_key)
+                               window=spec.window, trigger_key=spec.trigger_key,
+                               now=spec.accepted_at)
         except ConfigError as exc:
             return self.jobs.end_without_running(spec, FAILED, str(exc), error=str(exc),
                                                  lines=lines)
@@ -353,7 +356,9 @@ class Node:
                          warn=say)
 
     def _recorded(self, folder: JobFolder) -> None:
-        if not self.reporter.enabled or (folder.read_json("report.json") or {}).get("done"):
+        """A folder whose record is complete goes once its end was reported (jobs only)."""
+        reported = (folder.read_json("report.json") or {}).get("done")
+        if not self.reporter.enabled or reported or folder.spec().kind != KIND_JOB:
             self.outbox.forget(folder)
 
     def _reported(self, folder: JobFolder) -> None:
@@ -555,6 +560,7 @@ class Node:
         if self.stream is not None:
             self.stream.stop()
         self.jobs.stop()
+        self.keepers.close()
         deadline = time.monotonic() + STOP_GRACE_S
         self.reporter.send_now()
         self.reporter.stop()

@@ -1,8 +1,10 @@
 """The job's keeper: one small process per attempt, between the node and the command.
 
-Run as ``python -I -S flows/shim.py SPEC`` (standard library only, so it starts in
-a few milliseconds and ~10 MB), in a session of its own: it outlives the node
-process, so a node killed mid-job neither kills the job nor loses its outcome.
+Run as ``python -I -S flows/shim.py SPEC`` (standard library only, ~10 MB), in a
+session of its own: it outlives the node process, so a node killed mid-job neither
+kills the job nor loses its outcome. The node keeps one or two started ahead
+(``--wait``, :mod:`flows.launcher`), so a window's command starts as soon as the
+node hands it over, not after a Python start-up.
 
 1. Read SPEC (JSON: ``argv``, ``cwd``, ``umask``, ``timeout_s``, ``out``,
    ``started``, ``exit``, ``max_bytes``, ``clock_offset_s``). Its own environment
@@ -68,9 +70,23 @@ def _kill_group(pid: int, sig: int) -> None:
         pass
 
 
-def main(spec_path: str) -> int:
-    """Run the attempt SPEC describes (the module's steps); return the shim's exit status."""
+def main(argv: list[str]) -> int:
+    """Run the attempt a SPEC describes (the module's steps); return the shim's exit status.
+
+    ``shim.py SPEC``: the command's environment is this process's own. ``shim.py --wait``
+    (a warm keeper, started ahead): wait for one line on stdin, ``{"spec": path, "env":
+    {...}}``, then run it with that environment; end at once on EOF (the node went away
+    before it had a job for this keeper).
+    """
     global _OFFSET
+    if argv[1:] == ["--wait"]:
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        handoff = json.loads(line)
+        spec_path, env = str(handoff["spec"]), dict(handoff["env"])
+    else:
+        spec_path, env = argv[1], dict(os.environ)
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
     _OFFSET = timedelta(seconds=float(spec.get("clock_offset_s", 0.0)))
@@ -85,6 +101,7 @@ def main(spec_path: str) -> int:
             umask=int(spec.get("umask", 0o077)),
             process_group=0,
             close_fds=True,
+            env=env,
         )
     except OSError as exc:
         _write_once(spec["exit"], {"exit_code": None, "timed_out": False, "cancelled": False,
@@ -142,4 +159,4 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv))

@@ -247,3 +247,32 @@ def test_overlap_verdicts() -> None:
     assert overlap_verdict("buffer-one", "s", [running])[0] == "wait"
     assert overlap_verdict("buffer-one", "s", [running, waiting])[0] == "skip"
     assert overlap_verdict("cancel-other", "s", [running])[0] == "cancel"
+
+
+def test_a_warm_keeper_waits_with_a_bare_environment_and_runs_the_job_it_is_handed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCHED_TOKEN", "agent-secret-token")
+    keepers = launcher.WarmKeepers(size=1)
+    try:
+        keepers.take()  # none ready yet: it starts filling
+        deadline = time.monotonic() + 20
+        while not keepers._ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (ready,) = keepers._ready
+        environ = Path(f"/proc/{ready.keeper.pid}/environ").read_bytes().split(b"\0")
+        assert [item.split(b"=")[0] for item in environ if item] == [b"PATH"]
+        outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+        folder = outbox.create(_spec("warm", ["sh", "-c", "echo $GIVEN"]))
+        keeper = launcher.launch(folder, 1, argv=["sh", "-c", "echo $GIVEN"], cwd=None,
+                                 umask=0o077, timeout_s=10, env={**ENV, "GIVEN": "handed over"},
+                                 warm=keepers)
+        assert keeper.pid == ready.keeper.pid, "the warm keeper took the job"
+        assert launcher.wait(keeper)
+        out = folder.attempt_path(1, "out").read_text().splitlines()
+        assert [json.loads(line)["m"] for line in out] == ["handed over"]
+        assert json.loads(folder.attempt_path(1, "exit").read_text())["exit_code"] == 0
+    finally:
+        keepers.close()
+    spare = keepers._ready
+    assert spare == [], "closing lets the warm keepers go"
