@@ -590,8 +590,12 @@ class _Steps:
         state = self.view.end_state or FAILED
         ended = utc_text(self.view.end_at) if self.view.end_at else "unknown"
         started = self.view.started_at
-        when = (f"ran on {self.r.node} from {utc_text(started)} to {ended}" if started
-                else f"decided on {self.r.node} at {ended}")
+        if self.spec.kind == KIND_RECONCILE:
+            when = f"on {self.r.node} at {ended}"
+        elif started:
+            when = f"ran on {self.r.node} from {utc_text(started)} to {ended}"
+        else:
+            when = f"decided on {self.r.node} at {ended}"
         message = f"{self.view.message} ({when})" if self.view.message else when
         if self.p.get("offline"):
             message += "; recorded after the Prefect server came back"
