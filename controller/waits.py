@@ -27,15 +27,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections import defaultdict
 from typing import Any
 
+from sched_core.reconnect import Reconnecting
+
 log = logging.getLogger(__name__)
 
-BACKOFF_MIN_S = 1.0
-BACKOFF_MAX_S = 30.0
 NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
 """Tags of the runs a node makes itself (rule 2): their events wake nobody."""
 NODE_FLOWS = frozenset({"run-job", "reconcile"})
@@ -143,58 +142,22 @@ class PrefectRelay:
     def __init__(self, waits: NodeWaits, api_url: str) -> None:
         self.waits = waits
         self.api_url = api_url
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = Reconnecting("prefect-relay", self._follow, self._lost)
         self.events = 0
 
     def start(self) -> PrefectRelay:
-        """Start the thread (once); return self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="prefect-relay", daemon=True)
-            self._thread.start()
+        """Start following (once); return self."""
+        self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop following (the stream is closed)."""
-        self._stop.set()
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(lambda: [task.cancel() for task in
-                                                   asyncio.all_tasks(loop)])
-            except RuntimeError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._listen())
-        except asyncio.CancelledError:
-            pass
-        finally:
-            loop.close()
-
-    async def _listen(self) -> None:
-        backoff = BACKOFF_MIN_S
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                await self._follow()
-                raise ConnectionError("the event stream ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.waits.relay = False
-                if time.monotonic() - started > 60:
-                    backoff = BACKOFF_MIN_S
-                log.warning("no Prefect event stream for the nodes' waits (%s: %s); trying again "
-                            "in %.0f s", type(exc).__name__, str(exc)[:200], backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+    def _lost(self, exc: BaseException, wait_s: float) -> None:
+        self.waits.relay = False
+        log.warning("no Prefect event stream for the nodes' waits (%s: %s); trying again in "
+                    "%.0f s", type(exc).__name__, str(exc)[:200], wait_s)
 
     async def _follow(self) -> None:
         from prefect.events.clients import PrefectEventSubscriber

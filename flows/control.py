@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,6 +40,7 @@ import httpx
 from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
 from flows.recorder import RECONCILE, RUN_JOB, Deployments
 from sched_core.model import format_go_time
+from sched_core.reconnect import Reconnecting
 
 log = logging.getLogger(__name__)
 
@@ -243,63 +243,26 @@ class PrefectStream:
         self._deployment_ids = deployment_ids
         self._on_schedules = on_schedules
         self._on_prefect = on_prefect
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = Reconnecting("prefect-stream", self._connect, self._lost)
         self.connected = threading.Event()
         self.events = 0
 
     def start(self) -> PrefectStream:
-        """Start the thread (once); return self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="prefect-stream",
-                                            daemon=True)
-            self._thread.start()
+        """Start following (once); return self."""
+        self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread (its stream is closed)."""
-        self._stop.set()
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(lambda: [task.cancel() for task in
-                                                   asyncio.all_tasks(loop)])
-            except RuntimeError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Stop following (the stream is closed)."""
+        self._thread.stop(timeout)
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._listen())
-        except asyncio.CancelledError:
-            pass
-        except Exception:
-            log.exception("the Prefect event stream thread ended")
-        finally:
-            loop.close()
+    def _lost(self, exc: BaseException, wait_s: float) -> None:
+        self.connected.clear()
+        log.info("no Prefect event stream (%s: %s); trying again in %.0f s",
+                 type(exc).__name__, str(exc)[:200], wait_s, extra={"node": self.node})
 
-    async def _listen(self) -> None:
-        backoff = BACKOFF_MIN_S
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                ids = await asyncio.to_thread(self._deployment_ids)
-                await self._follow(ids)
-                raise ConnectionError("the event stream ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.connected.clear()
-                if time.monotonic() - started > 60:
-                    backoff = BACKOFF_MIN_S
-                log.info("no Prefect event stream (%s: %s); trying again in %.0f s",
-                         type(exc).__name__, str(exc)[:200], backoff, extra={"node": self.node})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+    async def _connect(self) -> None:
+        await self._follow(await asyncio.to_thread(self._deployment_ids))
 
     async def _follow(self, deployment_ids: list[str]) -> None:
         from prefect.events.clients import PrefectEventSubscriber

@@ -250,15 +250,19 @@ class PrefectApi:
         body = {"name": name, "flow_id": flow_id, **fields}
         return str(self._call("POST", "/deployments/", json=body).json()["id"])
 
-    def deployment_by_name(self, flow: str, name: str) -> dict[str, Any] | None:
-        """Return the deployment ``flow/name``, or None when there is none."""
+    def _found(self, path: str) -> dict[str, Any] | None:
+        """GET an object; None when the server has none (404)."""
         try:
-            data: dict[str, Any] = self._call("GET", f"/deployments/name/{flow}/{name}").json()
+            data: dict[str, Any] = self._call("GET", path).json()
         except PrefectRefused as exc:
             if exc.status == 404:
                 return None
             raise
         return data
+
+    def deployment_by_name(self, flow: str, name: str) -> dict[str, Any] | None:
+        """Return the deployment ``flow/name``, or None when there is none."""
+        return self._found(f"/deployments/name/{flow}/{name}")
 
     # -- flow runs -------------------------------------------------------------------
 
@@ -281,13 +285,7 @@ class PrefectApi:
 
     def read_run(self, run_id: str) -> dict[str, Any] | None:
         """Return a flow run, or None when it does not exist."""
-        try:
-            data: dict[str, Any] = self._call("GET", f"/flow_runs/{run_id}").json()
-        except PrefectRefused as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return data
+        return self._found(f"/flow_runs/{run_id}")
 
     def update_run(self, run_id: str, **fields: Any) -> None:
         """Change a flow run's fields (``infrastructure_pid``, ``name``, ``tags``, ...)."""

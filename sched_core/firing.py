@@ -76,15 +76,24 @@ def _floor(view: NodeView, row: LocalSchedule, decided: Mapping[str, datetime]) 
     return bound
 
 
+def _scan(view: NodeView, row: LocalSchedule, decided: Mapping[str, datetime],
+          starts_from: datetime) -> tuple[datetime | None, datetime]:
+    """Return the row's floor (rule 1) and where to scan its windows for starts from starts_from.
+
+    A window starts at most the row's jitter after it, so the scan begins that much
+    earlier, and never before the floor.
+    """
+    floor = _floor(view, row, decided)
+    scan = starts_from - timedelta(seconds=row.jitter)
+    return floor, scan if floor is None else max(scan, floor)
+
+
 def due_now(view: NodeView, *, now: datetime, decided: Mapping[str, datetime]) -> list[Due]:
     """Return, per clock row, the latest due window and the older due ones (rules 1 and 2)."""
     found: list[Due] = []
     low = now - view.grace
     for row in _clock_rows(view):
-        floor = _floor(view, row, decided)
-        scan = low - timedelta(seconds=row.jitter)
-        if floor is not None:
-            scan = max(scan, floor)
+        floor, scan = _scan(view, row, decided, low)
         last = view.last_fired.get(row.id)
         windows = [
             (window, start)
@@ -105,10 +114,7 @@ def next_start(
     """Return the earliest start after now of a window that will be due (rule 4), or None."""
     best: datetime | None = None
     for row in _clock_rows(view):
-        floor = _floor(view, row, decided)
-        scan = now - timedelta(seconds=row.jitter)
-        if floor is not None:
-            scan = max(scan, floor)
+        floor, scan = _scan(view, row, decided, now)
         last = view.last_fired.get(row.id)
         for window, start in window_starts(row, scan, now + LOOK_AHEAD, node=view.node,
                                            tz=view.tz):

@@ -38,6 +38,16 @@ def prefect_server() -> Iterator[str]:
             yield str(PREFECT_API_URL.value())
 
 
+@pytest.fixture
+def prefect(prefect_server: str) -> Iterator[Any]:
+    """Yield a reader of the session's Prefect server (tests.nodekit.Prefect), closed after."""
+    from tests.nodekit import Prefect
+
+    reader = Prefect(prefect_server)
+    yield reader
+    reader.close()
+
+
 def agent_events(
     name: str, node: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 15
 ) -> list[dict[str, Any]]:

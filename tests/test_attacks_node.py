@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -35,11 +34,6 @@ from tests.procs import wait_for
 pytestmark = [pytest.mark.prefect]
 
 
-@pytest.fixture
-def prefect(prefect_server: str) -> Iterator[Prefect]:
-    reader = Prefect(prefect_server)
-    yield reader
-    reader.close()
 
 
 def _cache(node: NodeUnderTest) -> dict[str, object]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,23 @@ from tests.procs import wait_for
 pytestmark = [pytest.mark.prefect]
 
 
-@pytest.fixture
-def prefect(prefect_server: str) -> Iterator[Prefect]:
-    reader = Prefect(prefect_server)
-    yield reader
-    reader.close()
 
 
 def _name() -> str:
     return f"n-{uuid.uuid4().hex[:8]}"
+
+
+def _one_window(node: NodeUnderTest, prefect: Prefect, action: str, sid: str
+                ) -> tuple[dict[str, Any], datetime]:
+    """Start the node, wait for the run of sid's next minute window to end; return it."""
+    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
+    name = job_run_name(action, sid, window)
+    node.start()
+    try:
+        runs = wait_runs(prefect, node.name, [name], timeout=60)
+    finally:
+        node.stop()
+    return runs[name], window
 
 
 def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
@@ -42,14 +49,7 @@ def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
 ) -> None:
     offset = offset_to(4)
     node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("s-1")], offset=offset)
-    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
-    name = job_run_name("echo", "s-1", window)
-    node.start()
-    try:
-        runs = wait_runs(prefect, node.name, [name], timeout=60)
-    finally:
-        node.stop()
-    run = runs[name]
+    run, window = _one_window(node, prefect, "echo", "s-1")
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert f"ran on {node.name} from " in run["state"]["message"]
     logs = prefect.logs(run["id"])
@@ -82,14 +82,7 @@ def test_a_failing_command_is_tried_again_and_ends_failed_with_its_error(
 ) -> None:
     node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("f-1", "fail")],
                     offset=offset_to(3))
-    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
-    name = job_run_name("fail", "f-1", window)
-    node.start()
-    try:
-        runs = wait_runs(prefect, node.name, [name], timeout=60)
-    finally:
-        node.stop()
-    run = runs[name]
+    run, _ = _one_window(node, prefect, "fail", "f-1")
     assert run["state"]["type"] == "FAILED"
     assert run["state"]["message"].startswith("sh exited with code 2 (after 2 tries)")
     assert prefect.logs(run["id"]).count("failing f-1") == 2
@@ -111,13 +104,7 @@ def test_a_job_gets_its_declared_env_and_never_the_agents_credentials(
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:hunter2")
     node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("e-1", "env")],
                     offset=offset_to(3))
-    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
-    name = job_run_name("env", "e-1", window)
-    node.start()
-    try:
-        run = wait_runs(prefect, node.name, [name], timeout=60)[name]
-    finally:
-        node.stop()
+    run, _ = _one_window(node, prefect, "env", "e-1")
     logs = prefect.logs(run["id"])
     assert "DECLARED=yes" in logs and "TZ=UTC" in logs
     printed = "\n".join(logs)

@@ -65,6 +65,27 @@ def _started_in_logs(prefect: Prefect, run: dict[str, Any], sid: str) -> list[fl
             if line.startswith(f"started {sid} at ")]
 
 
+def _planned(prefect: Prefect, node: NodeUnderTest, name: str, log: Path) -> None:
+    """Wait until the node's plan (a run called name) is in Prefect."""
+    wait_for("the plan in Prefect", lambda: any(
+        run["name"] == name for run in prefect.node_runs(node.name)), 40, log=log)
+
+
+def _recorded(prefect: Prefect, node: NodeUnderTest, names: list[str], log: Path,
+              timeout: float = 90) -> dict[str, dict[str, Any]]:
+    """Wait until each named run is final and the node's outbox has drained; return the runs."""
+    runs = wait_runs(prefect, node.name, names, timeout=timeout)
+    wait_for("the outbox drained", lambda: not list(
+        (node.state / "outbox").glob("*/job.json")), 60, log=log)
+    return runs
+
+
+def _kill(proc: Any) -> None:
+    """kill -9 the node's whole process group, as a crash or an OOM kill would."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
 def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_is_back(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
@@ -78,9 +99,7 @@ def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_
     log = tmp_path / "node.log"
     proc = node.spawn(log)
     try:
-        wait_for("the plan in Prefect", lambda: any(
-            run["name"] == job_run_name("echo", "a", first)
-            for run in prefect.node_runs(node.name)), 40, log=log)
+        _planned(prefect, node, job_run_name("echo", "a", first), log)
         # The server goes a little before the first window and comes back after the second.
         wait_for("20 s before the first window", lambda: node.clock() >= first - timedelta(
             seconds=20), 60)
@@ -93,9 +112,7 @@ def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_
             "the chain ran while the server was down"
         server.start()
         names = [job_run_name("echo", "a", first), job_run_name("echo", "b", second)]
-        runs = wait_runs(prefect, node.name, names, timeout=90)
-        wait_for("the outbox drained", lambda: not list(
-            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+        runs = _recorded(prefect, node, names, log, timeout=90)
     finally:
         stop_group(proc)
     for sid, window in (("a", first), ("b", second)):
@@ -138,15 +155,12 @@ def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records
     proc = node.spawn(log)
     try:
         wait_for("the command running", lambda: bool(_starts(node.state, "long")), 60, log=log)
-        os.killpg(proc.pid, signal.SIGKILL)  # the node's whole process group, at once
-        proc.wait(10)
+        _kill(proc)
         killed = time.monotonic()
         time.sleep(5)
         proc = node.spawn(log)
         name = job_run_name("echo", "long", window)
-        runs = wait_runs(prefect, node.name, [name], timeout=90)
-        wait_for("the outbox drained", lambda: not list(
-            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+        runs = _recorded(prefect, node, [name], log, timeout=90)
     finally:
         stop_group(proc)
     run = runs[name]
@@ -170,23 +184,17 @@ def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_on
     log = tmp_path / "node.log"
     proc = node.spawn(log)
     try:
-        wait_for("the plan in Prefect", lambda: any(
-            run["name"] == job_run_name("echo", "w", window)
-            for run in prefect.node_runs(node.name)), 30, log=log)
-        os.killpg(proc.pid, signal.SIGKILL)  # idle, 10-20 s before the window
-        proc.wait(10)
+        _planned(prefect, node, job_run_name("echo", "w", window), log)
+        _kill(proc)  # idle, 10-20 s before the window
         wait_for("20 s past the window", lambda: node.clock() >= window + timedelta(
             seconds=20), 90)
         proc = node.spawn(log)
         time.sleep(0.4)
-        os.killpg(proc.pid, signal.SIGKILL)  # during the reconcile at its start
-        proc.wait(10)
+        _kill(proc)  # during the reconcile at its start
         time.sleep(5)
         proc = node.spawn(log)
         name = job_run_name("echo", "w", window)
-        runs = wait_runs(prefect, node.name, [name], timeout=90)
-        wait_for("the outbox drained", lambda: not list(
-            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+        runs = _recorded(prefect, node, [name], log, timeout=90)
     finally:
         stop_group(proc)
     run = runs[name]
@@ -212,9 +220,7 @@ def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded
     log = tmp_path / "node.log"
     proc = node.spawn(log)
     try:
-        wait_for("the plan in Prefect", lambda: any(
-            run["name"] == job_run_name("echo", "quick", window)
-            for run in prefect.node_runs(node.name)), 30, log=log)
+        _planned(prefect, node, job_run_name("echo", "quick", window), log)
         server.stop(kill=True)
         wait_for("the quick job's end, offline", lambda: "done quick" in _outputs(
             node.state), 90, log=log)
@@ -223,15 +229,12 @@ def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded
         wait_for("the drain under way", lambda: any(
             (folder / "record.json").exists() for folder in (node.state / "outbox").iterdir()
             if folder.is_dir()), 60, log=log)
-        os.killpg(proc.pid, signal.SIGKILL)  # in mid-drain
-        proc.wait(10)
+        _kill(proc)  # in mid-drain
         time.sleep(5)
         proc = node.spawn(log)
         names = {sid: job_run_name("fail" if sid == "chatty" else "echo", sid, window)
                  for sid in ("quick", "long", "chatty")}
-        runs = wait_runs(prefect, node.name, list(names.values()), timeout=120)
-        wait_for("the outbox drained", lambda: not list(
-            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+        runs = _recorded(prefect, node, list(names.values()), log, timeout=120)
     finally:
         stop_group(proc)
     for sid, name in names.items():

@@ -34,11 +34,6 @@ def api(prefect_server: str) -> Iterator[PrefectApi]:
     client.close()
 
 
-@pytest.fixture
-def prefect(prefect_server: str) -> Iterator[Prefect]:
-    reader = Prefect(prefect_server)
-    yield reader
-    reader.close()
 
 
 class Clock:
