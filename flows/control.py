@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from flows.recorder import RECONCILE, RUN_JOB, Deployments
+from flows.registration import RECONCILE, RUN_JOB, Deployments
 from sched_core.model import format_go_time
 from sched_core.reconnect import Reconnecting
 

@@ -48,23 +48,22 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from flows.actions import job_environment, render_argv
-from flows.control import Control, ControllerWait, PrefectStream
+from flows.chain import NodeChain
+from flows.channel import NodeChannel
+from flows.control import Control
 from flows.firing import Decided, FiringLoop
 from flows.history import History
 from flows.identity import AGENT_TAG, JobRef
 from flows.jobs import Jobs, longest_run_s
 from flows.launcher import WarmKeepers
-from flows.node_report import Reporter, build_report, controller_url, pull_outcome
+from flows.node_report import Reporter, build_report
 from flows.outbox import (
-    COMPLETED,
     FAILED,
     KIND_JOB,
-    KIND_RECONCILE,
     SKIPPED,
     JobFolder,
     JobSpec,
@@ -73,14 +72,14 @@ from flows.outbox import (
     job_id_for,
     utc_text,
 )
-from flows.planner import Planner, PlanReport
-from flows.prefect_api import PrefectApi, PrefectUnavailable, api_settings
-from flows.recorder import Deployments, Recorder
+from flows.planner import Planner
+from flows.prefect_api import PrefectApi, api_settings
+from flows.reconcile import Reconciler
+from flows.recorder import Recorder
+from flows.registration import Deployments
 from flows.repolock import repo_lock
-from flows.reports import plan_lines, pull_lines
 from flows.settings import AgentSettings, load_settings
-from sched_core import Chain, Config, ConfigError, Fire, LocalSchedule, PullError, Scheduler, Spec
-from sched_core import Stage as ChainStage
+from sched_core import Config, ConfigError, Fire, LocalSchedule, Scheduler
 from sched_core.chain import FOLLOW_WINDOW
 from sched_core.firing import Due, NodeView
 from sched_core.matcher import window_key
@@ -94,16 +93,9 @@ from sched_core.plan import (
     stage_retry_allowed,
 )
 from sched_core.policies import row_zone
-from sched_core.pull import NOT_MODIFIED
 
 log = logging.getLogger("flows.node")
 
-CONTROL_RETRY_S = 5.0
-"""How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
-PLAN_RETRY_S = 30.0
-"""How soon a plan the Prefect server could not take is tried again."""
-FILE_WATCH_S = 2.0
-"""How often a node that pulls a file looks whether it changed."""
 STOP_GRACE_S = 10.0
 """How long the recorder and the reporter get to send what they hold when the node stops."""
 
@@ -152,7 +144,7 @@ class Node:
                          env_for=lambda spec: job_env(settings, spec),
                          on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
                          repo_lock=self._repo_lock, warm=self.keepers)
-        self.chain = Chain(self.scheduler, self._chain_spec())
+        self.chain = NodeChain(settings, self.scheduler, self.jobs, self.history, clock)
         # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
                                  guard=self._guard, fire=self._fire, skip=self._skip,
@@ -161,13 +153,11 @@ class Node:
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  heartbeat=self.heartbeat, done=self._reported,
-                                 covered=lambda: bool(self.wait and self.wait.connected.is_set()))
+                                 covered=lambda: self.channel.covered())
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
                                run_job=self._adhoc, reconcile=self._on_demand,
                                cancel=self._cancel, claimed=self._is_claimed)
-        self.wait: ControllerWait | None = None
-        self.stream: PrefectStream | None = None
-        self._control_wake = threading.Event()
+        self.channel = NodeChannel(self)
         self._stopping = threading.Event()
         self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
 
@@ -303,28 +293,9 @@ class Node:
         self.history.add(view, now=now)
         self.recorder.wake()
         self.reporter.poke()
-        if view.spec.kind != KIND_JOB or view.end_state == SKIPPED:
-            return
-        try:
-            fired = self.chain.on_job_complete(view.spec.action, now=now)
-        except Exception:
-            log.exception("the chain failed on the end of %s", view.spec.run_name)
-            return
-        note = self._chain_note(view, fired, now)
+        note = self.chain.on_end(view, now)
         if note:
             self.outbox.folder(view.spec.job_id).log(now, note)
-
-    def _chain_note(self, view: JobView, fired: list[str], now: datetime) -> str:
-        if fired:
-            return f"chain: fired stage(s) {', '.join(fired)}"
-        if view.spec.action not in self.settings.wave or self._wave_active():
-            return ""
-        first = self.settings.stages[0] if self.settings.stages else None
-        if first is None or first.after != "success" or self._wave_succeeded(now):
-            return ""
-        return (f"chain: the wave drained with no successful job since "
-                f"{utc_text(now - self.settings.wave_lookback)}: stage {first.name} not fired "
-                f"(after = \"success\"); a later successful wave job fires it today")
 
     def _may_rerun(self, spec: JobSpec) -> tuple[bool, str]:
         now = self._clock()
@@ -368,41 +339,6 @@ class Node:
             self.outbox.forget(folder)
 
     # -- the chain ----------------------------------------------------------------------
-
-    def _wave_active(self) -> bool:
-        return any(spec.action in self.settings.wave for spec, _ in self.jobs.active())
-
-    def _wave_succeeded(self, now: datetime) -> bool:
-        since = now - self.settings.wave_lookback
-        return any(item.succeeded for item in self.history.since(since,
-                                                                 actions=self.settings.wave))
-
-    def _chain_spec(self) -> Spec:
-        settings = self.settings
-
-        def stage(index: int) -> ChainStage:
-            spec = settings.stages[index]
-
-            def active() -> bool:
-                return any(job.action == spec.action for job, _ in self.jobs.active())
-
-            return ChainStage(name=spec.name, trigger_key=spec.key(),
-                              match=lambda row: row.schedule.on == spec.on
-                              and row.action == spec.action, active=active)
-
-        def wave_complete() -> bool:
-            if self._wave_active():
-                return False
-            now = self._clock()
-            first = settings.stages[0] if settings.stages else None
-            if first is not None and first.after == "success":
-                return self._wave_succeeded(now)
-            return bool(self.history.since(now - settings.wave_lookback, actions=settings.wave))
-
-        return Spec(stages=[stage(index) for index in range(len(settings.stages))],
-                    is_wave_job=lambda action: action in settings.wave,
-                    wave_complete=wave_complete, marker_path=settings.marker_path,
-                    timezone=settings.tz)
 
     def _stage_fire(self, fire: Fire) -> None:
         """The kit's fire callback: a chain stage's schedule becomes a job now."""
@@ -453,27 +389,6 @@ class Node:
     def _cancel(self, run_id: str, message: str) -> bool:
         return self.jobs.cancel(flow_run_id=run_id, message=message)
 
-    def wake_control(self) -> None:
-        """Ask Prefect now for ad hoc runs and cancels (a wake from the controller or Prefect)."""
-        self._control_wake.set()
-
-    def _control_main(self) -> None:
-        wait = self.settings.reconcile_interval.total_seconds()
-        while not self._stopping.is_set():
-            self._control_wake.wait(wait)
-            self._control_wake.clear()
-            if self._stopping.is_set():
-                return
-            wait = self.settings.reconcile_interval.total_seconds()
-            try:
-                self.control.check()
-            except PrefectUnavailable as exc:
-                log.info("no control check now (trying again in %g s): %s", CONTROL_RETRY_S,
-                         exc)
-                wait = CONTROL_RETRY_S
-            except Exception:
-                log.exception("the control check failed")
-
     # -- the report ---------------------------------------------------------------------
 
     def _report_facts(self, now: datetime) -> dict[str, Any]:
@@ -485,49 +400,6 @@ class Node:
                             counts=counts, jobs=[], heartbeat_s=self.heartbeat.total_seconds())
 
     # -- run ----------------------------------------------------------------------------
-
-    def start_channel(self) -> None:
-        """Open the node's one channel from the center (the controller's wait, else Prefect's).
-
-        A node that pulls a file watches it instead of a controller (a change is pulled
-        within :data:`FILE_WATCH_S`), and follows Prefect's events for its runs.
-        """
-        if self.settings.pull_url.startswith("file://"):
-            threading.Thread(target=self._watch_file, name="pull-file-watch",
-                             daemon=True).start()
-        url = controller_url(self.settings, "wait") if self.settings.listen else None
-        if url is not None:
-            self.wait = ControllerWait(
-                url, token=self.settings.bearer_token, etag=lambda: self.scheduler.cache().etag,
-                heartbeat=self.heartbeat, on_schedules=lambda: self.reconciler.poke("controller"),
-                on_prefect=self.wake_control, on_unsupported=self._stream).start()
-        elif self.settings.listen:
-            self._stream()
-
-    def _watch_file(self) -> None:
-        path = Path(urlsplit(self.settings.pull_url).path)
-
-        def stamp() -> tuple[int, int] | None:
-            try:
-                info = path.stat()
-            except OSError:
-                return None
-            return info.st_mtime_ns, info.st_size
-
-        seen = stamp()
-        while not self._stopping.wait(FILE_WATCH_S):
-            now = stamp()
-            if now != seen:
-                seen = now
-                log.info("the pull file changed: pulling now", extra={"node": self.node})
-                self.reconciler.poke("the pull file changed")
-
-    def _stream(self) -> None:
-        self.stream = PrefectStream(
-            node=self.node, api_url=self.api.settings.url,
-            deployment_ids=lambda: list(self.deployments.get().values()),
-            on_schedules=lambda: self.reconciler.poke("event"),
-            on_prefect=self.wake_control).start()
 
     def stop(self) -> None:
         """Ask the node to stop (from a signal handler or another thread)."""
@@ -543,8 +415,7 @@ class Node:
         self.recorder.start()
         self.reporter.start()
         self.reconciler.start()
-        self.start_channel()
-        threading.Thread(target=self._control_main, name="control", daemon=True).start()
+        self.channel.start()
         try:
             self.firing.run(stop)
         finally:
@@ -553,12 +424,8 @@ class Node:
     def shutdown(self) -> None:
         """Stop every part; running jobs go on in their keepers (the next start follows them)."""
         self._stopping.set()
-        self._control_wake.set()
+        self.channel.stop()
         self.reconciler.stop()
-        if self.wait is not None:
-            self.wait.stop()
-        if self.stream is not None:
-            self.stream.stop()
         self.jobs.stop()
         self.keepers.close()
         deadline = time.monotonic() + STOP_GRACE_S
@@ -574,177 +441,6 @@ class Node:
         self.api.close()
         if self._pull_client is not None:
             self._pull_client.close()
-
-
-class Reconciler:
-    """Pull and plan: every ``reconcile_interval``, when woken, on demand (a thread)."""
-
-    def __init__(self, node: Node) -> None:
-        self.n = node
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._reasons: list[tuple[str, str | None]] = [("start", None)]
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self.runs = 0
-        self.recorded = 0
-        self.plan_pending = False
-        """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
-
-    def start(self) -> Reconciler:
-        """Start the thread (once): it reconciles at once."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="reconcile", daemon=True)
-            self._thread.start()
-            self._wake.set()
-        return self
-
-    def poke(self, reason: str, run_id: str | None = None) -> None:
-        """Reconcile now (a change announced, an operator's Run)."""
-        with self._lock:
-            self._reasons.append((reason, run_id))
-        self._wake.set()
-
-    def stop(self) -> None:
-        """Stop the thread after the reconcile in progress."""
-        self._stop.set()
-        self._wake.set()
-
-    def _main(self) -> None:
-        interval = self.n.settings.reconcile_interval.total_seconds()
-        while not self._stop.is_set():
-            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending else interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            with self._lock:
-                reasons, self._reasons = self._reasons, []
-            try:
-                if not woken and self.plan_pending:
-                    self.replan()
-                else:
-                    self.reconcile(reasons or [("interval", None)])
-            except Exception:
-                log.exception("the reconcile failed; the next one tries again")
-
-    def replan(self) -> None:
-        """Plan again after a plan the Prefect server could not take (no pull)."""
-        now = self.n._clock()
-        try:
-            report = self.n.planner.plan(self.n.view(now), now=now)
-            self.n.control.check()
-        except PrefectUnavailable:
-            return
-        self.plan_pending = bool(report.failed)
-        if self.plan_pending:
-            return
-        log.info("the plan reached Prefect", extra={"node": self.n.node})
-
-    def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
-        """Pull, plan and record what changed (the module's Reconciler)."""
-        n = self.n
-        self.runs += 1
-        now = n._clock()
-        result, error = self._pull(now)
-        n._last_pull = pull_outcome(now, ok=error is None, error=error,
-                                    status=None if result is None
-                                    else "304" if result is NOT_MODIFIED else "200")
-        n.firing.wake()
-        view = n.view(now)
-        report: PlanReport | None = None
-        plan_error: str | None = None
-        try:
-            report = n.planner.plan(view, now=now)
-            n.control.check()
-            self.plan_pending = bool(report.failed)
-        except PrefectUnavailable as exc:
-            plan_error = str(exc)
-            self.plan_pending = True
-        if report is not None:
-            log.info("planned %d windows: %d runs created, %d deleted, %d moved, %d failed%s",
-                     report.planned, len(report.created), len(report.deleted), len(report.moved),
-                     len(report.failed),
-                     f" (first: {report.failed[0][0]}: {report.failed[0][1]})"
-                     if report.failed else "", extra={"node": n.node})
-        changed = result is not None and (result.changed_anything or bool(result.rejected))
-        on_demand = [run_id for _, run_id in reasons if run_id]
-        first = any(reason == "start" for reason, _ in reasons)
-        if changed or on_demand or first or error or (report and (report.deleted
-                                                                   or report.moved)):
-            self._record(now, result, error, report, plan_error, on_demand, reasons)
-        n.reporter.poke()
-
-    def _pull(self, now: datetime) -> tuple[Any, str | None]:
-        settings = self.n.settings
-        delay = settings.pull_retry_delay.total_seconds()
-        error: str | None = None
-        for attempt in range(settings.pull_retries + 1):
-            if attempt:
-                if self._stop.wait(delay * 2 ** (attempt - 1)):
-                    break
-            try:
-                return self.n.scheduler.pull(self.n._clock()), None
-            except PullError as exc:
-                error = str(exc)
-        return None, error
-
-    def _record(self, now: datetime, result: Any, error: str | None,
-                report: PlanReport | None, plan_error: str | None, on_demand: list[str],
-                reasons: list[tuple[str, str | None]]) -> None:
-        n = self.n
-        settings = n.settings
-        cache = n.scheduler.cache()
-        names = {row.id: row.name for row in cache.schedules}
-        markdown = "\n".join([
-            f"### Reconcile on {n.node} at {utc_text(now)}", "",
-            f"why: {', '.join(reason for reason, _ in reasons)}", "",
-            *pull_lines(result, error, names),
-            *plan_lines(report, cache.schedules, now=now, tz=settings.tz, node=n.node,
-                        last_fired=cache.last_fired_at, plan_error=plan_error),
-        ])
-        runs: list[str | None] = [*on_demand] or [None]
-        for run_id in runs:
-            stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
-            key = f"reconcile@{stamp}"
-            spec = JobSpec(
-                job_id=job_id_for(now, f"{n.node}:{key}:{run_id}"), kind=KIND_RECONCILE,
-                node=n.node, schedule_id="", action="reconcile", trigger_key="reconcile",
-                window=None, key=key, run_name=f"reconcile-{now.strftime('%Y%m%dT%H%MZ')}",
-                idempotency_key=None if run_id else f"{n.node}:{key}", flow_run_id=run_id,
-                planned_start=None, accepted_at=now, reason=", ".join(r for r, _ in reasons),
-                tags=[AGENT_TAG, f"node:{n.node}"])
-            folder = n.outbox.create(spec)
-            (folder.path / "artifact.md").write_text(markdown, encoding="utf-8")
-            events = []
-            if result is not None and (result.changed_anything or result.rejected):
-                events.append(_changed_event(n.node, result, now))
-            folder.write_json("events.json", {"events": events})
-            summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
-                       + (f"{report.planned} windows, {len(report.created)} created, "
-                          f"{len(report.deleted)} deleted" if report else f"not updated "
-                                                                           f"({plan_error})"))
-            folder.log(now, summary)
-            folder.append({"e": "end", "at": utc_text(now),
-                           "state": FAILED if error else COMPLETED, "message": summary,
-                           "error": error})
-            self.recorded += 1
-        n.recorder.wake()
-
-
-def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:
-    import uuid
-
-    return {
-        "id": str(uuid.uuid4()), "occurred": utc_text(now), "event": "sched.schedules.changed",
-        "resource": {"prefect.resource.id": f"sched.agent.{node}",
-                     "prefect.resource.name": node},
-        "payload": {"node": node, "added": len(result.added), "removed": len(result.removed),
-                    "changed": len(result.changed), "rejected": len(result.rejected),
-                    "added_ids": result.added, "removed_ids": result.removed,
-                    "changed_ids": result.changed,
-                    "rejected_ids": [{"id": rid, "reason": reason}
-                                     for rid, reason in result.rejected]},
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 
 from flows.identity import JobRef
 from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from flows.recorder import RUN_JOB, Deployments
+from flows.registration import RUN_JOB, Deployments
 from sched_core.firing import NodeView
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.model import format_go_time

@@ -34,9 +34,7 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -47,25 +45,17 @@ from flows.outbox import (
     FAILED,
     KIND_RECONCILE,
     SKIPPED,
-    Attempt,
     JobFolder,
     JobView,
     Outbox,
     utc_text,
 )
 from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable, state_body
-from sched_core import SchedError
-from sched_core.model import format_go_time
+from flows.records import job_event, job_markdown
+from flows.registration import RECONCILE, RUN_JOB, Deployments
 
 log = logging.getLogger(__name__)
 
-RUN_JOB = "run-job"
-RECONCILE = "reconcile"
-EVENT_JOB_COMPLETED = "sched.job.completed"
-EVENT_JOB_FAILED = "sched.job.failed"
-JOB_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
-"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
-ACTION_ROLE = "sched-action"
 
 LOG_BATCH = 500
 """Log lines per request."""
@@ -76,143 +66,6 @@ BACKOFF_MAX_S = 30.0
 TRIM_EVERY_S = 60.0
 IDLE_WAIT_S = 30.0
 """How long the recorder sleeps with nothing to send (a new job wakes it at once)."""
-
-JOB_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "title": "Parameters",
-    "properties": {
-        "schedule_id": {"type": "string", "title": "schedule_id", "position": 0,
-                        "description": "The node's cached schedule to run now."},
-    },
-    "required": ["schedule_id"],
-}
-LEGACY_AUTOMATIONS = frozenset({
-    "sched-agent: crash runs whose heartbeats stopped",
-    "sched-agent: crash runs stuck in Pending",
-})
-"""What the runner-driven agent (before the node fired its windows itself) installed."""
-RECONCILE_PARAMETERS: dict[str, Any] = {"type": "object", "title": "Parameters",
-                                        "properties": {}}
-
-
-def action_related(action: str) -> list[dict[str, str]]:
-    """Return the related resource naming a job's action (what the fleet's alerts match)."""
-    if not action:
-        return []
-    return [{"prefect.resource.id": f"sched.action.{action}",
-             "prefect.resource.role": ACTION_ROLE, "prefect.resource.name": action}]
-
-
-@dataclass
-class Deployments:
-    """The node's two deployments in Prefect, registered once per process (lazily)."""
-
-    api: PrefectApi
-    node: str
-    tags: list[str]
-    ids: dict[str, str] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def get(self) -> dict[str, str]:
-        """Return ``{"run-job": id, "reconcile": id}``, registering them on first use."""
-        with self._lock:
-            return self._get()
-
-    def _get(self) -> dict[str, str]:
-        if self.ids is None:
-            ids: dict[str, str] = {}
-            for flow, description, schema in (
-                (RUN_JOB, "One job of one schedule, fired by the node at its window (the node "
-                          "records it here; a Run here runs the schedule now).", JOB_PARAMETERS),
-                (RECONCILE, "The node's pull of its schedule list and its plan (recorded when "
-                            "something changed; a Run here reconciles now).",
-                 RECONCILE_PARAMETERS),
-            ):
-                flow_id = self.api.ensure_flow(flow)
-                ids[flow] = self.api.ensure_deployment(
-                    flow_id, self.node, tags=self.tags, description=description,
-                    parameter_openapi_schema=schema, enforce_parameter_schema=False,
-                    entrypoint=f"flows/node.py:{flow.replace('-', '_')}", paused=False,
-                    schedules=[],
-                )
-            self.ids = ids
-            log.info("registered the node's deployments %s/%s and %s/%s", RUN_JOB, self.node,
-                     RECONCILE, self.node, extra={"node": self.node})
-            self._remove_legacy_automations()
-        return self.ids
-
-    def _remove_legacy_automations(self) -> None:
-        """Delete the automations the runner-driven agent made (they would crash the runs the
-        node records: those send no heartbeats). Best effort."""
-        try:
-            found = self.api.call("POST", "/automations/filter", json={"limit": 200}).json()
-            for automation in found:
-                if automation.get("name") in LEGACY_AUTOMATIONS:
-                    self.api.call("DELETE", f"/automations/{automation['id']}")
-                    log.warning("deleted the old agent's automation %r: the node records its "
-                                "runs itself, with no heartbeats", automation.get("name"),
-                                extra={"node": self.node})
-        except SchedError as exc:
-            log.info("could not look for the old agent's automations: %s", exc)
-
-    def forget(self) -> None:
-        """Register again at the next use (a deployment was deleted on the server)."""
-        self.ids = None
-
-
-def job_event(node: str, payload: dict[str, Any], *, completed: bool,
-              occurred: datetime) -> dict[str, Any]:
-    """Return a job's one ``sched.job.completed`` or ``sched.job.failed`` event (pure).
-
-    Its id is derived from the run's (``payload["flow_run_id"]``), so however many
-    times it is sent the server keeps one; the action is also a related resource
-    (:func:`action_related`), which the fleet's alerts match.
-    """
-    run = str(payload["flow_run_id"])
-    action = str(payload.get("action") or "")
-    return {
-        "id": str(uuid.uuid5(JOB_EVENT_NAMESPACE, run)),
-        "occurred": format_go_time(occurred),
-        "event": EVENT_JOB_COMPLETED if completed else EVENT_JOB_FAILED,
-        "resource": {"prefect.resource.id": f"sched.agent.{node}",
-                     "prefect.resource.name": node},
-        "related": [{"prefect.resource.id": f"prefect.flow-run.{run}",
-                     "prefect.resource.role": "flow-run",
-                     "prefect.resource.name": str(payload.get("flow_run_name") or "")},
-                    *action_related(action)],
-        "payload": payload,
-    }
-
-
-def job_markdown(view: JobView, node: str) -> str:
-    """Return a job's artifact: outcome, tries with real times and exit codes, identity."""
-    spec = view.spec
-    outcome = (view.end_state or "running").lower()
-    if view.message:
-        outcome += f": {view.message}"
-    lines = [f"### {spec.action} of `{spec.schedule_id}` on {node}: {outcome}", ""]
-    if view.attempts:
-        lines += ["| try | started (UTC) | ended (UTC) | exit code | timed out | output lines |",
-                  "|---|---|---|---|---|---|"]
-        for attempt in view.attempts:
-            lines.append(_attempt_row(attempt))
-        lines.append("")
-    if spec.argv:
-        lines.append(f"argv: `{' '.join(spec.argv)}`  ")
-    window = spec.window.isoformat() if spec.window else "none"
-    lines.append(f"window: {window}; trigger: {spec.trigger_key}; key: `{spec.key}`  ")
-    lines.append(f"accepted by the node at {utc_text(spec.accepted_at)}: {spec.reason}")
-    return "\n".join(lines)
-
-
-def _attempt_row(attempt: Attempt) -> str:
-    exit_info = attempt.exit or {}
-    started = utc_text(attempt.started_at) if attempt.started_at else "-"
-    ended = utc_text(attempt.ended_at) if attempt.ended_at else "-"
-    code = exit_info.get("exit_code", "-") if not attempt.interrupted else "interrupted"
-    return (f"| {attempt.number} | {started} | {ended} | {code} | "
-            f"{bool(exit_info.get('timed_out'))} | {exit_info.get('lines', '-')} |")
-
 
 def read_lines(folder: JobFolder, name: str, start: int,
                limit: int = LOG_BATCH) -> tuple[list[dict[str, Any]], int]:

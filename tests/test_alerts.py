@@ -28,7 +28,7 @@ from sched_cli import app as sched
 def emit_job_event(node: str, payload: dict[str, Any], *, completed: bool) -> None:
     """Send a job's event as the node's recorder sends it (its format, through the REST API)."""
     from flows.prefect_api import PrefectApi, api_settings
-    from flows.recorder import job_event
+    from flows.records import job_event
 
     api = PrefectApi(api_settings())
     try:

@@ -25,7 +25,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from flows.prefect_api import state_body
-from flows.recorder import job_event
+from flows.records import job_event
 from sched_core.model import LocalSchedule
 from sched_core.plan import decide_start
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, row
@@ -59,7 +59,7 @@ def test_a_runs_parameters_never_move_the_nodes_clock(
         wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
             "run-job", node.name) is not None, 30)
         wait_for("the node's event stream", lambda: bool(
-            started.stream and started.stream.connected.is_set()), 30)
+            started.channel.stream and started.channel.stream.connected.is_set()), 30)
         before = _cache(node)
         deployment = prefect.api.deployment_by_name("run-job", node.name)
         assert deployment is not None
@@ -121,7 +121,7 @@ def test_a_flood_of_change_events_is_a_pull_or_two_and_no_reconcile_run(
     started = node.start()
     try:
         wait_for("the node's event stream", lambda: bool(
-            started.stream and started.stream.connected.is_set()), 30)
+            started.channel.stream and started.channel.stream.connected.is_set()), 30)
         wait_for("the start's reconcile recorded", lambda: any(
             run["name"].startswith("reconcile-") and final(run)
             for run in prefect.runs(tags={"all_": [f"node:{node.name}"]})), 30)

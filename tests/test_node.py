@@ -168,7 +168,8 @@ def test_an_ad_hoc_run_starts_within_seconds_and_a_cancel_stops_its_command(
             "run-job", node.name) is not None, 30)
         assert node.node is not None
         wait_for("the node's event stream", lambda: bool(
-            node.node and node.node.stream and node.node.stream.connected.is_set()), 30)
+            node.node and node.node.channel.stream
+            and node.node.channel.stream.connected.is_set()), 30)
         asked = time.monotonic()
         quick = _create_run(prefect, "run-job", node.name, {"schedule_id": "q-1"})
         wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(quick)), 30)
@@ -215,7 +216,8 @@ def test_a_reconcile_run_from_prefect_reconciles_and_is_recorded_into_that_run(
     node.start()
     try:
         wait_for("the node's event stream", lambda: bool(
-            node.node and node.node.stream and node.node.stream.connected.is_set()), 30)
+            node.node and node.node.channel.stream
+            and node.node.channel.stream.connected.is_set()), 30)
         node.write_rows([row("r-1", every=None, minute="7", hours=["3"]),
                          row("r-2", every=None, minute="9", hours=["3"])])
         run_id = _create_run(prefect, "reconcile", node.name, {})

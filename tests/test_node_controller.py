@@ -132,8 +132,9 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
     prefect = Prefect(prefect_server)
     started = node.start()
     try:
-        wait_for("the node's wait", lambda: bool(started.wait and started.wait.answers
-                                                 and started.wait.connected.is_set()), 30)
+        channel = started.channel
+        wait_for("the node's wait", lambda: bool(channel.wait and channel.wait.answers
+                                                 and channel.wait.connected.is_set()), 30)
         wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
             "run-job", center.node) is not None, 30)
         deployment = prefect.api.deployment_by_name("run-job", center.node)
@@ -144,7 +145,7 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
         wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(str(run["id"]))),
                  30)
         took = time.monotonic() - asked
-        assert started.stream is None, "the node holds no Prefect event stream of its own"
+        assert started.channel.stream is None, "the node holds no Prefect event stream of its own"
         center.put(row("q-2", every=None, minute="9", hours=["3"]))
         wait_for("the new row in the node's cache", lambda: any(
             item.id == "q-2" for item in started.scheduler.schedules()), 10)

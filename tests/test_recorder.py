@@ -18,7 +18,8 @@ import pytest
 from flows.identity import JobRef
 from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
 from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
-from flows.recorder import Deployments, Recorder
+from flows.recorder import Recorder
+from flows.registration import Deployments
 from tests.nodekit import Prefect
 from tests.procs import free_port
 

@@ -1,0 +1,120 @@
+"""The node's one connection to the center, and the control checks it wakes (a thread).
+
+Which connection (rule of :mod:`flows.control`): the controller's long poll when the
+node pulls from a controller, else one websocket on Prefect's event stream; a node
+that pulls a file also watches it (a change is pulled within :data:`FILE_WATCH_S`).
+A wake asks Prefect once for the node's ad hoc runs and cancels
+(:meth:`flows.control.Control.check`); a check that finds Prefect away is tried
+again after :data:`CONTROL_RETRY_S`, and one runs every ``reconcile_interval`` anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from flows.control import ControllerWait, PrefectStream
+from flows.node_report import controller_url
+from flows.prefect_api import PrefectUnavailable
+
+if TYPE_CHECKING:
+    from flows.node import Node
+
+log = logging.getLogger("flows.node")
+
+CONTROL_RETRY_S = 5.0
+"""How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
+FILE_WATCH_S = 2.0
+"""How often a node that pulls a file looks whether it changed."""
+
+
+class NodeChannel:
+    """The node's channel from the center (the module's rules)."""
+
+    def __init__(self, node: Node) -> None:
+        self.n = node
+        self.wait: ControllerWait | None = None
+        self.stream: PrefectStream | None = None
+        self._control_wake = threading.Event()
+        self._stopping = threading.Event()
+
+    def covered(self) -> bool:
+        """Return whether the controller's long poll is open (it is the node's heartbeat)."""
+        return bool(self.wait and self.wait.connected.is_set())
+
+    def start(self) -> None:
+        """Open the channel, watch a pull file, and start the control checks."""
+        n = self.n
+        if n.settings.pull_url.startswith("file://"):
+            threading.Thread(target=self._watch_file, name="pull-file-watch",
+                             daemon=True).start()
+        url = controller_url(n.settings, "wait") if n.settings.listen else None
+        if url is not None:
+            self.wait = ControllerWait(
+                url, token=n.settings.bearer_token, etag=lambda: n.scheduler.cache().etag,
+                heartbeat=n.heartbeat, on_schedules=lambda: n.reconciler.poke("controller"),
+                on_prefect=self.wake_control, on_unsupported=self._stream).start()
+        elif n.settings.listen:
+            self._stream()
+        threading.Thread(target=self._control_main, name="control", daemon=True).start()
+
+    def stop(self) -> None:
+        """Close the channel and stop the control checks."""
+        self._stopping.set()
+        self._control_wake.set()
+        if self.wait is not None:
+            self.wait.stop()
+        if self.stream is not None:
+            self.stream.stop()
+
+    def _watch_file(self) -> None:
+        n = self.n
+        path = Path(urlsplit(n.settings.pull_url).path)
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                info = path.stat()
+            except OSError:
+                return None
+            return info.st_mtime_ns, info.st_size
+
+        seen = stamp()
+        while not self._stopping.wait(FILE_WATCH_S):
+            now = stamp()
+            if now != seen:
+                seen = now
+                log.info("the pull file changed: pulling now", extra={"node": n.node})
+                n.reconciler.poke("the pull file changed")
+
+    def _stream(self) -> None:
+        n = self.n
+        self.stream = PrefectStream(
+            node=n.node, api_url=n.api.settings.url,
+            deployment_ids=lambda: list(n.deployments.get().values()),
+            on_schedules=lambda: n.reconciler.poke("event"),
+            on_prefect=self.wake_control).start()
+
+    def wake_control(self) -> None:
+        """Ask Prefect now for ad hoc runs and cancels (a wake from the controller or Prefect)."""
+        self._control_wake.set()
+
+    def _control_main(self) -> None:
+        interval = self.n.settings.reconcile_interval.total_seconds()
+        wait = interval
+        while not self._stopping.is_set():
+            self._control_wake.wait(wait)
+            self._control_wake.clear()
+            if self._stopping.is_set():
+                return
+            wait = interval
+            try:
+                self.n.control.check()
+            except PrefectUnavailable as exc:
+                log.info("no control check now (trying again in %g s): %s", CONTROL_RETRY_S,
+                         exc)
+                wait = CONTROL_RETRY_S
+            except Exception:
+                log.exception("the control check failed")

@@ -1,0 +1,205 @@
+"""The node's reconcile: pull the schedule list, plan, and record what changed (a thread).
+
+Every ``reconcile_interval``, when woken (the controller's long poll, the pull file, a
+Prefect event) and on demand (a Run of ``reconcile/<node>``): pull with retries and
+exponential backoff (a pull that still fails changes nothing: the last good list keeps
+firing); wake the firing loop; plan (:mod:`flows.planner`) and look for ad hoc runs
+(:mod:`flows.control`); record a ``reconcile/<node>`` run when the list or the plan
+changed, at the node's start, when the pull failed, or into the run that asked for it.
+A reconcile that changed nothing records nothing (an idle node's only cost). A plan the
+Prefect server could not take is made again every :data:`PLAN_RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from flows.identity import AGENT_TAG
+from flows.node_report import pull_outcome
+from flows.outbox import COMPLETED, FAILED, KIND_RECONCILE, JobSpec, job_id_for, utc_text
+from flows.planner import PlanReport
+from flows.prefect_api import PrefectUnavailable
+from flows.reports import plan_lines, pull_lines
+from sched_core import PullError
+from sched_core.pull import NOT_MODIFIED
+
+if TYPE_CHECKING:
+    from flows.node import Node
+
+log = logging.getLogger("flows.node")
+
+PLAN_RETRY_S = 30.0
+"""How soon a plan the Prefect server could not take is tried again."""
+
+
+class Reconciler:
+    """Pull and plan: every ``reconcile_interval``, when woken, on demand (a thread)."""
+
+    def __init__(self, node: Node) -> None:
+        self.n = node
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._reasons: list[tuple[str, str | None]] = [("start", None)]
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.runs = 0
+        self.recorded = 0
+        self.plan_pending = False
+        """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
+
+    def start(self) -> Reconciler:
+        """Start the thread (once): it reconciles at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="reconcile", daemon=True)
+            self._thread.start()
+            self._wake.set()
+        return self
+
+    def poke(self, reason: str, run_id: str | None = None) -> None:
+        """Reconcile now (a change announced, an operator's Run)."""
+        with self._lock:
+            self._reasons.append((reason, run_id))
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop the thread after the reconcile in progress."""
+        self._stop.set()
+        self._wake.set()
+
+    def _main(self) -> None:
+        interval = self.n.settings.reconcile_interval.total_seconds()
+        while not self._stop.is_set():
+            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending else interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                reasons, self._reasons = self._reasons, []
+            try:
+                if not woken and self.plan_pending:
+                    self.replan()
+                else:
+                    self.reconcile(reasons or [("interval", None)])
+            except Exception:
+                log.exception("the reconcile failed; the next one tries again")
+
+    def replan(self) -> None:
+        """Plan again after a plan the Prefect server could not take (no pull)."""
+        now = self.n._clock()
+        try:
+            report = self.n.planner.plan(self.n.view(now), now=now)
+            self.n.control.check()
+        except PrefectUnavailable:
+            return
+        self.plan_pending = bool(report.failed)
+        if self.plan_pending:
+            return
+        log.info("the plan reached Prefect", extra={"node": self.n.node})
+
+    def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
+        """Pull, plan and record what changed (the module's Reconciler)."""
+        n = self.n
+        self.runs += 1
+        now = n._clock()
+        result, error = self._pull(now)
+        n._last_pull = pull_outcome(now, ok=error is None, error=error,
+                                    status=None if result is None
+                                    else "304" if result is NOT_MODIFIED else "200")
+        n.firing.wake()
+        view = n.view(now)
+        report: PlanReport | None = None
+        plan_error: str | None = None
+        try:
+            report = n.planner.plan(view, now=now)
+            n.control.check()
+            self.plan_pending = bool(report.failed)
+        except PrefectUnavailable as exc:
+            plan_error = str(exc)
+            self.plan_pending = True
+        if report is not None:
+            log.info("planned %d windows: %d runs created, %d deleted, %d moved, %d failed%s",
+                     report.planned, len(report.created), len(report.deleted), len(report.moved),
+                     len(report.failed),
+                     f" (first: {report.failed[0][0]}: {report.failed[0][1]})"
+                     if report.failed else "", extra={"node": n.node})
+        changed = result is not None and (result.changed_anything or bool(result.rejected))
+        on_demand = [run_id for _, run_id in reasons if run_id]
+        first = any(reason == "start" for reason, _ in reasons)
+        if changed or on_demand or first or error or (report and (report.deleted
+                                                                   or report.moved)):
+            self._record(now, result, error, report, plan_error, on_demand, reasons)
+        n.reporter.poke()
+
+    def _pull(self, now: datetime) -> tuple[Any, str | None]:
+        settings = self.n.settings
+        delay = settings.pull_retry_delay.total_seconds()
+        error: str | None = None
+        for attempt in range(settings.pull_retries + 1):
+            if attempt:
+                if self._stop.wait(delay * 2 ** (attempt - 1)):
+                    break
+            try:
+                return self.n.scheduler.pull(self.n._clock()), None
+            except PullError as exc:
+                error = str(exc)
+        return None, error
+
+    def _record(self, now: datetime, result: Any, error: str | None,
+                report: PlanReport | None, plan_error: str | None, on_demand: list[str],
+                reasons: list[tuple[str, str | None]]) -> None:
+        n = self.n
+        settings = n.settings
+        cache = n.scheduler.cache()
+        names = {row.id: row.name for row in cache.schedules}
+        markdown = "\n".join([
+            f"### Reconcile on {n.node} at {utc_text(now)}", "",
+            f"why: {', '.join(reason for reason, _ in reasons)}", "",
+            *pull_lines(result, error, names),
+            *plan_lines(report, cache.schedules, now=now, tz=settings.tz, node=n.node,
+                        last_fired=cache.last_fired_at, plan_error=plan_error),
+        ])
+        runs: list[str | None] = [*on_demand] or [None]
+        for run_id in runs:
+            stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
+            key = f"reconcile@{stamp}"
+            spec = JobSpec(
+                job_id=job_id_for(now, f"{n.node}:{key}:{run_id}"), kind=KIND_RECONCILE,
+                node=n.node, schedule_id="", action="reconcile", trigger_key="reconcile",
+                window=None, key=key, run_name=f"reconcile-{now.strftime('%Y%m%dT%H%MZ')}",
+                idempotency_key=None if run_id else f"{n.node}:{key}", flow_run_id=run_id,
+                planned_start=None, accepted_at=now, reason=", ".join(r for r, _ in reasons),
+                tags=[AGENT_TAG, f"node:{n.node}"])
+            folder = n.outbox.create(spec)
+            (folder.path / "artifact.md").write_text(markdown, encoding="utf-8")
+            events = []
+            if result is not None and (result.changed_anything or result.rejected):
+                events.append(_changed_event(n.node, result, now))
+            folder.write_json("events.json", {"events": events})
+            summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
+                       + (f"{report.planned} windows, {len(report.created)} created, "
+                          f"{len(report.deleted)} deleted" if report else f"not updated "
+                                                                           f"({plan_error})"))
+            folder.log(now, summary)
+            folder.append({"e": "end", "at": utc_text(now),
+                           "state": FAILED if error else COMPLETED, "message": summary,
+                           "error": error})
+            self.recorded += 1
+        n.recorder.wake()
+
+
+def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:
+    return {
+        "id": str(uuid.uuid4()), "occurred": utc_text(now), "event": "sched.schedules.changed",
+        "resource": {"prefect.resource.id": f"sched.agent.{node}",
+                     "prefect.resource.name": node},
+        "payload": {"node": node, "added": len(result.added), "removed": len(result.removed),
+                    "changed": len(result.changed), "rejected": len(result.rejected),
+                    "added_ids": result.added, "removed_ids": result.removed,
+                    "changed_ids": result.changed,
+                    "rejected_ids": [{"id": rid, "reason": reason}
+                                     for rid, reason in result.rejected]},
+    }
