@@ -255,12 +255,18 @@ class Reporter:
             pending = self._pending()
             body = self._facts(self._clock())
             body["jobs"] = [record for _, record in pending]
-            ok = self._post(body)
+            status = self._post(body)
+            if status == 422 and pending:
+                # The controller refused something in the job records: the rest of the
+                # report (the node's heartbeat, its schedules) still goes; the records wait
+                # for the next report instead of holding every report back.
+                pending = []
+                status = self._post({**body, "jobs": []})
         except Exception as exc:
             log.warning("could not build the node report (tried again later)",
                         extra={"node": self.settings.node_name, "error": repr(exc)[:300]})
             return False
-        if not ok:
+        if status != 204:
             self.failures += 1
             return False
         self.sent += 1
@@ -272,7 +278,8 @@ class Reporter:
                 self._done(item.folder)
         return True
 
-    def _post(self, body: dict[str, Any]) -> bool:
+    def _post(self, body: dict[str, Any]) -> int | None:
+        """POST the report; return the answer's status (None: no answer)."""
         assert self.url is not None
         node = self.settings.node_name
         try:
@@ -284,13 +291,13 @@ class Reporter:
         except Exception as exc:
             log.warning("could not send the node report (sent again later)",
                         extra={"node": node, "report_url": self.url, "error": repr(exc)[:300]})
-            return False
+            return None
         if response.status_code != 204:
-            log.warning("the controller refused the node report",
+            log.warning("the controller refused the node report (%d): %s",
+                        response.status_code, response.text[:300],
                         extra={"node": node, "report_url": self.url,
-                               "status": response.status_code, "answer": response.text[:500]})
-            return False
-        return True
+                               "status": response.status_code})
+        return response.status_code
 
 
 def pull_outcome(
