@@ -84,7 +84,7 @@ def test_put_from_a_file_then_from_flags_stores_the_row(base: str, tmp_path: Pat
     # The controller's word on propagation, whole: this node never pulled, no Prefect API.
     (said,) = [x for x in result.output.splitlines() if x.startswith("next window ")]
     assert "the node is NOT likely to have it by then (change event not sent)" in said
-    assert "never pulled" in said and "PREFECT_API_URL" in said and "…" not in said
+    assert "never made a request" in said and "PREFECT_API_URL" in said and "…" not in said
     stored = httpx.get(f"{base}/api/nodes/node-a/schedules/s-1",
                        headers={"authorization": f"Bearer {ADMIN}"}).json()
     assert stored["schedule"] == ROW["schedule"] and stored["params"] == {"threads": 4}

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import fleet, nodes, schedules
+from controller import fleet, jobs, ledger, morning, nodes, schedules
 from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
 from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
@@ -89,9 +89,13 @@ class FleetApi:
         self.recorder = recorder
         self.clock = clock
 
-    def record_pull(self, node: str, status: int, etag: str) -> None:
-        """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted)."""
-        if self.recorder is not None:
+    def record_pull(self, node: str, status: int, etag: str, *, own: bool = True) -> None:
+        """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
+
+        Only the node's own pulls are recorded (``own``: made with its token): an
+        admin reading a node's list says nothing about the node.
+        """
+        if self.recorder is not None and own:
             self.recorder.record(node, str(status), etag.removeprefix("W/").strip('"'))
 
     def flush_pulls(self) -> None:
@@ -111,16 +115,19 @@ class FleetApi:
         announced = self.announce(node, stored.id, stored.version, op)
         now = self.clock()
 
-        def facts(session: Session) -> tuple[nodes.Pull | None, nodes.StoredReport | None]:
+        def facts(session: Session) -> tuple[nodes.Pull | None, nodes.StoredReport | None,
+                                             nodes.Seen | None]:
             return (nodes.latest_pulls(session, node).get(node),
-                    nodes.latest_reports(session, node).get(node))
+                    nodes.latest_reports(session, node).get(node),
+                    nodes.latest_seen(session, node).get(node))
 
         self.flush_pulls()
-        pull, report = self.in_session(facts)
+        pull, report, seen = self.in_session(facts)
         tz = fleet.node_zone(report, self.settings)
         spread = fleet.propagation(
             stored, node=node, tz=tz, now=now, pull=pull, announced=announced,
             settings=self.settings, last_fired=fleet.last_fires(report).get(stored.id),
+            seen=seen,
         )
         # The row's bytes as GET serves them (the Go kit's JSON), then the one extra key.
         row = stored.model_dump_json()
@@ -174,7 +181,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         openapi_extra=json_body(nodes.NodeReportIn, "What the node's agent says about itself."),
     )
     async def post_report(request: Request, node: str) -> Response:
-        auth.require_node(request, node)
+        principal = auth.require_node(request, node)
         check_name(("path", "node"), node, storing=True)
         data = await read_object(request, "node", node)
         try:
@@ -182,12 +189,15 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         except ValidationError as exc:
             raise InvalidInput(_body_errors(exc)) from None
         received = api.clock()
-        await run_in_threadpool(in_session, lambda s: nodes.record_report(
+        own = auth.is_own(principal, node)
+        changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
-            keep=api.settings.report_history))
+            keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
+            jobs=report.jobs, job_keep=api.settings.job_keep))
         log.info("node report", extra={"node": printable(node),
                                        "agent_version": report.agent_version,
-                                       "failing": report.failing})
+                                       "failing": report.failing, "own": own,
+                                       "jobs": len(report.jobs), "jobs_changed": changed})
         return Response(status_code=204)
 
     def status_rows(session: Session, only: str | None) -> dict[str, Any]:
@@ -195,14 +205,18 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         pulls = nodes.latest_pulls(session, only)
         reports = nodes.latest_reports(session, only)
         versions = nodes.list_versions(session, only)
-        names = set(pulls) | set(reports) | set(ids)
+        seen = nodes.latest_seen(session, only)
+        records = jobs.latest_jobs(session, only)
+        names = set(pulls) | set(reports) | set(ids) | set(seen)
         now = api.clock()
         return {
             "now": now, "pulls": pulls, "reports": reports, "versions": versions,
+            "records": records,
             "nodes": [fleet.node_row(
                 name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
                 pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
-                now=now, settings=api.settings,
+                now=now, settings=api.settings, seen=seen.get(name),
+                records=records.get(name),
             ) for name in sorted(names)],
         }
 
@@ -233,10 +247,12 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         tz = fleet.node_zone(report, api.settings)
         reported = fleet._reported(report)
         row = found["nodes"][0]
+        records = found["records"].get(node, {})
         row["schedules"] = [
             fleet.schedule_view(
                 item, node=node, tz=tz, reported=reported.get(item.id),
                 recent=fleet.recent_outcomes(found["history"], item.id), now=found["now"],
+                record=records.get(item.id),
             )
             for item in found["rows"]
         ]
@@ -278,6 +294,38 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         listed, cut = fleet.sort_windows(windows, MAX_UPCOMING)
         return JSONResponse({"windows": listed, "truncated": cut})
 
+    def reader_of(request: Request, node: str | None) -> None:
+        """Let the admin read the fleet, and a node's token its own node only (403 else)."""
+        principal = auth.authenticate(request)
+        if node is not None:
+            check_name(("query", "node"), node)
+            auth.require_node(request, node)
+        elif not principal.is_admin:
+            raise _forbidden("a node token may only read its own node (?node=NAME)")
+
+    @router.get("/api/report")
+    def fleet_report(
+        request: Request, since: str | None = None, until: str | None = None,
+        node: str | None = None,
+    ) -> JSONResponse:
+        reader_of(request, node)
+        now = api.clock()
+        since_at = query_time("since", since)
+        until_at = query_time("until", until)
+        end = until_at or now
+        if since_at is not None and since_at >= end:
+            raise _unprocessable(("query", "since"), "since must be before until (or now)")
+        start = since_at or end - timedelta(days=2)
+        if end - start > morning.MAX_RANGE:
+            raise _unprocessable(("query", "since"), f"the range is longer than "
+                                 f"{morning.MAX_RANGE.days} days")
+        api.flush_pulls()
+        found = in_session(lambda s: ledger.fleet_report(
+            s, settings=api.settings, now=now, since=since_at, until=until_at, node=node))
+        if node is not None and not found["nodes"]:
+            raise NotFound(f"node {node!r} has no schedules and never made a request")
+        return JSONResponse(found)
+
     @router.patch(
         "/api/nodes/{node}/schedules/{schedule_id}",
         openapi_extra=merge_patch_body(
@@ -298,7 +346,8 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                     raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
                 row = _patched_row(current, patch)
                 try:
-                    return schedules.put_schedule(session, node, row, if_version=current.version)
+                    return schedules.put_schedule(session, node, row, if_version=current.version,
+                                                  now=api.clock())
                 except schedules.VersionConflict:
                     continue  # a concurrent write won: apply the patch to its row
             raise InvalidInput([{"field": "", "loc": ["path", "id"], "type": "conflict",
@@ -312,6 +361,16 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         return await run_in_threadpool(api.written, node, stored, "patch")
 
     return router
+
+
+def query_time(field: str, value: str | None) -> datetime | None:
+    """Return a query's RFC 3339 time (with its offset) in UTC; 422 naming the field."""
+    if value is None:
+        return None
+    try:
+        return nodes.parse_instant(value)
+    except ValueError as exc:
+        raise _unprocessable(("query", field), str(exc)) from None
 
 
 def _forbidden(detail: str) -> Exception:

@@ -69,7 +69,7 @@ class FleetApiSource:
 
     def view(self, now: datetime) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
                                            list[dict[str, Any]], str]:
-        from controller import fleet, nodes
+        from controller import fleet, jobs, nodes
 
         settings = self.api.settings
 
@@ -77,26 +77,31 @@ class FleetApiSource:
             rows = schedules.all_schedules(session)
             reports = nodes.latest_reports(session, None)
             return {"rows": rows, "pulls": nodes.latest_pulls(session, None),
-                    "reports": reports, "versions": nodes.list_versions(session, None)}
+                    "reports": reports, "versions": nodes.list_versions(session, None),
+                    "seen": nodes.latest_seen(session, None),
+                    "records": jobs.latest_jobs(session, None)}
 
         self.api.flush_pulls()
         found = self.api.in_session(read)
         rows, reports = found["rows"], found["reports"]
-        names = sorted(set(found["pulls"]) | set(reports) | set(rows))
+        names = sorted(set(found["pulls"]) | set(reports) | set(rows) | set(found["seen"]))
         status, per_node, windows = [], {}, []
         for name in names:
             mine = rows.get(name, [])
             report = reports.get(name)
+            records = found["records"].get(name, {})
             status.append(fleet.node_row(
                 name, schedules=len(mine), schedule_ids=[row.id for row in mine],
                 pull=found["pulls"].get(name), report=report,
-                version=found["versions"].get(name), now=now, settings=settings))
+                version=found["versions"].get(name), now=now, settings=settings,
+                seen=found["seen"].get(name), records=records))
             tz = fleet.node_zone(report, settings)
             reported = fleet._reported(report)
-            # The latest job per schedule (the latest report's): no history per node, so
-            # the page costs four queries however many nodes there are.
+            # The latest job per schedule (the latest report's and job record): no history
+            # per node, so the page costs a fixed number of queries however many nodes.
             per_node[name] = [fleet.schedule_view(
-                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now)
+                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now,
+                record=records.get(row.id))
                 for row in mine]
             windows.extend(fleet.upcoming_windows(
                 mine, node=name, tz=tz, now=now, until=now + AHEAD,
