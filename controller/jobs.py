@@ -123,8 +123,8 @@ def store_jobs(
             index_elements=[_C.node, _C.key],
             set_={name: stmt.excluded[name] for name in rows[0] if name not in ("node", "key")},
             where=_C.seq < stmt.excluded.seq,
-        )
-        changed += int(cast(CursorResult[Any], session.execute(stmt)).rowcount or 0)
+        ).returning(_C.key)
+        changed += len(session.execute(stmt).all())
     if rows:
         prune_node(session, node, now=received_at, keep=keep)
     return changed

@@ -527,27 +527,18 @@ def alerts_install(
         help="A notification block's name (e.g. a Slack webhook block): each alert sends a "
         "notification through it. Default: no action; the automation's own "
         "prefect.automation.triggered event is the alert.")] = None,
-    wave_actions: Annotated[str, typer.Option(
-        help="The wave's actions (comma list), as the agent's chain counts them.")
-    ] = "backup,copy",
-    wave_within: Annotated[float, typer.Option(
-        min=10, help="Seconds without a completed wave job on a node before alerting.")
-    ] = 26 * 3600,
-    reconcile_within: Annotated[float, typer.Option(
-        min=10, help="Seconds without a Completed reconcile run on a node before alerting.")
-    ] = 30 * 60,
     prefix: Annotated[str, typer.Option(help="The automations' name prefix.")] = "sched-fleet",
     as_json: JsonOpt = False,
 ) -> None:
-    """Create or update the fleet's Prefect automations (idempotent; duplicates deleted)."""
+    """Create or update the fleet's Prefect automations (idempotent; others of the prefix go).
+
+    They fire on the controller's alerts (a silent node, a missed or failed window, and
+    their resolution) for every node, from its first row on.
+    """
     from sched_ops import alerts, prefect
 
     with _failing():
-        settings = alerts.AlertSettings(
-            prefix=prefix, wave_actions=tuple(_words(wave_actions)),
-            wave_within=timedelta(seconds=wave_within),
-            reconcile_within=timedelta(seconds=reconcile_within), block=block,
-        )
+        settings = alerts.AlertSettings(prefix=prefix, block=block)
         done = prefect.with_client(lambda client: alerts.install(client, settings))
     if as_json:
         _echo_json({"automations": done})
