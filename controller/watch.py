@@ -210,6 +210,16 @@ def plan_alerts(report: Mapping[str, Any], open_alerts: Iterable[OpenAlert]) -> 
     return found
 
 
+def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:
+    """Return the alerts raised about node, newest first (for ``sched explain``)."""
+    from controller.why import AlertFact
+
+    rows = session.execute(
+        select(_A.kind, _A.subject, _A.detected_at, _A.sent_at, _A.resolved_at)
+        .where(_A.node == node).order_by(_A.id.desc()).limit(limit)).all()
+    return [AlertFact(r.kind, r.subject, r.detected_at, r.sent_at, r.resolved_at) for r in rows]
+
+
 def _time(value: object) -> datetime | None:
     from sched_core.model import parse_api_time
 

@@ -179,7 +179,7 @@ def test_nodes_ls_describe_upcoming_pause_and_resume(served: tuple[str, Any]) ->
     result = run("nodes", base=base)
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0].split() == [
-        "NODE", "SCHEDULES", "LAST", "PULL", "AGO", "STATUS", "TZ", "VERSION"]
+        "NODE", "SCHEDULES", "LAST", "PULL", "AGO", "LAST", "SEEN", "STATUS", "TZ", "VERSION"]
     assert any(line.startswith("node-c") for line in result.output.splitlines())
     status = json.loads(run("nodes", "--json", base=base).output)
     assert "node-c" in {n["node"] for n in status["nodes"]}
@@ -296,6 +296,9 @@ def test_run_creates_a_run_job_run_of_the_node_and_prints_its_url(
         client.create_deployment(flow_id=flow_id, name=node, tags=["sched-agent"])
     result = run("run", "s-1", "--node", node, base=base)
     assert result.exit_code == 0, result.output
+    # The node never made a request of its own: the run is created, and the command says so.
+    assert (f"warning: node {node} has never made a request to the controller with its own "
+            "token: the run waits in Prefect until an agent serves it") in result.output
     url = result.output.strip().splitlines()[-1]
     ui = prefect_server.rstrip("/").removesuffix("/api")
     assert url.startswith(f"{ui}/runs/flow-run/")

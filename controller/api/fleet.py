@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import fleet, jobs, ledger, morning, nodes, schedules
+from controller import fleet, jobs, ledger, morning, nodes, schedules, watch, why
 from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
 from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
@@ -325,6 +325,58 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         if node is not None and not found["nodes"]:
             raise NotFound(f"node {node!r} has no schedules and never made a request")
         return JSONResponse(found)
+
+    @router.get("/api/nodes/{node}/explain")
+    def explain_window(
+        request: Request, node: str, schedule: str = Query(..., min_length=1, max_length=200),
+        window: str = Query(..., min_length=1, max_length=200),
+    ) -> JSONResponse:
+        auth.require_node(request, node)
+        check_name(("path", "node"), node)
+        check_name(("query", "schedule"), schedule)
+        now = api.clock()
+        try:
+            instant, wall = why.parse_window_text(window, schedule)
+        except ValueError as exc:
+            raise _unprocessable(("query", "window"), str(exc)) from None
+        api.flush_pulls()
+        found = in_session(lambda s: explain_facts(s, node, schedule, instant or wall, now))
+        if found is None:
+            raise NotFound(f"no schedule {schedule!r} on node {node!r} (now or in the "
+                           f"last {schedules.VERSION_RETENTION.days} days)")
+        from controller.api.page import prefect_ui_url
+
+        return JSONResponse(why.explain(
+            node=node, schedule_id=schedule, text=window, now=now, run_url=prefect_ui_url(),
+            **found))
+
+    def explain_facts(session: Session, node: str, schedule_id: str, near: datetime | None,
+                      now: datetime) -> dict[str, Any] | None:
+        far = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
+        versions = schedules.versions_between(session, *far, node=node,
+                                              schedule_id=schedule_id).get(node, {})
+        if schedule_id not in versions:
+            return None
+        assert near is not None
+        probe = near if near.tzinfo is not None else near.replace(tzinfo=UTC)
+        around = jobs.jobs_between(session, probe - timedelta(days=2), probe + timedelta(days=2),
+                                   nodes=[node]).get(node, [])
+        # A wall time read as UTC is off by the zone's offset: look before any reading of it.
+        before = probe if near.tzinfo is not None else probe - timedelta(hours=15)
+        previous = jobs.last_windows_before(session, before,
+                                            nodes=[node]).get(node, {}).get(schedule_id)
+        report = nodes.latest_reports(session, node).get(node)
+        seen = nodes.latest_seen(session, node).get(node)
+        return {
+            "versions": versions[schedule_id],
+            "records": {r.key: r for r in around if r.schedule_id == schedule_id},
+            "tz": fleet.node_zone(report, api.settings),
+            "grace": ledger.node_grace(report, api.settings),
+            "previous": previous,
+            "liveness": fleet.liveness(seen, now=now, settings=api.settings),
+            "silence": fleet.silence_text(node, seen, now=now, settings=api.settings),
+            "alerts": watch.alert_facts(session, node),
+        }
 
     @router.patch(
         "/api/nodes/{node}/schedules/{schedule_id}",
