@@ -60,6 +60,7 @@ def fleet_report(
             versions=versions.get(name, {}), records=mine, previous=previous.get(name, {}),
             silence=fleet.silence_text(name, last, now=now, settings=settings),
             liveness=fleet.liveness(last, now=now, settings=settings),
+            reports_jobs=last is None or last.heartbeat_s is not None or bool(mine),
         )
         found.append(morning.node_windows(facts, since=start, until=until, now=now))
     ordered = morning.worst_first(found)

@@ -23,7 +23,11 @@ Rules:
    (``completed``, ``failed`` for Failed or Crashed, ``cancelled``,
    ``skipped``, ``running``); else, once its run's start (the window plus the
    row's jitter) plus the node's grace plus :data:`REPORT_SLACK_S` has passed,
-   **missed: no report from the node**; before that it is ``due``.
+   **missed: no report from the node**; before that it is ``due``. A node
+   that makes requests but never announced a heartbeat runs an agent that
+   does not report its jobs (an older one): its windows without a record are
+   ``unreported``, never missed (its report's latest job per schedule is all
+   there is); a node never seen at all ran nothing, and its windows are missed.
 4. **Other jobs** (chain stages, ad hoc runs, windows no row version has, such
    as a recovery of an older window) are listed as the node reported them,
    not expected.
@@ -63,8 +67,8 @@ MAX_RANGE = timedelta(days=31)
 MAX_WINDOWS = 200_000
 """The most windows one report lists (``truncated`` says when cut)."""
 
-SEVERITY = {"missed": 5, "failed": 4, "cancelled": 2, "running": 1, "due": 1, "skipped": 1,
-            "completed": 0}
+SEVERITY = {"missed": 5, "failed": 4, "cancelled": 2, "unreported": 1, "running": 1, "due": 1,
+            "skipped": 1, "completed": 0}
 """How bad a window's status is (worst first)."""
 BAD = frozenset({"missed", "failed"})
 _TICK = timedelta(microseconds=1)
@@ -101,6 +105,8 @@ class NodeFacts:
     """Why the node is silent or never seen, in words; None when it is alive."""
     liveness: Mapping[str, Any]
     """:func:`controller.fleet.liveness` of the node."""
+    reports_jobs: bool = True
+    """False for a node seen but with no heartbeat announced (rule 3: an older agent)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,10 @@ def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
             if record is not None:
                 used.add(item.key)
                 status, detail = status_of(record.state), record_detail(record)
+            elif now >= deadline and not facts.reports_jobs:
+                status = "unreported"
+                detail = ("unreported: the node's agent does not report its jobs (it announced "
+                          "no heartbeat); see its latest job in sched schedules ls")
             elif now >= deadline:
                 status = "missed"
                 detail = "missed: no report from the node" + (
@@ -288,8 +298,10 @@ def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
     failed = [e for n in nodes for e in n["windows"] if e["status"] == "failed"]
     missed = [e for n in nodes for e in n["windows"] if e["status"] == "missed"]
     silent = [n["node"] for n in nodes if n["silent"]]
-    ok = [n["node"] for n in with_windows if not n["silent"] and not any(
-        e["status"] in BAD for e in n["windows"])]
+    unknown = [n["node"] for n in with_windows if not n["silent"] and any(
+        e["status"] == "unreported" for e in n["windows"])]
+    ok = [n["node"] for n in with_windows if not n["silent"] and n["node"] not in unknown
+          and not any(e["status"] in BAD for e in n["windows"])]
     idle = [n["node"] for n in nodes if n not in with_windows]
     parts = [f"{len(ok)} of {len(with_windows)} nodes backed up"]
     shown = "; ".join(_failed_text(e) for e in failed[:5])
@@ -300,6 +312,9 @@ def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
         f": {', '.join(where[:5])}{' ...' if len(where) > 5 else ''}" if missed else ""))
     if silent:
         parts.append(f"{len(silent)} silent: {', '.join(silent[:10])}")
+    if unknown:
+        parts.append(f"{len(unknown)} unreported (an agent that reports no jobs): "
+                     f"{', '.join(unknown[:10])}")
     if idle:
         parts.append(f"{len(idle)} with no window in the range")
     return {
@@ -308,7 +323,7 @@ def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
                     "error": e["error"], "state": e["state"]} for e in failed],
         "missed": [{"node": e["node"], "schedule_id": e["schedule_id"], "key": e["key"],
                     "window": e["window"]} for e in missed],
-        "silent": silent, "no_windows": idle,
+        "silent": silent, "unreported": unknown, "no_windows": idle,
     }
 
 

@@ -575,7 +575,7 @@ def run_command(
 
 OUTCOME_WORDS = {"completed": "Completed", "failed": "FAILED", "missed": "MISSED",
                  "skipped": "Skipped", "running": "Running", "due": "due",
-                 "cancelled": "Cancelled"}
+                 "cancelled": "Cancelled", "unreported": "unreported"}
 
 
 def parse_since(text: str, now: datetime, flag: str) -> str:

@@ -358,3 +358,25 @@ def test_report_query_times_are_checked(fleet: httpx.Client) -> None:
     assert "longer than 31 days" in refused(since="2026-10-01T00:00:00Z",
                                             until="2026-12-04T00:00:00Z")
     assert fleet.get("/api/report", headers={}).status_code == 401
+
+
+def test_an_agent_that_reports_no_jobs_is_unreported_not_missed(
+    fleet: httpx.Client, clock: Clock,
+) -> None:
+    """A node seen (its own pulls and reports) with no heartbeat announced: an older agent."""
+    fleet.put("/api/nodes/node-b/schedules/bk", json=row("bk"), headers=ADMIN)
+    clock.now = MORNING
+    assert fleet.get("/api/schedules", params={"node": "node-b"},
+                     headers=TOKENS["node-b"]).status_code == 200
+    old = report("node-b")
+    del old["heartbeat_s"], old["jobs"]
+    assert post(fleet, "node-b", old).status_code == 204
+    got = fleet.get("/api/report", headers=ADMIN).json()
+    (entry,) = got["nodes"][0]["windows"]
+    assert (entry["key"], entry["status"]) == (BK_KEY, "unreported")
+    assert got["summary"]["text"] == ("0 of 1 nodes backed up; 0 failed; 0 missed; "
+                                      "1 unreported (an agent that reports no jobs): node-b")
+    # Once it announces a heartbeat, it reports its jobs: the window without one is missed.
+    assert post(fleet, "node-b", report("node-b")).status_code == 204
+    got = fleet.get("/api/report", headers=ADMIN).json()
+    assert got["nodes"][0]["windows"][0]["status"] == "missed"

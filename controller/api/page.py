@@ -111,10 +111,18 @@ class FleetApiSource:
             if not row.get("timezone"):  # never reported: its windows are in the default zone
                 row.update(timezone=settings.default_timezone, timezone_default=True)
         unseen = [row["node"] for row in status if row["status"] == "never-seen"]
-        notice = (f"Never pulled nor reported: {', '.join(unseen)} (their windows are in "
-                  f"the controller's default zone, {settings.default_timezone})."
-                  if unseen else "")
+        notice = (f"Never seen (no pull or report with its own token): {', '.join(unseen)} "
+                  f"(their windows are in the controller's default zone, "
+                  f"{settings.default_timezone})." if unseen else "")
         return status, per_node, listed, notice
+
+
+    def report(self, now: datetime) -> dict[str, Any]:
+        """Return ``GET /api/report``'s answer for the default range (since yesterday 18:00)."""
+        from controller import ledger
+
+        return dict(self.api.in_session(lambda session: ledger.fleet_report(
+            session, settings=self.api.settings, now=now)))
 
 
 def session_cookie(token: str, now: float) -> str:
@@ -196,9 +204,11 @@ def page_router(
         now = getattr(request.app.state, "clock", clock)()
         fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
         nodes, per_node, windows, notice = fleet.view(now)
+        reporter = getattr(fleet, "report", None)
+        report = reporter(now) if reporter is not None else None
         ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
         view = FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
-                         prefect_ui=ui, notice=notice)
+                         prefect_ui=ui, notice=notice, report=report)
         return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
 
     @router.post("/login")
