@@ -1,7 +1,10 @@
 """The controller's alerts: a silent node, a missed or failed window, and their recovery.
 
 Every ``interval`` seconds each controller instance reads the fleet's report of
-the last :data:`LOOKBACK` (:func:`controller.ledger.fleet_report`) and decides,
+the last :data:`LOOKBACK` at its first pass, then of the time since its last
+pass plus the longest grace of any node plus :data:`MARGIN` (a window is
+judged once its grace is over, so that covers every window that became missed
+or completed since) (:func:`controller.ledger.fleet_report`), and decides,
 with the pure :func:`plan_alerts`, which alerts to raise and which earlier ones
 a success resolves:
 
@@ -70,6 +73,8 @@ ALERTS: Table = FleetAlert.__table__  # type: ignore[attr-defined]
 _A = ALERTS.c
 LOOKBACK = timedelta(hours=6)
 """How far back each pass looks for missed and failed windows (and their recoveries)."""
+MARGIN = timedelta(minutes=10)
+"""Added to each later pass's look-back, past the longest grace and the report slack."""
 DEFAULT_INTERVAL = 15.0
 """Seconds between passes."""
 ALERT_RETENTION = timedelta(days=35)
@@ -274,6 +279,7 @@ class FleetWatch:
         """Alerts this instance sent (won step 2 and sent)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last: datetime | None = None
 
     # ------------------------------------------------------------ one pass
 
@@ -285,12 +291,26 @@ class FleetWatch:
         now = now or self.clock()
         with Session(self.engine) as session:
             report = ledger.fleet_report(session, settings=self.settings, now=now,
-                                         since=now - self.lookback, until=now)
+                                         since=now - self.look_back(session, now), until=now)
             session.commit()
             planned = plan_alerts(report, self.open_alerts(session))
             raised = self._insert(session, planned, now)
         self.send_pending()
         return raised
+
+    def look_back(self, session: Session, now: datetime) -> timedelta:
+        """Return how far this pass looks back (see the module docstring)."""
+        last, self._last = self._last, now
+        if last is None or last >= now:
+            return self.lookback
+        from controller import nodes
+        from controller.morning import REPORT_SLACK_S
+
+        graces = [ledger.node_grace(report, self.settings)
+                  for report in nodes.latest_reports(session).values()]
+        longest = max([timedelta(seconds=self.settings.default_grace), *graces])
+        wanted = (now - last) + longest + timedelta(seconds=REPORT_SLACK_S) + MARGIN
+        return min(self.lookback, wanted)
 
     def open_alerts(self, session: Session) -> list[OpenAlert]:
         """Return the problem alerts not resolved yet."""
