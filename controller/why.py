@@ -234,7 +234,8 @@ def explain(
         fact("job", _record_text(record))
         word = {"completed": "RAN", "failed": "FAILED", "skipped": "SKIPPED",
                 "running": "RUNNING", "cancelled": "CANCELLED"}[status]
-        return verdict(word, record_detail(record))
+        detail = record_detail(record)
+        return verdict(word, detail.removeprefix(f"{record.state}: "))
     if now < start:
         return verdict("NOT YET", f"its run starts {local_text(start, z)}")
     if now < deadline:
@@ -284,5 +285,7 @@ def _silence_facts(fact: Any, node: str, window: datetime, deadline: datetime,
     if silence:
         fact("node", f"now: {silence}")
     elif liveness.get("last_seen_at"):
+        heartbeat = liveness.get("heartbeat_s")
+        every = f"{heartbeat:g} s" if isinstance(heartbeat, int | float) else "not announced"
         fact("node", f"now: alive, last request of its own {liveness['last_seen_at']} "
-                     f"(heartbeat {liveness.get('heartbeat_s') or 'not announced'})")
+                     f"(heartbeat {every})")

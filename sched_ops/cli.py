@@ -643,8 +643,11 @@ def report_text(report: dict[str, Any], link: Any = None) -> str:
                 text = what + (" (ran offline, recorded later)" if entry.get("offline") else "")
             elif status == "due":
                 text = f"due (missed after {cell(entry.get('missed_after'))})"
+            elif detail.lower().startswith(str(entry.get("state") or status).lower()):
+                # "Failed: tar exited 2", "Running since ...": the detail says it already.
+                text = what + detail[len(str(entry.get("state") or status)):]
             else:
-                text = f"{what}: {detail.split(': ', 1)[-1]}" if detail else what
+                text = f"{what}: {detail}" if detail else what
             window = entry.get("local") or NONE
             if not entry.get("expected"):
                 window = f"{entry.get('trigger_key') or 'run'} {window}"

@@ -65,6 +65,8 @@ def test_report_answers_the_morning_question_and_exits_6_for_a_missed_window(bas
     offline = next(x for x in lines if "2026-12-03 18:00 EST" in x and x.strip().startswith("cp"))
     assert "Completed (ran offline, recorded later)" in offline
     assert any("manual 2026-12-04 04:00 EST" in x and "Completed" in x for x in lines)
+    running = next(x for x in lines if "2026-12-04 06:00 EST" in x)
+    assert "Running since 2026-12-04T11:00:00Z" in running and "Running: Running" not in running
     assert any("Skipped: window 2026-12-04 00:00 EST missed: 14 min late" in x for x in lines)
 
 
@@ -97,7 +99,7 @@ def test_explain_says_why_each_window_ran_or_not(base: str) -> None:
     failed = run(base, "explain", "node-b", "bk", "2026-12-04T02:30")
     assert failed.exit_code == 0, failed.output
     lines = failed.output.splitlines()
-    assert lines[0] == "FAILED: Failed: tar exited with code 2"
+    assert lines[0] == "FAILED: tar exited with code 2"
     assert any(x.startswith("- row: version 1 (written 2026-12-03T12:00:00Z, in force now): "
                             "daily at 02:30 in America/New_York") for x in lines)
     assert any("error: tar exited with code 2" in x and "Prefect run 0b7c2b0f" in x
@@ -114,8 +116,8 @@ def test_explain_says_why_each_window_ran_or_not(base: str) -> None:
                                       "is 5 min")
 
     skipped = run(base, "explain", "node-a", "cp", "2026-12-04T05:00:00Z")
-    assert skipped.output.splitlines()[0].startswith("SKIPPED: Skipped: window 2026-12-04 "
-                                                     "00:00 EST missed")
+    assert skipped.output.splitlines()[0].startswith("SKIPPED: window 2026-12-04 00:00 EST "
+                                                     "missed")
     not_one = run(base, "explain", "node-a", "cp", "2026-12-04T03:00")
     assert not_one.output.splitlines()[0] == (
         "NOT A WINDOW: 2026-12-04 03:00 EST is not a window of cp (every 6 h): the window "
