@@ -7,11 +7,18 @@ Rules:
   offset) and stored as that model's JSON data: the node's latest report
   (replaced), and one more entry of its history, of which only the newest
   ``keep`` are kept (pruned in the same transaction);
+- a report's job records (``jobs``) are stored one per (node, key), in the
+  report's transaction (:mod:`controller.jobs`);
 - a pull is recorded by the API process that answered it, in memory, and
   written behind (:class:`PullRecorder`): at most every ``delay`` seconds,
   all pending nodes in one transaction, so the pull stays a key lookup and a
   thousand nodes cost one write per interval. A recorded pull only ever
-  replaces an older one, whichever API instance wrote first.
+  replaces an older one, whichever API instance wrote first. Only a node's
+  own pulls are recorded (its token; an admin reading its list is not it);
+- liveness (``node_seen``) is the node's latest own request, a pull or a
+  report, and the heartbeat its latest own report announced
+  (:func:`mark_seen`): a report the admin posts for a node is stored, but is
+  no sign of the node's life.
 
 Times are the controller's clock (when it received the report, answered the
 pull), never the node's.

@@ -1,4 +1,5 @@
-"""The operator's commands: ``sched nodes``, ``schedules ...``, ``upcoming``, ``run``, ``alerts``.
+"""The operator's commands: ``sched nodes``, ``schedules ...``, ``upcoming``, ``report``,
+``explain``, ``run``, ``alerts``.
 
 Each command talks to the controller named by ``--controller`` or
 ``SCHED_CONTROLLER_URL`` with the token from ``--token`` or ``SCHED_TOKEN``
