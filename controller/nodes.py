@@ -169,13 +169,22 @@ DEFAULT_HEARTBEAT_S = 300.0
 """The heartbeat of a node that announced none (an older agent)."""
 
 
-def _first_line(value: str | None) -> str | None:
-    """Return the first non-empty line of an error or reason (None for none)."""
-    if value is None:
-        return None
+LINE_MAX = 1000
+"""The longest error or reason kept (its first line, cut with an ellipsis)."""
+
+
+def _first_line(value: object) -> object:
+    """Return the first non-empty line of an error or reason, at most LINE_MAX characters.
+
+    Cut rather than refused: a node re-sends a refused report, so one long error
+    line would block every later record of that node.
+    """
+    if not isinstance(value, str):
+        return value  # the type check names it
     for line in value.splitlines():
         if line.strip():
-            return line.strip()
+            line = line.strip()
+            return line if len(line) <= LINE_MAX else line[: LINE_MAX - 1] + "\u2026"
     return None
 
 
@@ -200,8 +209,8 @@ class JobRecordIn(_Strict):
     state: JobState
     started_at: AwareInstant | None = None
     ended_at: AwareInstant | None = None
-    error: Annotated[Text | None, AfterValidator(_first_line)] = None
-    reason: Annotated[Text | None, AfterValidator(_first_line)] = None
+    error: Annotated[str | None, BeforeValidator(_first_line)] = None
+    reason: Annotated[str | None, BeforeValidator(_first_line)] = None
     offline: bool = False
     flow_run_id: Name | None = None
     seq: Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -265,12 +274,13 @@ def _insert(session: Session, table: Table) -> Any:
 
 def mark_seen(
     session: Session, node: str, *, at: datetime, via: str,
-    heartbeat_s: float | None = None,
+    heartbeat_s: float | None = None, announced: bool = True,
 ) -> None:
     """Record a request node made with its own token at ``at`` (in the open transaction).
 
     The stored time only ever moves forward; a report also sets the heartbeat it
-    announced (None: it announced none), a pull leaves it as it was.
+    announced (None: it announced none), a pull (or a refused report, ``announced``
+    False) leaves it as it was.
     """
     values: dict[str, Any] = {"node": node, "seen_at": at, "via": via, "first_seen_at": at,
                               "heartbeat_s": heartbeat_s}
@@ -280,7 +290,7 @@ def mark_seen(
         "seen_at": case((later, stmt.excluded.seen_at), else_=_SEEN.c.seen_at),
         "via": case((later, stmt.excluded.via), else_=_SEEN.c.via),
     }
-    if via == "report":
+    if via == "report" and announced:
         update["heartbeat_s"] = stmt.excluded.heartbeat_s
     session.execute(stmt.on_conflict_do_update(index_elements=[_SEEN.c.node], set_=update))
 
@@ -303,6 +313,16 @@ def latest_seen(session: Session, node: str | None = None) -> dict[str, Seen]:
         query = query.where(_SEEN.c.node == node)
     return {row.node: Seen(row.node, row.seen_at, row.via, row.heartbeat_s, row.first_seen_at)
             for row in session.execute(query).all()}
+
+
+def record_refused_report(session: Session, node: str, *, at: datetime) -> None:
+    """Record that node sent a report the controller refused (422): still a sign of life.
+
+    A node whose outbox holds a record the controller refuses re-sends it; its
+    requests prove it is alive all the same. Commits.
+    """
+    with transaction(session):
+        mark_seen(session, node, at=at, via="report", announced=False)
 
 
 def record_report(

@@ -134,12 +134,18 @@ def test_job_records_a_later_seq_replaces_an_older_or_equal_one_changes_nothing(
     assert entry["offline"] is True and entry["duration_s"] == 260
     assert entry["detail"] == "Completed in 4 min 20 s (ran offline, recorded later)"
     # Within one report the highest seq counts, whatever the order.
-    both = [job(BK_KEY, "Failed", 10, error="tar exited with code 2\nusage: ..."),
+    both = [job(BK_KEY, "Failed", 10, error="\n tar exited with code 2\nusage: ..."),
             job(BK_KEY, "Running", 9)]
     assert post(fleet, "node-a", report("node-a", both)).status_code == 204
     got = fleet.get("/api/report", params={"node": "node-a"}, headers=ADMIN).json()
     (entry,) = [w for w in got["nodes"][0]["windows"] if w["key"] == BK_KEY]
     assert (entry["status"], entry["error"]) == ("failed", "tar exited with code 2")
+    # A long error line is cut, not refused: a refused report would block the node's next.
+    long = job(BK_KEY, "Failed", 11, error="x" * 5000)
+    assert post(fleet, "node-a", report("node-a", [long])).status_code == 204
+    got = fleet.get("/api/report", params={"node": "node-a"}, headers=ADMIN).json()
+    (entry,) = [w for w in got["nodes"][0]["windows"] if w["key"] == BK_KEY]
+    assert len(entry["error"]) == 1000 and entry["error"].endswith("\u2026")
 
 
 def test_bad_job_records_and_times_out_of_range_are_422_naming_the_field(
@@ -164,12 +170,19 @@ def test_bad_job_records_and_times_out_of_range_are_422_naming_the_field(
         "jobs.0.extra"}
     assert refused(report("node-a", [job(BK_KEY, "Completed", 1, offline="yes")])) == {
         "jobs.0.offline"}
+    assert refused(report("node-a", [job(BK_KEY, "Failed", 1, error=2)])) == {"jobs.0.error"}
     assert refused(report("node-a", heartbeat_s=5)) == {"heartbeat_s"}
     assert refused(report("node-a", heartbeat_s=3601)) == {"heartbeat_s"}
     many = [job(f"bk@manual@{n}", "Completed", n, window=None) for n in range(1001)]
     assert refused(report("node-a", many)) == {"jobs"}
-    # Nothing refused was stored: the node was never seen.
-    assert [n["node"] for n in fleet.get("/api/status", headers=ADMIN).json()["nodes"]] == []
+    # Nothing refused was stored, but the node is alive: its own token sent them.
+    (only,) = fleet.get("/api/status", headers=ADMIN).json()["nodes"]
+    assert (only["node"], only["status"], only["last_seen_via"]) == ("node-a", "ok", "report")
+    assert only["last_report_at"] is None and only["heartbeat_s"] is None
+    # The admin's refused report is no sign of anybody's life.
+    assert post(fleet, "node-b", report("node-b", heartbeat_s=5), headers=ADMIN).status_code == 422
+    assert [n["node"] for n in fleet.get("/api/status", headers=ADMIN).json()["nodes"]] == [
+        "node-a"]
 
 
 def test_the_job_history_is_bounded_per_node(database_url: str, clock: Clock) -> None:

@@ -184,12 +184,15 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         principal = auth.require_node(request, node)
         check_name(("path", "node"), node, storing=True)
         data = await read_object(request, "node", node)
+        received = api.clock()
+        own = auth.is_own(principal, node)
         try:
             report = nodes.NodeReportIn.model_validate(data)
         except ValidationError as exc:
+            if own:  # refused, but the node is alive (its outbox may hold a bad record)
+                await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
+                    s, node, at=received))
             raise InvalidInput(_body_errors(exc)) from None
-        received = api.clock()
-        own = auth.is_own(principal, node)
         changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
             keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
