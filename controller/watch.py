@@ -16,6 +16,10 @@ a success resolves:
   from the node past its grace (:mod:`controller.morning` rule 3); subject its key;
 - ``window-failed`` (``sched.node.window-failed``): a window whose job record
   is Failed or Crashed; subject its key;
+- of those two, one open alert per (node, schedule, kind): while a schedule's
+  missed (or failed) alert is not resolved, its later missed (failed) windows
+  raise no more (an every-minute schedule of a dead node is one alert, not
+  sixty an hour; ``sched report`` lists every window);
 - ``node-recovered`` (``sched.node.recovered``): a silent node made a request
   again; it resolves the silence;
 - ``window-recovered`` (``sched.node.window-recovered``): a later window of the
@@ -78,7 +82,7 @@ MARGIN = timedelta(minutes=10)
 DEFAULT_INTERVAL = 15.0
 """Seconds between passes."""
 ALERT_RETENTION = timedelta(days=35)
-"""Resolved or sent alerts older than this are pruned."""
+"""Alerts raised longer ago than this are pruned."""
 LEASE_S = 30.0
 MAX_LEASE_S = 600.0
 _NAMESPACE = uuid.UUID("5d1f3a2e-8c4b-4f6a-9e21-7b0c3d9a4e11")
@@ -169,10 +173,12 @@ def plan_alerts(report: Mapping[str, Any], open_alerts: Iterable[OpenAlert]) -> 
                                        payload=_payload(name, "node-recovered", reason,
                                                         last_seen_at=node["last_seen_at"],
                                                         resolves=[item.subject])))
+        already = {(i.schedule_id, i.kind) for i in mine}
         for entry in windows:
             kind = {"missed": "window-missed", "failed": "window-failed"}.get(entry["status"])
-            if kind is None:
+            if kind is None or (entry["schedule_id"], kind) in already:
                 continue
+            already.add((entry["schedule_id"], kind))
             reason = f"{entry['schedule_id']} window {entry['local']}: {entry['detail']}"
             found.append(Alert(name, kind, entry["key"], reason,
                                schedule_id=entry["schedule_id"],
@@ -396,9 +402,8 @@ class FleetWatch:
         with Session(self.engine) as session:
             with transaction(session):
                 jobs.prune_all(session, now=now, keep=self.settings.job_keep)
-                session.execute(delete(ALERTS).where(
-                    _A.detected_at < now - ALERT_RETENTION,
-                    or_(_A.resolved_at.is_not(None), _A.kind.not_in(sorted(PROBLEMS)))))
+                # Resolved or not (a deleted row's alert never is): 35 days is old news.
+                session.execute(delete(ALERTS).where(_A.detected_at < now - ALERT_RETENTION))
             schedules.prune_versions(session, now=now)
 
     # ------------------------------------------------------------ the thread

@@ -56,6 +56,10 @@ def test_problems_are_proposed_and_a_later_success_resolves_them() -> None:
     assert back["window-recovered"].resolves == (1, 2)
     assert back["window-recovered"].payload["resolves"] == ["bk@10:05", "bk@10:10"]
     assert back["node-recovered"].resolves == (3,)
+    # One open alert per schedule and kind: later missed windows wait for it to resolve.
+    more = {"nodes": [node("a", [missed, entry("bk@10:20", "missed", "2026-12-04T10:20:00Z")])]}
+    assert [a.subject for a in plan_alerts(more, open_alerts[:1])] == []
+    assert [a.subject for a in plan_alerts(more, [])] == ["bk@10:05"]
     # A missed window whose job the node reported after all is resolved by that report.
     late = {"nodes": [node("a", [entry("bk@10:05", "completed", "2026-12-04T10:05:00Z")])]}
     (resolved,) = plan_alerts(late, open_alerts[:1])
