@@ -29,8 +29,9 @@ def fleet_report(
     session: Session, *, settings: FleetSettings, now: datetime,
     since: datetime | None = None, until: datetime | None = None, node: str | None = None,
 ) -> dict[str, Any]:
-    """Return the report of ``[since, until)`` (default: yesterday 18:00 in each node's
-    zone, until now) for every node (or one): worst first, with the fleet's summary."""
+    """Return the report of ``[since, until)`` (default: until now, since the day before
+    until's at 18:00 in each node's zone) for every node (or one): worst first, with the
+    fleet's summary."""
     until = until or now
     seen = nodes.latest_seen(session, node)
     reports = nodes.latest_reports(session, node)
@@ -39,7 +40,7 @@ def fleet_report(
     names = set(seen) | set(reports) | set(schedules.schedule_nodes(session, node))
     for name in names:
         zones[name] = fleet.node_zone(reports.get(name), settings)
-        start = since or morning.default_since(now, zones[name])
+        start = since or morning.default_since(until, zones[name])
         earliest = start if earliest is None else min(earliest, start)
     if earliest is None:  # no node at all
         earliest = since or now - timedelta(days=1)
@@ -52,7 +53,7 @@ def fleet_report(
     found = []
     for name in sorted(names):
         tz = zones.get(name) or fleet.node_zone(reports.get(name), settings)
-        start = since or morning.default_since(now, tz)
+        start = since or morning.default_since(until, tz)
         mine = [r for r in records.get(name, []) if r.filed_at >= start]
         last = seen.get(name)
         facts = morning.NodeFacts(

@@ -565,3 +565,34 @@ def test_serve_applies_its_connection_limits(tmp_path: Path) -> None:
                 answer += chunk
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
     assert answer.endswith(b"request headers not received within 1.5 s")
+
+
+def test_serve_runs_the_fleet_watch_which_logs_a_dead_nodes_missed_window(
+    tmp_path: Path,
+) -> None:
+    """`serve --watch-interval 1` (no Prefect API: the alert is logged): a node that never showed
+    up, whose row was written an hour ago, has missed windows and is silent."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlmodel import Session
+
+    from controller import schedules
+    from controller.db import make_engine
+    from sched_core.model import LocalSchedule
+
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    with Session(engine) as session:
+        schedules.put_schedule(session, "ghost", LocalSchedule.model_validate({
+            "id": "bk", "name": "bk", "action": "backup", "miss_policy": "skip",
+            "enabled": True, "schedule": {"interval_minutes": 15}}),
+            now=datetime.now(UTC) - timedelta(hours=1))
+    engine.dispose()
+    with serving(tmp_path, "--api-only", "--watch-interval", "1",
+                 SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (_base, log_path):
+        log = _wait_for_line(log_path, "fleet alert", count=2)
+    alerts = [x for x in log.splitlines() if " WARNING controller.watch: fleet alert" in x]
+    assert {x.split(" kind=")[1].split()[0] for x in alerts} == {"window-missed", "node-silent"}
+    assert all("node=ghost" in x for x in alerts)
+    assert "reason='node ghost has never made a request to this controller" in log

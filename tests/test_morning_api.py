@@ -393,3 +393,15 @@ def test_an_agent_that_reports_no_jobs_is_unreported_not_missed(
     assert post(fleet, "node-b", report("node-b")).status_code == 204
     got = fleet.get("/api/report", headers=ADMIN).json()
     assert got["nodes"][0]["windows"][0]["status"] == "missed"
+
+
+def test_until_without_since_reads_the_evening_before_until(
+    fleet: httpx.Client, clock: Clock,
+) -> None:
+    morning_fleet(fleet, clock)
+    clock.now = MORNING + timedelta(days=3)
+    got = fleet.get("/api/report", params={"node": "node-b", "until": "2026-12-04T12:00:00Z"},
+                    headers=ADMIN).json()
+    (node,) = got["nodes"]
+    assert node["since"] == "2026-12-03T23:00:00Z"
+    assert [(w["key"], w["status"]) for w in node["windows"]] == [(BK_KEY, "failed")]
