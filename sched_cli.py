@@ -1,6 +1,6 @@
 """The ``sched`` command, composed at the top: the kit's ``preview``, ``sched controller``,
-and the operator's commands (``nodes``, ``schedules``, ``upcoming``, ``run``, ``alerts``)
-from :mod:`sched_ops`.
+``sched agent`` (the node, :mod:`flows.node`), and the operator's commands (``nodes``,
+``schedules``, ``upcoming``, ``run``, ``alerts``) from :mod:`sched_ops`.
 
 Rule: the layers below never name the ones above. ``sched_core.cli`` knows
 nothing of the controller; this module, above both, adds the controller's
@@ -17,9 +17,21 @@ from sched_core.cli import app as kit_app
 from sched_ops.cli import register as register_ops
 
 
+def agent() -> None:
+    """Run this node: fire its windows at their instants, record every job in Prefect.
+
+    Settings from SCHED_CONFIG (a TOML file) and SCHED_* variables; Prefect from
+    PREFECT_API_URL. Stops on Ctrl-C or SIGTERM; running jobs finish in their keepers.
+    """
+    from flows.node import main
+
+    raise typer.Exit(main())
+
+
 def build_app() -> typer.Typer:
-    """Return the ``sched`` app: the kit's commands, ``controller``, and the operator's commands."""
+    """Return the ``sched`` app: the kit's commands, ``controller``, ``agent``, the operator's."""
     kit_app.add_typer(controller_app, name="controller")
+    kit_app.command("agent")(agent)
     register_ops(kit_app)
     return kit_app
 

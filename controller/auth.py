@@ -47,6 +47,9 @@ from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+MIN_TOKEN_LENGTH = 16
+"""The shortest token served without a warning (characters): ``openssl rand -hex 32`` gives 64."""
+
 ADMIN_TOKEN_ENV = "SCHED_ADMIN_TOKEN"
 NODE_TOKENS_ENV = "SCHED_NODE_TOKENS"
 TOKENS_FILE_ENV = "SCHED_TOKENS_FILE"
@@ -91,10 +94,14 @@ class Tokens:
         insecure: bool = False,
     ) -> None:
         entries: dict[bytes, Principal] = {}
+        short: dict[str, int] = {}
 
         def add(token: str, principal: Principal) -> None:
             if not isinstance(token, str) or not token.strip():
                 raise ConfigError(f"empty or non-string token for {principal.label}")
+            length = len(token.strip())
+            if length < MIN_TOKEN_LENGTH:
+                short[principal.label] = min(length, short.get(principal.label, length))
             digest = _digest(token.strip())
             if digest in entries and entries[digest] != principal:
                 raise ConfigError(
@@ -112,6 +119,16 @@ class Tokens:
                 add(token, Principal(node=node.strip()))
         self._entries = list(entries.items())
         self.insecure = insecure
+        self.short = short
+        """Each principal with a token shorter than MIN_TOKEN_LENGTH, and its shortest length."""
+
+    def warn_short(self) -> None:
+        """Log a WARNING per principal with a token under MIN_TOKEN_LENGTH (never the token)."""
+        for label, length in sorted(self.short.items()):
+            log.warning(
+                "the %s token is %d characters long, under the minimum of %d: anyone who can "
+                "reach the API can guess it; use a long random one (openssl rand -hex 32)",
+                label, length, MIN_TOKEN_LENGTH)
 
     def replace_with(self, other: Tokens) -> None:
         """Take other's tokens in place of these, at once (a reload).
@@ -357,6 +374,7 @@ class TokensReloader:
                       self.path, exc)
             return False
         self.tokens.replace_with(fresh)
+        fresh.warn_short()
         self.reloads += 1
         log.info("tokens file reloaded", extra={
             "path": str(self.path), "admin_tokens": sum(p.is_admin for _, p in fresh._entries),

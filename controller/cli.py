@@ -21,7 +21,7 @@ from controller.connections import (
     ConnectionLimits,
 )
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
-from controller.logtext import printable
+from controller.logtext import printable, redact_credentials
 from sched_core.errors import ConfigError
 
 app = typer.Typer(
@@ -55,18 +55,18 @@ class ContextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         text = printable(super().formatMessage(record))
         if record.name in _SELF_DESCRIBING:
-            return text
+            return redact_credentials(text)
         context = [
             f"{key}={_field(value)}" for key, value in record.__dict__.items()
             if key not in _RECORD_FIELDS and not key.startswith("_")
         ]
-        return f"{text} {' '.join(context)}" if context else text
+        return redact_credentials(f"{text} {' '.join(context)}" if context else text)
 
     def formatException(self, ei: Any) -> str:
-        return printable(super().formatException(ei), keep_newlines=True)
+        return redact_credentials(printable(super().formatException(ei), keep_newlines=True))
 
     def formatStack(self, stack_info: str) -> str:
-        return printable(super().formatStack(stack_info), keep_newlines=True)
+        return redact_credentials(printable(super().formatStack(stack_info), keep_newlines=True))
 
 
 def _field(value: object) -> str:
@@ -76,6 +76,10 @@ def _field(value: object) -> str:
     return printable(text)
 
 
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Libraries whose INFO lines (one per HTTP request, the whole URL) the controller drops."""
+
+
 def _setup_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
@@ -83,6 +87,10 @@ def _setup_logging(level: str) -> None:
         handler.setFormatter(ContextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
         root.setLevel(level.upper())
+    # httpx logs every request of Prefect's client at INFO with its whole URL, a
+    # PREFECT_API_URL's password included: warnings only (and those redacted).
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
 
 
 @app.command()
@@ -201,6 +209,8 @@ def serve(
                 err=True,
             )
             raise typer.Exit(2)
+        else:
+            tokens.warn_short()
     if not api_only:
         from controller.dispatch import prefect_api_url
 

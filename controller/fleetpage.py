@@ -216,7 +216,8 @@ body{font:14px/1.4 system-ui,sans-serif;margin:16px 24px;color:#1b1f24;backgroun
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 6px}
 .meta{color:#57606a;margin-bottom:12px}
 table{border-collapse:collapse;margin:4px 0 8px}
-th,td{border-bottom:1px solid #d0d7de;padding:3px 10px;text-align:left;vertical-align:top}
+th,td{border-bottom:1px solid #d0d7de;padding:3px 10px;text-align:left;vertical-align:top;
+  overflow-wrap:anywhere}
 th{background:#f6f8fa;font-weight:600}
 .status{font-weight:600;border-radius:8px;padding:0 6px}
 .st-ok{background:#dafbe1;color:#116329}.st-stale{background:#fff8c5;color:#7d4e00}

@@ -28,6 +28,7 @@ Tables:
 - ``fleet_alert``: each alert the controller raised (a silent node, a missed or
   failed window, a recovery), inserted once per (node, kind, subject): the row
   decides which controller instance sends its event.
+- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import field_validator, model_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -53,7 +54,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from sched_core.matcher import zone
-from sched_core.model import Schedule
+from sched_core.model import NAME_MAX_LENGTH, Schedule, check_text, check_zone_name
 
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
@@ -361,6 +362,17 @@ class FleetAlert(SQLModel, table=True):
     """When a later success (or the node's return) resolved it."""
 
 
+class RevokedSession(SQLModel, table=True):
+    """A fleet page session ended by Log out before its expiry: every instance refuses it."""
+
+    __tablename__ = "revoked_session"
+
+    digest: str = Field(primary_key=True, max_length=64)
+    """The SHA-256 (hex) of the session cookie's signature; never the cookie itself."""
+    expires_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the cookie expires anyway: the row is pruned after it."""
+
+
 class TaskIn(SQLModel):
     """What a client sends to create or replace a task (validated, never stored as is).
 
@@ -386,6 +398,14 @@ class TaskIn(SQLModel):
     payload: dict[str, Any] = Field(default_factory=dict)
     status: TaskStatus = TaskStatus.ACTIVE
 
+    @field_validator("name", "cron", "event", "deployment")
+    @classmethod
+    def _plain_text(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # The one rule for text people read (sched_core.model.check_text).
+        if value is not None:
+            check_text(value, info.field_name or "text", max_length=NAME_MAX_LENGTH)
+        return value
+
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
@@ -403,7 +423,9 @@ class TaskIn(SQLModel):
             raise ValueError(
                 f"unknown timezone {shown!r} (expected an IANA name such as Europe/Paris)"
             ) from None
-        return value
+        # A file of the zone database that is no IANA name ("localtime", the
+        # machine's own zone; "posix/..."): refused as a row's timezone is.
+        return check_zone_name(value)
 
     @field_validator("cron")
     @classmethod

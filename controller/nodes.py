@@ -39,6 +39,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_serializer,
     model_validator,
 )
@@ -58,7 +59,14 @@ from controller.models import (
     NodeRevision,
     NodeSeen,
 )
-from sched_core.model import check_identifier, check_zone_name, format_go_time
+from sched_core.model import (
+    _UNSAFE_TEXT,
+    TEXT_MAX_LENGTH,
+    check_identifier,
+    check_text,
+    check_zone_name,
+    format_go_time,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +103,19 @@ class _Strict(BaseModel):
         return format_go_time(value) if isinstance(value, datetime) else value
 
 
-Text = Annotated[str, Field(max_length=2000)]
-Name = Annotated[str, Field(min_length=1, max_length=300)]
+def _plain(value: str, info: ValidationInfo) -> str:
+    return check_text(value, info.field_name or "text", max_length=TEXT_MAX_LENGTH)
+
+
+def _lines(value: str, info: ValidationInfo) -> str:
+    return check_text(value, info.field_name or "text", max_length=TEXT_MAX_LENGTH,
+                      multiline=True)
+
+
+# Free text a node reports is held to the kit's one text rule (check_text): bounded, no
+# control or bidi character (a message may have several lines).
+Text = Annotated[str, Field(max_length=2000), AfterValidator(_lines)]
+Name = Annotated[str, Field(min_length=1, max_length=300), AfterValidator(_plain)]
 def _instant(value: object) -> datetime:
     """Return an RFC 3339 time with a UTC offset as an aware UTC datetime; else ValueError."""
     if not isinstance(value, str):
@@ -109,7 +128,7 @@ def _instant(value: object) -> datetime:
         raise ValueError(f"time {value[:60]!r} has no UTC offset")
     try:
         return parsed.astimezone(UTC)
-    except OverflowError:  # 9999-12-31T23:59:59-14:00 is after year 9999 in UTC
+    except OverflowError:  # 9999-12-31T23:59:59-14:00 is past year 9999 in UTC
         raise ValueError(
             f"time {value[:60]!r} is out of range in UTC (years 1 to 9999)") from None
 
@@ -146,7 +165,7 @@ class LastPull(_Strict):
     at: AwareInstant | None = None
     ok: bool
     error: Text | None = None
-    status: Annotated[str, Field(max_length=20)] | None = None
+    status: Annotated[str, Field(max_length=20), AfterValidator(_plain)] | None = None
 
 
 class Counts(_Strict):
@@ -174,17 +193,19 @@ LINE_MAX = 1000
 
 
 def _first_line(value: object) -> object:
-    """Return the first non-empty line of an error or reason, at most LINE_MAX characters.
+    """Return the first non-empty line of an error or reason, at most LINE_MAX characters,
+    each control or bidi character replaced by U+FFFD (the kit's text rule, check_text).
 
-    Cut rather than refused: a node re-sends a refused report, so one long error
-    line would block every later record of that node.
+    Cut and cleaned rather than refused: a node re-sends a refused report, so one
+    odd error line (a command's output) would hold back every later record of it.
     """
     if not isinstance(value, str):
         return value  # the type check names it
     for line in value.splitlines():
         if line.strip():
             line = line.strip()
-            return line if len(line) <= LINE_MAX else line[: LINE_MAX - 1] + "\u2026"
+            line = line if len(line) <= LINE_MAX else line[: LINE_MAX - 1] + "\u2026"
+            return _UNSAFE_TEXT.sub("\ufffd", line)
     return None
 
 
@@ -237,7 +258,7 @@ class NodeReportIn(_Strict):
     """
 
     node: Name
-    agent_version: Annotated[str, Field(min_length=1, max_length=100)]
+    agent_version: Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_plain)]
     timezone: Annotated[str, AfterValidator(_zone_name)]
     grace_s: Annotated[float, Field(ge=0, le=86_400)]
     reported_at: AwareInstant

@@ -4,15 +4,15 @@
    (``.prefect/``, git-ignored), its log in ``.prefect/server.log``, and the
    database vacuum on so the runs' history does not grow without bound.
 2. Wait until ``/api/health`` answers.
-3. Serve the three deployments (``deployments.serve``) with ``SCHED_CONFIG``
-   (default: ``examples/agent.toml``) and print the UI address.
+3. Start the node (``python -m flows.node``) with ``SCHED_CONFIG`` (default:
+   ``examples/agent.toml``) and print the UI address.
 4. Keep both running: a child that exits is started again (5 s later,
-   doubling to 60 s while it keeps exiting), so a crashed server or agent
-   resumes by itself; the serve process itself also survives its server's
-   outages (``deployments.serve``).
-5. On Ctrl-C (or SIGTERM) stop the serve process first (it cancels in-flight
-   runs, which the next start runs again, and pauses its deployments), then
-   the server; each gets a grace period, then its whole process group is killed.
+   doubling to 60 s while it keeps exiting), so a crashed server or node
+   resumes by itself; the node itself fires its windows whether the server
+   answers or not, and records them when it does.
+5. On Ctrl-C (or SIGTERM) stop the node first (running jobs finish in their
+   keeper processes, and the next start records them), then the server; each
+   gets a grace period, then its process is killed.
 
 Environment: ``SCHED_PREFECT_PORT`` (default 4200), ``SCHED_CONFIG``,
 ``SCHED_VACUUM_RETENTION`` (seconds of flow-run history kept, default 7 days).
@@ -83,7 +83,11 @@ def say(message: str, *, err: bool = False) -> None:
 
 
 def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> None:
-    """SIGTERM proc's process group, wait up to grace_s, then SIGKILL the group."""
+    """SIGTERM proc's process group, wait up to grace_s, then SIGKILL the group.
+
+    A node's job keepers run in sessions of their own: they are not in its group,
+    and finish their commands (the next start of the node records them).
+    """
     if proc is None or proc.poll() is not None:
         return
     say(f"stopping {name} (pid {proc.pid})...")
@@ -97,11 +101,6 @@ def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> Non
         except subprocess.TimeoutExpired:
             continue
         break
-    # The group may still hold children of the leader (flow-run subprocesses).
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 RESTART_MIN_S = 5.0
@@ -121,9 +120,9 @@ def start_server(
 
 
 def start_agent(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start the serve process in its own process group."""
+    """Start the node in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "deployments.serve"],
+        [sys.executable, "-m", "flows.node"],
         env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
 
@@ -169,13 +168,13 @@ def main() -> int:
             print(f"the Prefect server did not become healthy; see {home / 'server.log'}",
                   file=sys.stderr)
             return 1
-        print(f"serving the agent with SCHED_CONFIG={env['SCHED_CONFIG']}...", flush=True)
+        print(f"starting the node with SCHED_CONFIG={env['SCHED_CONFIG']}...", flush=True)
         agent = start_agent(env)
         print(
             f"\n  Prefect UI: http://127.0.0.1:{port}/\n"
-            "  The node plans at once: its coming windows are Scheduled runs of run-job/demo\n"
-            "  (Deployments > run-job/demo > Upcoming); each runs at its time, and the chain's\n"
-            "  prune and check follow the wave. Artifacts under Artifacts.\n"
+            "  The node fires its own windows and records each job here: its coming windows\n"
+            "  are Scheduled runs of run-job/demo (Deployments > run-job/demo > Upcoming);\n"
+            "  each runs at its time, and the chain's prune and check follow the wave.\n"
             "  Press Ctrl-C to stop everything.\n",
             flush=True,
         )
@@ -195,7 +194,7 @@ def main() -> int:
                 status = 2
                 break
             if agent.poll() is not None:
-                say(f"the agent (serve) exited (code {agent.returncode}); starting it again "
+                say(f"the node exited (code {agent.returncode}); starting it again "
                     f"in {backoff['agent']:.0f} s", err=True)
                 if pause(backoff["agent"], lambda: stopping):
                     break
@@ -204,7 +203,7 @@ def main() -> int:
             time.sleep(0.5)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stop(agent, "the agent (serve)", grace_s=30)
+        stop(agent, "the node", grace_s=30)
         stop(server, "the Prefect server", grace_s=20)
         say("stopped.")
     return status

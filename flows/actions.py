@@ -22,6 +22,17 @@ checked where it lands (docs/agent.md, "What a row may put into a command"):
 4. A value in a pattern (an element with a literal ``*?[``, or the argument
    of ``-name``, ``--exclude``, ...) may not hold glob characters; after
    ``-regex`` no regex characters.
+
+Rule: a job's command never inherits the agent's environment. Its whole
+environment is :func:`job_environment`'s: the few variables of
+JOB_BASE_VARIABLES the agent has (``PATH``, ``HOME``, ``USER``, ``LOGNAME``,
+``LANG``, ``LC_ALL``, ``LC_CTYPE``, ``TMPDIR``; ``PATH`` defaults to
+DEFAULT_PATH), ``TZ`` (the row's zone, else ``UTC``), then the action's
+declared ``env`` over them. So the agent's credentials (``SCHED_TOKEN``,
+``PREFECT_API_AUTH_STRING``, ``PREFECT_API_KEY``, ``PREFECT_API_URL`` with its
+password, ``AWS_*``, ...) never reach a command or its output in the run's log;
+an action that needs a variable declares it. :func:`run_command` passes the
+environment it is given as the whole environment.
 """
 
 from __future__ import annotations
@@ -63,6 +74,29 @@ PATTERN_OPTIONS = frozenset({
 REGEX_OPTIONS = frozenset({"-regex", "-iregex"})
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f]")
 _CONTROL_NAMES = {"\x00": "a NUL character", "\n": "a newline", "\r": "a carriage return"}
+
+
+JOB_BASE_VARIABLES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR")
+"""The agent's variables a job's command gets (when the agent has them): nothing secret."""
+
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""A job's ``PATH`` when the agent has none."""
+
+
+def job_environment(
+    declared: Mapping[str, str], *, tz: str, base: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Return a job command's whole environment: base's JOB_BASE_VARIABLES, TZ, then declared.
+
+    ``tz`` is the row's zone (``UTC`` when empty); ``declared`` is the action's
+    ``env``, which wins over the rest. Nothing else of ``base`` (the agent's
+    environment, with its tokens) is passed on.
+    """
+    env = {name: base[name] for name in JOB_BASE_VARIABLES if base.get(name)}
+    env.setdefault("PATH", DEFAULT_PATH)
+    env["TZ"] = tz or "UTC"
+    env.update(declared)
+    return env
 
 
 class ValueRefused(ConfigError):
@@ -391,8 +425,10 @@ def run_command(
 ) -> CommandResult:
     """Run argv without a shell, passing each output line to log; kill its group on timeout.
 
-    The command runs with umask (default 077: the files it creates are the
-    agent user's alone); the agent's own umask is left as it is.
+    ``env`` is the command's whole environment (see :func:`job_environment`;
+    None gives it ``job_environment({}, tz="UTC")``): the agent's own is never
+    merged in. The command runs with umask (default 077: the files it creates
+    are the agent user's alone); the agent's own umask is left as it is.
 
     Raises ConfigError when the program cannot be started (not found, not executable).
     """
@@ -404,7 +440,7 @@ def run_command(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env=dict(env) if env is not None else job_environment({}, tz="UTC"),
             cwd=cwd,
             start_new_session=True,
             umask=umask,

@@ -1,34 +1,41 @@
-"""The node's report to the controller (``POST /api/nodes/{node}/report``), best effort.
+"""The node's report to the controller (``POST /api/nodes/{node}/report``), from what it knows.
 
-After each reconcile and each job the agent tells the controller what it
-sees (the fleet contract, point 1): its version, zone and grace, its last
-pull, per schedule the last fired window, the next planned one and the latest
-job outcome, and how many windows it skipped or missed in the last 24 hours.
+The node tells the controller what it sees, from its own state only (no
+Prefect read): its version, zone, grace and heartbeat interval, its last pull,
+per schedule the last fired window, the next one and the latest job, counts of
+skipped and missed windows, and **every job it started or ended** since the
+controller last accepted a report (``jobs``), each with a sequence number, so
+a report lost on the way is sent again and one sent twice changes nothing.
 
 Rules:
 
-1. Best effort: :func:`send_report` never raises. A report that cannot be
-   built in part (Prefect down) is sent without that part; one that cannot be
-   sent is logged (WARNING, with node, URL and error) and dropped: the next
-   reconcile or job sends a fresh one. A report never fails a job or a pull.
+1. :func:`build_report` is pure: ``now`` and the facts are parameters.
 2. It goes to the controller the node pulls from, with the token it pulls
    with: ``report_url`` when set, else the pull URL's ``.../api/`` prefix plus
    ``nodes/<node>/report``. A pull URL that is a file, or has no ``/api/``,
-   sends no report (said once per process).
-3. A short timeout (``report_timeout``, 5 s by default): a slow controller
-   delays the end of a reconcile or a job by at most that.
-4. The report is built by :func:`build_report` (pure: ``now`` and the facts
-   are parameters).
+   sends no report (said once).
+3. :class:`Reporter` sends one when a job starts or ends (after
+   :data:`DEBOUNCE_S`, so a burst is one report), after a reconcile, and at
+   least every ``heartbeat`` (the interval it announces; the controller calls a
+   node silent after a few of them). A report that fails is sent again later
+   (:data:`RETRY_S`); it never holds up a job.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import httpx
+
+from flows.history import Ended
+from flows.outbox import SKIPPED, JobFolder, JobView, Outbox, utc_text
 from flows.settings import AgentSettings
 from sched_core.model import Cache, format_go_time
 from sched_core.plan import upcoming
@@ -38,15 +45,10 @@ log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
 """This agent's version, as reports give it (pyproject's)."""
 COUNT_WINDOW = timedelta(hours=24)
-"""Skipped and missed windows are counted over this long."""
-LATEST_RUNS = 200
-"""How many of the newest finished runs are read to find each schedule's latest job
-(Prefect's page limit): a schedule whose latest job is older is reported without one."""
-MISSED_EVENTS = 50
-"""How many ``sched.window.missed`` events are read (Prefect's page limit); each
-counts its windows."""
-
-_said_no_url: set[str] = set()
+DEBOUNCE_S = 1.0
+RETRY_S = 15.0
+MAX_JOBS = 1000
+"""Job records per report (the controller's limit); more go in the next one."""
 
 
 def agent_version() -> str:
@@ -59,20 +61,40 @@ def agent_version() -> str:
         return AGENT_VERSION
 
 
-def report_url(settings: AgentSettings) -> str | None:
-    """Return where the node reports (rule 2), or None when it cannot."""
-    if settings.report_url:
-        return settings.report_url
+def controller_url(settings: AgentSettings, tail: str) -> str | None:
+    """Return ``<the pull URL's /api/ prefix>/nodes/<node>/<tail>`` (rule 2), or None."""
     parts = urlsplit(settings.pull_url)
     if parts.scheme not in ("http", "https") or "/api/" not in parts.path + "/":
         return None
     prefix = parts.path[: (parts.path + "/").index("/api/")]
-    path = f"{prefix}/api/nodes/{quote(settings.node_name, safe='')}/report"
+    path = f"{prefix}/api/nodes/{quote(settings.node_name, safe='')}/{tail}"
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+def report_url(settings: AgentSettings) -> str | None:
+    """Return where the node reports (rule 2), or None when it cannot."""
+    return settings.report_url or controller_url(settings, "report")
 
 
 def _time(value: datetime | None) -> str | None:
     return None if value is None else format_go_time(value)
+
+
+def job_record(
+    view: JobView, *, seq: int, offline: bool, flow_run_id: str | None
+) -> dict[str, Any]:
+    """Return one job as the report's ``jobs`` entry: its identity, state, times and error."""
+    spec = view.spec
+    state = view.end_state or "Running"
+    started = view.started_at
+    return {
+        "key": spec.key, "schedule_id": spec.schedule_id,
+        "window": _time(spec.window), "trigger_key": spec.trigger_key, "state": state,
+        "started_at": None if state == SKIPPED or started is None else utc_text(started),
+        "ended_at": _time(view.end_at) if view.phase == "ended" else None,
+        "error": view.error, "reason": view.message if state == SKIPPED else None,
+        "offline": offline, "flow_run_id": flow_run_id, "seq": seq,
+    }
 
 
 def build_report(
@@ -81,195 +103,185 @@ def build_report(
     *,
     now: datetime,
     last_pull: Mapping[str, Any] | None,
-    latest_jobs: Mapping[str, Mapping[str, Any]],
+    latest: Mapping[str, Ended],
     counts: Mapping[str, int],
+    jobs: Sequence[Mapping[str, Any]],
+    heartbeat_s: float,
 ) -> dict[str, Any]:
-    """Return the report's JSON body (rule 4): every schedule of the cache, in its order."""
+    """Return the report's JSON body (rule 1): every schedule of the cache, in its order."""
     schedules = []
     for row in cache.schedules:
         fired = cache.last_fired_at.get(row.id)
         nxt = upcoming(row, now=now, last_fired=fired, count=1, node=settings.node_name,
                        tz=settings.tz).windows
+        job = latest.get(row.id)
         schedules.append({
             "id": row.id,
             "last_fired": _time(fired),
             "next_planned": _time(nxt[0].window) if nxt else None,
-            "latest_job": dict(latest_jobs[row.id]) if row.id in latest_jobs else None,
+            "latest_job": None if job is None else {
+                "state": job.state, "window": job.window, "ended_at": job.ended_at,
+                "flow_run_id": None, "flow_run_name": job.run_name[:300]},
         })
     return {
         "agent_version": agent_version(),
         "timezone": settings.timezone,
         "grace_s": settings.grace.total_seconds(),
         "reported_at": format_go_time(now),
+        "heartbeat_s": heartbeat_s,
         "last_pull": dict(last_pull) if last_pull is not None else None,
         "schedules": schedules,
         "counts": {"skipped": int(counts.get("skipped", 0)),
                    "missed": int(counts.get("missed", 0))},
+        "jobs": list(jobs),
     }
 
 
-def job_entry(run: Any) -> dict[str, Any]:
-    """Return a finished run-job run as a report's ``latest_job``."""
-    params = dict(run.parameters or {})
-    window = params.get("window")
-    return {
-        "state": (run.state.name if run.state is not None else None) or "Unknown",
-        "window": window if isinstance(window, str) and window else None,
-        "ended_at": _time(run.end_time),
-        "flow_run_id": str(run.id),
-        "flow_run_name": run.name,
-    }
+@dataclass
+class _Pending:
+    folder: JobFolder
+    state: str
 
 
-def latest_jobs(
-    client: Any, deployment: str, node: str, *, now: datetime
-) -> tuple[dict[str, dict[str, Any]], int]:
-    """Return each schedule's latest finished job, and how many runs ended Skipped lately.
+class Reporter:
+    """Send the node's reports (rule 3) in a thread; ``facts(now)`` gives the report's body parts.
 
-    The node's run-job runs are those tagged ``node:<node>`` and ``schedule:<id>``
-    (whichever deployment ran them: a planned run, or ``sched run``'s ad hoc one).
+    ``done(folder)`` is called once a job's final state was accepted by the controller.
     """
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-        FlowRunFilterTags,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import FlowRunSort
 
-    from flows.registry import tag_values
+    def __init__(self, settings: AgentSettings, outbox: Outbox, *,
+                 clock: Callable[[], datetime],
+                 facts: Callable[[datetime], dict[str, Any]],
+                 heartbeat: timedelta,
+                 done: Callable[[JobFolder], None] = lambda folder: None) -> None:
+        self.settings = settings
+        self.outbox = outbox
+        self.url = report_url(settings)
+        self._clock = clock
+        self._facts = facts
+        self.heartbeat = heartbeat
+        self._done = done
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq_path = settings.state_dir / "report-seq"
+        self.sent = 0
+        self.failures = 0
+        if self.url is None:
+            log.info("no report to a controller: the pull URL is not a controller's /api/ URL "
+                     "(set report_url)", extra={"node": settings.node_name})
 
-    runs = client.read_flow_runs(
-        flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[f"node:{node}"]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[
-                StateType.COMPLETED, StateType.FAILED, StateType.CRASHED, StateType.CANCELLED,
-            ])),
-        ),
-        sort=FlowRunSort.END_TIME_DESC,
-        limit=LATEST_RUNS,
-    )
-    latest: dict[str, dict[str, Any]] = {}
-    skipped = 0
-    since = now - COUNT_WINDOW
-    for run in runs:
-        if not any(tag.startswith("schedule:") for tag in run.tags):
-            continue  # not a run-job run
-        schedule_id = str((run.parameters or {}).get("schedule_id")
-                          or tag_values(run).get("schedule", ""))
-        if run.state is not None and run.state.name == "Skipped" and (
-                run.end_time is not None and run.end_time >= since):
-            skipped += 1
-        if schedule_id and schedule_id not in latest:
-            latest[schedule_id] = job_entry(run)
-    return latest, skipped
+    @property
+    def enabled(self) -> bool:
+        """True when there is a controller to report to."""
+        return self.url is not None
 
+    def start(self) -> Reporter:
+        """Start the thread (once) when there is a controller; return self."""
+        if self.enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="reporter", daemon=True)
+            self._thread.start()
+        return self
 
-def missed_windows(client: Any, node: str, *, now: datetime) -> int:
-    """Return how many windows the node reported missed (``sched.window.missed``) lately."""
-    from flows.runtime import EVENT_WINDOW_MISSED
+    def poke(self) -> None:
+        """Send a report soon (a job started or ended, a reconcile ran)."""
+        self._wake.set()
 
-    response = client.request("POST", "/events/filter", json={
-        "filter": {
-            "event": {"name": [EVENT_WINDOW_MISSED]},
-            "resource": {"id": [f"sched.agent.{node}"]},
-            "occurred": {"since": format_go_time(now - COUNT_WINDOW),
-                         "until": format_go_time(now)},
-            "any_resource": None,
-        },
-        "limit": MISSED_EVENTS,
-    })
-    return sum(int(event.get("payload", {}).get("count") or 1)
-               for event in response.json().get("events", []))
+    def stop(self) -> None:
+        """Stop the thread; what is not reported yet is sent by the next start."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
 
+    def _main(self) -> None:
+        wait = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(wait)
+            if self._stop.is_set():
+                return
+            if self._wake.is_set():
+                self._stop.wait(DEBOUNCE_S)
+            self._wake.clear()
+            ok = self.send_now()
+            wait = self.heartbeat.total_seconds() if ok else RETRY_S
 
-def prefect_facts(
-    client: Any, deployment: str, node: str, *, now: datetime
-) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-    """Return the latest jobs and the counts; a part Prefect cannot give is left out (logged)."""
-    latest: dict[str, dict[str, Any]] = {}
-    counts: dict[str, int] = {}
-    try:
-        latest, counts["skipped"] = latest_jobs(client, deployment, node, now=now)
-    except Exception as exc:
-        log.warning("node report without job outcomes: could not read them from Prefect: %s",
-                    repr(exc)[:300], extra={"node": node})
-    try:
-        counts["missed"] = missed_windows(client, node, now=now)
-    except Exception as exc:
-        log.warning("node report without missed windows: could not read them from Prefect: %s",
-                    repr(exc)[:300], extra={"node": node})
-    return latest, counts
-
-
-def send_report(settings: AgentSettings, report: dict[str, Any]) -> bool:
-    """POST report to the controller (rules 1-3); return whether it was accepted. Never raises."""
-    url = report_url(settings)
-    node = settings.node_name
-    if url is None:
-        if node not in _said_no_url:
-            _said_no_url.add(node)
-            log.info("no report sent: the pull URL is not a controller's /api/ URL "
-                     "(set report_url)", extra={"node": node, "pull_url": settings.pull_url})
-        return False
-    try:
-        import httpx
-
-        token = settings.bearer_token()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        response = httpx.post(url, json=report, headers=headers,
-                              timeout=settings.report_timeout.total_seconds())
-    except Exception as exc:
-        log.warning("could not send the node report (best effort; the next one retries)",
-                    extra={"node": node, "report_url": url, "error": repr(exc)[:300]})
-        return False
-    if response.status_code != 204:
-        log.warning("the controller refused the node report",
-                    extra={"node": node, "report_url": url, "status": response.status_code,
-                           "answer": response.text[:500]})
-        return False
-    log.debug("node report sent", extra={"node": node, "report_url": url})
-    return True
-
-
-def report_after(
-    settings: AgentSettings,
-    *,
-    now: datetime,
-    deployment: str,
-    last_pull: Mapping[str, Any] | None = None,
-    client: Any = None,
-    cache: Cache | None = None,
-) -> bool:
-    """Build and send a report now (after a reconcile or a job); never raises (rule 1)."""
-    try:
-        from sched_core.cache import load_cache
-
-        if report_url(settings) is None:
-            return send_report(settings, {})
-        if cache is None:
-            cache = load_cache(settings.cache_path, now=now)
-        latest: dict[str, dict[str, Any]] = {}
-        counts: dict[str, int] = {}
+    def _next_seq(self) -> int:
         try:
-            if client is None:
-                from prefect.client.orchestration import get_client
+            seq = int(self._seq_path.read_text(encoding="ascii").strip() or 0)
+        except (OSError, ValueError):
+            seq = 0
+        return seq + 1
 
-                with get_client(sync_client=True) as own:
-                    latest, counts = prefect_facts(own, deployment, settings.node_name, now=now)
-            else:
-                latest, counts = prefect_facts(client, deployment, settings.node_name, now=now)
-        except Exception as exc:  # no client at all
-            log.warning("node report without job outcomes: no Prefect client: %s",
-                        repr(exc)[:300], extra={"node": settings.node_name})
-        report = build_report(settings, cache, now=now, last_pull=last_pull,
-                              latest_jobs=latest, counts=counts)
-        return send_report(settings, report)
-    except Exception as exc:
-        log.warning("could not build the node report (best effort)",
-                    extra={"node": settings.node_name, "error": repr(exc)[:300]})
-        return False
+    def _pending(self) -> list[tuple[_Pending, dict[str, Any]]]:
+        found: list[tuple[_Pending, dict[str, Any]]] = []
+        seq = self._next_seq()
+        for folder in self.outbox.jobs():
+            try:
+                view = folder.view()
+            except ValueError:
+                continue
+            if view.spec.kind != "job":
+                continue
+            state = view.end_state or ("Running" if view.attempts else "")
+            if not state:
+                continue  # waiting for a slot: nothing to say yet
+            sent = folder.read_json("report.json") or {}
+            if sent.get("state") == state:
+                continue
+            record = folder.read_json("record.json") or {}
+            found.append((_Pending(folder, state), job_record(
+                view, seq=seq, offline=bool(record.get("offline")),
+                flow_run_id=record.get("flow_run_id") or view.spec.flow_run_id)))
+            seq += 1
+            if len(found) >= MAX_JOBS:
+                break
+        return found
+
+    def send_now(self) -> bool:
+        """Build and send one report; return whether the controller accepted it. Never raises."""
+        if self.url is None:
+            return False
+        try:
+            pending = self._pending()
+            body = self._facts(self._clock())
+            body["jobs"] = [record for _, record in pending]
+            ok = self._post(body)
+        except Exception as exc:
+            log.warning("could not build the node report (tried again later)",
+                        extra={"node": self.settings.node_name, "error": repr(exc)[:300]})
+            return False
+        if not ok:
+            self.failures += 1
+            return False
+        self.sent += 1
+        if pending:
+            self._seq_path.write_text(str(pending[-1][1]["seq"]), encoding="ascii")
+        for item, record in pending:
+            item.folder.write_json("report.json", {"state": item.state, "seq": record["seq"]})
+            if record["ended_at"] is not None or item.state == SKIPPED:
+                self._done(item.folder)
+        return True
+
+    def _post(self, body: dict[str, Any]) -> bool:
+        assert self.url is not None
+        node = self.settings.node_name
+        try:
+            token = self.settings.bearer_token()
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            response = httpx.post(self.url, content=json.dumps(body), headers={
+                **headers, "Content-Type": "application/json"},
+                timeout=self.settings.report_timeout.total_seconds())
+        except Exception as exc:
+            log.warning("could not send the node report (sent again later)",
+                        extra={"node": node, "report_url": self.url, "error": repr(exc)[:300]})
+            return False
+        if response.status_code != 204:
+            log.warning("the controller refused the node report",
+                        extra={"node": node, "report_url": self.url,
+                               "status": response.status_code, "answer": response.text[:500]})
+            return False
+        return True
 
 
 def pull_outcome(

@@ -1,312 +1,252 @@
-"""The planner's shell: carry :mod:`sched_core.plan`'s answers to Prefect.
+"""The plan in Prefect: each coming window as a named Scheduled run, so the Upcoming tab is true.
 
-At every reconcile, under the node lock, from the cache as it is (whether the
-pull succeeded or not):
+The node fires its windows itself (:mod:`flows.firing`); these runs are what it
+will do, shown ahead, and the runs its jobs are recorded into (by the same
+idempotency key). Nobody starts them: the node's deployments have no worker.
 
-1. Read the node's window runs from Prefect: one query, every run whose
-   window is at most the grace old (Prefect is the record of what exists).
-2. Plan (:func:`sched_core.plan.plan_windows`) and create, in bulk, the
-   runs of planned windows that have none, each scheduled at its window plus
-   the row's jitter; delete the untried runs whose window is no longer one
-   of its row's or that its policies now skip (a new pause, dates, blackout
-   or min_interval: :func:`sched_core.plan.obsolete`), and move those whose
-   jitter changed (:func:`sched_core.plan.moved`).
-3. Windows older than the grace that never had a run
-   (:func:`sched_core.plan.missed`): the latest gets a recovery run when
-   the miss policy says so; every one is reported and sent as
-   ``sched.window.missed``.
-4. Jobs interrupted by the node's own shutdown or a crash get their one re-run
-   (:func:`sched_core.plan.retry_allowed`).
-5. Record, per schedule, the latest window handled (``plan.json`` in the state
-   folder), so a window is reported missed once.
-
-Every step is idempotent: a run's idempotency key is its window's, so planning
-twice, from two processes, or after a crash between 2 and 5 never makes a
-second run of a window.
+1. **Plan.** Every window :func:`sched_core.plan.plan_windows` gives whose run
+   starts after now gets a Scheduled run at its start (the window plus the
+   row's jitter), created in bulk, 100 per request; a window already in the
+   record (``<state_dir>/plan.json``: idempotency key to run id) costs nothing,
+   so a reconcile that changed nothing sends no request.
+2. **Prune.** A planned run whose window is no longer one of its row's, or
+   that its row's policies now skip, is deleted (:func:`sched_core.plan.gone_reason`,
+   :func:`sched_core.policies.policy_block`); one whose start moved (a new
+   jitter) is moved.
+3. A record that is lost is rebuilt from the server's Scheduled runs of the
+   node's deployment the next time the server answers; a window planned twice
+   is one run (its idempotency key).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-from flows.dispatch import JobRef, Planned, Runs
-from flows.guard import stage_rerun
-from flows.registry import Interrupted, list_interrupted, list_waiting, list_window_runs
-from flows.settings import AgentSettings
-from sched_core.misses import LOOKBACK
-from sched_core.model import Cache, format_go_time, parse_go_time
-from sched_core.plan import (
-    TRIGGER_RECOVERY,
-    TRIGGER_SCHEDULE,
-    Missed,
-    PlannedRun,
-    Window,
-    late_skips,
-    missed,
-    moved,
-    obsolete,
-    plan_windows,
-    retry_allowed,
-)
-from sched_core.policies import catchup
+from flows.identity import JobRef
+from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
+from flows.recorder import RUN_JOB, Deployments
+from sched_core.firing import NodeView
+from sched_core.jsonwire import MAX_DEPTH
+from sched_core.model import format_go_time
+from sched_core.plan import TRIGGER_SCHEDULE, Window, gone_reason, plan_windows
+from sched_core.policies import policy_block, run_start
 from sched_core.statefile import locked, read_json_file, write_atomic
 
 log = logging.getLogger(__name__)
 
-LIST_SLACK = timedelta(minutes=1)
-"""How much older than the grace a run may be and still be listed (clock skew)."""
+BULK_MAX = 100
+BULK_RETRY_DELAYS = (0.2, 0.5, 1.0, 3.0, 8.0)
+"""Seconds before each retry of a chunk's failed entries (12.7 s in all): a busy SQLite
+server was measured refusing 52 creates in a row with "database is locked" over 1.6 s."""
+KEEP_FOR = timedelta(days=2)
+"""How long the record keeps a planned window after its start (the firing loop reads it)."""
+
+
+@dataclass(frozen=True)
+class PlannedEntry:
+    """One planned run: its id, schedule, window and scheduled start."""
+
+    run_id: str
+    schedule_id: str
+    window: datetime
+    start: datetime
 
 
 @dataclass
 class PlanReport:
-    """What one planning pass did, for the reconcile artifact and its events."""
+    """What one planning pass did (the reconcile's artifact shows it)."""
 
     planned: int = 0
-    """Windows the plan holds (within the horizon, or a schedule's next few)."""
-    created: list[tuple[JobRef, datetime, str]] = field(default_factory=list)
-    """(run, scheduled start, flow run id) created now."""
-    existing: int = 0
-    deleted: list[tuple[PlannedRun, str]] = field(default_factory=list)
-    moved: list[tuple[PlannedRun, datetime]] = field(default_factory=list)
-    """(run, new scheduled start) for each untried run whose row's jitter changed."""
-    skipped: list[tuple[PlannedRun, str]] = field(default_factory=list)
-    """(run, reason) for each untried late run ended Skipped as its guard would have."""
     held_back: int = 0
-    missed: list[Missed] = field(default_factory=list)
-    recovered: list[tuple[JobRef, str]] = field(default_factory=list)
-    retried: list[tuple[JobRef, str]] = field(default_factory=list)
-    interrupted: list[Interrupted] = field(default_factory=list)
-    """Interrupted jobs found this pass (each handled once: its event, its re-run)."""
-    not_retried: list[tuple[Interrupted, str]] = field(default_factory=list)
+    created: list[tuple[str, datetime]] = field(default_factory=list)
+    """(run name, start) of each run created now."""
+    deleted: list[tuple[str, str]] = field(default_factory=list)
+    """(run name or key, why) of each run deleted."""
+    moved: list[tuple[str, datetime]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
-    """(run name or id, error) for each create or delete that failed."""
+
+    @property
+    def changed(self) -> bool:
+        """True when the pass created, deleted or moved a run."""
+        return bool(self.created or self.deleted or self.moved)
 
 
-INTERRUPTED_KEPT = timedelta(days=2)
-"""How long the record remembers an interrupted run it handled (its events and re-run)."""
+def _time(value: object) -> datetime | None:
+    from flows.outbox import parse_time
+
+    return parse_time(value)
 
 
-@dataclass
-class PlanState:
-    """The planner's record in ``<state_dir>/plan.json``.
+class Planner:
+    """The node's planned runs in Prefect (the module's rules) and their record on disk."""
 
-    ``planned_through``: per schedule, the latest window handled (given a run,
-    or reported missed). ``interrupted``: the interrupted runs already
-    handled (their job event sent, their re-run created or refused), by id.
-    """
+    def __init__(self, api: PrefectApi, deployments: Deployments, path: Path, *,
+                 horizon: timedelta, min_windows: int, max_runs: int, now: datetime) -> None:
+        self.api = api
+        self.deployments = deployments
+        self.path = path
+        self.horizon = horizon
+        self.min_windows = min_windows
+        self.max_runs = max_runs
+        self._lock = threading.Lock()
+        self._entries: dict[str, PlannedEntry] = {}
+        self._loaded = self._load(now)
 
-    planned_through: dict[str, datetime] = field(default_factory=dict)
-    interrupted: dict[str, datetime] = field(default_factory=dict)
+    def _load(self, now: datetime) -> bool:
+        data = read_json_file(self.path, now=now, max_depth=MAX_DEPTH)
+        if not isinstance(data, dict) or not isinstance(data.get("planned"), dict):
+            return False
+        for key, raw in data["planned"].items():
+            if not isinstance(raw, dict):
+                continue
+            window, start = _time(raw.get("window")), _time(raw.get("start"))
+            if window and start and isinstance(raw.get("run"), str):
+                self._entries[key] = PlannedEntry(str(raw["run"]), str(raw.get("schedule_id")),
+                                                  window, start)
+        return True
 
+    def _save(self) -> None:
+        body = {"planned": {key: {"run": item.run_id, "schedule_id": item.schedule_id,
+                                  "window": format_go_time(item.window),
+                                  "start": format_go_time(item.start)}
+                            for key, item in sorted(self._entries.items())}}
+        with locked(self.path):
+            write_atomic(self.path, json.dumps(body, separators=(",", ":")).encode())
 
-def _times(raw: object) -> dict[str, datetime]:
-    found: dict[str, datetime] = {}
-    for key, value in raw.items() if isinstance(raw, dict) else ():
-        try:
-            parsed = parse_go_time(value)
-        except ValueError:
-            continue
-        if isinstance(key, str) and parsed is not None:
-            found[key] = parsed
-    return found
+    def planned_run(self, idempotency_key: str) -> str | None:
+        """Return the run planned for a window's key, or None."""
+        with self._lock:
+            entry = self._entries.get(idempotency_key)
+        return None if entry is None else entry.run_id
 
+    def plan(self, view: NodeView, *, now: datetime) -> PlanReport:
+        """Run one planning pass (rules 1-3); raise PrefectUnavailable when the server is away."""
+        with self._lock:
+            report = PlanReport()
+            deployment = self.deployments.get()[RUN_JOB]
+            if not self._loaded:
+                self._rebuild(deployment, view.node, now=now)
+            plan = plan_windows(
+                view.rows, last_fired=view.last_fired, first_seen=view.first_seen, now=now,
+                grace=view.grace, horizon=self.horizon, min_windows=self.min_windows,
+                max_runs=self.max_runs, tz=view.tz, node=view.node)
+            report.planned, report.held_back = len(plan.windows), plan.held_back
+            wanted = [(self._ref(view.node, item), item) for item in plan.windows
+                      if item.start > now]
+            missing = [(ref, item) for ref, item in wanted
+                       if ref.idempotency_key not in self._entries]
+            for offset in range(0, len(missing), BULK_MAX):
+                self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+            self._prune(view, report, now=now)
+            cutoff = now - KEEP_FOR
+            self._entries = {key: item for key, item in self._entries.items()
+                             if item.start >= cutoff}
+            if report.changed or not self._loaded or missing:
+                self._save()
+            self._loaded = True
+        return report
 
-def load_plan_state(path: Path, *, now: datetime) -> PlanState:
-    """Return the record; a missing file is empty, an unreadable one is moved aside (empty).
+    @staticmethod
+    def _ref(node: str, window: Window) -> JobRef:
+        return JobRef(node=node, action=window.action, schedule_id=window.schedule_id,
+                      trigger_key=TRIGGER_SCHEDULE, window=window.window, key=window.key)
 
-    Losing it is safe: windows are then checked against the runs Prefect has,
-    and re-sent events and re-runs keep their ids and idempotency keys.
-    """
-    data = read_json_file(path, now=now, max_depth=4)
-    if not isinstance(data, dict):
-        return PlanState()
-    return PlanState(planned_through=_times(data.get("planned_through")),
-                     interrupted=_times(data.get("interrupted")))
+    def _create(self, deployment: str, chunk: list[tuple[JobRef, Window]], report: PlanReport,
+                *, now: datetime) -> None:
+        """Create up to 100 runs, retrying the entries the server reports failed.
 
+        On SQLite the server creates a request's runs in one transaction; when
+        another writer (the node's own recorder, another node) commits between
+        its first read and its first insert, every entry comes back FAILED
+        ("database is locked") and nothing is created. Retrying is safe: the
+        idempotency key turns an entry created after all into the same run.
+        """
+        pending = list(chunk)
+        errors: dict[str, str] = {}
+        for attempt in range(len(BULK_RETRY_DELAYS) + 1):
+            if attempt:
+                time.sleep(BULK_RETRY_DELAYS[attempt - 1])
+            body = [{"name": ref.name(), "parameters": ref.parameters(), "tags": ref.tags(),
+                     "idempotency_key": ref.idempotency_key,
+                     "state": state_body("SCHEDULED", scheduled_time=item.start),
+                     "enforce_parameter_schema": False}
+                    for ref, item in pending]
+            results = self.api.create_runs(deployment, body)
+            failed: list[tuple[JobRef, Window]] = []
+            for (ref, item), result in zip(pending, results, strict=True):
+                if result.get("status") == "CREATED" and result.get("flow_run_id"):
+                    self._entries[ref.idempotency_key] = PlannedEntry(
+                        str(result["flow_run_id"]), item.schedule_id, item.window, item.start)
+                    report.created.append((ref.name(), item.start))
+                else:
+                    failed.append((ref, item))
+                    errors[ref.idempotency_key] = str(result.get("error"))[:200]
+            pending = failed
+            if not pending:
+                return
+        report.failed += [(ref.name(), errors.get(ref.idempotency_key, ""))
+                          for ref, _ in pending]
 
-def save_plan_state(path: Path, state: PlanState) -> None:
-    """Write the record atomically, under the file's lock."""
-    body = {name: {key: format_go_time(times[key]) for key in sorted(times)}
-            for name, times in (("planned_through", state.planned_through),
-                                ("interrupted", state.interrupted))}
-    with locked(path):
-        write_atomic(path, json.dumps(body, separators=(",", ":")).encode())
+    def _prune(self, view: NodeView, report: PlanReport, *, now: datetime) -> None:
+        rows = {row.id: row for row in view.rows}
+        for key, item in list(self._entries.items()):
+            if item.start <= now:
+                continue  # its window is the firing loop's now: it records the run's end
+            row = rows.get(item.schedule_id)
+            reason = gone_reason(row, item.schedule_id, item.window, view.tz)
+            if reason is None and row is not None:
+                block = policy_block(row, item.window,
+                                     last_fired=view.last_fired.get(row.id), tz=view.tz)
+                if block is not None:
+                    reason = f"schedule {row.id} skips this window: {block}"
+            if reason is not None:
+                try:
+                    self.api.delete_run(item.run_id)
+                except PrefectRefused as exc:
+                    report.failed.append((key, str(exc)[:200]))
+                    continue
+                del self._entries[key]
+                report.deleted.append((key, reason))
+                continue
+            assert row is not None
+            start = run_start(row, item.window, node=view.node, tz=view.tz)
+            if abs(start - item.start) >= timedelta(seconds=1):
+                self.api.set_state(item.run_id, state_body("SCHEDULED", scheduled_time=start),
+                                   force=True)
+                self._entries[key] = PlannedEntry(item.run_id, item.schedule_id, item.window,
+                                                  start)
+                report.moved.append((key, start))
 
+    def _rebuild(self, deployment: str, node: str, *, now: datetime) -> None:
+        """Fill a lost record from the server's Scheduled runs of the deployment (rule 3)."""
+        offset = 0
+        while True:
+            runs = self.api.filter_runs({
+                "flow_runs": {"deployment_id": {"any_": [deployment]},
+                              "state": {"type": {"any_": ["SCHEDULED"]}},
+                              "expected_start_time": {"after_": format_go_time(now)}},
+                "sort": "EXPECTED_START_TIME_ASC", "limit": PAGE, "offset": offset})
+            for run in runs:
+                self._adopt(run, node)
+            if len(runs) < PAGE:
+                break
+            offset += PAGE
+        log.info("rebuilt the plan record from the server: %d planned runs", len(self._entries),
+                 extra={"node": node})
 
-def plan_node(
-    settings: AgentSettings, cache: Cache, runs: Runs, *, now: datetime,
-    record: PlanState | None = None,
-) -> PlanReport:
-    """Run one planning pass (the module's steps 1 to 5) and return what it did."""
-    node, tz, grace = settings.node_name, settings.tz, settings.grace
-    report = PlanReport()
-    rows = cache.schedules
-    deployment_id = runs.deployment_id()
-    record_path = settings.plan_path
-    if record is None:
-        record = load_plan_state(record_path, now=now)
-    planned_through = record.planned_through
-    # List back to the oldest window not yet handled (after downtime), at most
-    # the longest catch-up window: those runs are the guard's, not missed.
-    reach = max([LOOKBACK, *(catchup(row) for row in rows)])
-    since = max(now - reach, min([now - grace, *planned_through.values()])) - LIST_SLACK
-    existing = list_window_runs(runs.client, deployment_id, node, since=since)
-    have = {(run.schedule_id, run.window) for run in existing}
-    report.existing = sum(1 for run in existing if run.window >= now - grace)
-
-    plan = plan_windows(
-        rows,
-        last_fired=cache.last_fired_at,
-        first_seen=cache.first_seen_at,
-        now=now,
-        grace=grace,
-        horizon=settings.plan_horizon,
-        min_windows=settings.plan_min_windows,
-        max_runs=settings.plan_max_runs,
-        tz=tz,
-        node=node,
-    )
-    report.planned, report.held_back = len(plan.windows), plan.held_back
-    to_create = [
-        Planned(ref=_ref(node, window, TRIGGER_SCHEDULE), start=window.start)
-        for window in plan.windows
-        if (window.schedule_id, window.window) not in have
-    ]
-
-    report.missed = missed(
-        rows,
-        last_fired=cache.last_fired_at,
-        first_seen=cache.first_seen_at,
-        planned_through=planned_through,
-        now=now,
-        grace=grace,
-        tz=tz,
-        have=have,
-        node=node,
-    )
-    recoveries = [
-        Planned(ref=_ref(node, item.recover, TRIGGER_RECOVERY), start=now)
-        for item in report.missed
-        if item.recover is not None
-    ]
-
-    by_id = {row.id: row for row in rows}
-    retries: list[Planned] = []
-    for stopped in list_interrupted(runs.client, deployment_id, node, since=now - reach):
-        if stopped.run_id in record.interrupted:
-            continue
-        report.interrupted.append(stopped)
-        row = by_id.get(stopped.schedule_id)
-        if stopped.window is None:
-            decision = stage_rerun(settings, row, schedule_id=stopped.schedule_id,
-                                   trigger_key=stopped.trigger_key,
-                                   stopped_at=stopped.stopped_at, now=now)
-        else:
-            decision = retry_allowed(
-                row, schedule_id=stopped.schedule_id, window=stopped.window,
-                last_fired=cache.last_fired_at.get(stopped.schedule_id), now=now, grace=grace,
-                tz=tz, node=node,
-            )
-        if not decision.runs or row is None:
-            report.not_retried.append((stopped, decision.reason))
-            continue
-        ref = JobRef(node=node, action=row.action, schedule_id=row.id,
-                     trigger_key=stopped.trigger_key, window=stopped.window, key=stopped.key,
-                     retry_of=stopped.run_id)
-        retries.append(Planned(ref=ref, start=now))
-
-    created = runs.create(to_create + recoveries + retries)
-    for item, error in created.failed:
-        report.failed.append((item.ref.name, error))
-    done = {key for key in created.runs}
-    for item in to_create:
-        if item.ref.idempotency_key in done:
-            report.created.append((item.ref, item.start, created.runs[item.ref.idempotency_key]))
-    for item in recoveries:
-        if item.ref.idempotency_key in done:
-            report.recovered.append((item.ref, created.runs[item.ref.idempotency_key]))
-    for item in retries:
-        if item.ref.idempotency_key in done:
-            report.retried.append((item.ref, created.runs[item.ref.idempotency_key]))
-
-    stale = obsolete(existing, rows, tz=tz, last_fired=cache.last_fired_at)
-    failed_deletes = dict(runs.delete(run.run_id for run, _ in stale))
-    report.deleted = [(run, why) for run, why in stale if run.run_id not in failed_deletes]
-    report.failed += [(run_id, error) for run_id, error in failed_deletes.items()]
-    shifted = moved(existing, rows, node=node, tz=tz)
-    failed_moves = dict(runs.reschedule(shifted))
-    report.moved = [(run, start) for run, start in shifted if run.run_id not in failed_moves]
-    report.failed += [(run_id, error) for run_id, error in failed_moves.items()]
-    # Late untried runs the guard would skip end now, instead of each starting
-    # a process to say so (after a long downtime, hundreds of them).
-    gone = {run.run_id for run, _ in stale}
-    waiting, first_tries = list_waiting(
-        runs.client, deployment_id, node, since=now - reach, before=now - grace)
-    late = late_skips(
-        (run for run in waiting if run.run_id not in gone), rows,
-        last_fired=cache.last_fired_at, first_seen=cache.first_seen_at, now=now, grace=grace,
-        tz=tz, node=node, first_tries=first_tries,
-    )
-    ended, failed_skips = runs.skip(late)
-    done_skips = set(ended)
-    report.skipped = [(run, why) for run, why in late if run.run_id in done_skips]
-    report.failed += failed_skips
-
-    _log(report, node)
-    # A window is handled once it has a run or has been reported missed. A
-    # create that failed leaves its schedule's record where it was, so the
-    # window is planned (or reported) again at the next reconcile.
-    failed_ids = {item.ref.schedule_id for item, _ in created.failed}
-    handled = dict(planned_through)
-    for row in rows:
-        if row.id in failed_ids:
-            continue
-        mark = now - grace
-        handled[row.id] = max(handled.get(row.id, mark), mark)
-    for window in plan.windows:
-        if window.schedule_id not in failed_ids and window.window > handled.get(
-            window.schedule_id, window.window
-        ):
-            handled[window.schedule_id] = window.window
-    record.planned_through = {key: value for key, value in handled.items() if key in by_id}
-    retried_failed = {item.ref.retry_of for item, _ in created.failed if item.ref.retry_of}
-    for stopped in report.interrupted:
-        if stopped.run_id not in retried_failed:
-            record.interrupted[stopped.run_id] = now
-    record.interrupted = {key: value for key, value in record.interrupted.items()
-                          if value > now - INTERRUPTED_KEPT}
-    save_plan_state(record_path, record)
-    return report
-
-
-def _ref(node: str, window: Window, trigger_key: str) -> JobRef:
-    return JobRef(node=node, action=window.action, schedule_id=window.schedule_id,
-                  trigger_key=trigger_key, window=window.window, key=window.key)
-
-
-def _log(report: PlanReport, node: str) -> None:
-    log.info(
-        "planned %d windows: %d created, %d existed, %d deleted, %d moved, %d late ones ended "
-        "Skipped, %d held back by the cap, %d recovered, %d interrupted jobs re-run, %d failed",
-        report.planned, len(report.created), report.existing, len(report.deleted),
-        len(report.moved), len(report.skipped), report.held_back, len(report.recovered),
-        len(report.retried), len(report.failed),
-        extra={"node": node, "planned": report.planned, "runs_created": len(report.created),
-               "deleted": len(report.deleted), "moved": len(report.moved),
-               "skipped_late": len(report.skipped),
-               "held_back": report.held_back,
-               "recovered": len(report.recovered), "retried": len(report.retried),
-               "failed": len(report.failed)},
-    )
-    for item in report.missed:
-        log.warning(
-            "schedule %s missed %d window(s) that never had a run (%s .. %s); %s",
-            item.schedule_id, item.count, item.windows[0].isoformat(),
-            item.windows[-1].isoformat(),
-            "the latest is recovered" if item.recover else "none is recovered (miss policy)",
-            extra={"node": node, "schedule_id": item.schedule_id, "missed": item.count},
-        )
+    def _adopt(self, run: dict[str, Any], node: str) -> None:
+        key = run.get("idempotency_key")
+        params = run.get("parameters") or {}
+        window = _time(params.get("window"))
+        start = _time(run.get("expected_start_time") or run.get("next_scheduled_start_time"))
+        if (isinstance(key, str) and key.startswith(f"{node}:") and window and start
+                and isinstance(params.get("schedule_id"), str)):
+            self._entries[key] = PlannedEntry(str(run["id"]), params["schedule_id"], window,
+                                              start)

@@ -1,34 +1,36 @@
 """The repository lock: jobs of one repository never run at once anywhere in the fleet.
 
 A row with ``repo_lock`` holds one slot of the Prefect global concurrency limit
-``sched-repo-<repo_id>`` around its command (every try of it). The limit is
-created with one slot the first time a job needs it (two nodes creating it at
-once is fine: the second finds it). A job waits for the slot at most the
-action's longest run, saying in its logs what it waits for and how long it
-waited; when it does not get it, the run fails, saying so. The server keeps
-the slot as a lease the job renews, so a job whose process dies frees the
-slot when its lease runs out (``LEASE_S``).
+``sched-repo-<repo_id>`` around its command (every try of it), through Prefect's
+REST API. The limit is created with one slot the first time a job needs it (two
+nodes creating it at once is fine: the second finds it). A job waits for the
+slot at most the action's longest run, saying in its log what it waits for and
+how long it waited; when it does not get it, the job fails, saying so. The
+server keeps the slot as a lease the node renews (every :data:`LEASE_S` / 3), so
+a node that dies frees the slot when its lease runs out.
 
-An operator may raise the limit or deactivate it (``prefect gcl update``);
-the job then logs a warning that jobs of the repository may overlap.
+This is the one policy that needs the center: a fleet-wide lock lives on the
+Prefect server. While the server cannot be reached, a ``repo_lock`` job waits
+for it (within the same bound) instead of running unguarded.
+
+An operator may raise the limit or deactivate it (``prefect gcl update``); the
+job then logs a warning that jobs of the repository may overlap.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
+from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
 from sched_core import SchedError
-from sched_core.model import LocalSchedule
 
 LEASE_S = 300.0
 """How long the server keeps a slot whose holder stopped renewing it (seconds)."""
+POLL_S = 2.0
+"""How often a waiting job asks for the slot again."""
 
 
 class RepoLockTimeout(SchedError, TimeoutError):
@@ -40,53 +42,83 @@ def repo_lock_name(repo_id: str) -> str:
     return f"sched-repo-{repo_id}"
 
 
-def ensure_repo_limit(name: str, warn: Callable[[str], object]) -> None:
+def ensure_limit(api: PrefectApi, name: str, warn: Callable[[str], object]) -> None:
     """Create the limit with one slot unless it exists; warn if it no longer holds jobs apart."""
-    with get_client(sync_client=True) as client:
+    try:
+        found = api.call("GET", f"/v2/concurrency_limits/{name}").json()
+    except PrefectRefused as exc:
+        if exc.status != 404:
+            raise
         try:
-            found = client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            try:
-                client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=name, limit=1, active=True)
-                )
-            except ObjectAlreadyExists:
-                pass  # another node created it meanwhile
-            return
-    if not found.active or found.limit != 1:
-        warn(
-            f"the repository lock {name} is {'inactive' if not found.active else 'active'} "
-            f"with {found.limit} slot(s) on the Prefect server: jobs of this repository may "
-            "overlap (set it back with `prefect gcl update`)"
-        )
+            api.call("POST", "/v2/concurrency_limits/",
+                     json={"name": name, "limit": 1, "active": True})
+        except PrefectRefused as again:
+            if again.status != 409:  # 409: another node created it meanwhile
+                raise
+        return
+    if not found.get("active", True) or found.get("limit") != 1:
+        warn(f"the repository lock {name} is {'active' if found.get('active') else 'inactive'} "
+             f"with {found.get('limit')} slot(s) on the Prefect server: jobs of this "
+             "repository may overlap (set it back with `prefect gcl update`)")
 
 
 @contextmanager
 def repo_lock(
-    row: LocalSchedule,
+    api: PrefectApi,
+    repo_id: str,
     *,
     wait_s: float,
     info: Callable[[str], object],
     warn: Callable[[str], object],
 ) -> Iterator[None]:
-    """Hold the row's repository lock while the block runs (nothing when repo_lock is off)."""
-    if not row.repo_lock:
-        yield
-        return
-    name = repo_lock_name(row.repo_id)
-    ensure_repo_limit(name, warn)
-    info(f"waiting for the repository lock {name}: jobs of repository {row.repo_id} run one at "
+    """Hold the repository's lock while the block runs; RepoLockTimeout when it stays taken."""
+    name = repo_lock_name(repo_id)
+    info(f"waiting for the repository lock {name}: jobs of repository {repo_id} run one at "
          f"a time across the fleet (up to {wait_s:g} s)")
     started = time.monotonic()
-    with ExitStack() as held:
+    deadline = started + wait_s
+    lease: str | None = None
+    ensured = False
+    while lease is None:
         try:
-            held.enter_context(concurrency(
-                name, occupy=1, timeout_seconds=wait_s, strict=True, lease_duration=LEASE_S
-            ))
-        except TimeoutError as exc:
-            raise RepoLockTimeout(
-                f"the repository lock {name} was not free within {wait_s:g} s: another job of "
-                f"repository {row.repo_id} held it all that time"
-            ) from exc
-        info(f"holding the repository lock {name} (waited {time.monotonic() - started:.1f} s)")
+            if not ensured:
+                ensure_limit(api, name, warn)
+                ensured = True
+            lease = str(api.call("POST", "/v2/concurrency_limits/increment-with-lease", json={
+                "names": [name], "slots": 1, "mode": "concurrency",
+                "lease_duration": LEASE_S}).json()["lease_id"])
+        except PrefectRefused as exc:
+            if exc.status != 423:  # 423: taken; anything else is a real refusal
+                raise
+        except PrefectUnavailable:
+            pass  # the lock is the server's: wait for it as for a taken slot
+        if lease is None:
+            if time.monotonic() >= deadline:
+                raise RepoLockTimeout(
+                    f"the repository lock {name} was not free within {wait_s:g} s: another "
+                    f"job of repository {repo_id} held it (or the Prefect server was "
+                    "unreachable) all that time")
+            time.sleep(POLL_S)
+    info(f"holding the repository lock {name} (waited {time.monotonic() - started:.1f} s)")
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(LEASE_S / 3):
+            try:
+                api.call("POST", f"/v2/concurrency_limits/leases/{lease}/renew",
+                         json={"lease_duration": LEASE_S})
+            except SchedError as exc:
+                warn(f"could not renew the repository lock {name}: {exc}")
+
+    renewer = threading.Thread(target=renew, name=f"repo-lock-{repo_id}", daemon=True)
+    renewer.start()
+    try:
         yield
+    finally:
+        stop.set()
+        try:
+            api.call("POST", "/v2/concurrency_limits/decrement-with-lease",
+                     json={"lease_id": lease})
+        except SchedError as exc:
+            warn(f"could not release the repository lock {name} (its lease ends by itself "
+                 f"within {LEASE_S:g} s): {exc}")

@@ -78,20 +78,26 @@ def pull_lines(result: PullResult | None, error: str | None, names: dict[str, st
 
 
 def plan_lines(
-    report: PlanReport,
+    report: PlanReport | None,
     rows: Sequence[LocalSchedule],
     *,
     now: datetime,
     tz: ZoneInfo,
     node: str = "",
     last_fired: Mapping[str, datetime] | None = None,
+    plan_error: str | None = None,
 ) -> list[str]:
-    """Return the plan's part: each schedule's next windows and policies, then what it did."""
-    lines = ["#### Plan", "",
-             f"{report.planned} windows planned ({len(report.created)} runs created now, "
-             f"{report.existing} already there), {len(report.deleted)} deleted"
-             + (f", {report.held_back} held back by plan_max_runs" if report.held_back else "")
-             + ".", ""]
+    """Return the plan's part: each schedule's next windows and policies, then what it changed."""
+    lines = ["#### Plan", ""]
+    if report is None:
+        lines += [f"The plan in Prefect was not updated: {plan_error or 'no server'}. The node "
+                  "fires its windows all the same; the Upcoming tab catches up at the next "
+                  "reconcile.", ""]
+    else:
+        lines += [f"{report.planned} windows planned ({len(report.created)} runs created now), "
+                  f"{len(report.deleted)} deleted, {len(report.moved)} moved"
+                  + (f", {report.held_back} held back by plan_max_runs" if report.held_back
+                     else "") + ".", ""]
     clock_rows = [row for row in rows if not row.schedule.is_event]
     fired = last_fired or {}
     if clock_rows:
@@ -115,55 +121,24 @@ def plan_lines(
                 f"| {policies} | {'<br>'.join(cell(note) for note in notes)} |"
             )
         lines.append("")
+    if report is None:
+        return lines
     if report.created:
         lines += ["Created:", ""]
-        lines += [f"- `{ref.name}` at {local(start, tz)}" for ref, start, _ in report.created[:50]]
+        lines += [f"- `{name}` at {local(start, tz)}" for name, start in report.created[:50]]
         if len(report.created) > 50:
             lines.append(f"- ... and {len(report.created) - 50} more")
         lines.append("")
     if report.deleted:
         lines += ["Deleted (no longer a window of its schedule, or skipped by its policies):", ""]
-        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {cell(why)}"
-                  for run, why in report.deleted]
+        lines += [f"- `{key}`: {cell(why)}" for key, why in report.deleted]
         lines.append("")
     if report.moved:
         lines += ["Moved (the schedule's jitter changed):", ""]
-        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: now starts "
-                  f"{start.astimezone(tz):%H:%M:%S}" for run, start in report.moved]
-        lines.append("")
-    if report.skipped:
-        lines += ["Late runs ended Skipped (their start guard's answer, given without starting "
-                  "them):", ""]
-        lines += [f"- `{run.schedule_id}` {local(run.window, tz)}: {cell(why)}"
-                  for run, why in report.skipped[:50]]
-        if len(report.skipped) > 50:
-            lines.append(f"- ... and {len(report.skipped) - 50} more")
-        lines.append("")
-    if report.missed:
-        lines += ["**Missed** (windows that never had a run: the node or Prefect was down "
-                  "for longer than the plan horizon):", ""]
-        for item in report.missed:
-            shown = ", ".join(local(w, tz) for w in item.windows)
-            hidden = item.count - len(item.windows)
-            more = f" and {hidden} more" if hidden else ""
-            fate = (f"recovered {local(item.recover.window, tz)}" if item.recover else
-                    "not recovered (miss policy)")
-            if item.truncated:
-                fate += f", {item.truncated} older dropped (run-all)"
-            lines.append(f"- `{item.schedule_id}`: {item.count} missed ({shown}{more}); {fate}")
-        lines.append("")
-    if report.recovered:
-        lines += [f"- recovery run `{ref.name}`" for ref, _ in report.recovered] + [""]
-    if report.retried:
-        lines += ["Interrupted jobs run again:", ""]
-        lines += [f"- `{ref.name}` (re-run of `{ref.retry_of}`)" for ref, _ in report.retried]
-        lines.append("")
-    if report.not_retried:
-        lines += ["Interrupted jobs not run again:", ""]
-        lines += [f"- `{item.run_name}`: {why}" for item, why in report.not_retried]
+        lines += [f"- `{key}`: now starts {local(start, tz)}" for key, start in report.moved]
         lines.append("")
     if report.failed:
-        lines += ["**Failed** (retried at the next reconcile):", ""]
-        lines += [f"- `{name}`: {error}" for name, error in report.failed]
+        lines += ["**Failed** (tried again at the next reconcile):", ""]
+        lines += [f"- `{name}`: {cell(error)}" for name, error in report.failed]
         lines.append("")
     return lines

@@ -241,6 +241,9 @@ class StageSpec(BaseModel):
     action: str = Field(min_length=1)
     on: str = "after_wave"
     trigger_key: str = ""
+    after: Literal["success", "any"] = "success"
+    """What the stage follows: ``success`` (the default) fires it only after a wave (for the
+    first stage) in which at least one job succeeded; ``any`` after any wave that drained."""
 
     def key(self) -> str:
         """Return the trigger key the stage's fires carry (default ``chain-<name>``)."""
@@ -278,13 +281,18 @@ class AgentSettings(BaseSettings):
     wave_lookback: Seconds = timedelta(hours=12)
     job_limit: int = Field(default=8, ge=1)
     listen: bool = True
-    """serve follows the node's sched.schedules.updated events and pulls at once."""
+    """The node keeps one channel open to the center (the controller's wait, else Prefect's
+    event stream) for changes, ad hoc runs and cancels."""
+    heartbeat: Seconds = Field(default=timedelta(seconds=60))
+    """The node reaches its controller at least this often (a wait or a report); the
+    controller calls it silent after a few of these."""
+    outbox_max_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    """The outbox's size past which the oldest jobs' output is cut to its last lines."""
     # The planner: runs created ahead of their windows (docs/agent.md, "The planner").
     reconcile_interval: Seconds = timedelta(minutes=15)
     plan_horizon: Seconds = timedelta(hours=1)
     plan_min_windows: int = Field(default=3, ge=0, le=100)
     plan_max_runs: int = Field(default=2000, ge=1)
-    allow_row_parameter: bool = False
 
     # -- what a row may make a node execute (flows/actions.py checks every value) --
     strict_params: bool = True
@@ -303,6 +311,13 @@ class AgentSettings(BaseSettings):
         if cls._toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
         return tuple(sources)
+
+    @field_validator("heartbeat")
+    @classmethod
+    def _check_heartbeat(cls, value: timedelta) -> timedelta:
+        if not timedelta(seconds=10) <= value <= timedelta(hours=1):
+            raise ValueError("heartbeat must be between 10 s and 1 h")
+        return value
 
     @model_validator(mode="after")
     def _check_plan(self) -> Self:

@@ -113,6 +113,68 @@ def check_identifier(value: str, what: str) -> str:
     raise ScheduleError(f"{what} {shown} is not an identifier: {IDENTIFIER_RULE}")
 
 
+NAME_MAX_LENGTH = 200
+"""The longest name a person gives (a schedule's ``name``, a task's name), in characters."""
+
+TEXT_MAX_LENGTH = 2000
+"""The longest other free text from outside (a node's error message), in characters."""
+
+_UNSAFE_TEXT = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ufeff]"
+)
+_MULTILINE_OK = frozenset("\n\t")
+
+TEXT_RULE = (
+    "free text holds no control character (U+0000-001F, U+007F-009F), no bidi control "
+    "(U+061C, U+200E, U+200F, U+202A-202E, U+2066-2069), no line or paragraph separator "
+    "(U+2028, U+2029) and no U+FEFF"
+)
+"""What free text from outside (names, notes, versions, messages) may not hold, in words."""
+
+
+def _text_kind(char: str) -> str:
+    """Return what an unsafe character of free text is, in words."""
+    if char in "\u2028\u2029":
+        return "a line or paragraph separator"
+    if char == "\ufeff":
+        return "a byte order mark"
+    if char in "\u061c\u200e\u200f" or "\u202a" <= char <= "\u2069":
+        return "a bidi control"
+    return "a control character"
+
+
+def text_problem(value: str, *, max_length: int, multiline: bool = False) -> str | None:
+    """Return why value is not acceptable free text (too long, a control character), or None.
+
+    Bidi controls reorder what a reader sees (``U+202E`` shows ``exe.txt`` as
+    ``txt.exe``) and control characters drive terminals or forge lines, so
+    neither may be in text a page, a table or a log line shows. ``multiline``
+    allows newlines and tabs (a node's error message).
+    """
+    if len(value) > max_length:
+        return f"is {len(value)} characters long; the most is {max_length}"
+    for match in _UNSAFE_TEXT.finditer(value):
+        char = match.group(0)
+        if multiline and char in _MULTILINE_OK:
+            continue
+        return (f"holds U+{ord(char):04X} ({_text_kind(char)}) at character "
+                f"{match.start() + 1}; {TEXT_RULE}")
+    return None
+
+
+def check_text(value: str, what: str, *, max_length: int, multiline: bool = False) -> str:
+    """Return value if it is acceptable free text (see :func:`text_problem`); else ScheduleError.
+
+    The one rule for text a client chooses and people read (a schedule's name,
+    a pause note, a node's agent version or error, a task's name): bounded, and
+    no control or bidi character. The error names what and why.
+    """
+    problem = text_problem(value, max_length=max_length, multiline=multiline)
+    if problem is not None:
+        raise ScheduleError(f"{what} {problem}")
+    return value
+
+
 def go_escape(text: str) -> str:
     """Escape ``<``, ``>``, ``&``, U+2028 and U+2029 in JSON text as Go's encoder does."""
     return _GO_ESCAPE_RE.sub(lambda m: _GO_ESCAPES[m.group(0)], text)

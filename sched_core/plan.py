@@ -544,6 +544,8 @@ class Missed:
     """The window to give a recovery run, or None."""
     truncated: int
     """Older unplanned windows ``run-all`` drops in favour of ``recover``."""
+    latest: datetime | None = None
+    """The latest of the windows (``windows`` shows the oldest few)."""
 
 
 MISSED_SHOWN = 10
@@ -620,6 +622,7 @@ def missed(
             count=len(windows),
             recover=recover,
             truncated=truncated,
+            latest=windows[-1],
         ))
     return found
 

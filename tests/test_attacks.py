@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from flows.actions import ValueRefused, render_argv, run_command
+from flows.actions import ValueRefused, job_environment, render_argv, run_command
 from flows.settings import AgentSettings, load_settings, template_fields
 from sched_core import ConfigError, LocalSchedule
 
@@ -215,7 +216,7 @@ def test_restic_password_command_runs_unguarded_and_is_refused_now(
     password = tmp_path / "pw"
     password.write_text("pw\n")
     settings = _restic_settings(tmp_path, password)
-    env = settings.actions["backup"].env
+    env = job_environment(settings.actions["backup"].env, tz="UTC")
     repo, data, marker = tmp_path / "repos" / "r-9", tmp_path / "data", tmp_path / "marker"
     data.mkdir()
     (data / "a").write_text("a")
@@ -408,10 +409,62 @@ class Node:
             "last_fetched_at": "2026-12-02T07:00:00Z",
         }))
 
-    def run(self, schedule_id: str) -> Any:
-        from flows.job import run_job
+    def run(self, schedule_id: str) -> Outcome:
+        """Run the cached row by id as an operator's ad hoc run: created in Prefect, taken by
+        the node, recorded back (the node's own path for a Run of ``run-job/<node>``)."""
+        from prefect.settings import PREFECT_API_URL
 
-        return run_job(schedule_id=schedule_id, return_state=True)
+        from flows.node import Node as AgentNode
+        from flows.prefect_api import ApiSettings, PrefectApi, state_body
+
+        api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+        agent = AgentNode(load_settings(), api=api)
+        try:
+            deployment = agent.deployments.get()["run-job"]
+            created = api.create_run(deployment, {"parameters": {"schedule_id": schedule_id},
+                                                  "state": state_body("SCHEDULED")})
+            assert agent.control.check() == 1, "the node took the run"
+            assert agent.jobs.wait_idle(120), "the job ended"
+            agent.recorder.drain()
+            run = api.read_run(str(created["id"]))
+            assert run is not None
+            return Outcome(run)
+        finally:
+            agent.jobs.stop()
+            api.close()
+
+
+def _argv(outcome: Outcome) -> list[str]:
+    """Return the command line a run ran, from the node's line in its log (``running [...]``)."""
+    import ast
+
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.prefect_api import ApiSettings, PrefectApi
+
+    api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+    try:
+        logs = api.filter_logs({"logs": {"flow_run_id": {"any_": [outcome.flow_run_id]}}})
+    finally:
+        api.close()
+    line = next(item["message"] for item in logs if item["message"].startswith("running ["))
+    argv: list[str] = ast.literal_eval(line.removeprefix("running "))
+    return argv
+
+
+class Outcome:
+    """An ad hoc run's end as Prefect records it (what the tests read of a run's state)."""
+
+    def __init__(self, run: dict[str, Any]) -> None:
+        self.run = run
+        self.message = str(run["state"].get("message") or "")
+        self.flow_run_id = str(run["id"])
+
+    def is_failed(self) -> bool:
+        return bool(self.run["state"]["type"] == "FAILED")
+
+    def is_completed(self) -> bool:
+        return bool(self.run["state"]["type"] == "COMPLETED")
 
 
 def _task_runs(run_id: Any) -> list[Any]:
@@ -438,7 +491,7 @@ def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) 
         message = str(state.message)
         assert state.is_failed(), (sid, message)
         assert any(part in message for part in text.split(" | ")), (sid, message)
-        assert _task_runs(state.state_details.flow_run_id) == [], f"{sid}: a command ran"
+        assert _task_runs(state.flow_run_id) == [], f"{sid}: a command ran"
     assert not node.marker.exists()
     assert _outside_the_cache(_snapshot(node.world)) == before
     # The node's own cache may have been rewritten without the rows its model
@@ -451,10 +504,16 @@ def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) 
                for row in kept)
 
 
+NODE_RECORDS = ("node/state/cache.json", "node/state/outbox", "node/state/history.json",
+                "node/state/chain.json.lock", "node/state/decided.json")
+"""The node's own bookkeeping: its cache, and its records of the jobs it refused."""
+
+
 def _outside_the_cache(snapshot: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
-    """Return a snapshot without the node's cache file, its lock and their folder's times."""
+    """Return a snapshot without the node's own records (its cache, outbox, history) and
+    their folder's times: what a hostile row could reach."""
     return {path: value for path, value in snapshot.items()
-            if not path.startswith("node/state/cache.json") and path != "node/state"}
+            if not path.startswith(NODE_RECORDS) and path != "node/state"}
 
 
 # A row the kit's model may refuse (identifier rules) is dropped when the cache
@@ -554,7 +613,7 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     assert "exited with code 1" in str(nothing.message)
     state = node.run("good")
     assert state.is_completed(), state.message
-    assert state.result()["argv"][-2:] == ["--", "."]
+    assert _argv(state)[-2:] == ["--", "."]
     [archive] = node.state.glob("archive-demo-*.tar.gz")
     assert stat.S_IMODE(archive.stat().st_mode) == 0o600
     assert stat.S_IMODE(node.state.stat().st_mode) == 0o700
@@ -576,3 +635,626 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     prune = node.run("good-prune")
     assert prune.is_completed(), prune.message
     assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
+
+
+# == Issue 20: the controller and the job's environment, attacked from outside ===========
+#
+# Each test shows the attack's mechanism live first (the primitive the old code
+# hit, or the old behaviour itself), then the controller over real HTTP on
+# loopback (a real SQLite file, the real migrations) refusing it, naming what was
+# wrong, with nothing stored before lost.
+
+ADMIN_TOKEN = "admin-token-for-the-attacks-0123456789"
+NODE_TOKEN = "node-a-token-for-the-attacks-abcdef"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+NODE = {"Authorization": f"Bearer {NODE_TOKEN}"}
+
+
+class Controller:
+    """The controller's API served in a thread over a fresh SQLite file; a client to it."""
+
+    def __init__(self, url: str, base: str) -> None:
+        import httpx
+
+        self.url = url
+        self.base = base
+        # No keep-alive: an answer the server closes the connection after stays its own.
+        self.http = httpx.Client(base_url=base, timeout=30,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Any:
+    from controller.api import create_app
+    from controller.auth import Tokens
+    from controller.db import make_engine, migrate
+    from controller.testing import serve_in_thread
+
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as base:
+            api = Controller(url, base)
+            try:
+                yield api
+            finally:
+                api.http.close()
+    finally:
+        engine.dispose()
+
+
+def _report(**changes: Any) -> dict[str, Any]:
+    """Return a valid node report of node-a, with changes applied."""
+    data: dict[str, Any] = {
+        "node": "node-a", "agent_version": "0.1.0", "timezone": "UTC", "grace_s": 300,
+        "reported_at": "2026-12-03T07:31:00Z",
+        "schedules": [{"id": "s-1", "last_fired": "2026-12-03T07:30:00Z",
+                       "next_planned": "2026-12-04T07:30:00Z",
+                       "latest_job": {"state": "Completed", "window": "2026-12-03T07:30:00Z"}}],
+    }
+    data.update(changes)
+    return data
+
+
+def _with_time(where: str, value: str) -> dict[str, Any]:
+    """Return a report with value at where: reported_at, last_fired, next_planned or window."""
+    report = _report()
+    item = report["schedules"][0]
+    if where == "reported_at":
+        report["reported_at"] = value
+    elif where == "window":
+        item["latest_job"]["window"] = value
+    else:
+        item[where] = value
+    return report
+
+
+FIELD_OF = {"reported_at": "reported_at", "last_fired": "schedules.0.last_fired",
+            "next_planned": "schedules.0.next_planned", "window": "schedules.0.latest_job.window"}
+
+
+def test_a_report_time_out_of_range_in_utc_is_a_422_and_one_log_line(
+    controller: Controller, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Point 3: years 1-9999 left in UTC was a 500 with a traceback per request."""
+    values = ["9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00+14:00"]
+    # The attack's mechanism, live: valid RFC 3339, but UTC has no year 10000 nor 0.
+    for value in values:
+        with pytest.raises(OverflowError):
+            datetime.fromisoformat(value).astimezone(UTC)
+    http = controller.http
+    assert http.post("/api/nodes/node-a/report", json=_report(), headers=NODE).status_code == 204
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    sent = 0
+    for where, field in FIELD_OF.items():
+        for value in values:
+            answer = http.post("/api/nodes/node-a/report", json=_with_time(where, value),
+                               headers=NODE)
+            sent += 1
+            assert answer.status_code == 422, (where, value, answer.text)
+            [entry] = answer.json()["detail"]
+            assert entry["field"] == field
+            assert entry["msg"] == (f"time {value!r} is out of range in UTC (years 1 to 9999)")
+    for _ in range(50 - sent):  # the issue's 50 requests
+        assert http.post("/api/nodes/node-a/report", json=_with_time("window", values[0]),
+                         headers=NODE).status_code == 422
+    # The server's lines but its access log (one short line per request) and the
+    # test client's own.
+    lines = [r for r in caplog.records if r.name not in ("controller.access", "httpx")]
+    assert [r.getMessage().split(":")[0] for r in lines] == [
+        "node reports refused"], [r.getMessage() for r in lines]
+    assert "1 since the last such line" in lines[0].getMessage()
+    assert not any(r.exc_info or "Traceback" in r.getMessage() for r in caplog.records)
+    # Nothing the node stored before is lost: its last good report still stands.
+    status = http.get("/api/nodes/node-a/status", headers=NODE).json()
+    assert status["last_report_at"] is not None and status["agent_version"] == "0.1.0"
+
+
+def test_refusals_are_logged_once_per_interval_with_their_count(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    from controller.api.fleet import RefusalLog
+
+    now = [1000.0]
+    refusals = RefusalLog("node reports", interval=60, clock=lambda: now[0])
+    entry = [{"field": "reported_at", "msg": "bad"}]
+    caplog.set_level(logging.WARNING, logger="controller.api")
+    for _ in range(5):
+        refusals.note("node-a", entry)
+        now[0] += 10  # 1000, 1010, ... 1040: one line, four counted
+    now[0] = 1061
+    refusals.note("node-\x1b[2J", entry)
+    assert [r.getMessage() for r in caplog.records] == [
+        "node reports refused: 1 since the last such line (at most one line per 60 s); the "
+        "latest from node node-a: reported_at: bad",
+        "node reports refused: 5 since the last such line (at most one line per 60 s); the "
+        "latest from node node-\\x1b[2J: reported_at: bad",
+    ]
+
+
+def _row(**changes: Any) -> dict[str, Any]:
+    """Return a valid schedule row body (every 2 minutes), with changes applied."""
+    data: dict[str, Any] = {
+        "name": "every two minutes", "repo_id": "r-9", "action": "backup",
+        "schedule": {"interval_minutes": 2}, "miss_policy": "skip", "enabled": True,
+    }
+    data.update(changes)
+    return data
+
+
+def _stored(api: Controller, schedule_id: str) -> dict[str, Any] | None:
+    answer = api.http.get(f"/api/nodes/node-a/schedules/{schedule_id}", headers=ADMIN)
+    if answer.status_code == 404:
+        return None
+    assert answer.status_code == 200, answer.text
+    data: dict[str, Any] = answer.json()
+    return data
+
+
+def _only(answer: Any) -> dict[str, Any]:
+    assert answer.status_code == 422, answer.text
+    [entry] = answer.json()["detail"]
+    return dict(entry)
+
+
+def test_unknown_keys_inside_schedule_are_refused_naming_them(controller: Controller) -> None:
+    """Point 7: a typo inside schedule was dropped (every 2 minutes became an hourly row)."""
+    typo = {"interval_minute": 2, "days": ["*"], "hours": ["*"], "minute": "0"}
+    # Live: the wire model ignores unknown keys (as agents must), so the typo vanishes.
+    parsed = LocalSchedule.model_validate({**_row(schedule=typo), "id": "s-typo"})
+    assert parsed.schedule.interval_minutes is None and parsed.schedule.hours == ["*"]
+    http = controller.http
+    answer = http.put("/api/nodes/node-a/schedules/s-typo", json=_row(schedule=typo),
+                      headers=ADMIN)
+    assert _only(answer) == {"field": "schedule.interval_minute",
+                             "loc": ["body", "schedule", "interval_minute"],
+                             "msg": "unknown field 'interval_minute'", "type": "extra_forbidden"}
+    assert _stored(controller, "s-typo") is None
+    # A task's schedule, and the task body itself, likewise.
+    task = {"schedule": typo, "event": "x"}
+    assert _only(http.put("/api/tasks/t-typo", json=task, headers=ADMIN))["field"] == (
+        "schedule.interval_minute")
+    assert _only(http.put("/api/tasks/t-typo", json={"cron": "0 6 * * *", "event": "x",
+                                                     "paylod": {}}, headers=ADMIN)
+                 )["msg"] == "unknown field 'paylod'"
+    assert http.get("/api/tasks/t-typo", headers=ADMIN).status_code == 404
+    # PATCH {"schedule": {"interval": 1}} answered 200 and bumped the version, changing nothing.
+    assert http.put("/api/nodes/node-a/schedules/s-1", json=_row(),
+                    headers=ADMIN).status_code == 200
+    answer = http.patch("/api/nodes/node-a/schedules/s-1", json={"schedule": {"interval": 1}},
+                        headers=ADMIN)
+    assert _only(answer)["field"] == "schedule.interval"
+    assert LocalSchedule.model_validate(_stored(controller, "s-1")) == (
+        LocalSchedule.model_validate({**_row(), "id": "s-1", "version": 1}))
+
+
+@pytest.mark.parametrize(("field", "value", "json_type"), [
+    ("enabled", "false", "string"), ("enabled", 0, "number"), ("repo_lock", "true", "string"),
+    ("jitter", "15", "string"), ("version", "3", "string"),
+])
+def test_a_bool_is_a_json_bool_and_a_number_a_json_number(
+    controller: Controller, field: str, value: Any, json_type: str
+) -> None:
+    """Point 7: enabled "false" was stored as false while repo_lock "true" was refused."""
+    if field == "enabled":
+        # Live: the wire model's lax reading turns the string into a bool.
+        lax = LocalSchedule.model_validate({**_row(), "id": "s-x", field: value})
+        assert lax.enabled is False
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-x", json=_row(**{field: value}),
+                                 headers=ADMIN)
+    entry = _only(answer)
+    assert entry["field"] == field and entry["input"] == value
+    kind = "boolean" if field in ("enabled", "repo_lock") else "integer"
+    assert entry["msg"] == (f"Input should be a valid {kind}, not a JSON {json_type} "
+                            "(no conversion)")
+    assert _stored(controller, "s-x") is None
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "latin-1"])
+def test_a_body_that_is_not_utf8_is_refused(controller: Controller, encoding: str) -> None:
+    """Point 7: a UTF-16 body was read (Python's json guesses the encoding; Go does not)."""
+    body = json.dumps(_row(name="café"), ensure_ascii=False).encode(encoding)
+    if encoding != "latin-1":
+        assert json.loads(body)["name"] == "café"  # live: Python reads it
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-enc", content=body,
+                                 headers={**ADMIN, "content-type": "application/json"})
+    entry = _only(answer)
+    assert entry["field"] == "" and entry["loc"] == ["body"]
+    assert entry["msg"].startswith("the body is not UTF-8") or entry["msg"].startswith(
+        "invalid JSON"), entry  # UTF-16-LE without a BOM is valid UTF-8 (with NULs)
+    assert _stored(controller, "s-enc") is None
+    # The same row as UTF-8 is stored.
+    assert controller.http.put("/api/nodes/node-a/schedules/s-enc", content=json.dumps(
+        _row(name="café"), ensure_ascii=False).encode(), headers=ADMIN).status_code == 200
+
+
+def test_a_task_timezone_localtime_is_refused_as_a_row_is(controller: Controller) -> None:
+    """Point 7: a task in "localtime" followed the controller machine's zone."""
+    from sched_core.matcher import zone
+
+    assert zone("localtime") is not None  # live: the zone database has a file by that name
+    http = controller.http
+    for value in ("localtime", "posixrules", "posix/Europe/Berlin"):
+        task = {"cron": "0 6 * * *", "event": "x", "timezone": value}
+        entry = _only(http.put("/api/tasks/t-local", json=task, headers=ADMIN))
+        assert entry["field"] == "timezone"
+        assert entry["msg"] == (f"timezone {value!r} is not an IANA zone name such as "
+                                "'Europe/Berlin'")
+        row_entry = _only(http.put("/api/nodes/node-a/schedules/s-local",
+                                   json=_row(timezone=value), headers=ADMIN))
+        assert row_entry["msg"] == entry["msg"]
+    assert http.get("/api/tasks/t-local", headers=ADMIN).status_code == 404
+    task = {"cron": "0 6 * * *", "event": "x", "timezone": "Europe/Berlin"}
+    assert http.put("/api/tasks/t-local", json=task, headers=ADMIN).status_code == 200
+
+
+@pytest.mark.parametrize(("changes", "field", "words"), [
+    ({"name": "x" * 100_000}, "name", "name is 100000 characters long; the most is 200"),
+    ({"name": "invoice\u202egpj.exe"}, "name", "name holds U+202E (a bidi control) at character 8"),
+    ({"name": "a\u2066b"}, "name", "name holds U+2066 (a bidi control)"),
+    ({"name": "a\x1b[2Jb"}, "name", "name holds U+001B (a control character)"),
+    ({"name": "two\nlines"}, "name", "name holds U+000A (a control character)"),
+    ({"storage": "b2\x85"}, "storage", "storage holds U+0085 (a control character)"),
+    ({"paused": {"note": "disk swap\u202e"}}, "paused.note", "paused.note holds U+202E"),
+    ({"schedule": {"on": "after_wave\u200f"}}, "schedule.on", "schedule.on holds U+200F"),
+])
+def test_free_text_in_a_row_is_bounded_and_printable(
+    controller: Controller, changes: dict[str, Any], field: str, words: str
+) -> None:
+    """Point 8: a 100,000-character name (or a bidi control) was stored and shown."""
+    # Live: the wire model (as agents read rows) takes it as it is.
+    parsed = LocalSchedule.model_validate({**_row(**changes), "id": "s-text"})
+    if field == "name":
+        assert parsed.name == changes["name"]
+    answer = controller.http.put("/api/nodes/node-a/schedules/s-text", json=_row(**changes),
+                                 headers=ADMIN)
+    entry = _only(answer)
+    assert entry["field"] == field and words in entry["msg"], entry
+    assert _stored(controller, "s-text") is None
+    # A PATCH is held to the same rule; the longest name allowed is stored.
+    assert controller.http.put("/api/nodes/node-a/schedules/s-text", json=_row(name="é" * 200),
+                               headers=ADMIN).status_code == 200
+    answer = controller.http.patch("/api/nodes/node-a/schedules/s-text", json=changes,
+                                   headers=ADMIN)
+    assert _only(answer)["field"] == field
+    stored = _stored(controller, "s-text")
+    assert stored is not None and stored["version"] == 1 and stored["name"] == "é" * 200
+
+
+def test_a_row_stored_before_the_text_rule_stays_readable_pullable_and_deletable(
+    controller: Controller
+) -> None:
+    """Nothing stored before is lost: a long name already in the database is still served."""
+    from sqlmodel import Session
+
+    from controller import schedules as store
+    from controller.db import make_engine
+
+    legacy = LocalSchedule.model_validate({**_row(name="y" * 3000), "id": "s-old"})
+    engine = make_engine(controller.url)
+    try:
+        with Session(engine) as session:
+            store.put_schedule(session, "node-a", legacy)
+    finally:
+        engine.dispose()
+    assert _stored(controller, "s-old")["name"] == "y" * 3000  # type: ignore[index]
+    pulled = controller.http.get("/api/schedules", params={"node": "node-a"}, headers=NODE)
+    assert [row["name"] for row in pulled.json()["schedules"]] == ["y" * 3000]
+    assert controller.http.get("/api/nodes/node-a/status", headers=NODE).status_code == 200
+    assert controller.http.delete("/api/nodes/node-a/schedules/s-old",
+                                  headers=ADMIN).status_code == 204
+
+
+@pytest.mark.parametrize(("where", "value", "field", "words"), [
+    ("agent_version", "1.0\u202e", "agent_version", "agent_version holds U+202E (a bidi control)"),
+    ("agent_version", "1.0\x1b[31m", "agent_version", "holds U+001B (a control character)"),
+    ("error", "refused\x07", "last_pull.error", "error holds U+0007 (a control character)"),
+    ("error", "e" * 2001, "last_pull.error", "at most 2000 characters"),
+    ("state", "Completed\u2067", "schedules.0.latest_job.state", "state holds U+2067"),
+    ("flow_run_name", "<b>run</b>\u202d", "schedules.0.latest_job.flow_run_name", "U+202D"),
+])
+def test_free_text_in_a_report_is_bounded_and_printable(
+    controller: Controller, where: str, value: str, field: str, words: str
+) -> None:
+    report = _report()
+    if where == "agent_version":
+        report["agent_version"] = value
+    elif where == "error":
+        report["last_pull"] = {"at": "2026-12-03T07:31:00Z", "ok": False, "error": value}
+    else:
+        report["schedules"][0]["latest_job"][where] = value
+    entry = _only(controller.http.post("/api/nodes/node-a/report", json=report, headers=NODE))
+    assert entry["field"] == field and words in entry["msg"], entry
+    assert controller.http.get("/api/nodes/node-a/status", headers=NODE).status_code == 404
+    # An error message of several lines is text too: it is stored.
+    report = _report(last_pull={"at": "2026-12-03T07:31:00Z", "ok": False,
+                                "error": "pull failed:\n\tconnection refused"})
+    assert controller.http.post("/api/nodes/node-a/report", json=report,
+                                headers=NODE).status_code == 204
+
+
+@pytest.mark.parametrize("node", ["<img src=x onerror=alert(1)>", "node\u202ea", "a b", "-n",
+                                  "x" * 129, "node\x1b[2J"])
+def test_one_node_name_rule_for_puts_reports_and_pulls(controller: Controller, node: str) -> None:
+    """Point 8: a node created only by a report (or a pull) could be any text."""
+    from urllib.parse import quote
+
+    from controller.api.jsonbody import check_name
+
+    check_name(("path", "node"), node, storing=True)  # live: the report's old rule passed it
+    http = controller.http
+    path = quote(node, safe="")
+    for answer in (
+        http.post(f"/api/nodes/{path}/report", json=_report(node=node), headers=ADMIN),
+        http.put(f"/api/nodes/{path}/schedules/s-1", json=_row(), headers=ADMIN),
+    ):
+        entry = _only(answer)
+        assert entry["field"] == "node" and entry["loc"] == ["path", "node"]
+        assert "is not an identifier: 1 to 128 ASCII letters" in entry["msg"], entry
+    # A pull by such a name is answered (a row stored before the rule stays readable) but
+    # adds no node to the fleet.
+    pulled = http.get("/api/schedules", params={"node": node}, headers=ADMIN)
+    assert pulled.status_code == 200 and pulled.json() == {"schedules": []}
+    http.get("/api/nodes/node-a/schedules", headers=NODE)  # a node that is one: recorded
+    nodes = [row["node"] for row in http.get("/api/status", headers=ADMIN).json()["nodes"]]
+    assert nodes == ["node-a"]
+
+
+def test_log_out_ends_the_session_on_every_instance_at_once(controller: Controller) -> None:
+    """Point 6: the signed cookie went on working for the rest of its 12 h after Log out."""
+    import httpx
+
+    from controller.api import create_app
+    from controller.api.page import COOKIE, cookie_principal
+    from controller.auth import Tokens
+    from controller.db import make_engine
+    from controller.testing import serve_in_thread
+
+    tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
+    http = controller.http
+
+    def log_in(client: httpx.Client) -> str:
+        answer = client.post("/login", data={"token": ADMIN_TOKEN})
+        assert answer.status_code == 303
+        client.cookies.clear()  # each request below says which cookie it sends
+        return str(answer.cookies[COOKIE])
+
+    def jar(value: str) -> dict[str, str]:
+        return {"cookie": f"{COOKIE}={value}"}
+
+    cookie = log_in(http)
+    # A second login gets a cookie of its own (logging one out ends that one only).
+    other = log_in(http)
+    assert other != cookie
+    engine = make_engine(controller.url)
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as second_base, \
+                httpx.Client(base_url=second_base, timeout=30) as second:
+            for client in (http, second):  # any instance sharing the tokens accepts it
+                assert client.get("/", headers=jar(cookie)).status_code == 200
+            out = http.post("/logout", headers=jar(cookie))
+            assert out.status_code == 303
+            assert 'Max-Age=0' in out.headers["set-cookie"]
+            # Live: the cookie is still a valid signature of the admin's token, unexpired:
+            # a client that keeps it (a copy, a stolen one) would still be the admin...
+            assert cookie_principal(tokens, cookie, time.time()) is not None
+            # ...but both instances refuse it at once.
+            for client in (http, second):
+                page = client.get("/", headers=jar(cookie))
+                assert page.status_code == 401, page.text
+                assert "your session has ended: log in again" in page.text
+                assert client.get("/", headers=jar(other)).status_code == 200
+            # Logging in again works at once.
+            again = log_in(second)
+            assert http.get("/", headers=jar(again)).status_code == 200
+    finally:
+        engine.dispose()
+
+
+SECRETS = {"SCHED_TOKEN": "sched-node-token-SECRET-1", "PREFECT_API_KEY": "pnu_SECRET-2",
+           "PREFECT_API_AUTH_STRING": "admin:SECRET-3", "AWS_SECRET_ACCESS_KEY": "SECRET-4"}
+
+
+def test_job_environment_is_the_base_the_zone_and_the_declared_env_only() -> None:
+    agent = {"PATH": "/opt/bin:/usr/bin", "HOME": "/var/lib/sched", "LANG": "C.UTF-8",
+             "USER": "sched", "TMPDIR": "/tmp/x", "PYTHONPATH": "/srv/agent", **SECRETS}
+    declared = {"RESTIC_PASSWORD_FILE": "/etc/sched-agent/pw", "LANG": "de_DE.UTF-8"}
+    assert job_environment(declared, tz="Europe/Berlin", base=agent) == {
+        "PATH": "/opt/bin:/usr/bin", "HOME": "/var/lib/sched", "USER": "sched",
+        "LANG": "de_DE.UTF-8", "TMPDIR": "/tmp/x", "TZ": "Europe/Berlin",
+        "RESTIC_PASSWORD_FILE": "/etc/sched-agent/pw"}
+    # No zone on the row: UTC; no PATH on the agent: a default one.
+    assert job_environment({}, tz="", base={}) == {"PATH": "/usr/local/bin:/usr/bin:/bin",
+                                                   "TZ": "UTC"}
+
+
+def test_a_command_never_sees_the_agents_credentials(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Point 5: `env` as a job printed SCHED_TOKEN and PREFECT_API_AUTH_STRING into the log."""
+    import subprocess
+
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    # Live: a child that inherits the agent's environment (what run_command did) prints them.
+    leaked = subprocess.run(["env"], env={**os.environ}, capture_output=True, text=True,
+                            check=True).stdout
+    assert all(value in leaked for value in SECRETS.values())
+    lines: list[str] = []
+    assert run_command(["env"], timeout_s=30, log=lines.append).exit_code == 0
+    assert not any(value in line for value in SECRETS.values() for line in lines), lines
+    assert "TZ=UTC" in lines and any(line.startswith("PATH=") for line in lines)
+    lines.clear()
+    run_command(["env"], timeout_s=30, log=lines.append,
+                env=job_environment({"X_DECLARED": "1"}, tz="America/New_York"))
+    assert sorted(line.split("=")[0] for line in lines) == sorted(
+        ["X_DECLARED", "TZ", *(n for n in ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL",
+                                          "LC_CTYPE", "TMPDIR") if os.environ.get(n) or
+                                n == "PATH")])
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+def test_run_job_gives_its_command_no_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Point 5 through run-job: the run's log shows the command's environment, no secret."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    node = Node(tmp_path, monkeypatch, "agent.toml")
+    with node.config.open("a") as config:
+        config.write('\n[actions.printenv]\nargv = ["env"]\nenv = { X_DECLARED = "yes" }\n')
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    node.cache([{**_demo("p-env", "printenv"), "timezone": "Europe/Berlin"}])
+    state = node.run("p-env")
+    assert state.is_completed(), state.message
+    run_id = state.flow_run_id
+    deadline = time.monotonic() + 15
+    with get_client(sync_client=True) as client:
+        while True:
+            lines = [entry.message for entry in client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            if "X_DECLARED=yes" in lines or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert "X_DECLARED=yes" in lines and "TZ=Europe/Berlin" in lines, lines
+    assert not any(value in line for value in SECRETS.values() for line in lines)
+    assert not any(line.startswith(("SCHED_", "PREFECT_")) for line in lines), lines
+
+
+def test_login_guesses_are_limited_per_address(controller: Controller) -> None:
+    """Point 9: 200 wrong logins in 2.6 s were each tried."""
+    http = controller.http
+    answers = [http.post("/login", data={"token": f"guess-{i}"}).status_code for i in range(200)]
+    # The first 10 are tried (each a 401 "unknown token"); the rest are not even tried.
+    assert answers == [401] * 10 + [429] * 190
+    refused = http.post("/login", data={"token": ADMIN_TOKEN})  # the right one, too, must wait
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    assert "too many failed logins from your address: try again in" in refused.text
+    # Bearer callers (scripts) are not affected; the API's tokens are not guessed here.
+    assert http.get("/api/nodes", headers=ADMIN).status_code == 200
+
+
+def test_the_login_throttle_forgets_failures_after_its_window() -> None:
+    from controller.api.page import LoginThrottle
+
+    now = [0.0]
+    throttle = LoginThrottle(failures=3, window=60, clock=lambda: now[0], max_addresses=2)
+    for at in (0.0, 10.0, 20.0):
+        now[0] = at
+        assert throttle.wait_s("10.0.0.1") == 0
+        throttle.failed("10.0.0.1")
+    assert throttle.wait_s("10.0.0.1") == 40.0  # the oldest failure leaves the window at 60
+    assert throttle.wait_s("10.0.0.2") == 0     # another address is not held back
+    now[0] = 60.0
+    assert throttle.wait_s("10.0.0.1") == 0
+    throttle.failed("10.0.0.2")
+    throttle.failed("10.0.0.3")                 # a third address: the oldest is forgotten
+    assert throttle.wait_s("10.0.0.1") == 0
+
+
+def test_every_answer_carries_nosniff_and_no_referrer(controller: Controller) -> None:
+    """Point 9 (HSTS over HTTPS: tests/test_controller_cli.py, on a real TLS serve)."""
+    http = controller.http
+    for answer in (http.get("/healthz"), http.get("/api/nodes"), http.get("/"),
+                   http.get("/openapi.json"), http.post("/api/nodes", headers=ADMIN),
+                   http.put("/api/nodes/node-a/schedules/s", content=b"\xff", headers=ADMIN)):
+        assert answer.headers["x-content-type-options"] == "nosniff", answer.request.url
+        assert answer.headers["referrer-policy"] == "no-referrer"
+        assert "strict-transport-security" not in answer.headers  # plain HTTP: no HSTS
+
+
+def test_an_unreachable_database_is_a_503_with_a_reason(tmp_path: Path) -> None:
+    """Point 9: with the database unreachable the API answered a bare 500."""
+    import socket
+
+    import httpx
+    from sqlalchemy.exc import OperationalError
+
+    from controller.api import create_app
+    from controller.auth import Tokens
+    from controller.db import make_engine
+    from controller.testing import serve_in_thread
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    engine = make_engine(f"postgresql://sched:db-pw-secret@127.0.0.1:{port}/sched")
+    try:
+        # Live: every query raises, and FastAPI's default for an exception is a bare 500.
+        with pytest.raises(OperationalError):
+            engine.connect()
+        app = create_app(engine, Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]}),
+                         record_pulls=False)
+        with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=60) as http:
+            for method, path, headers in (
+                    ("GET", "/api/nodes", ADMIN), ("GET", "/api/schedules?node=node-a", NODE),
+                    ("GET", "/api/tasks", ADMIN), ("GET", "/api/status", ADMIN),
+                    ("PUT", "/api/nodes/node-a/schedules/s-1", ADMIN)):
+                answer = http.request(method, path, headers=headers,
+                                      json=_row() if method == "PUT" else None)
+                assert answer.status_code == 503, (path, answer.text)
+                assert answer.json() == {"detail": "the database is unavailable "
+                                         "(OperationalError); try again shortly"}
+                assert answer.headers["retry-after"] == "5"
+                assert "db-pw-secret" not in answer.text
+            assert http.get("/healthz").status_code == 503
+            # Auth still comes first: no token is a 401, not a 503.
+            assert http.get("/api/nodes").status_code == 401
+    finally:
+        engine.dispose()
+
+
+def test_a_short_admin_token_is_served_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Point 9: a one-character admin token was accepted silently."""
+    from controller.auth import MIN_TOKEN_LENGTH, Tokens
+
+    tokens = Tokens(admin=["a", "x" * MIN_TOKEN_LENGTH], nodes={"node-a": ["tok1"]})
+    assert tokens.authenticate("a") is not None  # live: one character is the admin
+    caplog.set_level(logging.WARNING, logger="controller.auth")
+    tokens.warn_short()
+    assert [r.getMessage() for r in caplog.records] == [
+        "the admin token is 1 characters long, under the minimum of 16: anyone who can reach "
+        "the API can guess it; use a long random one (openssl rand -hex 32)",
+        "the node:node-a token is 4 characters long, under the minimum of 16: anyone who can "
+        "reach the API can guess it; use a long random one (openssl rand -hex 32)"]
+    caplog.clear()
+    Tokens(admin=["x" * MIN_TOKEN_LENGTH]).warn_short()
+    assert caplog.records == []
+
+
+def test_the_openapi_document_declares_what_the_server_answers(controller: Controller) -> None:
+    """Point 9 (schemathesis' findings): undeclared 401/403/404/413, and a 405's Allow."""
+    http = controller.http
+    document = http.get("/openapi.json").json()
+    methods = ("get", "put", "post", "patch", "delete")
+    for template, operations in document["paths"].items():
+        path = (template.replace("{node}", "node-a").replace("{schedule_id}", "s-none")
+                .replace("{name}", "t-none"))
+        documented = [m.upper() for m in methods if m in operations]
+        for method, operation in operations.items():
+            declared = set(operation["responses"])
+            if template.startswith("/api/"):
+                assert {"401", "403", "503"} <= declared, (method, template, declared)
+                # The server gives the declared 401 to a caller without a token.
+                assert http.request(method.upper(), path).status_code == 401
+            if "{" in template:
+                assert "404" in declared, (method, template)
+            if "requestBody" in operation:
+                assert {"413", "422"} <= declared, (method, template)
+        # A method the path does not take: 405, and Allow names exactly the documented ones.
+        for method in methods:
+            if method in operations:
+                continue
+            answer = http.request(method.upper(), path, headers=ADMIN)
+            assert answer.status_code == 405, (method, template)
+            assert answer.headers["allow"].split(", ") == documented, (method, template)
+    # Starlette alone answered "Allow: GET" here (its first route's only method).
+    assert http.post("/api/nodes/node-a/schedules/s-1", headers=ADMIN).headers["allow"] == (
+        "GET, PUT, PATCH, DELETE")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -596,3 +597,54 @@ def test_serve_runs_the_fleet_watch_which_logs_a_dead_nodes_missed_window(
     assert {x.split(" kind=")[1].split()[0] for x in alerts} == {"window-missed", "node-silent"}
     assert all("node=ghost" in x for x in alerts)
     assert "reason='node ghost has never made a request to this controller" in log
+
+
+def test_a_prefect_api_url_password_never_reaches_the_log(
+    tmp_path: Path, prefect_server: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 20, point 5: httpx's INFO request lines wrote PREFECT_API_URL whole, password too."""
+    secret_url = prefect_server.replace("http://", "http://sched:pw-secret-99@")
+    # Live: httpx logs each request's whole URL at INFO.
+    caplog.set_level(logging.INFO, logger="httpx")
+    assert httpx.get(f"{secret_url}/health", timeout=30).status_code == 200
+    assert any("pw-secret-99" in r.getMessage() for r in caplog.records if r.name == "httpx")
+    with serving(tmp_path, SCHED_ADMIN_TOKEN=ADMIN_TOKEN, PREFECT_API_URL=secret_url) as (
+            base, log_path):
+        _wait_for_line(log_path, "the Prefect API answers")
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        # A write sends its event through the same client: more requests, more chances.
+        assert httpx.put(f"{base}/api/nodes/node-a/schedules/s-1", json=SCHEDULE,
+                         headers=admin).status_code == 200
+        _wait_for_line(log_path, "schedule write ")
+    log = log_path.read_text()
+    assert "pw-secret-99" not in log, log
+    assert "HTTP Request:" not in log
+
+
+def test_log_lines_never_carry_a_urls_password() -> None:
+    from controller.cli import ContextFormatter
+
+    formatter = ContextFormatter("%(levelname)s %(name)s: %(message)s")
+    record = logging.LogRecord("httpx", logging.WARNING, __file__, 1,
+                               "HTTP Request: GET %s", ("https://u:hunter2@h.example/api",), None)
+    record.__dict__.update(url="postgresql://sched:pw2@db/sched")
+    assert formatter.format(record) == (
+        "WARNING httpx: HTTP Request: GET https://***@h.example/api url=postgresql://***@db/sched")
+
+
+def test_serve_over_https_sends_hsts_and_warns_of_a_short_admin_token(tmp_path: Path) -> None:
+    """Issue 20, point 9: Strict-Transport-Security over HTTPS; a 1-character token warned of."""
+    cert, key = make_self_signed_cert(tmp_path)
+    with serving(tmp_path, "--api-only", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                 SCHED_ADMIN_TOKEN="a") as (base, log_path):
+        trusted = ssl.create_default_context(cafile=str(cert))
+        for path in ("/healthz", "/api/nodes", "/"):
+            answer = httpx.get(f"{base}{path}", verify=trusted)
+            assert answer.headers["strict-transport-security"] == "max-age=31536000"
+            assert answer.headers["x-content-type-options"] == "nosniff"
+        # The token still works (a warning, not a refusal: existing set-ups keep running).
+        assert httpx.get(f"{base}/api/nodes", headers={"Authorization": "Bearer a"},
+                         verify=trusted).status_code == 200
+    log = log_path.read_text()
+    assert ("WARNING controller.auth: the admin token is 1 characters long, under the minimum "
+            "of 16") in log, log

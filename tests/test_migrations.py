@@ -19,8 +19,10 @@ from controller import db
 from controller import models as _models  # noqa: F401  (registers the tables)
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
-          "node_report_history", "node_pull", "node_seen", "node_job", "schedule_version",
-          "fleet_alert"}
+          "node_report_history", "node_pull", "revoked_session", "node_seen", "node_job",
+          "schedule_version", "fleet_alert"}
+MORNING_TABLES = {"node_seen", "node_job", "schedule_version", "fleet_alert"}
+"""0008's tables."""
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
@@ -160,8 +162,8 @@ def _execute(url: str, *statements: str) -> None:
         engine.dispose()
 
 
-def _put_before_0007(engine: Any, node: str, row: Any) -> Any:
-    """Store a row as the code of revisions 0005 and 0006 did (no version history yet)."""
+def _put_before_0008(engine: Any, node: str, row: Any) -> Any:
+    """Store a row as the code of revisions 0005 to 0007 did (no version history yet)."""
     from controller import schedules
     from controller.models import AgentSchedule
 
@@ -349,7 +351,7 @@ def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_th
         db.migrate(empty_url, "0005")
         with Session(engine) as session:
             assert schedules.list_wire(session, "n")[0] == [old.model_dump_json()]
-            with_policies = _put_before_0007(engine, "n", LocalSchedule.model_validate({
+            with_policies = _put_before_0008(engine, "n", LocalSchedule.model_validate({
                 **old.model_dump(mode="json"), "id": "new-1",
                 "paused": {"note": "n"}, "jitter": 60}))
         assert '"paused"' in with_policies.model_dump_json()
@@ -383,8 +385,8 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
         "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}})
     at = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
     try:
-        _put_before_0007(engine, "n", row)
-        db.migrate(empty_url)  # today's code writes node_seen (0007) with each report
+        _put_before_0008(engine, "n", row)
+        db.migrate(empty_url)  # today's code writes node_seen (0008) with each report
         with Session(engine) as session:
             for index in range(4):
                 nodes.record_report(session, "n", {"i": index}, received_at=at, keep=2)
@@ -397,16 +399,15 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
             assert nodes.latest_pulls(session)["n"].status == "304"
         db.downgrade(empty_url, "0005")
         assert _tables(empty_url) == TABLES - {"node_report", "node_report_history", "node_pull",
-                                               "node_seen", "node_job", "schedule_version",
-                                               "fleet_alert"}
+                                               "revoked_session", *MORNING_TABLES}
         with Session(engine) as session:
             assert [r.id for r in schedules.list_schedules(session, "n")[0]] == ["s-1"]
     finally:
         engine.dispose()
 
 
-def test_0007_gives_each_existing_row_its_version_from_its_last_write(empty_url: str) -> None:
-    """0007: a row stored before keeps its bytes and gets one version, in force from its
+def test_0008_gives_each_existing_row_its_version_from_its_last_write(empty_url: str) -> None:
+    """0008: a row stored before keeps its bytes and gets one version, in force from its
     ``updated_at``; later writes close it; the four tables go on downgrade."""
     from datetime import UTC, datetime
 
@@ -415,17 +416,17 @@ def test_0007_gives_each_existing_row_its_version_from_its_last_write(empty_url:
     from controller import schedules
     from sched_core.model import LocalSchedule
 
-    db.migrate(empty_url, "0006")
+    db.migrate(empty_url, "0007")
     engine = db.make_engine(empty_url)
     row = LocalSchedule.model_validate({
         "id": "s-1", "name": "x", "action": "backup", "miss_policy": "skip", "enabled": True,
         "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}})
     try:
-        _put_before_0007(engine, "n", row)
+        _put_before_0008(engine, "n", row)
         with engine.begin() as conn:
             conn.execute(text("UPDATE agent_schedule SET updated_at = :at"),
                          {"at": datetime(2026, 11, 2, 3, 4, 5)})
-        db.migrate(empty_url, "0007")
+        db.migrate(empty_url, "0008")
         since, until = datetime(2026, 1, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)
         with Session(engine) as session:
             (only,) = schedules.versions_between(session, since, until)["n"]["s-1"]
@@ -435,10 +436,19 @@ def test_0007_gives_each_existing_row_its_version_from_its_last_write(empty_url:
             schedules.put_schedule(session, "n", row, now=later)
             first, second = schedules.versions_between(session, since, until)["n"]["s-1"]
             assert (first.valid_until, second.valid_from, second.row.version) == (later, later, 2)
-        db.downgrade(empty_url, "0006")
-        assert _tables(empty_url) == TABLES - {"node_seen", "node_job", "schedule_version",
-                                               "fleet_alert"}
+        db.downgrade(empty_url, "0007")
+        assert _tables(empty_url) == TABLES - MORNING_TABLES
         db.migrate(empty_url)
         assert _schema(empty_url)["alembic_version"] == [HEAD]
     finally:
         engine.dispose()
+
+
+def test_revoked_sessions_migration_up_and_down(empty_url: str) -> None:
+    """0007: the table of logged-out sessions comes and goes; the rest stays."""
+    db.migrate(empty_url, "0006")
+    assert _tables(empty_url) == TABLES - {"revoked_session"} - MORNING_TABLES
+    db.migrate(empty_url)
+    assert _tables(empty_url) == TABLES
+    db.downgrade(empty_url, "0006")
+    assert _tables(empty_url) == TABLES - {"revoked_session"} - MORNING_TABLES

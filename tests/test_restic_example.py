@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from flows.actions import render_argv, run_command
+from flows.actions import job_environment, render_argv, run_command
 from flows.settings import AgentSettings, load_settings
 from sched_core import LocalSchedule
 
@@ -87,7 +87,8 @@ def test_every_action_renders_for_the_sample_rows(
 
 
 def _restic(args: list[str], env: dict[str, str], lines: list[str]) -> None:
-    result = run_command(["restic", *args], timeout_s=120, env=env, log=lines.append)
+    result = run_command(["restic", *args], timeout_s=120, env=job_environment(env, tz="UTC"),
+                         log=lines.append)
     assert result.exit_code == 0, "\n".join(lines)
 
 
@@ -135,7 +136,7 @@ def test_backup_copy_prune_check_with_real_restic(
         out: list[str] = []
         result = run_command(
             _argv(settings, rows[action]), timeout_s=spec.timeout.total_seconds(),
-            env=spec.env, cwd=spec.cwd, log=out.append,
+            env=job_environment(spec.env, tz="UTC"), cwd=spec.cwd, log=out.append,
         )
         assert result.exit_code == 0 and not result.timed_out, (action, "\n".join(out))
         return out

@@ -12,20 +12,26 @@ bytes on the wire are the Go kit's JSON. Errors are raised as
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from sqlmodel import Session, select
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller import claims, schedules, tasks
 from controller.api.access_log import AccessLogMiddleware
 from controller.api.fleet import FleetApi, fleet_router, row_from_body
+from controller.api.headers import SecurityHeadersMiddleware
 from controller.api.jsonbody import (
     _unprocessable,
     check_name,
@@ -35,7 +41,7 @@ from controller.api.jsonbody import (
     validation_entries,
 )
 from controller.api.openapi import install_openapi, json_body
-from controller.api.page import FleetApiSource, page_router
+from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
 from controller.auth import Principal, Tokens, bearer_token
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
@@ -49,6 +55,9 @@ from sched_core.model import LocalSchedule
 log = logging.getLogger("controller.api")
 
 T = TypeVar("T")
+
+DB_RETRY_AFTER_S = 5
+"""The ``Retry-After`` of a 503 answered because the database is unavailable (seconds)."""
 
 
 class Auth:
@@ -118,11 +127,53 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=413)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette names the methods of the first route matching the path only,
+            # and each of ours has one method: name every method the path has.
+            allowed = allowed_methods(request.app, request.url.path) or [
+                m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip()]
+            return JSONResponse({"detail": f"method {request.method} is not allowed here; "
+                                 f"this path takes {', '.join(allowed)}"},
+                                status_code=405, headers={"allow": ", ".join(allowed)})
+        return await http_exception_handler(request, exc)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
+    @app.exception_handler(SQLAlchemyTimeoutError)
+    async def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        # The database did not answer (down, unreachable, its pool exhausted): a 503
+        # naming that, never the error's text (it may carry the connection string).
+        kind = type(getattr(exc, "orig", None) or exc).__name__
+        log.warning("database unavailable; answered 503",
+                    extra={"error": kind, "path": printable(request.url.path)})
+        return JSONResponse(
+            {"detail": f"the database is unavailable ({kind}); try again shortly"},
+            status_code=503, headers={"retry-after": str(DB_RETRY_AFTER_S)})
+
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         # Nobody reads this answer (the connection is closed, or was answered 408 by
         # the connection guard); it only gives the access log its status.
         return Response(status_code=408, headers={"connection": "close"})
+
+
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: FastAPI, path: str) -> list[str]:
+    """Return the methods the OpenAPI document gives path, in a fixed order (a 405's Allow).
+
+    The document is the contract a generated client follows, so the Allow of a
+    405 names exactly its methods for that path ([] for a path it does not list).
+    """
+    found: set[str] = set()
+    for template, operations in app.openapi().get("paths", {}).items():
+        pattern = re.sub(r"\\\{[^/]*?\\\}", "[^/]+", re.escape(template))
+        if re.fullmatch(pattern, path):
+            found.update(method.upper() for method in operations)
+    return sorted(found, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m))
 
 
 def _check_schedule_key(node: str, schedule_id: str, *, storing: bool = False) -> None:
@@ -312,6 +363,7 @@ def create_app(
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
     auth = Auth(tokens)
@@ -342,5 +394,6 @@ def create_app(
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
     app.include_router(task_router(in_session, auth, on_task_saved))
-    app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock))
+    app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
+                                   revocations=SessionRevocations(in_session)))
     return app

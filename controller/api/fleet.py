@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -34,13 +36,28 @@ from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
 from controller import fleet, jobs, ledger, morning, nodes, schedules, watch, why
-from controller.api.jsonbody import _body_errors, _unprocessable, check_name, read_object
+from controller.api.jsonbody import (
+    _body_errors,
+    _unprocessable,
+    check_name,
+    check_node,
+    read_object,
+    unknown_keys,
+    validate_as_go,
+)
 from controller.api.openapi import json_body, merge_patch_body
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
-from sched_core.model import LocalSchedule
+from sched_core.model import (
+    NAME_MAX_LENGTH,
+    NOTE_MAX_LENGTH,
+    TEXT_MAX_LENGTH,
+    LocalSchedule,
+    check_identifier,
+    text_problem,
+)
 
 log = logging.getLogger("controller.api")
 
@@ -56,6 +73,55 @@ _PATCHABLE = frozenset(
     {alias for name, info in LocalSchedule.model_fields.items()
      for alias in (name, info.alias) if alias}
 )
+
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+"""At most one log line per this many seconds says that node reports were refused."""
+
+
+class RefusalLog:
+    """One WARNING line per interval at most for refused requests of one kind, with a count.
+
+    The first refusal of a quiet period is logged at once; later ones are only
+    counted, and the next line (the first refusal after the interval) says how
+    many there were. A flood of bad reports costs one short line a minute, not
+    a traceback per request.
+    """
+
+    def __init__(self, what: str, interval: float = REFUSAL_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.interval = interval
+        self.clock = clock
+        self.pending = 0
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def note(self, node: str, entries: list[dict[str, Any]]) -> None:
+        """Count one refusal of node's request (its 422 entries); log if the interval passed."""
+        now = self.clock()
+        with self._lock:
+            self.pending += 1
+            if self._last is not None and now - self._last < self.interval:
+                return
+            count, self.pending, self._last = self.pending, 0, now
+        first = entries[0] if entries else {}
+        field = printable(str(first.get("field", ""))[:200])
+        reason = printable(str(first.get("msg", ""))[:300])
+        log.warning(
+            "%s refused: %d since the last such line (at most one line per %g s); the latest "
+            "from node %s: %s: %s", self.what, count, self.interval, printable(node[:200]),
+            field, reason, extra={"node": printable(node[:200]), "count": count},
+        )
+
+
+def is_node_name(node: str) -> bool:
+    """Return whether node may be stored as a node's name: an identifier (the kit's rule)."""
+    try:
+        check_identifier(node, "node")
+    except ValueError:
+        return False
+    return True
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -93,9 +159,12 @@ class FleetApi:
         """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
 
         Only the node's own pulls are recorded (``own``: made with its token): an
-        admin reading a node's list says nothing about the node.
+        admin reading a node's list says nothing about the node. Only a node name
+        that is an identifier (the one node-name rule, as a PUT and a report have
+        it) is recorded: a pull by any other name is answered (rows stored before
+        the rule stay readable) but adds no node to the fleet.
         """
-        if self.recorder is not None and own:
+        if self.recorder is not None and own and is_node_name(node):
             self.recorder.record(node, str(status), etag.removeprefix("W/").strip('"'))
 
     def flush_pulls(self) -> None:
@@ -136,26 +205,47 @@ class FleetApi:
 
 
 def refuse_unknown_fields(data: dict[str, Any]) -> None:
-    """Raise InvalidInput naming each top-level key of a row body that no row field has.
+    """Raise InvalidInput naming each key of a row body, at any depth, that no row field has.
 
     The wire model ignores unknown fields (an agent reading a newer controller's
-    rows), but a write must not: a misspelt ``pasued`` would be dropped silently.
+    rows), but a write must not: a misspelt ``pasued`` would be dropped silently,
+    and a misspelt ``schedule.interval_minute`` would turn "every 2 minutes"
+    into the row's days and hours.
     """
-    unknown = sorted(key for key in data if key not in _PATCHABLE)
+    unknown = unknown_keys(LocalSchedule, data)
     if unknown:
-        raise InvalidInput([
-            {"field": key, "loc": ["body", key], "msg": f"unknown field {key!r}",
-             "type": "extra_forbidden"} for key in unknown
-        ])
+        raise InvalidInput(unknown)
+
+
+ROW_TEXT = (("name", NAME_MAX_LENGTH), ("storage", TEXT_MAX_LENGTH),
+            ("schedule.on", NAME_MAX_LENGTH), ("paused.note", NOTE_MAX_LENGTH))
+"""A row's free text a write bounds, and its longest (characters): :func:`check_text`'s rule."""
+
+
+def refuse_bad_text(row: LocalSchedule) -> LocalSchedule:
+    """Return row if its free text (ROW_TEXT) is bounded and printable; else InvalidInput (422).
+
+    Checked on writes only: agents reading rows, and rows stored before the
+    rule, are not refused for it (a node never loses a row it has).
+    """
+    entries = []
+    for field, longest in ROW_TEXT:
+        value: Any = row
+        for part in field.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, str):
+            problem = text_problem(value, max_length=longest)
+            if problem is not None:
+                entries.append({"field": field, "loc": ["body", *field.split(".")],
+                                "msg": f"{field} {problem}", "type": "value_error"})
+    if entries:
+        raise InvalidInput(entries)
+    return row
 
 
 def row_from_body(data: dict[str, Any]) -> LocalSchedule:
-    """Return a PUT body as a row: unknown fields refused, then the model's checks (422)."""
-    refuse_unknown_fields(data)
-    try:
-        return LocalSchedule.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidInput(_body_errors(exc)) from None
+    """Return a PUT body as a row: unknown fields and Go's types refused, then the row's checks."""
+    return refuse_bad_text(validate_as_go(LocalSchedule, data))
 
 
 def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
@@ -165,16 +255,14 @@ def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule
         if key in patch and patch[key] != current.model_dump(mode="json")[key]:
             raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
     merged = merge_patch(current.model_dump(mode="json", by_alias=True), patch)
-    try:
-        return LocalSchedule.model_validate(merged)
-    except ValidationError as exc:
-        raise InvalidInput(_body_errors(exc)) from None
+    return refuse_bad_text(validate_as_go(LocalSchedule, merged))
 
 
 def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     """Return the fleet's routes (auth: :class:`controller.api.app.Auth`)."""
     router = APIRouter()
     in_session = api.in_session
+    refused_reports = RefusalLog("node reports")
 
     @router.post(
         "/api/nodes/{node}/report", status_code=204,
@@ -182,17 +270,21 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     )
     async def post_report(request: Request, node: str) -> Response:
         principal = auth.require_node(request, node)
-        check_name(("path", "node"), node, storing=True)
-        data = await read_object(request, "node", node)
+        check_node(("path", "node"), node, storing=True)
         received = api.clock()
         own = auth.is_own(principal, node)
         try:
-            report = nodes.NodeReportIn.model_validate(data)
-        except ValidationError as exc:
+            data = await read_object(request, "node", node)
+            try:
+                report = nodes.NodeReportIn.model_validate(data)
+            except ValidationError as exc:
+                raise InvalidInput(_body_errors(exc)) from None
+        except InvalidInput as refused:
+            refused_reports.note(node, refused.detail)
             if own:  # refused, but the node is alive (its outbox may hold a bad record)
                 await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
                     s, node, at=received))
-            raise InvalidInput(_body_errors(exc)) from None
+            raise
         changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
             keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,

@@ -13,9 +13,11 @@ its body is in is a :class:`controller.errors.ClientGone`; the app maps them.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import json
+from typing import Any, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from starlette.requests import ClientDisconnect, Request
 
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput
@@ -171,8 +173,16 @@ async def read_object(request: Request, key: str, value: str) -> dict[str, Any]:
         raise ClientGone("the client left before its request body was in") from None
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge(f"body over {MAX_BODY_BYTES} bytes")
+    raw = b"".join(chunks)
     try:
-        data = parse_strict(b"".join(chunks), max_depth=MAX_JSON_DEPTH)
+        # Go reads UTF-8 only; Python's json would also guess UTF-16 and UTF-32.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _unprocessable(
+            ("body",), f"the body is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
+            f"{exc.start}): send JSON encoded as UTF-8", "utf8") from None
+    try:
+        data = parse_strict(text, max_depth=MAX_JSON_DEPTH)
     except WireError as exc:
         raise _unprocessable(("body",), exc.reason, exc.kind) from None
     if not isinstance(data, dict):
@@ -188,14 +198,97 @@ async def read_object(request: Request, key: str, value: str) -> dict[str, Any]:
     return data
 
 
+def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """Return (the model a field holds, whether it is a list of them), or (None, False)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin = get_origin(annotation)
+    args = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if origin is list and len(args) == 1:
+        found, _ = _model_of(args[0])
+        return found, found is not None
+    if len(args) == 1 and origin is not dict:  # Optional[X], X | None
+        return _model_of(args[0])
+    return None, False
+
+
+def unknown_keys(model: type[BaseModel], data: Any,
+                 loc: tuple[Any, ...] = ("body",)) -> list[dict[str, Any]]:
+    """Return a 422 entry for each key of data, at any depth, that no field of model has.
+
+    The wire models ignore unknown keys (an agent reads a newer controller's
+    rows), so a write checks them itself: a misspelt ``interval_minute`` would
+    turn "every 2 minutes" into the row's days and hours. Nested models (a row's
+    ``schedule``, a blackout) are checked the same way.
+    """
+    if not isinstance(data, dict):
+        return []
+    fields: dict[str, FieldInfo] = {}
+    for name, info in model.model_fields.items():
+        for alias in (name, info.alias, info.validation_alias):
+            if isinstance(alias, str):
+                fields[alias] = info
+    entries = [
+        _error_entry((*loc, key), f"unknown field {key!r}", "extra_forbidden")
+        for key in sorted(data) if key not in fields
+    ]
+    for key, value in data.items():
+        found = fields.get(key)
+        if found is None:
+            continue
+        inner, is_list = _model_of(found.annotation)
+        if inner is None:
+            continue
+        if is_list and isinstance(value, list):
+            for index, item in enumerate(value):
+                entries.extend(unknown_keys(inner, item, (*loc, key, index)))
+        elif not is_list:
+            entries.extend(unknown_keys(inner, value, (*loc, key)))
+    return entries
+
+
+def validate_as_go(model: type[M], data: dict[str, Any]) -> M:
+    """Return data as model, its JSON types read as Go reads them; else InvalidInput (422).
+
+    One rule for every field: a bool is a JSON ``true``/``false`` (``"false"``
+    and ``0`` are refused), a number a JSON number (``"15"`` is refused), as Go's
+    ``encoding/json`` refuses them; unknown keys at any depth are refused
+    (:func:`unknown_keys`). The model's own checks then apply.
+    """
+    unknown = unknown_keys(model, data)
+    if unknown:
+        raise InvalidInput(unknown)
+    try:
+        return model.model_validate_json(json.dumps(data), strict=True)
+    except ValidationError as exc:
+        entries = _body_errors(exc)
+        for entry, err in zip(entries, exc.errors(include_url=False), strict=True):
+            if err["type"] in _JSON_TYPE_ERRORS:
+                entry["msg"] += f", not a JSON {_json_type(err.get('input'))} (no conversion)"
+        raise InvalidInput(entries) from None
+
+
+_JSON_TYPE_ERRORS = frozenset({"bool_type", "int_type", "float_type", "string_type"})
+
+
+def _json_type(value: Any) -> str:
+    """Return the JSON type of a parsed value: string, number, boolean, null, array, object."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
 async def read_model(request: Request, model: type[M], key: str, value: str) -> M:
     """Return the body as model, with key defaulted to (and checked against) the path's value.
 
-    The body is read by :func:`read_object`; a model's validation errors are
-    an InvalidInput whose entries are located in the body.
+    The body is read by :func:`read_object` and validated by
+    :func:`validate_as_go`; a model's validation errors are an InvalidInput
+    whose entries are located in the body.
     """
-    data = await read_object(request, key, value)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise InvalidInput(_body_errors(exc)) from None
+    return validate_as_go(model, await read_object(request, key, value))

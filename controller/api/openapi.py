@@ -50,8 +50,47 @@ def merge_patch_body(description: str) -> dict[str, Any]:
     }
 
 
+_DETAIL = {"application/json": {"schema": {
+    "type": "object", "properties": {"detail": {}}, "required": ["detail"]}}}
+
+
+def _answer(description: str) -> dict[str, Any]:
+    return {"description": description, "content": _DETAIL}
+
+
+def declare_error_answers(document: dict[str, Any]) -> None:
+    """Add to each operation of document the error answers the server gives (in place).
+
+    The routes check tokens, names and bodies themselves (see the package's
+    rule), so FastAPI cannot see those answers: every ``/api`` operation may be
+    401 (no or unknown token) or 403 (a node token outside its node, or on an
+    admin endpoint); one with a path parameter 404; one with a body 413 (over
+    1 MiB) and 422; every one 503 when the database is unavailable. A client
+    generated from the document then expects what the server sends.
+    """
+    for path, operations in document.get("paths", {}).items():
+        for operation in operations.values():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            answers = operation["responses"]
+            if path.startswith("/api/"):
+                answers.setdefault("401", _answer("missing or unknown bearer token"))
+                answers.setdefault("403", _answer(
+                    "a node token outside its node, or on an endpoint that needs the admin"))
+            if "{" in path:
+                answers.setdefault("404", _answer("no such node, schedule or task"))
+            if "requestBody" in operation:
+                answers.setdefault("413", _answer("the body is over 1 MiB"))
+            if "requestBody" in operation or "{" in path or operation.get("parameters"):
+                answers.setdefault("422", _answer("a bad body, name or parameter, named"))
+            answers.setdefault("503", _answer("the database is unavailable; try again"))
+
+
 def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Make app's OpenAPI document carry models' schemas (validation mode) as components."""
+    """Make app's OpenAPI document carry models' schemas (validation mode) as components.
+
+    Each operation also declares its error answers (:func:`declare_error_answers`).
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -69,6 +108,7 @@ def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
             if optional and optional in schema.get("required", []):
                 schema["required"] = [f for f in schema["required"] if f != optional]
             schemas.setdefault(name, schema)
+        declare_error_answers(document)
         app.openapi_schema = document
         return document
 

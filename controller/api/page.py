@@ -7,7 +7,9 @@ session cookie that holds an expiry and an HMAC of it keyed by the token's
 SHA-256 digest (:func:`controller.auth.sign`), never the token or its digest.
 Any controller instance sharing the tokens accepts it, it ends after
 :data:`SESSION_S`, and removing the token from the configuration ends it at
-once. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
+once. Log out ends the session on every instance at once: the cookie's digest
+is stored in the database (:class:`SessionRevocations`) and refused from then
+on. The cookie is ``HttpOnly``, ``SameSite=Strict``, and ``Secure`` over
 HTTPS. A node token sees a 403.
 
 Where the data come from: a :class:`FleetSource`, the API's shapes
@@ -19,8 +21,13 @@ outcomes, windows in each node's zone.
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
+import math
+import secrets
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -28,12 +35,17 @@ from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from sqlalchemy import Table, delete, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
 from controller import schedules
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import AHEAD, FleetView, render_login, render_page
+from controller.logtext import printable
+from controller.models import RevokedSession
 
 log = logging.getLogger("controller.page")
 
@@ -126,27 +138,148 @@ class FleetApiSource:
 
 
 def session_cookie(token: str, now: float) -> str:
-    """Return a session cookie value for token, valid for SESSION_S from now (epoch seconds)."""
+    """Return a session cookie value for token, valid for SESSION_S from now (epoch seconds).
+
+    ``v2.<expiry>.<nonce>.<signature>``: the random nonce makes every login's
+    cookie its own, so logging one out (:class:`SessionRevocations`) ends that
+    session only, and a new login at once gets a cookie that works.
+    """
     expiry = int(now) + SESSION_S
-    signature = sign(token, _SESSION_CONTEXT + str(expiry).encode())
-    return f"v1.{expiry}.{base64.urlsafe_b64encode(signature).decode().rstrip('=')}"
+    nonce = secrets.token_urlsafe(12)
+    signature = sign(token, _SESSION_CONTEXT + f"{expiry}.{nonce}".encode())
+    return f"v2.{expiry}.{nonce}.{base64.urlsafe_b64encode(signature).decode().rstrip('=')}"
 
 
-def cookie_principal(tokens: Tokens, value: str | None, now: float) -> Principal | None:
-    """Return the principal a session cookie was signed for, or None (bad, expired, revoked)."""
+def _cookie_parts(value: str | None) -> tuple[int, bytes, bytes] | None:
+    """Return (expiry, signed message, signature) of a well-formed cookie (v1 or v2), or None."""
     if not value or len(value) > 200:
         return None
     version, _, rest = value.partition(".")
-    expiry_text, _, signature_text = rest.partition(".")
-    if version != "v1" or not expiry_text.isdigit() or not signature_text:
+    if version == "v1":  # a cookie from before nonces: <expiry>.<signature>
+        expiry_text, _, signature_text = rest.partition(".")
+        signed = expiry_text
+    elif version == "v2":
+        expiry_text, _, rest = rest.partition(".")
+        nonce, _, signature_text = rest.partition(".")
+        if not nonce.isascii() or not nonce.replace("-", "").replace("_", "").isalnum():
+            return None
+        signed = f"{expiry_text}.{nonce}"
+    else:
         return None
-    if int(expiry_text) <= now:
+    if not expiry_text.isdigit() or not signature_text or not expiry_text.isascii():
         return None
     try:
         signature = base64.urlsafe_b64decode(signature_text + "=" * (-len(signature_text) % 4))
     except ValueError:
         return None
-    return tokens.signer(_SESSION_CONTEXT + expiry_text.encode(), signature)
+    return int(expiry_text), _SESSION_CONTEXT + signed.encode(), signature
+
+
+def cookie_principal(tokens: Tokens, value: str | None, now: float) -> Principal | None:
+    """Return the principal a session cookie was signed for, or None (bad, expired, revoked).
+
+    Revoked here means its token was removed from the configuration; a cookie
+    ended by Log out is refused by :class:`SessionRevocations` on top of this.
+    """
+    parts = _cookie_parts(value)
+    if parts is None or parts[0] <= now:
+        return None
+    _, message, signature = parts
+    return tokens.signer(message, signature)
+
+
+def cookie_digest(value: str) -> str:
+    """Return the key a logged-out cookie is remembered by: SHA-256 (hex) of the cookie."""
+    return hashlib.sha256(value.encode("utf-8")).hexdigest()
+
+
+_REVOKED: Table = RevokedSession.__table__  # type: ignore[attr-defined]
+
+
+class SessionRevocations:
+    """Session cookies ended by Log out, in the database every controller instance shares.
+
+    A cookie is a signed expiry (any instance sharing the tokens accepts it
+    without state), so ending one before its time needs state they share:
+    Log out stores the cookie's digest with its expiry, and every instance
+    refuses a cookie whose digest is stored (one key lookup per page view).
+    Rows past their expiry are pruned at each Log out.
+    """
+
+    def __init__(self, in_session: Callable[[Callable[[Session], Any]], Any]) -> None:
+        self.in_session = in_session
+
+    def revoke(self, value: str, *, now: datetime) -> bool:
+        """End the session of a well-formed, unexpired cookie value; False if there was none."""
+        parts = _cookie_parts(value)
+        if parts is None or parts[0] <= now.timestamp():
+            return False
+        expires_at = datetime.fromtimestamp(parts[0], UTC)
+
+        def store(session: Session) -> None:
+            insert: Any = (pg_insert if session.get_bind().dialect.name == "postgresql"
+                           else sqlite_insert)(_REVOKED)
+            session.execute(insert.values(digest=cookie_digest(value), expires_at=expires_at)
+                            .on_conflict_do_nothing(index_elements=[_REVOKED.c.digest]))
+            session.execute(delete(_REVOKED).where(_REVOKED.c.expires_at < now))
+
+        self.in_session(store)
+        return True
+
+    def is_revoked(self, value: str) -> bool:
+        """Return whether the session of this cookie value was ended by Log out."""
+        digest = cookie_digest(value)
+        found = self.in_session(lambda session: session.execute(
+            select(_REVOKED.c.digest).where(_REVOKED.c.digest == digest)).first())
+        return found is not None
+
+
+LOGIN_FAILURES = 10
+"""Failed logins one client address may make within LOGIN_WINDOW_S before it must wait."""
+LOGIN_WINDOW_S = 60.0
+"""The sliding window of LOGIN_FAILURES (seconds)."""
+
+
+class LoginThrottle:
+    """Failed logins per client address: past ``failures`` within ``window`` seconds, wait.
+
+    While an address must wait, its logins are answered 429 without looking at
+    the token (a guess is not even tried), the right token included. Kept in
+    memory per controller process, for at most ``max_addresses`` addresses (the
+    oldest forgotten first). Behind a proxy every client has the proxy's address.
+    """
+
+    def __init__(self, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW_S, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 max_addresses: int = 10_000) -> None:
+        self.failures = failures
+        self.window = window
+        self.clock = clock
+        self.max_addresses = max_addresses
+        self._seen: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str) -> float:
+        """Return how long address must wait before its next login (0: it may try now)."""
+        now = self.clock()
+        with self._lock:
+            times = self._seen.get(address)
+            if not times:
+                return 0.0
+            while times and times[0] <= now - self.window:
+                times.popleft()
+            if len(times) < self.failures:
+                return 0.0
+            return times[-self.failures] + self.window - now
+
+    def failed(self, address: str) -> None:
+        """Count one failed login of address."""
+        with self._lock:
+            times = self._seen.pop(address, None) or deque(maxlen=self.failures)
+            times.append(self.clock())
+            self._seen[address] = times  # re-inserted: the newest last
+            while len(self._seen) > self.max_addresses:
+                del self._seen[next(iter(self._seen))]
 
 
 def prefect_ui_url() -> str | None:
@@ -170,8 +303,13 @@ def page_router(
     *,
     clock: Clock = lambda: datetime.now(UTC),
     prefect_ui: Callable[[], str | None] = prefect_ui_url,
+    revocations: SessionRevocations | None = None,
 ) -> APIRouter:
-    """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``."""
+    """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``.
+
+    With ``revocations``, Log out ends the session on every instance at once
+    (the cookie stops working); without, it only deletes the browser's cookie.
+    """
     router = APIRouter(include_in_schema=False)
     html_headers = {"cache-control": "no-store", "x-frame-options": "DENY",
                     "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
@@ -185,8 +323,12 @@ def page_router(
         if header is not None:
             principal = tokens.authenticate(bearer_token(header))
             return principal, "" if principal else "invalid bearer token"
-        principal = cookie_principal(tokens, request.cookies.get(COOKIE), time.time())
-        if principal is None and request.cookies.get(COOKIE):
+        cookie = request.cookies.get(COOKIE)
+        principal = cookie_principal(tokens, cookie, time.time())
+        if principal is not None and cookie and revocations is not None \
+                and revocations.is_revoked(cookie):
+            principal = None
+        if principal is None and cookie:
             return None, "your session has ended: log in again"
         return principal, ""
 
@@ -211,8 +353,20 @@ def page_router(
                          prefect_ui=ui, notice=notice, report=report)
         return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
 
+    throttle = LoginThrottle()
+
     @router.post("/login")
     async def login(request: Request) -> Response:
+        address = request.client.host if request.client else "-"
+        wait = throttle.wait_s(address)
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            log.warning("fleet page login refused: too many failed logins",
+                        extra={"client": printable(address), "retry_after_s": retry})
+            return HTMLResponse(
+                render_login(f"too many failed logins from your address: try again in "
+                             f"{retry} s"), status_code=429,
+                headers={**html_headers, "retry-after": str(retry)})
         body = b""
         async for chunk in request.stream():
             body += chunk
@@ -223,6 +377,7 @@ def page_router(
         token = (form.get("token") or [""])[0]
         principal = await run_in_threadpool(tokens.authenticate, token or None)
         if principal is None or not principal.is_admin:
+            throttle.failed(address)
             request.state.principal = principal
             log.info("fleet page login refused", extra={
                 "principal": principal.label if principal else "-"})
@@ -237,7 +392,11 @@ def page_router(
         return response
 
     @router.post("/logout")
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
+        cookie = request.cookies.get(COOKIE)
+        if cookie and revocations is not None and revocations.revoke(
+                cookie, now=datetime.fromtimestamp(time.time(), UTC)):
+            log.info("fleet page session ended (log out)")
         response = RedirectResponse("/", status_code=303)
         response.delete_cookie(COOKIE, path="/")
         return response

@@ -11,8 +11,8 @@
 
 Downgrade drops the four tables.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 Create Date: 2026-12-04
 """
 
@@ -25,8 +25,8 @@ from alembic import op
 
 from controller.models import KEY_TYPE, NAME_TYPE, UtcDateTime
 
-revision: str = "0007"
-down_revision: str | None = "0006"
+revision: str = "0008"
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

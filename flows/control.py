@@ -1,0 +1,325 @@
+"""What reaches a node from the center between its windows: changes, ad hoc runs, cancels.
+
+The node holds at most one idle connection for all of it:
+
+- **through the controller** (the pull URL is a controller's ``/api/``): a long
+  poll, ``GET /api/nodes/<node>/wait?etag=...&seen=...`` (:class:`ControllerWait`),
+  which answers when the node's schedules change, when the controller sees a
+  Prefect run for the node created or asked to cancel (it follows Prefect's
+  events once for the whole fleet), or after ``heartbeat`` seconds; each
+  answer is also the node's heartbeat;
+- **straight from Prefect** when the pull URL is a file, or the controller
+  has no ``wait``: one websocket on Prefect's event stream, filtered to the
+  node's deployments and its own ``sched.agent.<node>`` resource
+  (:class:`PrefectStream`).
+
+Either only says "look": :meth:`Control.check` then asks Prefect, in one
+request, for the node's runs that are Scheduled and due, or Cancelling, and
+
+1. takes an ad hoc ``run-job`` run (one its node did not plan: its idempotency
+   key is not ``<node>:...``) as a job of the cached row it names, started now;
+2. takes a ``reconcile`` run as a request to reconcile now, recorded into it;
+3. stops the job of a Cancelling run (its keeper stops the command), or marks
+   Cancelled a run the node has no job for.
+
+A check also runs at every reconcile, so a wake that was lost costs at most
+``reconcile_interval``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+
+from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
+from flows.recorder import RECONCILE, RUN_JOB, Deployments
+from sched_core.model import format_go_time
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+DUE_AHEAD = timedelta(seconds=10)
+"""An ad hoc run scheduled this soon is taken now (the UI's Run schedules it for now)."""
+TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
+"""Tags of the runs the node itself made: their events never wake it."""
+
+
+class Control:
+    """Carry ad hoc runs, on-demand reconciles and cancels from Prefect to the node (1-3)."""
+
+    def __init__(
+        self,
+        api: PrefectApi,
+        deployments: Deployments,
+        *,
+        node: str,
+        clock: Callable[[], datetime],
+        run_job: Callable[[dict[str, Any]], None],
+        reconcile: Callable[[str], None],
+        cancel: Callable[[str, str], bool],
+        claimed: Callable[[str], bool],
+    ) -> None:
+        self.api = api
+        self.deployments = deployments
+        self.node = node
+        self._clock = clock
+        self._run_job = run_job
+        self._reconcile = reconcile
+        self._cancel = cancel
+        self._claimed = claimed
+        self._lock = threading.Lock()
+        self.checks = 0
+
+    def check(self) -> int:
+        """Ask Prefect once for the node's due and cancelling runs, and act on each; return count.
+
+        Raises PrefectUnavailable when the server cannot be reached.
+        """
+        with self._lock:
+            self.checks += 1
+            ids = self.deployments.get()
+            by_id = {value: key for key, value in ids.items()}
+            now = self._clock()
+            runs = self.api.filter_runs({
+                "flow_runs": {
+                    "deployment_id": {"any_": list(ids.values())},
+                    "state": {"type": {"any_": ["SCHEDULED", "CANCELLING"]}},
+                    "expected_start_time": {"before_": format_go_time(now + DUE_AHEAD)},
+                },
+                "sort": "EXPECTED_START_TIME_ASC", "limit": PAGE})
+            acted = 0
+            for run in runs:
+                flow = by_id.get(str(run.get("deployment_id")))
+                kind = (run.get("state") or {}).get("type")
+                if kind == "CANCELLING":
+                    acted += self._cancelling(run)
+                elif self._ours(run) or self._claimed(str(run["id"])):
+                    continue  # a run the node made (its plan, its records) or took already
+                elif flow == RECONCILE:
+                    acted += self._take(run, lambda item: self._reconcile(str(item["id"])))
+                elif flow == RUN_JOB:
+                    acted += self._take(run, self._run_job)
+            return acted
+
+    def _ours(self, run: dict[str, Any]) -> bool:
+        """Return whether the node made the run (its idempotency key is ``<node>:...``)."""
+        return str(run.get("idempotency_key") or "").startswith(f"{self.node}:")
+
+    def _take(self, run: dict[str, Any], act: Callable[[dict[str, Any]], None]) -> int:
+        """Claim a Scheduled run for this node (Pending), then act on it."""
+        status = self.api.set_state(str(run["id"]), state_body(
+            "PENDING", message=f"taken by node {self.node} at {format_go_time(self._clock())}"),
+            force=False)
+        if status != "ACCEPT":
+            return 0  # someone else moved it meanwhile (an operator's cancel)
+        log.info("taking run %s (%s) from Prefect", run.get("name"), run.get("id"),
+                 extra={"node": self.node, "flow_run_id": str(run.get("id"))})
+        act(run)
+        return 1
+
+    def _cancelling(self, run: dict[str, Any]) -> int:
+        run_id = str(run["id"])
+        message = (run.get("state") or {}).get("message") or "cancelled from Prefect"
+        if self._cancel(run_id, f"cancelled from Prefect: {message}"):
+            return 1
+        try:  # no job of this node runs it: end it so it does not stay Cancelling
+            self.api.set_state(run_id, state_body(
+                "CANCELLED", message=f"node {self.node} has no job running for this run"),
+                force=True)
+        except PrefectRefused as exc:
+            log.warning("could not end cancelling run %s: %s", run_id, exc)
+        return 1
+
+
+class ControllerWait:
+    """The long poll on the controller (the module's first way), in a thread.
+
+    ``etag()`` gives the node's cached list's ETag; ``on_schedules()`` and
+    ``on_prefect()`` are told what changed. ``supported`` turns False when the
+    controller has no ``wait`` (404): the node then uses :class:`PrefectStream`.
+    """
+
+    def __init__(self, url: str, *, token: Callable[[], str | None],
+                 etag: Callable[[], str | None], heartbeat: timedelta,
+                 on_schedules: Callable[[], None], on_prefect: Callable[[], None],
+                 on_unsupported: Callable[[], None], verify: bool | str = True) -> None:
+        self.url = url
+        self._token = token
+        self._etag = etag
+        self.heartbeat = heartbeat
+        self._on_schedules = on_schedules
+        self._on_prefect = on_prefect
+        self._on_unsupported = on_unsupported
+        self._verify = verify
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.supported = True
+        self.relay = False
+        """True when the controller said it follows Prefect for the node."""
+        self.answers = 0
+        self.connected = threading.Event()
+
+    def start(self) -> ControllerWait:
+        """Start the thread (once); return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="controller-wait",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling (an open poll ends at its timeout; the thread is a daemon)."""
+        self._stop.set()
+
+    def _main(self) -> None:
+        seen = ""
+        backoff = BACKOFF_MIN_S
+        wait_s = self.heartbeat.total_seconds()
+        with httpx.Client(timeout=wait_s + 15, verify=self._verify) as client:
+            while not self._stop.is_set():
+                token = self._token()
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                params = {"etag": self._etag() or "", "seen": seen, "timeout": f"{wait_s:g}"}
+                try:
+                    response = client.get(self.url, params=params, headers=headers)
+                except httpx.HTTPError as exc:
+                    self.connected.clear()
+                    log.debug("controller wait failed: %r", exc)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    continue
+                if response.status_code in (404, 405):
+                    log.info("the controller has no wait endpoint; following Prefect's events "
+                             "instead", extra={"url": self.url})
+                    self.supported = False
+                    self._on_unsupported()
+                    return
+                if response.status_code != 200:
+                    self.connected.clear()
+                    log.warning("the controller refused the wait (%d): %s",
+                                response.status_code, response.text[:300])
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    continue
+                self.connected.set()
+                backoff = BACKOFF_MIN_S
+                self.answers += 1
+                data = response.json()
+                self.relay = bool(data.get("relay"))
+                if str(data.get("etag") or "") not in ("", self._etag() or ""):
+                    self._on_schedules()
+                prefect = str(data.get("prefect") or "")
+                if prefect and prefect != seen:
+                    if seen:
+                        self._on_prefect()
+                    seen = prefect
+
+
+class PrefectStream:
+    """One websocket on Prefect's event stream, filtered to the node (the module's second way)."""
+
+    def __init__(self, *, node: str, api_url: str, deployment_ids: Callable[[], list[str]],
+                 on_schedules: Callable[[], None], on_prefect: Callable[[], None]) -> None:
+        self.node = node
+        self.api_url = api_url
+        self._deployment_ids = deployment_ids
+        self._on_schedules = on_schedules
+        self._on_prefect = on_prefect
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.connected = threading.Event()
+        self.events = 0
+
+    def start(self) -> PrefectStream:
+        """Start the thread (once); return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="prefect-stream",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (its stream is closed)."""
+        self._stop.set()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(lambda: [task.cancel() for task in
+                                                   asyncio.all_tasks(loop)])
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._listen())
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("the Prefect event stream thread ended")
+        finally:
+            loop.close()
+
+    async def _listen(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                ids = await asyncio.to_thread(self._deployment_ids)
+                await self._follow(ids)
+                raise ConnectionError("the event stream ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.connected.clear()
+                if time.monotonic() - started > 60:
+                    backoff = BACKOFF_MIN_S
+                log.info("no Prefect event stream (%s: %s); trying again in %.0f s",
+                         type(exc).__name__, str(exc)[:200], backoff, extra={"node": self.node})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _follow(self, deployment_ids: list[str]) -> None:
+        from prefect.events.clients import PrefectEventSubscriber
+        from prefect.events.filters import (
+            EventAnyResourceFilter,
+            EventFilter,
+            EventNameFilter,
+        )
+
+        event_filter = EventFilter(
+            event=EventNameFilter(name=["prefect.flow-run.Scheduled",
+                                        "prefect.flow-run.Cancelling",
+                                        "sched.schedules.updated"]),
+            any_resource=EventAnyResourceFilter(id=[
+                f"sched.agent.{self.node}",
+                *(f"prefect.deployment.{item}" for item in deployment_ids)]),
+        )
+        async with PrefectEventSubscriber(api_url=self.api_url, filter=event_filter,
+                                          reconnection_attempts=2,
+                                          reconnect_on_clean_close=True) as subscriber:
+            self.connected.set()
+            log.info("following Prefect's events for node %s", self.node,
+                     extra={"node": self.node})
+            async for event in subscriber:
+                self.events += 1
+                if event.event == "sched.schedules.updated":
+                    self._on_schedules()
+                    continue
+                tags = [item.id.removeprefix("prefect.tag.") for item in event.related
+                        if item.role == "tag"]
+                if any(tag.startswith(TRIGGER_TAGS) for tag in tags):
+                    continue  # a run the node made itself
+                self._on_prefect()

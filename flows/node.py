@@ -1,0 +1,738 @@
+"""The node: one long-lived process that fires its windows itself and records them in Prefect.
+
+A thin facade over single-purpose parts (Prefect's runner is the model: each
+part is a class of its own, given what it needs):
+
+=====================  ==============================================================
+part                   what it does
+=====================  ==============================================================
+``Scheduler`` (kit)    the cache: pull, start guard (decide and stamp), chain fires
+``FiringLoop``         wakes at each window's start; decides; starts the job
+``Jobs``               slots, order, overlap, attempts in keeper processes, restarts
+``Outbox``             every job on disk first, so nothing is lost or doubled
+``Recorder``           the outbox into Prefect: runs, states, logs, artifacts, events
+``Planner``            the coming windows as Scheduled runs (the Upcoming tab)
+``Reconciler``         pull (interval, wake, on demand); plan; record what changed
+``Control``            ad hoc runs, on-demand reconciles and cancels from Prefect
+``Reporter``           the node's reports to the controller (jobs, heartbeat)
+``Chain``              prune, then check, after the wave: from the node's own jobs
+=====================  ==============================================================
+
+Assembly, in :class:`Node`'s constructor, and the start, in :meth:`Node.run`:
+
+1. state on disk: outbox, history, cache, decided windows;
+2. Prefect: the deployments (registered when the server first answers), the
+   recorder, the planner;
+3. jobs and the chain;
+4. the firing loop;
+5. reconcile, control, report;
+6. run: take up the outbox's unfinished jobs; start the recorder, the reporter,
+   the reconciler (a reconcile at once) and the control channel; then fire
+   windows in this thread until stopped. Stopping leaves running jobs to their
+   keepers: the next start follows them again.
+
+``python -m flows.node`` (or ``sched agent``) runs it: settings from
+``SCHED_CONFIG`` and ``SCHED_*``, Prefect from ``PREFECT_API_URL``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import AbstractContextManager, nullcontext
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from flows.actions import job_environment, render_argv
+from flows.control import Control, ControllerWait, PrefectStream
+from flows.firing import Decided, FiringLoop
+from flows.history import History
+from flows.identity import AGENT_TAG, JobRef
+from flows.jobs import Jobs, longest_run_s
+from flows.node_report import Reporter, build_report, controller_url, pull_outcome
+from flows.outbox import (
+    COMPLETED,
+    FAILED,
+    KIND_JOB,
+    KIND_RECONCILE,
+    SKIPPED,
+    JobFolder,
+    JobSpec,
+    JobView,
+    Outbox,
+    job_id_for,
+    utc_text,
+)
+from flows.planner import Planner, PlanReport
+from flows.prefect_api import PrefectApi, PrefectUnavailable, api_settings
+from flows.recorder import Deployments, Recorder
+from flows.repolock import repo_lock
+from flows.reports import plan_lines, pull_lines
+from flows.settings import AgentSettings, load_settings
+from sched_core import Chain, Config, ConfigError, Fire, LocalSchedule, PullError, Scheduler, Spec
+from sched_core import Stage as ChainStage
+from sched_core.chain import FOLLOW_WINDOW
+from sched_core.firing import Due, NodeView
+from sched_core.matcher import window_key
+from sched_core.plan import (
+    TRIGGER_RECOVERY,
+    TRIGGER_SCHEDULE,
+    WINDOW_TRIGGERS,
+    Missed,
+    StartDecision,
+    retry_allowed,
+    stage_retry_allowed,
+)
+from sched_core.policies import row_zone
+from sched_core.pull import NOT_MODIFIED
+
+log = logging.getLogger("flows.node")
+
+CONTROL_RETRY_S = 5.0
+"""How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
+PLAN_RETRY_S = 30.0
+"""How soon a plan the Prefect server could not take is tried again."""
+STOP_GRACE_S = 10.0
+"""How long the recorder and the reporter get to send what they hold when the node stops."""
+
+
+def wall_clock() -> datetime:
+    """Return the wall clock in UTC: the one clock read of the node."""
+    return datetime.now(UTC)
+
+
+def job_env(settings: AgentSettings, spec: JobSpec) -> dict[str, str]:
+    """Return a job's environment (:func:`flows.actions.job_environment`): never the agent's
+    credentials, ``TZ`` the row's zone (UTC unless it has one), the action's ``env``."""
+    action = settings.actions.get(spec.action) if spec.kind == KIND_JOB else None
+    return job_environment(action.env if action else {}, tz=spec.zone)
+
+
+class Node:
+    """One node (the module's parts, assembled in its numbered steps)."""
+
+    def __init__(self, settings: AgentSettings, *, api: PrefectApi,
+                 clock: Any = wall_clock, heartbeat: timedelta | None = None) -> None:
+        self.settings = settings
+        self.node = settings.node_name
+        self.api = api
+        self._clock = clock
+        self.heartbeat = heartbeat or settings.heartbeat
+        now = clock()
+        state = settings.state_dir
+        # Step 1: state on disk.
+        self.outbox = Outbox(state / "outbox", max_bytes=settings.outbox_max_bytes)
+        self.history = History(state / "history.json", now=now)
+        self.scheduler = self._build_scheduler(now)
+        self.decided = Decided(state / "decided.json", now=now)
+        self._claimed: set[str] = set()
+        self._last_pull: dict[str, Any] | None = None
+        # Step 2: Prefect, the record.
+        self.deployments = Deployments(api, self.node, tags=[AGENT_TAG])
+        self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
+                                 clock=clock, done=self._recorded)
+        self.planner = Planner(api, self.deployments, settings.plan_path,
+                               horizon=settings.plan_horizon, min_windows=settings.plan_min_windows,
+                               max_runs=settings.plan_max_runs, now=now)
+        # Step 3: jobs and the chain.
+        self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
+                         env_for=lambda spec: job_env(settings, spec),
+                         on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
+                         repo_lock=self._repo_lock)
+        self.chain = Chain(self.scheduler, self._chain_spec())
+        # Step 4: the firing loop.
+        self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
+                                 guard=self._guard, fire=self._fire, skip=self._skip,
+                                 on_missed=self._missed)
+        # Step 5: reconcile, control, report.
+        self.reconciler = Reconciler(self)
+        self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
+                                 heartbeat=self.heartbeat, done=self._reported)
+        self.control = Control(api, self.deployments, node=self.node, clock=clock,
+                               run_job=self._adhoc, reconcile=self._on_demand,
+                               cancel=self._cancel, claimed=self._is_claimed)
+        self.wait: ControllerWait | None = None
+        self.stream: PrefectStream | None = None
+        self._control_wake = threading.Event()
+        self._stopping = threading.Event()
+        self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
+
+    def _build_scheduler(self, now: datetime) -> Scheduler:
+        client: httpx.Client | None = None
+        settings = self.settings
+        if settings.pull_url.startswith(("http://", "https://")):
+            token = settings.bearer_token()
+            client = httpx.Client(
+                headers={"Authorization": f"Bearer {token}"} if token else {},
+                timeout=settings.pull_timeout.total_seconds(), follow_redirects=True)
+        return Scheduler(Config(pull_url=settings.pull_url, node_name=self.node,
+                                cache_path=settings.cache_path, fire=self._stage_fire,
+                                http_client=client, timezone=settings.tz,
+                                fire_grace=settings.grace), now=now)
+
+    # -- what the parts read ------------------------------------------------------------
+
+    def view(self, now: datetime) -> NodeView:
+        """Return the node's schedules as the firing decisions read them."""
+        cache = self.scheduler.cache()
+        return NodeView(rows=cache.schedules, last_fired=cache.last_fired_at,
+                        first_seen=cache.first_seen_at, tz=self.settings.tz, node=self.node,
+                        grace=self.settings.grace)
+
+    def _row(self, schedule_id: str) -> LocalSchedule | None:
+        return next((row for row in self.scheduler.schedules() if row.id == schedule_id), None)
+
+    # -- the firing loop's hands --------------------------------------------------------
+
+    def _guard(self, schedule_id: str, window: datetime, now: datetime,
+               recovery: bool) -> StartDecision:
+        decision, row = self.scheduler.start_window(schedule_id, window, first_try=now, now=now)
+        if row is not None:
+            self._guard_rows[(schedule_id, window)] = row
+        return decision
+
+    def _spec(self, row: LocalSchedule, *, trigger: str, window: datetime | None, key: str,
+              start: datetime | None, reason: str, now: datetime,
+              flow_run_id: str | None = None, run_name: str | None = None) -> JobSpec:
+        ref = JobRef(node=self.node, action=row.action, schedule_id=row.id,
+                     trigger_key=trigger, window=window, key=key)
+        action = self.settings.actions.get(row.action)
+        return JobSpec(
+            job_id=job_id_for(now, ref.idempotency_key if flow_run_id is None else flow_run_id),
+            kind=KIND_JOB, node=self.node, schedule_id=row.id, action=row.action,
+            trigger_key=trigger, window=window, key=key,
+            run_name=run_name or ref.name(now=now),
+            idempotency_key=None if flow_run_id else ref.idempotency_key,
+            flow_run_id=flow_run_id, planned_start=start, accepted_at=now, reason=reason,
+            cwd=str(action.cwd) if action and action.cwd else None,
+            timeout_s=action.timeout.total_seconds() if action else 0.0,
+            retries=action.retries if action else 0,
+            retry_delay_s=action.retry_delay.total_seconds() if action else 0.0,
+            umask=self.settings.job_umask, tags=ref.tags(), parameters=ref.parameters(),
+            overlap=(row.overlap.value if row.overlap else "skip"), zone=row.timezone or "",
+            repo_lock=row.repo_id if row.repo_lock else None,
+        )
+
+    def start_job(self, row: LocalSchedule, spec: JobSpec, lines: list[str]) -> JobFolder:
+        """Fill the command from the row and hand the job over; a refused value fails it here."""
+        window = spec.window.isoformat() if spec.window else "none"
+        lines = [*lines, f"job {row.action} of schedule {row.id} ({row.name}), window {window}, "
+                         f"trigger {spec.trigger_key}, key {spec.key}"]
+        try:
+            action = self.settings.action(row.action)
+            argv = render_argv(action, row, state_dir=self.settings.state_dir, node=self.node,
+                               window=spec.window, trigger_key=spec.trigger_key)
+        except ConfigError as exc:
+            return self.jobs.end_without_running(spec, FAILED, str(exc), error=str(exc),
+                                                 lines=lines)
+        spec = JobSpec(**{**spec.__dict__, "argv": argv})
+        return self.jobs.accept(spec, lines=[*lines, f"running {argv}"])
+
+    def _fire(self, due: Due, decision: StartDecision, recovery: bool) -> None:
+        now = self._clock()
+        row = self._guard_rows.pop((due.row.id, due.window), due.row)
+        trigger = TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE
+        key = window_key(row.id, due.window, row_zone(row, self.settings.tz))
+        spec = self._spec(row, trigger=trigger, window=due.window, key=key, start=due.start,
+                          reason=decision.reason, now=now)
+        late = (now - due.start).total_seconds()
+        self.start_job(row, spec, [f"start guard: {decision.reason} (the node decided "
+                                   f"{late:.3f} s after the start)"])
+
+    def _skip(self, due: Due, window: datetime, reason: str) -> None:
+        now = self._clock()
+        row = self._guard_rows.pop((due.row.id, window), due.row)
+        key = window_key(row.id, window, row_zone(row, self.settings.tz))
+        spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=window, key=key,
+                          start=None, reason=reason, now=now)
+        self.jobs.end_without_running(spec, SKIPPED, reason)
+
+    def _missed(self, items: list[Missed], view: NodeView) -> None:
+        """Windows the node never decided (it was stopped): skip the planned ones, count all."""
+        now = self._clock()
+        rows = {row.id: row for row in view.rows}
+        for item in items:
+            row = rows.get(item.schedule_id)
+            shown = ", ".join(utc_text(window) for window in item.windows)
+            log.warning("schedule %s missed %d window(s) while the node was not running (%s%s); %s",
+                        item.schedule_id, item.count, shown,
+                        " ..." if item.count > len(item.windows) else "",
+                        "the latest is recovered" if item.recover else
+                        "none is recovered (miss policy)",
+                        extra={"node": self.node, "schedule_id": item.schedule_id,
+                               "missed": item.count})
+            self.history.add_missed(item.schedule_id, item.count, now=now)
+            if row is None:
+                continue
+            for window in item.windows:
+                key = window_key(row.id, window, row_zone(row, self.settings.tz))
+                if item.recover is not None and window == item.recover.window:
+                    continue
+                if self.planner.planned_run(f"{self.node}:{key}") is None:
+                    continue
+                reason = (f"missed: the node was not running at its start; miss policy "
+                          f"{row.miss_policy.value}")
+                spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=window, key=key,
+                                  start=None, reason=reason, now=now)
+                self.jobs.end_without_running(spec, SKIPPED, reason)
+
+    # -- jobs' hooks --------------------------------------------------------------------
+
+    def _changed(self, folder: JobFolder) -> None:
+        self.recorder.wake()
+        self.reporter.poke()
+
+    def _ended(self, view: JobView) -> None:
+        now = self._clock()
+        self.history.add(view, now=now)
+        self.recorder.wake()
+        self.reporter.poke()
+        if view.spec.kind != KIND_JOB or view.end_state == SKIPPED:
+            return
+        try:
+            fired = self.chain.on_job_complete(view.spec.action, now=now)
+        except Exception:
+            log.exception("the chain failed on the end of %s", view.spec.run_name)
+            return
+        note = self._chain_note(view, fired, now)
+        if note:
+            self.outbox.folder(view.spec.job_id).log(now, note)
+
+    def _chain_note(self, view: JobView, fired: list[str], now: datetime) -> str:
+        if fired:
+            return f"chain: fired stage(s) {', '.join(fired)}"
+        if view.spec.action not in self.settings.wave or self._wave_active():
+            return ""
+        first = self.settings.stages[0] if self.settings.stages else None
+        if first is None or first.after != "success" or self._wave_succeeded(now):
+            return ""
+        return (f"chain: the wave drained with no successful job since "
+                f"{utc_text(now - self.settings.wave_lookback)}: stage {first.name} not fired "
+                f"(after = \"success\"); a later successful wave job fires it today")
+
+    def _may_rerun(self, spec: JobSpec) -> tuple[bool, str]:
+        now = self._clock()
+        row = self._row(spec.schedule_id)
+        if spec.trigger_key in WINDOW_TRIGGERS and spec.window is not None:
+            cache = self.scheduler.cache()
+            decision = retry_allowed(row, schedule_id=spec.schedule_id, window=spec.window,
+                                     last_fired=cache.last_fired_at.get(spec.schedule_id),
+                                     now=now, grace=self.settings.grace, tz=self.settings.tz,
+                                     node=self.node)
+            return decision.runs, decision.reason
+        stage = self.settings.stage(spec.trigger_key)
+        if stage is not None:
+            decision = stage_retry_allowed(row, schedule_id=spec.schedule_id, stage=stage.name,
+                                           action=stage.action, on=stage.on, stopped_at=None,
+                                           now=now, follow=FOLLOW_WINDOW, tz=self.settings.tz)
+            return decision.runs, decision.reason
+        return False, "an ad hoc run is not run again: whoever started it sees how it ended"
+
+    def _repo_lock(self, spec: JobSpec, folder: JobFolder) -> AbstractContextManager[None]:
+        if not spec.repo_lock:
+            return nullcontext()
+
+        def say(text: str) -> None:
+            folder.log(self._clock(), text)
+            self.recorder.wake()
+
+        return repo_lock(self.api, spec.repo_lock, wait_s=longest_run_s(spec), info=say,
+                         warn=say)
+
+    def _recorded(self, folder: JobFolder) -> None:
+        if not self.reporter.enabled or (folder.read_json("report.json") or {}).get("done"):
+            self.outbox.forget(folder)
+
+    def _reported(self, folder: JobFolder) -> None:
+        sent = folder.read_json("report.json") or {}
+        folder.write_json("report.json", {**sent, "done": True})
+        if (folder.read_json("record.json") or {}).get("complete"):
+            self.outbox.forget(folder)
+
+    # -- the chain ----------------------------------------------------------------------
+
+    def _wave_active(self) -> bool:
+        return any(spec.action in self.settings.wave for spec, _ in self.jobs.active())
+
+    def _wave_succeeded(self, now: datetime) -> bool:
+        since = now - self.settings.wave_lookback
+        return any(item.succeeded for item in self.history.since(since,
+                                                                 actions=self.settings.wave))
+
+    def _chain_spec(self) -> Spec:
+        settings = self.settings
+
+        def stage(index: int) -> ChainStage:
+            spec = settings.stages[index]
+
+            def active() -> bool:
+                return any(job.action == spec.action for job, _ in self.jobs.active())
+
+            return ChainStage(name=spec.name, trigger_key=spec.key(),
+                              match=lambda row: row.schedule.on == spec.on
+                              and row.action == spec.action, active=active)
+
+        def wave_complete() -> bool:
+            if self._wave_active():
+                return False
+            now = self._clock()
+            first = settings.stages[0] if settings.stages else None
+            if first is not None and first.after == "success":
+                return self._wave_succeeded(now)
+            return bool(self.history.since(now - settings.wave_lookback, actions=settings.wave))
+
+        return Spec(stages=[stage(index) for index in range(len(settings.stages))],
+                    is_wave_job=lambda action: action in settings.wave,
+                    wave_complete=wave_complete, marker_path=settings.marker_path,
+                    timezone=settings.tz)
+
+    def _stage_fire(self, fire: Fire) -> None:
+        """The kit's fire callback: a chain stage's schedule becomes a job now."""
+        now = self._clock()
+        spec = self._spec(fire.schedule, trigger=fire.trigger_key, window=None, key=fire.key,
+                          start=None, reason=f"fired by the chain ({fire.trigger_key})", now=now)
+        self.start_job(fire.schedule, spec, [f"chain: {fire.trigger_key} fired {fire.key}"])
+
+    # -- control ------------------------------------------------------------------------
+
+    def _is_claimed(self, run_id: str) -> bool:
+        return run_id in self._claimed
+
+    def _adhoc(self, run: dict[str, Any]) -> None:
+        """An ad hoc run of ``run-job/<node>``: the cached row it names, now."""
+        now = self._clock()
+        run_id = str(run["id"])
+        self._claimed.add(run_id)
+        params = run.get("parameters") or {}
+        schedule_id = params.get("schedule_id")
+        trigger = str(params.get("trigger_key") or "manual")
+        row = self._row(schedule_id) if isinstance(schedule_id, str) else None
+        if row is None:
+            known = ", ".join(sorted(item.id for item in self.scheduler.schedules())) or "none"
+            message = (f"no schedule {schedule_id!r} in this node's cache (known: {known})"
+                       if schedule_id else "run-job needs a schedule_id (the cached schedule "
+                                           "to run)")
+            placeholder = LocalSchedule.model_validate({
+                "id": "unknown", "name": "unknown", "repo_id": "", "action": "job",
+                "schedule": {"days": ["*"], "hours": ["*"], "minute": "0"},
+                "miss_policy": "skip", "enabled": True, "version": 0})
+            spec = self._spec(placeholder, trigger=trigger, window=None,
+                              key=f"unknown@manual@{run_id}", start=None, reason=message,
+                              now=now, flow_run_id=run_id, run_name=str(run.get("name")))
+            self.jobs.end_without_running(spec, FAILED, message, error=message)
+            return
+        spec = self._spec(row, trigger=trigger, window=None, key=f"{row.id}@manual@{run_id}",
+                          start=None, reason=f"ad hoc run {run.get('name')} from Prefect",
+                          now=now, flow_run_id=run_id)
+        self.start_job(row, spec, [f"ad hoc run {run.get('name')} ({run_id}) taken by the node"])
+
+    def _on_demand(self, run_id: str) -> None:
+        self._claimed.add(run_id)
+        self.reconciler.poke("on demand", run_id=run_id)
+
+    def _cancel(self, run_id: str, message: str) -> bool:
+        return self.jobs.cancel(flow_run_id=run_id, message=message)
+
+    def wake_control(self) -> None:
+        """Ask Prefect now for ad hoc runs and cancels (a wake from the controller or Prefect)."""
+        self._control_wake.set()
+
+    def _control_main(self) -> None:
+        wait = self.settings.reconcile_interval.total_seconds()
+        while not self._stopping.is_set():
+            self._control_wake.wait(wait)
+            self._control_wake.clear()
+            if self._stopping.is_set():
+                return
+            wait = self.settings.reconcile_interval.total_seconds()
+            try:
+                self.control.check()
+            except PrefectUnavailable as exc:
+                log.info("no control check now (trying again in %g s): %s", CONTROL_RETRY_S,
+                         exc)
+                wait = CONTROL_RETRY_S
+            except Exception:
+                log.exception("the control check failed")
+
+    # -- the report ---------------------------------------------------------------------
+
+    def _report_facts(self, now: datetime) -> dict[str, Any]:
+        counts = {"skipped": sum(1 for item in self.history.since(now - timedelta(hours=24))
+                                 if item.state == SKIPPED),
+                  "missed": self.history.missed_since(now - timedelta(hours=24))}
+        return build_report(self.settings, self.scheduler.cache(), now=now,
+                            last_pull=self._last_pull, latest=self.history.latest_by_schedule(),
+                            counts=counts, jobs=[], heartbeat_s=self.heartbeat.total_seconds())
+
+    # -- run ----------------------------------------------------------------------------
+
+    def start_channel(self) -> None:
+        """Open the node's one channel from the center (the controller's wait, else Prefect's)."""
+        url = controller_url(self.settings, "wait") if self.settings.listen else None
+        if url is not None:
+            self.wait = ControllerWait(
+                url, token=self.settings.bearer_token, etag=lambda: self.scheduler.cache().etag,
+                heartbeat=self.heartbeat, on_schedules=lambda: self.reconciler.poke("controller"),
+                on_prefect=self.wake_control, on_unsupported=self._stream).start()
+        elif self.settings.listen:
+            self._stream()
+
+    def _stream(self) -> None:
+        self.stream = PrefectStream(
+            node=self.node, api_url=self.api.settings.url,
+            deployment_ids=lambda: list(self.deployments.get().values()),
+            on_schedules=lambda: self.reconciler.poke("event"),
+            on_prefect=self.wake_control).start()
+
+    def stop(self) -> None:
+        """Ask the node to stop (from a signal handler or another thread)."""
+        self._stopping.set()
+        self.firing.wake()
+
+    def run(self) -> None:
+        """Run until :meth:`stop` (step 6)."""
+        stop = self._stopping
+        resumed = self.jobs.resume()
+        for name, what in resumed:
+            log.info("outbox job %s: %s", name, what, extra={"node": self.node})
+        self.recorder.start()
+        self.reporter.start()
+        self.reconciler.start()
+        self.start_channel()
+        threading.Thread(target=self._control_main, name="control", daemon=True).start()
+        try:
+            self.firing.run(stop)
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop every part; running jobs go on in their keepers (the next start follows them)."""
+        self._stopping.set()
+        self._control_wake.set()
+        self.reconciler.stop()
+        if self.wait is not None:
+            self.wait.stop()
+        if self.stream is not None:
+            self.stream.stop()
+        self.jobs.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
+        self.reporter.send_now()
+        self.reporter.stop()
+        while time.monotonic() < deadline and self.recorder.reachable:
+            try:
+                if not self.recorder.drain():
+                    break
+            except Exception:
+                break
+        self.recorder.stop()
+        self.api.close()
+
+
+class Reconciler:
+    """Pull and plan: every ``reconcile_interval``, when woken, on demand (a thread)."""
+
+    def __init__(self, node: Node) -> None:
+        self.n = node
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._reasons: list[tuple[str, str | None]] = [("start", None)]
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.runs = 0
+        self.recorded = 0
+        self.plan_pending = False
+        """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
+
+    def start(self) -> Reconciler:
+        """Start the thread (once): it reconciles at once."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="reconcile", daemon=True)
+            self._thread.start()
+            self._wake.set()
+        return self
+
+    def poke(self, reason: str, run_id: str | None = None) -> None:
+        """Reconcile now (a change announced, an operator's Run)."""
+        with self._lock:
+            self._reasons.append((reason, run_id))
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop the thread after the reconcile in progress."""
+        self._stop.set()
+        self._wake.set()
+
+    def _main(self) -> None:
+        interval = self.n.settings.reconcile_interval.total_seconds()
+        while not self._stop.is_set():
+            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending else interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                reasons, self._reasons = self._reasons, []
+            try:
+                if not woken and self.plan_pending:
+                    self.replan()
+                else:
+                    self.reconcile(reasons or [("interval", None)])
+            except Exception:
+                log.exception("the reconcile failed; the next one tries again")
+
+    def replan(self) -> None:
+        """Plan again after a plan the Prefect server could not take (no pull)."""
+        now = self.n._clock()
+        try:
+            report = self.n.planner.plan(self.n.view(now), now=now)
+            self.n.control.check()
+        except PrefectUnavailable:
+            return
+        self.plan_pending = bool(report.failed)
+        if self.plan_pending:
+            return
+        log.info("the plan reached Prefect", extra={"node": self.n.node})
+
+    def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
+        """Pull, plan and record what changed (the module's Reconciler)."""
+        n = self.n
+        self.runs += 1
+        now = n._clock()
+        result, error = self._pull(now)
+        n._last_pull = pull_outcome(now, ok=error is None, error=error,
+                                    status=None if result is None
+                                    else "304" if result is NOT_MODIFIED else "200")
+        n.firing.wake()
+        view = n.view(now)
+        report: PlanReport | None = None
+        plan_error: str | None = None
+        try:
+            report = n.planner.plan(view, now=now)
+            n.control.check()
+            self.plan_pending = bool(report.failed)
+        except PrefectUnavailable as exc:
+            plan_error = str(exc)
+            self.plan_pending = True
+        if report is not None:
+            log.info("planned %d windows: %d runs created, %d deleted, %d moved, %d failed%s",
+                     report.planned, len(report.created), len(report.deleted), len(report.moved),
+                     len(report.failed),
+                     f" (first: {report.failed[0][0]}: {report.failed[0][1]})"
+                     if report.failed else "", extra={"node": n.node})
+        changed = result is not None and (result.changed_anything or bool(result.rejected))
+        on_demand = [run_id for _, run_id in reasons if run_id]
+        first = any(reason == "start" for reason, _ in reasons)
+        if changed or on_demand or first or error or (report and (report.deleted
+                                                                   or report.moved)):
+            self._record(now, result, error, report, plan_error, on_demand, reasons)
+        n.reporter.poke()
+
+    def _pull(self, now: datetime) -> tuple[Any, str | None]:
+        settings = self.n.settings
+        delay = settings.pull_retry_delay.total_seconds()
+        error: str | None = None
+        for attempt in range(settings.pull_retries + 1):
+            if attempt:
+                if self._stop.wait(delay * 2 ** (attempt - 1)):
+                    break
+            try:
+                return self.n.scheduler.pull(self.n._clock()), None
+            except PullError as exc:
+                error = str(exc)
+        return None, error
+
+    def _record(self, now: datetime, result: Any, error: str | None,
+                report: PlanReport | None, plan_error: str | None, on_demand: list[str],
+                reasons: list[tuple[str, str | None]]) -> None:
+        n = self.n
+        settings = n.settings
+        cache = n.scheduler.cache()
+        names = {row.id: row.name for row in cache.schedules}
+        markdown = "\n".join([
+            f"### Reconcile on {n.node} at {utc_text(now)}", "",
+            f"why: {', '.join(reason for reason, _ in reasons)}", "",
+            *pull_lines(result, error, names),
+            *plan_lines(report, cache.schedules, now=now, tz=settings.tz, node=n.node,
+                        last_fired=cache.last_fired_at, plan_error=plan_error),
+        ])
+        runs: list[str | None] = [*on_demand] or [None]
+        for run_id in runs:
+            stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
+            key = f"reconcile@{stamp}"
+            spec = JobSpec(
+                job_id=job_id_for(now, f"{n.node}:{key}:{run_id}"), kind=KIND_RECONCILE,
+                node=n.node, schedule_id="", action="reconcile", trigger_key="reconcile",
+                window=None, key=key, run_name=f"reconcile-{now.strftime('%Y%m%dT%H%MZ')}",
+                idempotency_key=None if run_id else f"{n.node}:{key}", flow_run_id=run_id,
+                planned_start=None, accepted_at=now, reason=", ".join(r for r, _ in reasons),
+                tags=[AGENT_TAG, f"node:{n.node}"])
+            folder = n.outbox.create(spec)
+            (folder.path / "artifact.md").write_text(markdown, encoding="utf-8")
+            events = []
+            if result is not None and (result.changed_anything or result.rejected):
+                events.append(_changed_event(n.node, result, now))
+            folder.write_json("events.json", {"events": events})
+            summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
+                       + (f"{report.planned} windows, {len(report.created)} created, "
+                          f"{len(report.deleted)} deleted" if report else f"not updated "
+                                                                           f"({plan_error})"))
+            folder.log(now, summary)
+            folder.append({"e": "end", "at": utc_text(now),
+                           "state": FAILED if error else COMPLETED, "message": summary,
+                           "error": error})
+            self.recorded += 1
+        n.recorder.wake()
+
+
+def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:
+    import uuid
+
+    return {
+        "id": str(uuid.uuid4()), "occurred": utc_text(now), "event": "sched.schedules.changed",
+        "resource": {"prefect.resource.id": f"sched.agent.{node}",
+                     "prefect.resource.name": node},
+        "payload": {"node": node, "added": len(result.added), "removed": len(result.removed),
+                    "changed": len(result.changed), "rejected": len(result.rejected),
+                    "added_ids": result.added, "removed_ids": result.removed,
+                    "changed_ids": result.changed,
+                    "rejected_ids": [{"id": rid, "reason": reason}
+                                     for rid, reason in result.rejected]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the node until SIGTERM or SIGINT; exit 2 on bad settings."""
+    logging.basicConfig(level=os.environ.get("SCHED_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO, URL included (with any user:password in it).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        settings = load_settings()
+        api = PrefectApi(api_settings())
+    except ConfigError as exc:
+        print(f"sched-agent: {exc}", file=sys.stderr)
+        return 2
+    node = Node(settings, api=api)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("stopping (signal %d): running jobs go on in their keepers", signum)
+        node.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"sched-agent: node {settings.node_name} fires its windows from "
+          f"{Path(settings.cache_path)}; records go to {api.settings.shown_url} "
+          "(stop with Ctrl-C or SIGTERM)", flush=True)
+    node.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,625 @@
+"""Prefect is the record: drain the outbox into flow runs, states, logs, artifacts and events.
+
+A thread of the node (:class:`Recorder`) takes the outbox's jobs in the order they
+were accepted and writes each into Prefect, step by step:
+
+1. **The run.** A window's run is the one the planner created ahead (found by
+   its idempotency key ``<node>:<window key>``, created now if there is none);
+   an ad hoc run is the one its creator made.
+2. **Running**, at the job's first start, with the node and the real start time
+   in the state's message (Prefect stamps states with its own clock, so a
+   record written late would otherwise show the wrong time); the run's
+   ``infrastructure_pid`` names the node and the keeper, so a cancel from the
+   UI waits for the node.
+3. **The command's task run** (``run-command``), its tries as Prefect shows a
+   task's retries (Running, AwaitingRetry, Retrying, ...), and **its output**
+   as the run's logs, each line with the time the command wrote it.
+4. At the job's end: **the artifact** (exit code, tries, real start and end),
+   **the final state** (Completed, Failed, Cancelled, Crashed; Completed named
+   Skipped for a job that ran nothing), and **one** ``sched.job.completed`` or
+   ``sched.job.failed`` event whose ``occurred`` is the real end (its id is
+   derived from the run's, so the server keeps one whatever happens).
+
+Each step is noted in the job's ``record.json`` when it is done, and as
+``inflight`` just before it is sent; a step found in flight after a restart is
+checked against the server before it is sent again, so a kill in mid-drain
+creates nothing twice. While the server cannot be reached, the recorder waits
+(1 s doubling to :data:`BACKOFF_MAX_S`) and the jobs go on: a slow or absent
+server delays the record, never a job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from flows.outbox import (
+    CANCELLED,
+    COMPLETED,
+    CRASHED,
+    FAILED,
+    KIND_RECONCILE,
+    SKIPPED,
+    Attempt,
+    JobFolder,
+    JobView,
+    Outbox,
+    utc_text,
+)
+from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable, state_body
+from sched_core.model import format_go_time
+
+log = logging.getLogger(__name__)
+
+RUN_JOB = "run-job"
+RECONCILE = "reconcile"
+EVENT_JOB_COMPLETED = "sched.job.completed"
+EVENT_JOB_FAILED = "sched.job.failed"
+JOB_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
+"""Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
+ACTION_ROLE = "sched-action"
+
+LOG_BATCH = 500
+"""Log lines per request."""
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+IDLE_WAIT_S = 30.0
+"""How long the recorder sleeps with nothing to send (a new job wakes it at once)."""
+
+JOB_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "title": "Parameters",
+    "properties": {
+        "schedule_id": {"type": "string", "title": "schedule_id", "position": 0,
+                        "description": "The node's cached schedule to run now."},
+        "trigger_key": {"type": "string", "title": "trigger_key", "position": 1,
+                        "default": "manual"},
+    },
+    "required": ["schedule_id"],
+}
+RECONCILE_PARAMETERS: dict[str, Any] = {"type": "object", "title": "Parameters",
+                                        "properties": {}}
+
+
+def action_related(action: str) -> list[dict[str, str]]:
+    """Return the related resource naming a job's action (what the fleet's alerts match)."""
+    if not action:
+        return []
+    return [{"prefect.resource.id": f"sched.action.{action}",
+             "prefect.resource.role": ACTION_ROLE, "prefect.resource.name": action}]
+
+
+@dataclass
+class Deployments:
+    """The node's two deployments in Prefect, registered once per process (lazily)."""
+
+    api: PrefectApi
+    node: str
+    tags: list[str]
+    ids: dict[str, str] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self) -> dict[str, str]:
+        """Return ``{"run-job": id, "reconcile": id}``, registering them on first use."""
+        with self._lock:
+            return self._get()
+
+    def _get(self) -> dict[str, str]:
+        if self.ids is None:
+            ids: dict[str, str] = {}
+            for flow, description, schema in (
+                (RUN_JOB, "One job of one schedule, fired by the node at its window (the node "
+                          "records it here; a Run here runs the schedule now).", JOB_PARAMETERS),
+                (RECONCILE, "The node's pull of its schedule list and its plan (recorded when "
+                            "something changed; a Run here reconciles now).",
+                 RECONCILE_PARAMETERS),
+            ):
+                flow_id = self.api.ensure_flow(flow)
+                ids[flow] = self.api.ensure_deployment(
+                    flow_id, self.node, tags=self.tags, description=description,
+                    parameter_openapi_schema=schema, enforce_parameter_schema=False,
+                    entrypoint=f"flows/node.py:{flow.replace('-', '_')}", paused=False,
+                    schedules=[],
+                )
+            self.ids = ids
+            log.info("registered the node's deployments %s/%s and %s/%s", RUN_JOB, self.node,
+                     RECONCILE, self.node, extra={"node": self.node})
+        return self.ids
+
+    def forget(self) -> None:
+        """Register again at the next use (a deployment was deleted on the server)."""
+        self.ids = None
+
+
+def job_event(node: str, payload: dict[str, Any], *, completed: bool,
+              occurred: datetime) -> dict[str, Any]:
+    """Return a job's one ``sched.job.completed`` or ``sched.job.failed`` event (pure).
+
+    Its id is derived from the run's (``payload["flow_run_id"]``), so however many
+    times it is sent the server keeps one; the action is also a related resource
+    (:func:`action_related`), which the fleet's alerts match.
+    """
+    run = str(payload["flow_run_id"])
+    action = str(payload.get("action") or "")
+    return {
+        "id": str(uuid.uuid5(JOB_EVENT_NAMESPACE, run)),
+        "occurred": format_go_time(occurred),
+        "event": EVENT_JOB_COMPLETED if completed else EVENT_JOB_FAILED,
+        "resource": {"prefect.resource.id": f"sched.agent.{node}",
+                     "prefect.resource.name": node},
+        "related": [{"prefect.resource.id": f"prefect.flow-run.{run}",
+                     "prefect.resource.role": "flow-run",
+                     "prefect.resource.name": str(payload.get("flow_run_name") or "")},
+                    *action_related(action)],
+        "payload": payload,
+    }
+
+
+def job_markdown(view: JobView, node: str) -> str:
+    """Return a job's artifact: outcome, tries with real times and exit codes, identity."""
+    spec = view.spec
+    outcome = (view.end_state or "running").lower()
+    if view.message:
+        outcome += f": {view.message}"
+    lines = [f"### {spec.action} of `{spec.schedule_id}` on {node}: {outcome}", ""]
+    if view.attempts:
+        lines += ["| try | started (UTC) | ended (UTC) | exit code | timed out | output lines |",
+                  "|---|---|---|---|---|---|"]
+        for attempt in view.attempts:
+            lines.append(_attempt_row(attempt))
+        lines.append("")
+    if spec.argv:
+        lines.append(f"argv: `{' '.join(spec.argv)}`  ")
+    window = spec.window.isoformat() if spec.window else "none"
+    lines.append(f"window: {window}; trigger: {spec.trigger_key}; key: `{spec.key}`  ")
+    lines.append(f"accepted by the node at {utc_text(spec.accepted_at)}: {spec.reason}")
+    return "\n".join(lines)
+
+
+def _attempt_row(attempt: Attempt) -> str:
+    exit_info = attempt.exit or {}
+    started = utc_text(attempt.started_at) if attempt.started_at else "-"
+    ended = utc_text(attempt.ended_at) if attempt.ended_at else "-"
+    code = exit_info.get("exit_code", "-") if not attempt.interrupted else "interrupted"
+    return (f"| {attempt.number} | {started} | {ended} | {code} | "
+            f"{bool(exit_info.get('timed_out'))} | {exit_info.get('lines', '-')} |")
+
+
+def _lines(folder: JobFolder, name: str, start: int) -> list[dict[str, Any]]:
+    """Return the JSON lines of a log file from line start (a torn last line is left for later)."""
+    try:
+        text = (folder.path / name).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")
+    complete = lines[:-1]  # the part after the last newline may still be written
+    found: list[dict[str, Any]] = []
+    for line in complete[start:]:
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = {"t": None, "m": line}
+        found.append(value if isinstance(value, dict) else {"t": None, "m": str(value)})
+    return found
+
+
+class Recorder:
+    """Drain the outbox into Prefect (the module's steps), in a thread, until stopped.
+
+    ``done(folder)`` is called once a job's record is complete (the node then
+    deletes the folder when its report is through as well).
+    """
+
+    def __init__(self, api: PrefectApi, outbox: Outbox, deployments: Deployments, *,
+                 node: str, clock: Callable[[], datetime],
+                 done: Callable[[JobFolder], None] = lambda folder: None) -> None:
+        self.api = api
+        self.outbox = outbox
+        self.deployments = deployments
+        self.node = node
+        self._clock = clock
+        self._done = done
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._checked: set[str] = set()  # folders whose in-flight step was checked this process
+        self.reachable = True
+        """False while the server cannot be reached (for the node's status and its log)."""
+        self.recorded = 0
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def start(self) -> Recorder:
+        """Start the thread (once); return self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="recorder", daemon=True)
+            self._thread.start()
+        return self
+
+    def wake(self, folder: JobFolder | None = None) -> None:
+        """Tell the recorder there is something new to send."""
+        self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread (what is not sent stays in the outbox for the next start)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                pending = self.drain()
+            except PrefectUnavailable as exc:
+                if self.reachable:
+                    log.warning("the Prefect server cannot be reached; jobs go on, their records "
+                                "wait in the outbox: %s", exc, extra={"node": self.node})
+                self.reachable = False
+                self._wake.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            except Exception:  # a bug must not end the thread: the outbox keeps everything
+                log.exception("the recorder failed; trying again", extra={"node": self.node})
+                self._wake.wait(BACKOFF_MAX_S)
+                continue
+            if not self.reachable:
+                log.info("the Prefect server answers again; the outbox drains",
+                         extra={"node": self.node})
+            self.reachable = True
+            backoff = BACKOFF_MIN_S
+            self._wake.wait(1.0 if pending else IDLE_WAIT_S)
+
+    def drain(self) -> bool:
+        """Send what can be sent now, oldest job first; return whether any job is still open.
+
+        Raises PrefectUnavailable when the server cannot be reached (the caller waits).
+        """
+        pending = False
+        folders = list(self.outbox.jobs())
+        for index, folder in enumerate(folders):
+            if self._stop.is_set():
+                return True
+            try:
+                complete = self.record(folder)
+            except PrefectUnavailable:
+                for later in folders[index + 1:]:
+                    self._mark_offline(later)
+                raise
+            except PrefectRefused as exc:
+                log.error("Prefect refused a record of job %s; it stays in the outbox: %s",
+                          folder.job_id, exc, extra={"node": self.node, "job_id": folder.job_id})
+                pending = True
+                continue
+            except ValueError as exc:  # an unreadable job.json: left for a person to look at
+                log.error("outbox job %s cannot be read: %s", folder.job_id, exc)
+                continue
+            if complete:
+                self.recorded += 1
+                self._done(folder)
+            else:
+                pending = True
+        return pending
+
+    def _mark_offline(self, folder: JobFolder) -> None:
+        """Note that a started job's start could not be recorded in time (the server is away)."""
+        progress = folder.read_json("record.json") or {}
+        if "offline" in progress or progress.get("complete"):
+            return
+        try:
+            started = bool(folder.view().attempts)
+        except ValueError:
+            return
+        if started:
+            progress["offline"] = True
+            folder.write_json("record.json", progress)
+
+    # -- one job ------------------------------------------------------------------------
+
+    def record(self, folder: JobFolder) -> bool:
+        """Write what is new of one job into Prefect; return whether its record is complete."""
+        progress = folder.read_json("record.json") or {}
+        if progress.get("complete"):
+            return True
+        view = folder.view()
+        steps = _Steps(self, folder, view, progress)
+        if folder.job_id not in self._checked:
+            steps.check_inflight()
+            self._checked.add(folder.job_id)
+        try:
+            complete = self._steps(steps, view, progress, folder)
+        except PrefectUnavailable:
+            # The request may have reached the server before the answer was lost:
+            # check the step in flight again before sending it a second time.
+            self._checked.discard(folder.job_id)
+            if view.attempts and "offline" not in progress:
+                # Its start could not be recorded when the node first tried (at once):
+                # the job runs while Prefect cannot be reached from the node.
+                progress["offline"] = True
+                folder.write_json("record.json", progress)
+            raise
+        return complete
+
+    def _steps(self, steps: _Steps, view: JobView, progress: dict[str, Any],
+               folder: JobFolder) -> bool:
+        steps.run_id()
+        if view.attempts:
+            steps.running()
+            steps.task_run()
+        elif view.spec.kind == KIND_RECONCILE:
+            steps.running()
+        steps.logs()
+        if view.phase != "ended":
+            return False
+        steps.artifact()
+        steps.final()
+        steps.event()
+        steps.logs()  # lines written after the end (the chain's note, the exit line)
+        progress["complete"] = True
+        folder.write_json("record.json", progress)
+        return True
+
+
+class _Steps:
+    """The record steps of one job, each done once (the module's steps 1-4)."""
+
+    def __init__(self, recorder: Recorder, folder: JobFolder, view: JobView,
+                 progress: dict[str, Any]) -> None:
+        self.r = recorder
+        self.api = recorder.api
+        self.folder = folder
+        self.view = view
+        self.spec = view.spec
+        self.p = progress
+
+    def _save(self) -> None:
+        self.folder.write_json("record.json", self.p)
+
+    def _step(self, name: str) -> Iterator[None]:
+        """Run a step once: mark it in flight, do it, mark it done (use with ``for _ in``)."""
+        if self.p.get(name):
+            return
+        self.p["inflight"] = name
+        self._save()
+        yield
+        self.p[name] = True
+        self.p.pop("inflight", None)
+        self._save()
+
+    @property
+    def run(self) -> str:
+        run_id = self.p.get("flow_run_id")
+        assert isinstance(run_id, str)
+        return run_id
+
+    def _deployment(self) -> str:
+        flow = RECONCILE if self.spec.kind == KIND_RECONCILE else RUN_JOB
+        return self.r.deployments.get()[flow]
+
+    # 1. the run
+    def run_id(self) -> None:
+        if self.p.get("flow_run_id"):
+            return
+        if self.spec.flow_run_id:
+            self.p["flow_run_id"] = self.spec.flow_run_id
+        else:
+            scheduled = self.spec.planned_start or self.spec.accepted_at
+            body = {
+                "name": self.spec.run_name,
+                "parameters": self.spec.parameters,
+                "tags": self.spec.tags,
+                "idempotency_key": self.spec.idempotency_key,
+                "state": state_body("SCHEDULED", scheduled_time=scheduled),
+                "enforce_parameter_schema": False,
+            }
+            try:
+                created = self.api.create_run(self._deployment(), body)
+            except PrefectRefused as exc:
+                if exc.status != 404:
+                    raise
+                self.r.deployments.forget()  # the deployment was deleted: register it again
+                created = self.api.create_run(self._deployment(), body)
+            self.p["flow_run_id"] = str(created["id"])
+        self._save()
+
+    # 2. Running
+    def running(self) -> None:
+        started = self.view.started_at or self.spec.accepted_at
+        offline = bool(self.p.get("offline"))
+        for _ in self._step("running"):
+            keeper = self.view.attempts[0].shim_pid if self.view.attempts else None
+            fields: dict[str, Any] = {"infrastructure_pid": f"{self.r.node}:{keeper or 0}"}
+            if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
+                # An ad hoc run: named and tagged as a planned one would be.
+                fields.update(name=self.spec.run_name, tags=self.spec.tags)
+            self.api.update_run(self.run, **fields)
+            note = " (recorded late: the Prefect server was unreachable)" if offline else ""
+            self._set(state_body("RUNNING", message=f"started on {self.r.node} at "
+                                                    f"{utc_text(started)}{note}"))
+        self.p.setdefault("offline", False)
+
+    def _set(self, state: dict[str, Any]) -> None:
+        try:
+            self.api.set_state(self.run, state, force=True)
+        except PrefectRefused as exc:
+            if exc.status != 404:
+                raise
+            log.warning("run %s of job %s was deleted on the server; its record is dropped",
+                        self.run, self.spec.run_name, extra={"job_id": self.spec.job_id})
+
+    # 3. the task run and its tries
+    def task_run(self) -> None:
+        if not self.p.get("task_run_id"):
+            self.p["task_run_id"] = self.api.create_task_run({
+                "name": "run-command", "flow_run_id": self.run, "task_key": "run-command",
+                "dynamic_key": "0", "state": state_body("PENDING"),
+                "empirical_policy": {"retries": self.spec.retries,
+                                     "retry_delay": self.spec.retry_delay_s},
+            })
+            self._save()
+        wanted = self._task_states()
+        sent = int(self.p.get("task_states", 0))
+        for state in wanted[sent:]:
+            self.api.set_task_state(str(self.p["task_run_id"]), state)
+            sent += 1
+            self.p["task_states"] = sent
+            self._save()
+
+    def _task_states(self) -> list[dict[str, Any]]:
+        """Return the task run's states as Prefect shows a task's retries (pure over the view)."""
+        states: list[dict[str, Any]] = []
+        program = self.spec.argv[0] if self.spec.argv else self.spec.action
+        for attempt in self.view.attempts:
+            started = attempt.started_at or attempt.launched_at
+            name = "Retrying" if attempt.number > 1 else None
+            states.append(state_body("RUNNING", name=name,
+                                     message=f"try {attempt.number} started at "
+                                             f"{utc_text(started)}"))
+            if not attempt.ended:
+                break
+            failure = None if attempt.ok else attempt.failure(program, self.spec.timeout_s)
+            ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
+            last = attempt is self.view.attempts[-1]
+            if not last:
+                states.append(state_body("SCHEDULED", name="AwaitingRetry",
+                                         message=f"try {attempt.number} ended at {ended}: "
+                                                 f"{failure}"))
+            elif self.view.phase == "ended":
+                states.append(self._final_body(task=True))
+        return states
+
+    # logs
+    def logs(self) -> None:
+        """Send the node's lines and each try's output from where the last call stopped."""
+        sources = [("log.jsonl", "node", None)]
+        sources += [(f"a{item.number}.out", f"a{item.number}", self.p.get("task_run_id"))
+                    for item in self.view.attempts]
+        for name, mark, task_run in sources:
+            start = int(self.p.get("lines", {}).get(mark, 0))
+            pending = _lines(self.folder, name, start)
+            for offset in range(0, len(pending), LOG_BATCH):
+                batch = pending[offset:offset + LOG_BATCH]
+                self.p["inflight"] = f"logs:{mark}:{start + offset}:{len(batch)}"
+                self._save()
+                self.api.send_logs([self._log(item, task_run) for item in batch])
+                self.p.setdefault("lines", {})[mark] = start + offset + len(batch)
+                self.p.pop("inflight", None)
+                self._save()
+
+    def _log(self, item: dict[str, Any], task_run: object) -> dict[str, Any]:
+        stamp = item.get("t") or utc_text(self.spec.accepted_at)
+        return {"name": "sched.job" if task_run else "sched.node", "level": 20,
+                "message": str(item.get("m", ""))[:100_000], "timestamp": stamp,
+                "flow_run_id": self.run, "task_run_id": task_run or None}
+
+    # 4. artifact, final state, event
+    def artifact(self) -> None:
+        for _ in self._step("artifact"):
+            if self.spec.kind == KIND_RECONCILE:
+                markdown = (self.folder.path / "artifact.md").read_text(encoding="utf-8")
+                key = f"reconcile-{_slug(self.r.node)}"
+            else:
+                markdown = job_markdown(self.view, self.r.node)
+                key = f"job-{_slug(self.r.node)}-{_slug(self.spec.schedule_id)}"
+            self.api.create_artifact({"key": key, "type": "markdown", "data": markdown,
+                                      "flow_run_id": self.run,
+                                      "description": f"{self.spec.run_name}: "
+                                                     f"{self.view.end_state}"})
+
+    def _final_body(self, *, task: bool = False) -> dict[str, Any]:
+        state = self.view.end_state or FAILED
+        ended = utc_text(self.view.end_at) if self.view.end_at else "unknown"
+        started = self.view.started_at
+        when = (f"ran on {self.r.node} from {utc_text(started)} to {ended}" if started
+                else f"decided on {self.r.node} at {ended}")
+        message = f"{self.view.message} ({when})" if self.view.message else when
+        if self.p.get("offline"):
+            message += "; recorded after the Prefect server came back"
+        if state == SKIPPED:
+            return state_body("COMPLETED", name=SKIPPED, message=message)
+        kind = {COMPLETED: "COMPLETED", FAILED: "FAILED", CANCELLED: "CANCELLED",
+                CRASHED: "CRASHED"}.get(state, "FAILED")
+        return state_body(kind, message=message)
+
+    def final(self) -> None:
+        for _ in self._step("final"):
+            self._set(self._final_body())
+
+    def event(self) -> None:
+        for _ in self._step("event"):
+            state = self.view.end_state
+            if state == SKIPPED or self.spec.kind == KIND_RECONCILE:
+                extra = self.folder.read_json("events.json") or {}
+                events = extra.get("events", [])
+                if events:
+                    self.api.emit_events(events)
+                return
+            started = self.view.started_at
+            payload = {
+                "node": self.r.node, "action": self.spec.action,
+                "schedule_id": self.spec.schedule_id, "trigger_key": self.spec.trigger_key,
+                "window": self.spec.window.isoformat() if self.spec.window else "",
+                "key": self.spec.key, "flow_run_id": self.run,
+                "flow_run_name": self.spec.run_name, "state": state or "",
+                "started_at": utc_text(started) if started else None,
+                "ended_at": utc_text(self.view.end_at) if self.view.end_at else None,
+                "error": self.view.error, "offline": bool(self.p.get("offline")),
+            }
+            occurred = self.view.end_at or self.r._clock()
+            self.api.emit_events([job_event(self.r.node, payload, completed=state == COMPLETED,
+                                            occurred=occurred)])
+
+    # a restart in mid-step
+    def check_inflight(self) -> None:
+        """Settle a step a kill left in flight: done on the server already, or to send again."""
+        step = self.p.get("inflight")
+        if not isinstance(step, str) or not self.p.get("flow_run_id"):
+            return
+        done = False
+        if step.startswith("logs:"):
+            done = self._logs_arrived(step)
+        elif step == "artifact":
+            found = self.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [self.run]}},
+                                               "limit": 1})
+            done = bool(found)
+        elif step in ("running", "final"):
+            run = self.api.read_run(self.run) or {}
+            kind = (run.get("state") or {}).get("type")
+            after = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+            done = kind in (after | {"RUNNING", "CANCELLING"} if step == "running" else after)
+        elif step == "event":
+            done = False  # the event's id is the run's: sending it twice keeps one
+        if done:
+            if step.startswith("logs:"):
+                _, mark, start, count = step.split(":")
+                self.p.setdefault("lines", {})[mark] = int(start) + int(count)
+            else:
+                self.p[step] = True
+        self.p.pop("inflight", None)
+        self._save()
+
+    def _logs_arrived(self, step: str) -> bool:
+        _, mark, start, count = step.split(":")
+        name = "log.jsonl" if mark == "node" else f"{mark}.out"
+        batch = _lines(self.folder, name, int(start))[:int(count)]
+        if not batch:
+            return True
+        last = batch[-1]
+        found = self.api.filter_logs({"logs": {"flow_run_id": {"any_": [self.run]},
+                                               "timestamp": {"after_": last.get("t")}},
+                                      "limit": 200})
+        return any(item.get("message") == last.get("m") for item in found)
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"

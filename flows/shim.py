@@ -1,0 +1,145 @@
+"""The job's keeper: one small process per attempt, between the node and the command.
+
+Run as ``python -I -S flows/shim.py SPEC`` (standard library only, so it starts in
+a few milliseconds and ~10 MB), in a session of its own: it outlives the node
+process, so a node killed mid-job neither kills the job nor loses its outcome.
+
+1. Read SPEC (JSON: ``argv``, ``cwd``, ``umask``, ``timeout_s``, ``out``,
+   ``started``, ``exit``, ``max_bytes``, ``clock_offset_s``). Its own environment
+   is the job's. Every time it writes is the wall clock plus ``clock_offset_s``
+   (the node's clock, which is the wall clock unless a test shifts it).
+2. Start ``argv`` without a shell, in a process group of its own, stdin from
+   /dev/null, stdout and stderr to one pipe. If it cannot start, write the exit
+   file with the error and end.
+3. Write the ``started`` file: the command's pid and the instant it started.
+4. Copy every output line to ``out`` as a JSON line ``{"t": <UTC time>, "m":
+   <text>}`` as it comes (flushed per line, so the node can follow it). Past
+   ``max_bytes`` only the last :data:`TAIL_LINES` lines are kept, and the number
+   of lines dropped is said at the end.
+5. On ``timeout_s`` kill the command's group (SIGKILL). On SIGTERM or SIGINT
+   (the node cancelling the job) send SIGTERM to the group, then SIGKILL after
+   :data:`KILL_AFTER_S`.
+6. When the command has exited and its output is closed, write the ``exit``
+   file (atomically): exit code (negative: the signal that killed it), whether
+   it timed out or was cancelled, when it ended, the lines seen and dropped.
+
+Files 3 and 6 are written once each, to a temporary name and renamed, so a
+reader sees all of one or none of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from datetime import UTC, datetime, timedelta
+
+TAIL_LINES = 100
+KILL_AFTER_S = 10.0
+
+
+_OFFSET = timedelta(0)
+"""The node's clock minus the wall clock when it started this keeper (~0: both read the wall
+clock; a test's node runs a shifted clock): the keeper's times are in the node's clock."""
+
+
+def _now() -> str:
+    return (datetime.now(UTC) + _OFFSET).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
+
+
+def _write_once(path: str, data: dict[str, object]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(spec_path: str) -> int:
+    """Run the attempt SPEC describes (the module's steps); return the shim's exit status."""
+    global _OFFSET
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    _OFFSET = timedelta(seconds=float(spec.get("clock_offset_s", 0.0)))
+    out = open(spec["out"], "a", encoding="utf-8")  # closed at the end
+    try:
+        proc = subprocess.Popen(
+            spec["argv"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=spec.get("cwd") or None,
+            umask=int(spec.get("umask", 0o077)),
+            process_group=0,
+            close_fds=True,
+        )
+    except OSError as exc:
+        _write_once(spec["exit"], {"exit_code": None, "timed_out": False, "cancelled": False,
+                                   "at": _now(), "lines": 0, "dropped": 0,
+                                   "error": f"cannot start {spec['argv'][0]!r}: {exc}"})
+        return 0
+    started = _now()
+    _write_once(spec["started"], {"pid": proc.pid, "at": started, "shim_pid": os.getpid()})
+    flags = {"timed_out": False, "cancelled": False}
+
+    def on_timeout() -> None:
+        flags["timed_out"] = True
+        _kill_group(proc.pid, signal.SIGKILL)
+
+    def on_cancel(signum: int, frame: object) -> None:
+        if flags["cancelled"]:
+            return
+        flags["cancelled"] = True
+        _kill_group(proc.pid, signal.SIGTERM)
+        later = threading.Timer(KILL_AFTER_S, _kill_group, (proc.pid, signal.SIGKILL))
+        later.daemon = True
+        later.start()
+
+    signal.signal(signal.SIGTERM, on_cancel)
+    signal.signal(signal.SIGINT, on_cancel)
+    timer = threading.Timer(float(spec["timeout_s"]), on_timeout)
+    timer.daemon = True
+    timer.start()
+    max_bytes = int(spec.get("max_bytes", 10 << 20))
+    written = lines = dropped = 0
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    assert proc.stdout is not None
+    for raw in proc.stdout:
+        lines += 1
+        record = json.dumps({"t": _now(), "m": raw.decode("utf-8", "replace").rstrip("\r\n")})
+        if written < max_bytes:
+            out.write(record + "\n")
+            out.flush()
+            written += len(record) + 1
+            continue
+        if len(tail) == tail.maxlen:
+            dropped += 1
+        tail.append(record)
+    exit_code = proc.wait()
+    timer.cancel()
+    if dropped:
+        out.write(json.dumps({"t": _now(), "m": f"[{dropped} output lines dropped: more than "
+                                               f"{max_bytes} bytes of output]"}) + "\n")
+    out.writelines(record + "\n" for record in tail)
+    out.close()
+    _write_once(spec["exit"], {"exit_code": exit_code, "timed_out": flags["timed_out"],
+                               "cancelled": flags["cancelled"], "at": _now(), "lines": lines,
+                               "dropped": dropped, "started_at": started})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

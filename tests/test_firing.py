@@ -1,0 +1,197 @@
+"""What the node fires now and when it looks again (sched_core.firing), and the loop around it.
+
+Pure tests at pinned instants. America/New_York: DST began 2026-03-08 at 02:00
+EST (07:00 UTC, the clock jumped to 03:00 EDT) and ends 2026-11-01 at 02:00 EDT
+(06:00 UTC, the clock goes back to 01:00 EST).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+from flows.firing import Decided, FiringLoop
+from sched_core.firing import Due, NodeView, due_now, next_start
+from sched_core.model import LocalSchedule
+from sched_core.plan import StartDecision, Verdict
+
+NY = ZoneInfo("America/New_York")
+GRACE = timedelta(minutes=5)
+
+
+def _row(sid: str = "s-1", **schedule: object) -> LocalSchedule:
+    shape = {"days": ["*"], "hours": ["*"], "minute": "0", **schedule}
+    return LocalSchedule.model_validate({
+        "id": sid, "name": sid, "repo_id": "r", "action": "backup", "schedule": shape,
+        "miss_policy": "skip", "enabled": True, "version": 1})
+
+
+def _view(*rows: LocalSchedule, fired: dict[str, datetime] | None = None,
+          seen: datetime = datetime(2026, 1, 1, tzinfo=UTC)) -> NodeView:
+    return NodeView(rows=rows, last_fired=fired or {}, first_seen={r.id: seen for r in rows},
+                    tz=NY, node="node-a", grace=GRACE)
+
+
+def test_a_window_is_due_from_its_instant_and_not_a_microsecond_before() -> None:
+    row = _row(interval_minutes=10)
+    window = datetime(2026, 12, 4, 15, 30, tzinfo=UTC)
+    view = _view(row)
+    before = {"s-1": window - timedelta(minutes=10)}  # the previous window was decided
+    assert due_now(view, now=window - timedelta(microseconds=1), decided=before) == []
+    (due,) = due_now(view, now=window, decided={"s-1": window - timedelta(minutes=10)})
+    assert due.window == window and due.coalesced == []
+    assert next_start(view, now=window - timedelta(seconds=3),
+                      decided={"s-1": window - timedelta(minutes=10)}) == window
+
+
+def test_windows_that_piled_up_while_the_node_was_away_run_once_the_latest() -> None:
+    row = _row(interval_minutes=2)
+    now = datetime(2026, 12, 4, 15, 31, 30, tzinfo=UTC)
+    (due,) = due_now(_view(row), now=now, decided={"s-1": datetime(2026, 12, 4, 15, 26,
+                                                                  tzinfo=UTC)})
+    assert due.window == datetime(2026, 12, 4, 15, 30, tzinfo=UTC)
+    assert due.coalesced == [datetime(2026, 12, 4, 15, 28, tzinfo=UTC)]
+
+
+def test_older_than_the_grace_is_never_due_and_a_decided_window_never_again() -> None:
+    row = _row(interval_minutes=1)
+    window = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    assert due_now(_view(row), now=window + GRACE + timedelta(minutes=1, seconds=1),
+                   decided={"s-1": window - timedelta(minutes=1)})[0].window > window
+    assert due_now(_view(row), now=window + timedelta(seconds=2), decided={"s-1": window}) == []
+    assert due_now(_view(row, fired={"s-1": window}), now=window + timedelta(seconds=2),
+                   decided={}) == []
+
+
+def test_spring_forward_the_0230_window_fires_once_at_0300_edt() -> None:
+    # 2026-03-08: 02:30 EST does not exist; cron fires it once, at 03:00 EDT (07:00 UTC).
+    row = _row(hours=["2"], minute="30")
+    before = datetime(2026, 3, 8, 6, 59, 57, tzinfo=UTC)
+    assert next_start(_view(row), now=before, decided={}) == datetime(2026, 3, 8, 7, 0,
+                                                                       tzinfo=UTC)
+    (due,) = due_now(_view(row), now=datetime(2026, 3, 8, 7, 0, tzinfo=UTC), decided={})
+    assert due.window == datetime(2026, 3, 8, 7, 0, tzinfo=UTC)
+
+
+def test_fall_back_a_fixed_hour_fires_in_the_first_copy_only() -> None:
+    # 2026-11-01: 01:30 happens twice (05:30 UTC EDT, 06:30 UTC EST); a fixed-hour row fires once.
+    row = _row(hours=["1"], minute="30")
+    first = datetime(2026, 11, 1, 5, 30, tzinfo=UTC)
+    assert next_start(_view(row), now=first - timedelta(seconds=1), decided={}) == first
+    after = next_start(_view(row), now=first + timedelta(seconds=1), decided={"s-1": first})
+    assert after == datetime(2026, 11, 2, 6, 30, tzinfo=UTC)
+
+
+def test_jitter_moves_the_start_not_the_window() -> None:
+    row = LocalSchedule.model_validate({**_row(interval_minutes=60).model_dump(),
+                                        "jitter": 600})
+    window = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    start = next_start(_view(row), now=window - timedelta(seconds=1),
+                       decided={"s-1": window - timedelta(hours=1)})
+    assert start is not None and window < start < window + timedelta(seconds=600)
+    assert due_now(_view(row), now=start - timedelta(microseconds=1),
+                   decided={"s-1": window - timedelta(hours=1)}) == []
+    (due,) = due_now(_view(row), now=start, decided={"s-1": window - timedelta(hours=1)})
+    assert (due.window, due.start) == (window, start)
+
+
+def test_a_paused_row_has_no_next_start_and_nothing_due() -> None:
+    row = LocalSchedule.model_validate({**_row(interval_minutes=1).model_dump(),
+                                        "paused": {"note": "disk swap", "until": None}})
+    now = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    assert due_now(_view(row), now=now, decided={}) == []
+    assert next_start(_view(row), now=now, decided={}) is None
+
+
+class _Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
+    tmp_path: Path,
+) -> None:
+    # Every window goes to the guard at its start: one waiting for a slot is the
+    # jobs' to run in its turn, never coalesced into the next (issue: W skipped for W+1).
+    row = _row(interval_minutes=1)
+    start = datetime(2026, 12, 4, 15, 0, 0, tzinfo=UTC)
+    clock = _Clock(start - timedelta(seconds=1))
+    fired: list[datetime] = []
+    skipped: list[tuple[datetime, str]] = []
+
+    def guard(sid: str, window: datetime, now: datetime, recovery: bool) -> StartDecision:
+        return StartDecision(Verdict.RUN, "on time", stamp=True)
+
+    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
+        fired.append(due.window)
+
+    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
+                      decided=Decided(tmp_path / "decided.json", now=clock.now), clock=clock,
+                      guard=guard, fire=fire,
+                      skip=lambda due, window, reason: skipped.append((window, reason)),
+                      on_missed=lambda items, view: None)
+    loop.decided.note("s-1", start - timedelta(minutes=1))
+    for minute in range(3):
+        clock.now = start + timedelta(minutes=minute, milliseconds=5)
+        loop.turn(clock.now)
+    assert fired == [start + timedelta(minutes=n) for n in range(3)]
+    assert skipped == []
+    assert Decided(tmp_path / "decided.json", now=clock.now).values() == {
+        "s-1": start + timedelta(minutes=2)}, "a restart decides nothing twice"
+
+
+def test_the_loop_skips_the_older_windows_a_stop_left_and_reports_the_missed(
+    tmp_path: Path,
+) -> None:
+    row = LocalSchedule.model_validate({**_row(interval_minutes=2).model_dump(),
+                                        "miss_policy": "run-once-within-24h"})
+    last = datetime(2026, 12, 4, 14, 0, tzinfo=UTC)
+    now = datetime(2026, 12, 4, 15, 1, 30, tzinfo=UTC)  # back after an hour
+    calls: list[tuple[str, datetime, bool]] = []
+    skipped: list[datetime] = []
+    missed: list[int] = []
+
+    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
+        calls.append((sid, window, recovery))
+        return StartDecision(Verdict.RUN, "ok", stamp=True)
+
+    loop = FiringLoop(view=lambda at: _view(row, fired={"s-1": last}, seen=last), clock=lambda: now,
+                      decided=Decided(tmp_path / "d.json", now=now), guard=guard,
+                      fire=lambda due, decision, recovery: None,
+                      skip=lambda due, window, reason: skipped.append(window),
+                      on_missed=lambda items, view: missed.extend(item.count for item in items))
+    loop.turn(now)
+    # 14:02 .. 14:56 are older than the grace: missed (policy: the latest is the 15:00 one
+    # inside the grace, which runs as a window, so none is recovered); 14:58 and 15:00 are
+    # due: the latest runs, the older is coalesced into it.
+    assert calls == [("s-1", datetime(2026, 12, 4, 15, 0, tzinfo=UTC), False)]
+    assert skipped == [datetime(2026, 12, 4, 14, 58, tzinfo=UTC)]
+    assert missed == [28]
+
+
+def test_the_loop_sleeps_until_the_next_start_and_wakes_early_when_told(tmp_path: Path) -> None:
+    row = _row(hours=["3"], minute="0")
+    now = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    loop = FiringLoop(view=lambda at: _view(row), decided=Decided(tmp_path / "d.json", now=now),
+                      clock=lambda: now, guard=lambda *a: StartDecision(Verdict.SKIP, "x"),
+                      fire=lambda *a: None, skip=lambda *a: None, on_missed=lambda *a: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    deadline = datetime.now(UTC) + timedelta(seconds=5)
+    while loop.turns < 1 and datetime.now(UTC) < deadline:
+        threading.Event().wait(0.01)
+    assert loop.turns == 1
+    loop.wake()
+    while loop.turns < 2 and datetime.now(UTC) < deadline:
+        threading.Event().wait(0.01)
+    assert loop.turns == 2, "a wake makes the loop look again at once"
+    stop.set()
+    loop.wake()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -1,0 +1,244 @@
+"""The node on a real Prefect server: it fires, and Prefect records.
+
+Each test runs a real node (``flows.node.Node``, in this process) against the
+session's Prefect server, its clock shifted so that a window comes a few real
+seconds after the start (tests/nodekit.py). Commands are real processes; the
+record is read back through Prefect's REST API as the UI would.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.identity import job_run_name
+from flows.prefect_api import state_body
+from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, offset_to, row, wait_runs
+from tests.procs import wait_for
+
+pytestmark = [pytest.mark.prefect]
+
+
+@pytest.fixture
+def prefect(prefect_server: str) -> Iterator[Prefect]:
+    reader = Prefect(prefect_server)
+    yield reader
+    reader.close()
+
+
+def _name() -> str:
+    return f"n-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    offset = offset_to(4)
+    node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("s-1")], offset=offset)
+    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
+    name = job_run_name("echo", "s-1", window)
+    node.start()
+    try:
+        runs = wait_runs(prefect, node.name, [name], timeout=60)
+    finally:
+        node.stop()
+    run = runs[name]
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert f"ran on {node.name} from " in run["state"]["message"]
+    logs = prefect.logs(run["id"])
+    started = next(line for line in logs if line.startswith("started s-1 at "))
+    real_start = float(started.rsplit(" ", 1)[1])
+    real_window = (window - offset).timestamp()
+    assert real_start >= real_window, "the command started before its window"
+    assert real_start - real_window < 1.0, f"started {real_start - real_window:.3f} s late"
+    assert "done s-1" in logs
+    assert any(line.startswith("start guard: window ") and "on time" in line for line in logs)
+    kinds = [state["type"] for state in prefect.states(run["id"])]
+    assert kinds[-2:] == ["RUNNING", "COMPLETED"], kinds
+    # The start's own minute fires too (first seen in it): two runs, one event each.
+    events = [event for event in prefect.events("sched.job.completed", node.name, at_least=2)
+              if event["payload"]["flow_run_id"] == run["id"]]
+    assert len(events) == 1
+    assert events[0]["payload"]["state"] == "Completed"
+    assert events[0]["occurred"] == run["state"]["message"].rsplit(" to ", 1)[1].rstrip(")")
+    artifacts = prefect.api.filter_artifacts(
+        {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert len(artifacts) == 1 and "exit code" in artifacts[0]["data"]
+    upcoming = [item for item in prefect.node_runs(node.name)
+                if item["state"]["type"] == "SCHEDULED" and "trigger:schedule" in item["tags"]]
+    assert len(upcoming) >= 3, "the coming windows are planned as Scheduled runs"
+    assert all(item["expected_start_time"] > run["expected_start_time"] for item in upcoming)
+
+
+def test_a_failing_command_is_tried_again_and_ends_failed_with_its_error(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("f-1", "fail")],
+                    offset=offset_to(3))
+    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
+    name = job_run_name("fail", "f-1", window)
+    node.start()
+    try:
+        runs = wait_runs(prefect, node.name, [name], timeout=60)
+    finally:
+        node.stop()
+    run = runs[name]
+    assert run["state"]["type"] == "FAILED"
+    assert run["state"]["message"].startswith("sh exited with code 2 (after 2 tries)")
+    assert prefect.logs(run["id"]).count("failing f-1") == 2
+    tasks = prefect.api.call("POST", "/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [run["id"]]}}}).json()
+    assert len(tasks) == 1
+    history = prefect.api.call("GET", f"/task_run_states/?task_run_id={tasks[0]['id']}").json()
+    names = [state["name"] for state in sorted(history, key=lambda item: item["timestamp"])]
+    assert names[-4:] == ["Running", "AwaitingRetry", "Retrying", "Failed"], names
+    (event,) = [item for item in prefect.events("sched.job.failed", node.name, at_least=2)
+                if item["payload"]["flow_run_id"] == run["id"]]
+    assert event["payload"]["error"] == "sh exited with code 2"
+
+
+def test_a_job_gets_its_declared_env_and_never_the_agents_credentials(
+    tmp_path: Path, prefect_server: str, prefect: Prefect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCHED_TOKEN", "node-secret-token")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:hunter2")
+    node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("e-1", "env")],
+                    offset=offset_to(3))
+    window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
+    name = job_run_name("env", "e-1", window)
+    node.start()
+    try:
+        run = wait_runs(prefect, node.name, [name], timeout=60)[name]
+    finally:
+        node.stop()
+    logs = prefect.logs(run["id"])
+    assert "DECLARED=yes" in logs and "TZ=UTC" in logs
+    printed = "\n".join(logs)
+    assert "node-secret-token" not in printed and "hunter2" not in printed
+    assert "PREFECT_API_URL" not in printed and "SCHED_" not in printed
+
+
+def test_the_chain_prunes_then_checks_after_a_wave_and_not_after_a_failed_one(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    good = NodeUnderTest(tmp_path / "good", prefect_server, name=_name(),
+                    rows=[row("w-1"), chain_row("p-1", "prune"), chain_row("c-1", "check")],
+                    offset=offset_to(3))
+    bad = NodeUnderTest(tmp_path / "bad", prefect_server, name=_name(), wave='["fail"]',
+                   rows=[row("w-2", "fail"), chain_row("p-2", "prune"),
+                         chain_row("c-2", "check")], offset=offset_to(3))
+    good.start()
+    bad.start()
+    try:
+        day = good.clock().date()
+        wait_for("prune and check on the good node", lambda: {
+            run["name"].split("-", 1)[0] for run in prefect.node_runs(good.name)
+            if final(run) and any(tag.startswith("trigger:chain-") for tag in run["tags"])}
+            == {"prune", "check"}, 90, every=0.5)
+        window = (bad.clock() + timedelta(seconds=5)).replace(second=0, microsecond=0)
+        failed = wait_runs(prefect, bad.name, [job_run_name("fail", "w-2", window)],
+                           timeout=60)
+    finally:
+        good.stop()
+        bad.stop()
+    chain = [run for run in prefect.node_runs(good.name)
+             if any(tag.startswith("trigger:chain-") for tag in run["tags"])]
+    by_stage = {run["name"].split("-", 1)[0]: run for run in chain}
+    assert by_stage["prune"]["state"]["type"] == "COMPLETED"
+    assert by_stage["check"]["state"]["type"] == "COMPLETED"
+    assert by_stage["prune"]["parameters"]["key"] == f"p-1@prune@{day.isoformat()}"
+    assert by_stage["check"]["start_time"] >= by_stage["prune"]["end_time"]
+    assert not [run for run in prefect.node_runs(bad.name)
+                if any(tag.startswith("trigger:chain-") for tag in run["tags"])]
+    (only,) = failed.values()
+    assert any("stage prune not fired" in line for line in prefect.logs(only["id"]))
+
+
+def _create_run(prefect: Prefect, flow: str, node: str, parameters: dict[str, Any]) -> str:
+    deployment = prefect.api.deployment_by_name(flow, node)
+    assert deployment is not None, f"{flow}/{node} is registered"
+    created = prefect.api.create_run(deployment["id"], {
+        "parameters": parameters, "state": state_body("SCHEDULED")})
+    return str(created["id"])
+
+
+def test_an_ad_hoc_run_starts_within_seconds_and_a_cancel_stops_its_command(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    node = NodeUnderTest(tmp_path, prefect_server, name=_name(),
+                    rows=[row("q-1", every=None, minute="7", hours=["3"]),
+                          row("slow", every=None, minute="7", hours=["3"], sleep=300)])
+    node.start()
+    try:
+        wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
+            "run-job", node.name) is not None, 30)
+        assert node.node is not None
+        wait_for("the node's event stream", lambda: bool(
+            node.node and node.node.stream and node.node.stream.connected.is_set()), 30)
+        asked = time.monotonic()
+        quick = _create_run(prefect, "run-job", node.name, {"schedule_id": "q-1"})
+        wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(quick)), 30)
+        took = time.monotonic() - asked
+        slow = _create_run(prefect, "run-job", node.name, {"schedule_id": "slow"})
+        wait_for("the slow run Running", lambda: (prefect.api.read_run(slow) or {}).get(
+            "state", {}).get("type") == "RUNNING", 30)
+        pid = _command_pid(node.state)
+        cancel = time.monotonic()
+        prefect.api.set_state(slow, state_body("CANCELLING", message="stop it"), force=False)
+        wait_for("the slow run Cancelled", lambda: (prefect.api.read_run(slow) or {}).get(
+            "state", {}).get("type") == "CANCELLED", 30)
+        stopped = time.monotonic() - cancel
+    finally:
+        node.stop()
+    assert took < 15, f"the ad hoc run took {took:.1f} s"
+    run = prefect.api.read_run(quick)
+    assert run is not None and run["state"]["type"] == "COMPLETED"
+    assert run["name"].startswith("echo-q-1-") and "trigger:manual" in run["tags"]
+    assert stopped < 15, f"the cancel took {stopped:.1f} s"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert (prefect.api.read_run(slow) or {})["state"]["message"].startswith("cancelled")
+
+
+def _command_pid(state: Path) -> int:
+    import json
+
+    for started in sorted(state.glob("outbox/*/a1.started")):
+        data = json.loads(started.read_text())
+        try:
+            os.kill(int(data["pid"]), 0)
+        except ProcessLookupError:
+            continue
+        return int(data["pid"])
+    raise AssertionError("no running command found in the outbox")
+
+
+def test_a_reconcile_run_from_prefect_reconciles_and_is_recorded_into_that_run(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    node = NodeUnderTest(tmp_path, prefect_server, name=_name(),
+                    rows=[row("r-1", every=None, minute="7", hours=["3"])])
+    node.start()
+    try:
+        wait_for("the node's event stream", lambda: bool(
+            node.node and node.node.stream and node.node.stream.connected.is_set()), 30)
+        node.write_rows([row("r-1", every=None, minute="7", hours=["3"]),
+                         row("r-2", every=None, minute="9", hours=["3"])])
+        run_id = _create_run(prefect, "reconcile", node.name, {})
+        wait_for("the reconcile run's end", lambda: final(prefect.api.read_run(run_id)), 30)
+    finally:
+        node.stop()
+    run = prefect.api.read_run(run_id)
+    assert run is not None and run["state"]["type"] == "COMPLETED", run
+    (artifact,) = prefect.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+    assert "| added | `r-2` |" in artifact["data"]
+    added = [event["payload"]["added_ids"]
+             for event in prefect.events("sched.schedules.changed", node.name, at_least=2)]
+    assert sorted(added) == [["r-1"], ["r-2"]], "the start's pull, then the one asked for"

@@ -1,0 +1,159 @@
+"""The node as its own process against a Prefect server that goes away, and killed with -9.
+
+A real ``prefect server start`` (SQLite under the test's folder, tests/procs.py)
+that the test stops and starts again, and the real node process
+(``python -m tests.node_proc``: ``flows.node`` with its clock shifted so that
+the windows come seconds after the start). What is checked is what an operator
+sees: each window's command ran once, at its instant (its own output says when),
+and every run is in Prefect in its final state with its output, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flows.identity import job_run_name
+from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, offset_to, row, wait_runs
+from tests.procs import PrefectServer, stop_group, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.prefect]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[PrefectServer]:
+    server = PrefectServer(tmp_path / "prefect")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def prefect(server: PrefectServer) -> Iterator[Prefect]:
+    reader = Prefect(server.url)
+    yield reader
+    reader.close()
+
+
+def _hourly(sid: str, at: datetime, *, sleep: int = 1) -> dict[str, Any]:
+    """Return a row that fires once an hour, at at's minute (so once in a test)."""
+    return row(sid, every=None, minute=str(at.minute), sleep=sleep)
+
+
+def _starts(state: Path, sid: str) -> list[float]:
+    """Return the real times at which the node's outbox saw sid's command start (any job)."""
+    found = []
+    for out in state.glob("outbox/*/a*.out"):
+        for line in out.read_text().splitlines():
+            message = json.loads(line)["m"]
+            if message.startswith(f"started {sid} at "):
+                found.append(float(message.rsplit(" ", 1)[1]))
+    return found
+
+
+def _started_in_logs(prefect: Prefect, run: dict[str, Any], sid: str) -> list[float]:
+    return [float(line.rsplit(" ", 1)[1]) for line in prefect.logs(run["id"])
+            if line.startswith(f"started {sid} at ")]
+
+
+def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_is_back(
+    tmp_path: Path, server: PrefectServer, prefect: Prefect,
+) -> None:
+    offset = offset_to(40)
+    node = NodeUnderTest(tmp_path / "node", server.url, name=f"out-{uuid.uuid4().hex[:6]}",
+                         rows=[], offset=offset)
+    first = (node.clock() + timedelta(seconds=45)).replace(second=0, microsecond=0)
+    second = first + timedelta(minutes=1)
+    node.write_rows([_hourly("a", first), _hourly("b", second),
+                     chain_row("p", "prune"), chain_row("c", "check")])
+    log = tmp_path / "node.log"
+    proc = node.spawn(log)
+    try:
+        wait_for("the plan in Prefect", lambda: any(
+            run["name"] == job_run_name("echo", "a", first)
+            for run in prefect.node_runs(node.name)), 40, log=log)
+        # The server goes a little before the first window and comes back after the second.
+        wait_for("20 s before the first window", lambda: node.clock() >= first - timedelta(
+            seconds=20), 60)
+        server.stop(kill=True)
+        assert not server.healthy()
+        wait_for("20 s after the second window", lambda: node.clock() >= second + timedelta(
+            seconds=20), 120)
+        ran = {sid: _starts(node.state, sid) for sid in ("a", "b")}
+        assert "prune p" in _outputs(node.state) and "check c" in _outputs(node.state), \
+            "the chain ran while the server was down"
+        server.start()
+        names = [job_run_name("echo", "a", first), job_run_name("echo", "b", second)]
+        runs = wait_runs(prefect, node.name, names, timeout=90)
+        wait_for("the outbox drained", lambda: not list(
+            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+    finally:
+        stop_group(proc)
+    for sid, window in (("a", first), ("b", second)):
+        (start,) = ran[sid]
+        late = start - (window - offset).timestamp()
+        assert 0 <= late < 1.0, f"{sid} started {late:.3f} s after its window, offline"
+    for name, sid in zip(names, ("a", "b"), strict=True):
+        run = runs[name]
+        assert run["state"]["type"] == "COMPLETED", run["state"]
+        assert "recorded after the Prefect server came back" in run["state"]["message"], [
+            (state["type"], state["timestamp"], state["message"])
+            for state in prefect.states(run["id"])]
+        assert len(_started_in_logs(prefect, run, sid)) == 1, "its output is its log, once"
+        kinds = [state["type"] for state in prefect.states(run["id"])]
+        assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
+    every = prefect.node_runs(node.name)
+    finished = [run for run in every if final(run)]
+    assert sorted(run["name"].split("-", 1)[0] for run in finished
+                  if "trigger:chain-prune" in run["tags"] or "trigger:chain-check" in run["tags"]
+                  ) == ["check", "prune"]
+    assert len({run["name"] for run in every}) == len(every), "no run twice"
+
+
+def _outputs(state: Path) -> str:
+    text = []
+    for out in state.glob("outbox/*/a*.out"):
+        text += [json.loads(line)["m"] for line in out.read_text().splitlines()]
+    return "\n".join(text)
+
+
+def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records_it_once(
+    tmp_path: Path, server: PrefectServer, prefect: Prefect,
+) -> None:
+    offset = offset_to(15)
+    node = NodeUnderTest(tmp_path / "node", server.url, name=f"kill-{uuid.uuid4().hex[:6]}",
+                         rows=[], offset=offset)
+    window = (node.clock() + timedelta(seconds=20)).replace(second=0, microsecond=0)
+    node.write_rows([_hourly("long", window, sleep=12)])
+    log = tmp_path / "node.log"
+    proc = node.spawn(log)
+    try:
+        wait_for("the command running", lambda: bool(_starts(node.state, "long")), 60, log=log)
+        os.killpg(proc.pid, signal.SIGKILL)  # the node's whole process group, at once
+        proc.wait(10)
+        killed = time.monotonic()
+        time.sleep(5)
+        proc = node.spawn(log)
+        name = job_run_name("echo", "long", window)
+        runs = wait_runs(prefect, node.name, [name], timeout=90)
+        wait_for("the outbox drained", lambda: not list(
+            (node.state / "outbox").glob("*/job.json")), 60, log=log)
+    finally:
+        stop_group(proc)
+    run = runs[name]
+    assert time.monotonic() - killed > 5
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert len(_started_in_logs(prefect, run, "long")) == 1, "the command ran once"
+    assert "done long" in prefect.logs(run["id"]), "its real outcome, after the restart"
+    assert "still running: following it" in "\n".join(prefect.logs(run["id"]))
+    kinds = [state["type"] for state in prefect.states(run["id"])]
+    assert "CRASHED" not in kinds and kinds[-1] == "COMPLETED", kinds

@@ -1,0 +1,169 @@
+"""The recorder against a real Prefect server: each outbox job becomes its run, once.
+
+Jobs are written into an outbox by hand, as the node writes them (a journal, a
+keeper's started and exit files, output lines with their times), so each case is
+exact: a job recorded late, a kill in the middle of a step, a deleted deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from flows.identity import JobRef
+from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
+from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
+from flows.recorder import Deployments, Recorder
+from tests.nodekit import Prefect
+from tests.procs import free_port
+
+pytestmark = [pytest.mark.prefect]
+
+WINDOW = datetime(2026, 12, 4, 7, 30, tzinfo=UTC)
+
+
+@pytest.fixture
+def api(prefect_server: str) -> Iterator[PrefectApi]:
+    client = PrefectApi(ApiSettings(url=prefect_server))
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefect(prefect_server: str) -> Iterator[Prefect]:
+    reader = Prefect(prefect_server)
+    yield reader
+    reader.close()
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def _job(outbox: Outbox, node: str, *, started: datetime, ended: datetime,
+         lines: list[str]) -> JobFolder:
+    """Write a completed job of window WINDOW into the outbox, as the node would have."""
+    ref = JobRef(node=node, action="backup", schedule_id="s-1", trigger_key="schedule",
+                 window=WINDOW, key="s-1@2026-12-04T02:30-05:00")
+    spec = JobSpec(job_id=job_id_for(started, ref.idempotency_key), kind="job", node=node,
+                   schedule_id="s-1", action="backup", trigger_key="schedule", window=WINDOW,
+                   key=ref.key, run_name=ref.name(), idempotency_key=ref.idempotency_key,
+                   flow_run_id=None, planned_start=WINDOW, accepted_at=started,
+                   reason="window 2026-12-04 02:30 EST: on time", argv=["tar", "-c"],
+                   timeout_s=60, tags=ref.tags(), parameters=ref.parameters())
+    folder = outbox.create(spec)
+    folder.append({"e": "accepted", "at": utc_text(started)})
+    folder.append({"e": "launch", "at": utc_text(started), "attempt": 1})
+    folder.append({"e": "spawned", "at": utc_text(started), "attempt": 1, "shim_pid": 4242})
+    folder.attempt_path(1, "started").write_text(json.dumps({"pid": 4243,
+                                                             "at": utc_text(started)}))
+    folder.attempt_path(1, "out").write_text("".join(
+        json.dumps({"t": utc_text(started + timedelta(seconds=n)), "m": line}) + "\n"
+        for n, line in enumerate(lines)))
+    folder.attempt_path(1, "exit").write_text(json.dumps({
+        "exit_code": 0, "timed_out": False, "cancelled": False, "at": utc_text(ended),
+        "lines": len(lines)}))
+    folder.append({"e": "end", "at": utc_text(ended), "state": COMPLETED,
+                   "message": "tar exited 0"})
+    return folder
+
+
+def _recorder(api: PrefectApi, outbox: Outbox, node: str, clock: Clock) -> Recorder:
+    return Recorder(api, outbox, Deployments(api, node, tags=["sched-agent"]), node=node,
+                    clock=clock)
+
+
+def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
+    tmp_path: Path, api: PrefectApi, prefect: Prefect,
+) -> None:
+    node = f"rec-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    started = WINDOW + timedelta(seconds=0.01)
+    ended = started + timedelta(seconds=3)
+    clock = Clock(ended + timedelta(minutes=40))  # the server came back 40 minutes later
+    folder = _job(outbox, node, started=started, ended=ended, lines=["one", "two", "three"])
+    away = PrefectApi(ApiSettings(url=f"http://127.0.0.1:{free_port()}/api"))
+    with pytest.raises(PrefectUnavailable):  # the node's first try: nobody answers
+        _recorder(away, outbox, node, clock).drain()
+    away.close()
+    recorder = _recorder(api, outbox, node, clock)
+    assert recorder.drain() is False, "nothing left open"
+    run_id = (folder.read_json("record.json") or {})["flow_run_id"]
+    run = api.read_run(run_id)
+    assert run is not None and run["state"]["type"] == "COMPLETED"
+    message = run["state"]["message"]
+    assert f"from {utc_text(started)} to {utc_text(ended)}" in message
+    assert message.endswith("recorded after the Prefect server came back")
+    running = [state for state in prefect.states(run_id) if state["type"] == "RUNNING"]
+    assert len(running) == 1 and "recorded late" in running[0]["message"]
+    logs = api.filter_logs({"logs": {"flow_run_id": {"any_": [run_id]}},
+                            "sort": "TIMESTAMP_ASC"})
+    command = [(item["message"], item["timestamp"]) for item in logs
+               if item["task_run_id"] is not None]
+    assert [text for text, _ in command] == ["one", "two", "three"]
+    assert command[0][1].startswith(utc_text(started)[:19]), "each line keeps its own time"
+    (event,) = prefect.events("sched.job.completed", node)
+    assert event["occurred"].startswith(utc_text(ended)[:19]), "the event's time is the end"
+    assert event["payload"]["offline"] is True
+
+
+@pytest.mark.parametrize("step", ["running", "logs", "artifact", "final", "event"])
+def test_a_record_cut_off_after_a_step_reached_the_server_is_not_sent_twice(
+    tmp_path: Path, api: PrefectApi, prefect: Prefect, step: str,
+) -> None:
+    node = f"cut-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    started = WINDOW
+    ended = started + timedelta(seconds=2)
+    clock = Clock(ended + timedelta(seconds=1))
+    folder = _job(outbox, node, started=started, ended=ended, lines=["a", "b"])
+    recorder = _recorder(api, outbox, node, clock)
+    assert recorder.drain() is False
+    progress = folder.read_json("record.json") or {}
+    # A kill right after the step's request reached the server, before it was noted:
+    # the step is in flight again and not done in record.json.
+    if step == "logs":
+        progress["inflight"] = "logs:a1:0:2"
+        progress["lines"]["a1"] = 0
+    else:
+        progress["inflight"] = step
+        progress.pop(step, None)
+    progress.pop("complete", None)
+    folder.write_json("record.json", progress)
+    again = _recorder(api, outbox, node, clock)  # a new process: it checks what is in flight
+    assert again.drain() is False
+    run_id = progress["flow_run_id"]
+    kinds = [state["type"] for state in prefect.states(run_id)]
+    assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
+    command = [item["message"] for item in api.filter_logs(
+        {"logs": {"flow_run_id": {"any_": [run_id]}}}) if item["task_run_id"] is not None]
+    assert sorted(command) == ["a", "b"]
+    artifacts = api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+    assert len(artifacts) == 1
+    assert len(prefect.events("sched.job.completed", node)) == 1
+
+
+def test_a_deleted_deployment_is_registered_again_and_the_job_recorded(
+    tmp_path: Path, api: PrefectApi, prefect: Prefect,
+) -> None:
+    node = f"del-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(api, outbox, node, Clock(WINDOW + timedelta(seconds=5)))
+    ids = recorder.deployments.get()
+    api.call("DELETE", f"/deployments/{ids['run-job']}")
+    folder = _job(outbox, node, started=WINDOW, ended=WINDOW + timedelta(seconds=1),
+                  lines=["x"])
+    assert recorder.drain() is False
+    run = api.read_run((folder.read_json("record.json") or {})["flow_run_id"])
+    assert run is not None and run["state"]["type"] == "COMPLETED"
+    assert run["deployment_id"] != ids["run-job"]
+
