@@ -405,3 +405,17 @@ def test_until_without_since_reads_the_evening_before_until(
     (node,) = got["nodes"]
     assert node["since"] == "2026-12-03T23:00:00Z"
     assert [(w["key"], w["status"]) for w in node["windows"]] == [(BK_KEY, "failed")]
+
+
+def test_an_error_with_control_or_bidi_characters_is_cleaned_not_refused(
+    fleet: httpx.Client, clock: Clock,
+) -> None:
+    """The kit's text rule holds for what is stored and shown, and no record blocks a node."""
+    fleet.put("/api/nodes/node-a/schedules/bk", json=row("bk"), headers=ADMIN)
+    clock.now = MORNING
+    odd = job(BK_KEY, "Failed", 1, error="tar: \x1b[31mdisk\u202e full\x07",
+              reason=None)
+    assert post(fleet, "node-a", report("node-a", [odd])).status_code == 204
+    got = fleet.get("/api/report", params={"node": "node-a"}, headers=ADMIN).json()
+    (entry,) = got["nodes"][0]["windows"]
+    assert entry["error"] == "tar: \ufffd[31mdisk\ufffd full\ufffd"
