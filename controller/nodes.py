@@ -337,13 +337,17 @@ def latest_seen(session: Session, node: str | None = None) -> dict[str, Seen]:
 
 
 def record_refused_report(session: Session, node: str, *, at: datetime) -> None:
-    """Record that node sent a report the controller refused (422): still a sign of life.
+    """Record that a node already seen sent a report the controller refused (422): it is
+    still a sign of life. Commits.
 
     A node whose outbox holds a record the controller refuses re-sends it; its
-    requests prove it is alive all the same. Commits.
+    requests prove it is alive all the same. A refused report creates nothing: a
+    node never seen stays unknown.
     """
     with transaction(session):
-        mark_seen(session, node, at=at, via="report", announced=False)
+        session.execute(
+            _SEEN.update().where(_SEEN.c.node == node, _SEEN.c.seen_at < at)
+            .values(seen_at=at, via="report"))
 
 
 def record_report(

@@ -175,14 +175,24 @@ def test_bad_job_records_and_times_out_of_range_are_422_naming_the_field(
     assert refused(report("node-a", heartbeat_s=3601)) == {"heartbeat_s"}
     many = [job(f"bk@manual@{n}", "Completed", n, window=None) for n in range(1001)]
     assert refused(report("node-a", many)) == {"jobs"}
-    # Nothing refused was stored, but the node is alive: its own token sent them.
+    # Nothing refused was stored: the node is still unknown.
+    assert fleet.get("/api/status", headers=ADMIN).json()["nodes"] == []
+
+
+def test_a_refused_report_keeps_a_known_node_alive(fleet: httpx.Client, clock: Clock) -> None:
+    """A node whose outbox holds a record the controller refuses re-sends it: still alive."""
+    assert fleet.get("/api/schedules", params={"node": "node-a"},
+                     headers=TOKENS["node-a"]).status_code == 200
+    clock.now = WRITTEN + timedelta(minutes=14)
+    bad = report("node-a", [job(BK_KEY, "Completed", 1, started_at="2026-12-04T07:30:01")])
+    assert post(fleet, "node-a", bad).status_code == 422
     (only,) = fleet.get("/api/status", headers=ADMIN).json()["nodes"]
-    assert (only["node"], only["status"], only["last_seen_via"]) == ("node-a", "ok", "report")
-    assert only["last_report_at"] is None and only["heartbeat_s"] is None
-    # The admin's refused report is no sign of anybody's life.
-    assert post(fleet, "node-b", report("node-b", heartbeat_s=5), headers=ADMIN).status_code == 422
-    assert [n["node"] for n in fleet.get("/api/status", headers=ADMIN).json()["nodes"]] == [
-        "node-a"]
+    assert (only["status"], only["last_seen_via"]) == ("ok", "report")
+    assert only["last_seen_at"] == "2026-12-03T12:14:00Z" and only["last_report_at"] is None
+    # The admin's refused report is no sign of the node's life.
+    clock.now += timedelta(minutes=10)
+    assert post(fleet, "node-a", bad, headers=ADMIN).status_code == 422
+    assert status_of(fleet, "node-a")["last_seen_at"] == "2026-12-03T12:14:00Z"
 
 
 def test_the_job_history_is_bounded_per_node(database_url: str, clock: Clock) -> None:

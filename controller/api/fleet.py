@@ -282,6 +282,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         except InvalidInput as refused:
             refused_reports.note(node, refused.detail)
             if own:  # refused, but the node is alive (its outbox may hold a bad record)
+                await run_in_threadpool(api.flush_pulls)  # its pulls first: it may be known
                 await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
                     s, node, at=received))
             raise
@@ -423,11 +424,18 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
 
     @router.get("/api/nodes/{node}/explain")
     def explain_window(
-        request: Request, node: str, schedule: str = Query(..., min_length=1, max_length=200),
-        window: str = Query(..., min_length=1, max_length=200),
+        request: Request, node: str, schedule: str | None = None, window: str | None = None,
     ) -> JSONResponse:
+        # The query is checked here, not by FastAPI, so that a missing token is a 401 first.
         auth.require_node(request, node)
         check_name(("path", "node"), node)
+        for field, value in (("schedule", schedule), ("window", window)):
+            if not value:
+                raise _unprocessable(("query", field), f"{field} is required", "missing")
+            if len(value) > 200:
+                raise _unprocessable(("query", field), f"{field} is longer than 200 "
+                                     "characters")
+        assert schedule is not None and window is not None
         check_name(("query", "schedule"), schedule)
         now = api.clock()
         try:
