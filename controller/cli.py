@@ -117,8 +117,9 @@ def serve(
         "what a write's answer counts on without an event.",
     ),
     stale_after: float | None = typer.Option(
-        None, min=1, help="Seconds without a pull before a node is stale (default: 3 pull "
-        "intervals).",
+        None, min=1, help="Seconds without a request of its own before a node that announced "
+        "no heartbeat (an older agent) is silent (default: 3 pull intervals, at least 900); "
+        "a node that announces one is silent after 3 of its heartbeats.",
     ),
     report_history: int = typer.Option(
         50, min=1, help="Reports kept per node (the newest)."
@@ -164,6 +165,15 @@ def serve(
         2.0, min=0,
         help="Seconds between looks at the tokens file for a change (0: reload on SIGHUP only).",
     ),
+    watch_interval: float = typer.Option(
+        15.0, min=0,
+        help="Seconds between the fleet watch's passes, which raise alerts (a silent node, a "
+        "missed or failed window, their recovery) as Prefect events (0: off).",
+    ),
+    job_retention_days: float = typer.Option(
+        14.0, min=0.01, help="Days the nodes' job records are kept."),
+    job_history: int = typer.Option(
+        50_000, min=1, help="Job records kept per node at most (the newest)."),
 ) -> None:
     """Run the API and the central scheduler in one process (or either alone, to scale).
 
@@ -216,7 +226,9 @@ def serve(
 
     try:
         fleet_settings = FleetSettings(pull_interval=pull_interval, stale_after=stale_after,
-                                       report_history=report_history)
+                                       report_history=report_history,
+                                       job_retention_days=job_retention_days,
+                                       job_history=job_history)
         settings = CentralSettings.from_env(
             max_attempts=max_attempts,
             dispatch_retention=dispatch_retention_days * 86400 or None,
@@ -254,6 +266,7 @@ def serve(
         ssl_keyfile=ssl_keyfile,
         tokens_check_interval=tokens_check_interval,
         fleet_settings=fleet_settings,
+        watch_interval=watch_interval,
     )
 
 

@@ -186,6 +186,19 @@ class PrefectEvents:
                                     f"{self._scrub(str(exc))}")
         return Announced(True, f"event {EVENT_SCHEDULES_UPDATED} accepted by {self.shown}")
 
+    def send(self, event: dict[str, Any]) -> None:
+        """Send one event (JSON data) now, in the calling thread; raise if not accepted.
+
+        The fleet's alerts go this way (:mod:`controller.watch`): their sender
+        retries, so nothing waits in the pool.
+        """
+        try:
+            with self._new_client() as client:
+                client.request("POST", "/events", json=[event])
+        except Exception as exc:
+            raise RuntimeError(f"Prefect at {self.shown} did not accept the event: "
+                               f"{self._scrub(str(exc))[:300]}") from None
+
     def _done(self, future: Future[None]) -> None:
         with self._lock:
             self._pending -= 1

@@ -12,19 +12,26 @@ Rules:
    planner's rules (:func:`sched_core.plan.upcoming`: policies, jitter,
    min_interval from the last fire the node reported) and its DST notes
    (:func:`sched_core.explain.dst_note`).
-2. A node is **stale** when the controller answered no pull of it for more
-   than ``stale_after`` seconds (3 pull intervals by default), **failing**
-   when the latest job of one of its current schedules failed, crashed or
-   timed out, and **never-seen** when it never pulled nor reported. Its
-   ``status`` is the first that holds of never-seen, stale, failing, else ok:
-   a node silent for that long may be failing too, but that is old news.
+2. Liveness comes only from the node's own requests (a pull or a report made
+   with its own token; an admin's read of its list never counts). A node is
+   **silent** when its latest own request is older than
+   :data:`SILENT_HEARTBEATS` times the heartbeat it announced (``heartbeat_s``
+   in its report); a node that never announced one (an older agent, which only
+   promised its periodic pull) gets the longer of 3 x 300 s and ``stale_after``
+   (3 pull intervals). It is **never-seen** when it never made one, and
+   **failing** when the latest job of one of its current schedules failed,
+   crashed or timed out (its latest job record, else its report's latest
+   job). Its ``status`` is the first that holds of never-seen, silent,
+   failing, else ok: a node silent for that long may be failing too, but that
+   is old news. (``stale`` is kept in the answers as the old name of silent.)
 3. A write's ``_propagation`` says when the row's next window is and whether
    the node is likely to have the row by then: it must have pulled the row
    by the end of the window's minute (a node never fires a window earlier
    than the minute it first saw the row). With the event accepted by Prefect
    the node pulls within :data:`EVENT_PULL_S`; without it, at its next
    periodic pull (its last pull plus the pull interval). A node that never
-   pulled, or is stale, is not counted on.
+   made a request of its own, or is silent, is not counted on, and the answer
+   says so.
 """
 
 from __future__ import annotations
@@ -36,8 +43,17 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from controller.events import Announced
+from controller.jobs import JobRecord
 from controller.models import DEFAULT_TIMEZONE
-from controller.nodes import FAILING_STATES, Pull, StoredReport, utc_text
+from controller.nodes import (
+    DEFAULT_HEARTBEAT_S,
+    FAILING_STATES,
+    JobKeep,
+    Pull,
+    Seen,
+    StoredReport,
+    utc_text,
+)
 from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
 from sched_core.explain import dst_note, schedule_words
@@ -62,6 +78,8 @@ STALE_PULLS = 3
 EVENT_PULL_S = 10.0
 """How soon a node pulls after the controller's event reached Prefect (the benchmark's
 p95 target, ``bench/bench_propagation.py``)."""
+SILENT_HEARTBEATS = 3
+"""A node is silent after this many of its announced heartbeats without a request."""
 NEXT_WINDOWS = 10
 """How many next windows a node's status shows per schedule."""
 NEXT_WINDOWS_AHEAD = timedelta(days=400)
@@ -78,12 +96,18 @@ class FleetSettings:
         (default: 3 pull intervals).
     :param report_history: reports kept per node (the newest).
     :param default_timezone: the zone of a node that never reported its own.
+    :param default_grace: the grace (seconds) of a node that never reported its own.
+    :param job_retention_days: job records are kept this long after they arrive.
+    :param job_history: job records kept per node at most (the newest).
     """
 
     pull_interval: float = DEFAULT_PULL_INTERVAL
     stale_after: float | None = None
     report_history: int = 50
     default_timezone: str = DEFAULT_TIMEZONE
+    default_grace: float = 300.0
+    job_retention_days: float = 14.0
+    job_history: int = 50_000
 
     def __post_init__(self) -> None:
         if not self.pull_interval > 0:
@@ -96,6 +120,18 @@ class FleetSettings:
             zone(self.default_timezone)
         except ValueError as exc:
             raise ConfigError(f"default_timezone: {exc}") from None
+        if not 0 <= self.default_grace <= 86_400:
+            raise ConfigError(f"default_grace {self.default_grace!r} must be 0 to 86400 seconds")
+        if not self.job_retention_days > 0:
+            raise ConfigError(
+                f"job_retention_days {self.job_retention_days!r} must be above 0 days")
+        if self.job_history < 1:
+            raise ConfigError(f"job_history {self.job_history!r} must be at least 1")
+
+    @property
+    def job_keep(self) -> JobKeep:
+        """How many job records are kept (:class:`controller.nodes.JobKeep`)."""
+        return JobKeep(days=self.job_retention_days, count=self.job_history)
 
     @property
     def stale_after_s(self) -> float:
@@ -136,6 +172,56 @@ def _time(value: object) -> datetime | None:
         return None
 
 
+def silent_after_s(seen: Seen | None, settings: FleetSettings) -> float:
+    """Return how long node may go without a request of its own before it is silent (rule 2)."""
+    if seen is not None and seen.heartbeat_s:
+        return SILENT_HEARTBEATS * seen.heartbeat_s
+    return max(SILENT_HEARTBEATS * DEFAULT_HEARTBEAT_S, settings.stale_after_s)
+
+
+def liveness(seen: Seen | None, *, now: datetime, settings: FleetSettings) -> dict[str, Any]:
+    """Return a node's liveness (rule 2): its last own request, its heartbeat, silent or not."""
+    after = silent_after_s(seen, settings)
+    silent_for = None if seen is None else (now - seen.at).total_seconds()
+    return {
+        "last_seen_at": utc_text(seen.at) if seen else None,
+        "last_seen_via": seen.via if seen else None,
+        "heartbeat_s": seen.heartbeat_s if seen else None,
+        "silent_after_s": after,
+        "silent": silent_for is not None and silent_for > after,
+        "quiet_for_s": silent_for,
+    }
+
+
+def silence_text(node: str, seen: Seen | None, *, now: datetime,
+                 settings: FleetSettings) -> str | None:
+    """Return why node is silent or never seen, in words (None when it is alive)."""
+    if seen is None:
+        return f"node {node} has never made a request to this controller with its own token"
+    quiet = now - seen.at
+    after = silent_after_s(seen, settings)
+    if quiet.total_seconds() <= after:
+        return None
+    promise = (f"it promised one every {duration_text(timedelta(seconds=seen.heartbeat_s))}"
+               if seen.heartbeat_s else
+               f"it announced no heartbeat: silent after {duration_text(timedelta(seconds=after))}")
+    return (f"node {node} is silent: no request of its own for {duration_text(quiet)} "
+            f"(last {seen.via} {utc_text(seen.at)}; {promise})")
+
+
+def failing_ids(report: StoredReport | None, records: Mapping[str, JobRecord] | None,
+                current: set[str] | None) -> list[str]:
+    """Return the current schedules whose latest job failed: its latest job record's state,
+    else the report's latest job (rule 2)."""
+    records = records or {}
+    found = {sid for sid, record in records.items() if record.state in FAILING_STATES}
+    for sid, item in _reported(report).items():
+        job = item.get("latest_job")
+        if sid not in records and isinstance(job, dict) and job.get("state") in FAILING_STATES:
+            found.add(sid)
+    return sorted(sid for sid in found if current is None or sid in current)
+
+
 def node_row(
     node: str,
     *,
@@ -146,24 +232,22 @@ def node_row(
     version: str | None,
     now: datetime,
     settings: FleetSettings,
+    seen: Seen | None = None,
+    records: Mapping[str, JobRecord] | None = None,
 ) -> dict[str, Any]:
     """Return a node's status row (the contract's point 3), per rule 2.
 
     ``schedule_ids`` are the node's current rows: a failed job of a schedule
     since deleted does not make the node failing (None: count every one).
+    ``seen`` is its latest own request, ``records`` its latest job record per schedule.
     """
     current = None if schedule_ids is None else set(schedule_ids)
-    failing = any(
-        isinstance(item.get("latest_job"), dict)
-        and item["latest_job"].get("state") in FAILING_STATES
-        and (current is None or schedule_id in current)
-        for schedule_id, item in _reported(report).items()
-    )
-    stale = pull is not None and (now - pull.at).total_seconds() > settings.stale_after_s
-    if pull is None and report is None:
+    failing = failing_ids(report, records, current)
+    alive = liveness(seen, now=now, settings=settings)
+    if seen is None:
         status = "never-seen"
-    elif stale:
-        status = "stale"
+    elif alive["silent"]:
+        status = "silent"
     elif failing:
         status = "failing"
     else:
@@ -179,8 +263,10 @@ def node_row(
         "last_report_at": utc_text(report.received_at) if report else None,
         "timezone": data.get("timezone"),
         "agent_version": data.get("agent_version"),
-        "stale": stale,
-        "failing": failing,
+        **alive,
+        "stale": alive["silent"],
+        "failing": bool(failing),
+        "failing_schedules": failing,
         "status": status,
     }
 
@@ -217,8 +303,14 @@ def schedule_view(
     reported: Mapping[str, Any] | None,
     recent: list[dict[str, Any]],
     now: datetime,
+    record: JobRecord | None = None,
 ) -> dict[str, Any]:
-    """Return one schedule of a node's status (the contract's point 4)."""
+    """Return one schedule of a node's status (the contract's point 4).
+
+    ``last_run`` is one run, its window and its outcome together: the newest
+    job record, else the report's latest job (``last_fire`` may be another
+    window than ``last_outcome``'s: an ad hoc run has none).
+    """
     reported = reported or {}
     last_fire = _time(reported.get("last_fired"))
     latest = reported.get("latest_job")
@@ -233,9 +325,23 @@ def schedule_view(
         "miss_policy": row.miss_policy.value,
         "last_fire": utc_text(last_fire),
         "last_outcome": latest if isinstance(latest, dict) else None,
+        "last_run": last_run(record, latest),
         "recent_outcomes": recent,
         "next_windows": next_windows(row, node=node, tz=tz, now=now, last_fired=last_fire),
     }
+
+
+def last_run(record: JobRecord | None, latest: object) -> dict[str, Any] | None:
+    """Return a schedule's last run, its window and outcome from one run (see schedule_view)."""
+    if record is not None:
+        return {**record.as_json(), "source": "job record"}
+    if not isinstance(latest, dict):
+        return None
+    return {"key": None, "schedule_id": None, "window": latest.get("window"),
+            "trigger_key": None, "state": latest.get("state"), "started_at": None,
+            "ended_at": latest.get("ended_at"), "duration_s": None, "error": None,
+            "reason": None, "offline": False, "flow_run_id": latest.get("flow_run_id"),
+            "flow_run_name": latest.get("flow_run_name"), "source": "report"}
 
 
 def recent_outcomes(
@@ -331,8 +437,13 @@ def propagation(
     announced: Announced,
     settings: FleetSettings,
     last_fired: datetime | None = None,
+    seen: Seen | None = None,
 ) -> dict[str, Any]:
-    """Return a write's ``_propagation`` (the contract's point 6), per rule 3."""
+    """Return a write's ``_propagation`` (the contract's point 6), per rule 3.
+
+    ``seen`` is the node's latest own request: a node silent or never seen is
+    not counted on, and the answer names the silence.
+    """
     found = upcoming(row, now=now, last_fired=last_fired, count=1, node=node, tz=tz,
                      ahead=NEXT_WINDOWS_AHEAD).windows
     window = found[0].window if found else None
@@ -342,6 +453,8 @@ def propagation(
         "next_window_local": local_text(window, z) if window is not None else None,
         "event_sent": announced.sent,
     }
+    silence = silence_text(node, seen, now=now, settings=settings)
+    answer["node_silent"] = silence is not None
     said = announced.reason
     if window is None:
         if not row.enabled:
@@ -356,19 +469,16 @@ def propagation(
                 "reason": f"the row is {why}: nothing to be late for; {said}"}
     deadline = floor_minute(window) + timedelta(minutes=1)
     left = duration_text(window - now)
-    if pull is None:
+    if silence is not None:
+        back = "" if seen is None else "; it gets the change when it is back"
         return {**answer, "likely_in_time": False,
-                "reason": f"node {node} has never pulled from this controller; {said}"}
-    since = now - pull.at
-    if since.total_seconds() > settings.stale_after_s:
-        return {**answer, "likely_in_time": False,
-                "reason": f"node {node} last pulled {duration_text(since)} ago (stale: it may "
-                          f"be down); {said}"}
+                "reason": f"{silence}{back}; {said}"}
     if announced.sent:
         expected = now + timedelta(seconds=EVENT_PULL_S)
         how = f"{said}: node {node} pulls within about {EVENT_PULL_S:g} s"
     else:
-        expected = max(now, pull.at + timedelta(seconds=settings.pull_interval))
+        last = pull.at if pull is not None else seen.at if seen is not None else now
+        expected = max(now, last + timedelta(seconds=settings.pull_interval))
         how = (f"{said}; node {node} pulls every {settings.pull_interval:g} s, next by about "
                f"{utc_text(expected)}")
     likely = expected < deadline

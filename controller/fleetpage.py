@@ -45,6 +45,8 @@ class FleetView:
     """The Prefect UI's base URL (``http://host:4200``), for links to runs."""
     notice: str = ""
     """A line about what the page cannot show (e.g. no reports yet)."""
+    report: dict[str, Any] | None = None
+    """``GET /api/report`` for the default range: every window since yesterday 18:00."""
 
 SHORT = "%a %m-%d %H:%M %Z"
 """How the page writes a local time (the year is the reader's)."""
@@ -220,6 +222,9 @@ th{background:#f6f8fa;font-weight:600}
 .status{font-weight:600;border-radius:8px;padding:0 6px}
 .st-ok{background:#dafbe1;color:#116329}.st-stale{background:#fff8c5;color:#7d4e00}
 .st-failing{background:#ffebe9;color:#a40e26}.st-never-seen{background:#eaeef2;color:#57606a}
+.st-silent{background:#ffebe9;color:#a40e26}
+.summary{font-weight:600;margin:6px 0}.summary.bad{color:#cf222e}
+tr.missed td,tr.failed td{background:#fff5f5}
 .bad{color:#cf222e;font-weight:600}.good{color:#116329}
 .note{color:#7d4e00}.paused{color:#57606a}
 svg{border:1px solid #d0d7de;background:#fbfcfd}
@@ -243,6 +248,16 @@ def _status_cell(status: object) -> str:
     return f'<span class="status {_e(css)}">{_e(text)}</span>'
 
 
+def _seen(node: dict[str, Any], now: datetime) -> str:
+    """Return when the node last made a request of its own, and its heartbeat."""
+    seen = _time(node.get("last_seen_at"))
+    if seen is None:
+        return "never"
+    heartbeat = node.get("heartbeat_s")
+    every = f" (heartbeat {heartbeat:g} s)" if isinstance(heartbeat, int | float) else ""
+    return _ago(seen, now) + every
+
+
 def nodes_table(view: FleetView) -> str:
     """Return the nodes table."""
     rows = []
@@ -257,14 +272,15 @@ def nodes_table(view: FleetView) -> str:
             f'<tr><td><a href="#node-{name}">{name}</a></td><td>{_e(node.get("schedules"))}</td>'
             f"<td>{_e(local_text(pulled, tz, SHORT))} "
             f"{_e(node.get('last_pull_status') or '')}{behind}</td>"
-            f"<td>{_e(_ago(pulled, view.now))}</td><td>{_status_cell(node.get('status'))}</td>"
+            f"<td>{_e(_ago(pulled, view.now))}</td>"
+            f"<td>{_e(_seen(node, view.now))}</td><td>{_status_cell(node.get('status'))}</td>"
             f"<td>{_e(node.get('timezone') or '-')}"
             f"{' (default)' if node.get('timezone_default') else ''}</td>"
             f"<td>{_e(node.get('agent_version') or '-')}"
             "</td></tr>")
-    head = ("<tr><th>Node</th><th>Schedules</th><th>Last pull</th><th>Ago</th><th>Status</th>"
-            "<th>Zone</th><th>Agent</th></tr>")
-    body = "".join(rows) or '<tr><td colspan="7">no nodes yet</td></tr>'
+    head = ("<tr><th>Node</th><th>Schedules</th><th>Last pull</th><th>Ago</th>"
+            "<th>Last seen</th><th>Status</th><th>Zone</th><th>Agent</th></tr>")
+    body = "".join(rows) or '<tr><td colspan="8">no nodes yet</td></tr>'
     return f'<table id="nodes">{head}{body}</table>'
 
 
@@ -303,6 +319,78 @@ def schedules_table(view: FleetView, node: dict[str, Any]) -> str:
     return f'<table class="schedules" data-node="{_e(name)}">{head}{body}</table>'
 
 
+REPORT_ROWS = 1000
+"""The most windows the page's report table lists (the CLI and the API list all)."""
+_OUTCOME = {"completed": "Completed", "failed": "FAILED", "missed": "MISSED",
+            "skipped": "Skipped", "running": "Running", "due": "due", "cancelled": "Cancelled",
+            "unreported": "unreported"}
+
+
+def _duration(seconds: object) -> str:
+    if not isinstance(seconds, int | float):
+        return "-"
+    total = int(seconds)
+    minutes, rest = divmod(total, 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
+
+
+def _run_cell(prefect_ui: str | None, entry: dict[str, Any]) -> str:
+    return run_link(prefect_ui, entry, "run") if entry.get("flow_run_id") else "-"
+
+
+def report_table(view: FleetView) -> str:
+    """Return the morning report: the summary line, then every window, worst node first."""
+    report = view.report
+    if not isinstance(report, dict):
+        return ""
+    found = report.get("summary")
+    summary: dict[str, Any] = found if isinstance(found, dict) else {}
+    bad = bool(summary.get("failed") or summary.get("missed") or summary.get("silent"))
+    rows = []
+    shown = 0
+    for node in report.get("nodes") or []:
+        if not isinstance(node, dict):
+            continue
+        name = node.get("node")
+        if node.get("silent"):
+            rows.append(f'<tr class="missed"><td>{_e(name)}</td><td colspan="5" class="bad">'
+                        f"SILENT: {_e(node.get('silence'))}</td></tr>")
+        for entry in node.get("windows") or []:
+            if not isinstance(entry, dict) or shown >= REPORT_ROWS:
+                continue
+            shown += 1
+            status = str(entry.get("status") or "")
+            detail = str(entry.get("detail") or "")
+            text = _OUTCOME.get(status, status)
+            if status == "missed":
+                text = "MISSED: no report from the node"
+            elif status in ("failed", "skipped", "cancelled") and detail:
+                text = f"{text}: {detail.split(': ', 1)[-1]}"
+            elif status == "completed" and entry.get("offline"):
+                text += " (ran offline, recorded later)"
+            css = "bad" if status in ("missed", "failed") else (
+                "good" if status == "completed" else "")
+            window = entry.get("local") or "-"
+            if not entry.get("expected"):
+                window = f"{entry.get('trigger_key') or 'run'} {window}"
+            rows.append(
+                f'<tr class="{_e(status)}"><td>{_e(name)}</td><td>{_e(entry.get("schedule_id"))}'
+                f"</td><td>{_e(window)}</td><td class=\"{css}\">{_e(text)}</td>"
+                f"<td>{_e(_duration(entry.get('duration_s')))}</td>"
+                f"<td>{_run_cell(view.prefect_ui, entry)}</td></tr>")
+    head = ("<tr><th>Node</th><th>Schedule</th><th>Window</th><th>Outcome</th>"
+            "<th>Duration</th><th>Run</th></tr>")
+    body = "".join(rows) or '<tr><td colspan="6">no windows in the range</td></tr>'
+    cut = (f'<p class="note">The first {REPORT_ROWS} windows are shown: sched report lists '
+           "them all.</p>" if shown >= REPORT_ROWS else "")
+    return (f'<p class="summary{" bad" if bad else ""}" id="summary">'
+            f"{_e(summary.get('text'))}</p>"
+            f'<table id="report">{head}{body}</table>{cut}')
+
+
 def render_page(view: FleetView, *, logout: bool = True) -> str:
     """Return the whole fleet page."""
     now = view.now.astimezone(UTC)
@@ -330,6 +418,8 @@ def render_page(view: FleetView, *, logout: bool = True) -> str:
         f"<h1>sched fleet</h1><div class=\"meta\">{len(view.nodes)} nodes, at "
         f"{now:%Y-%m-%d %H:%M:%S}Z. {prefect} {out}</div>{notice}"
         f'<h2>Nodes</h2>{nodes_table(view)}'
+        + (f"<h2>Since yesterday 18:00 (each node's zone), worst first</h2>{report_table(view)}"
+           if view.report is not None else "") +
         f"<h2>Next 24 hours</h2>{timeline_svg(view)}{legend}"
         f"{sections}</body></html>"
     )

@@ -19,6 +19,15 @@ Tables:
 - ``node_report``, ``node_report_history``: each node's latest report (what
   its agent says about itself), and its newest reports (bounded per node).
 - ``node_pull``: each node's latest pull as the controller answered it.
+- ``node_seen``: each node's latest request made with its own token (a pull or a
+  report; never an admin's), and the heartbeat it announced: its liveness.
+- ``node_job``: the job records nodes report, one per (node, window key), the
+  newest ``seq`` kept (bounded per node).
+- ``schedule_version``: every version of every row with the span it was in force
+  (bounded): what a node was to run at any past instant.
+- ``fleet_alert``: each alert the controller raised (a silent node, a missed or
+  failed window, a recovery), inserted once per (node, kind, subject): the row
+  decides which controller instance sends its event.
 - ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
 """
 
@@ -29,7 +38,17 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationInfo, field_validator, model_validator
-from sqlalchemy import JSON, Column, DateTime, Index, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
@@ -78,6 +97,10 @@ def utc_now() -> datetime:
 
 NAME_TYPE = String(200).with_variant(String(200, collation="C"), "postgresql")
 """Names (nodes, schedule ids, task names) sort by code point on Postgres as on SQLite."""
+KEY_MAX_LENGTH = 400
+"""The longest window key or alert subject stored (``<id>@manual@<uuid>`` is under 180)."""
+KEY_TYPE = String(KEY_MAX_LENGTH).with_variant(String(KEY_MAX_LENGTH, collation="C"),
+                                               "postgresql")
 
 
 class TaskStatus(StrEnum):
@@ -239,6 +262,104 @@ class NodePull(SQLModel, table=True):
     """``"200"`` (the list sent) or ``"304"`` (the node had it)."""
     list_version: str = Field(sa_type=Text)
     """The list version served: the list's ETag without its quotes (``3f2a9c0b1d4e5f60-12``)."""
+
+
+class NodeSeen(SQLModel, table=True):
+    """A node's latest request made with its own token: the controller's proof it is alive."""
+
+    __tablename__ = "node_seen"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    seen_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the controller answered it (its own clock)."""
+    via: str = Field(max_length=8)
+    """``"pull"`` or ``"report"``."""
+    heartbeat_s: float | None = Field(default=None, sa_column=Column(Float, nullable=True))
+    """The interval the node promised a request within (its latest own report's), or None."""
+    first_seen_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+
+
+class NodeJob(SQLModel, table=True):
+    """One job record a node reported: the newest ``seq`` per (node, window key)."""
+
+    __tablename__ = "node_job"
+    __table_args__ = (
+        Index("ix_node_job_node_filed", "node", "filed_at"),
+        Index("ix_node_job_node_received", "node", "received_at"),
+    )
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    key: str = Field(primary_key=True, max_length=KEY_MAX_LENGTH, sa_type=KEY_TYPE)
+    schedule_id: str = Field(max_length=200, sa_type=NAME_TYPE)
+    window_at: datetime | None = Field(default=None,
+                                       sa_column=Column(UtcDateTime, nullable=True))
+    trigger_key: str = Field(sa_type=Text)
+    state: str = Field(max_length=16)
+    started_at: datetime | None = Field(default=None,
+                                        sa_column=Column(UtcDateTime, nullable=True))
+    ended_at: datetime | None = Field(default=None, sa_column=Column(UtcDateTime, nullable=True))
+    error: str | None = Field(default=None, sa_type=Text)
+    reason: str | None = Field(default=None, sa_type=Text)
+    offline: bool = False
+    flow_run_id: str | None = Field(default=None, sa_type=Text)
+    seq: int = Field(sa_column=Column(BigInteger, nullable=False))
+    filed_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """The instant the record is listed under: its window, else its start, else its end,
+    else when it was received."""
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When the controller stored this seq of it (its own clock)."""
+
+
+class ScheduleVersion(SQLModel, table=True):
+    """One version of one node's row, and the span it was in force on the controller."""
+
+    __tablename__ = "schedule_version"
+    __table_args__ = (Index("ix_schedule_version_row", "node", "id", "valid_from"),)
+
+    seq: int | None = Field(default=None, primary_key=True)
+    """Versions restart at 1 when a deleted row is created again: this tells them apart."""
+    node: str = Field(max_length=200, sa_type=NAME_TYPE)
+    id: str = Field(max_length=200, sa_type=NAME_TYPE)
+    version: int
+    wire: str = Field(sa_type=Text)
+    """The row's wire JSON at that version (as ``agent_schedule.wire``)."""
+    valid_from: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    valid_until: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True))
+    """When the next version replaced it or the row was deleted; None while in force."""
+
+
+class FleetAlert(SQLModel, table=True):
+    """An alert the controller raised; (node, kind, subject) is inserted once, fleet-wide."""
+
+    __tablename__ = "fleet_alert"
+    __table_args__ = (
+        UniqueConstraint("node", "kind", "subject", name="uq_fleet_alert_subject"),
+        Index("ix_fleet_alert_node_open", "node", "resolved_at"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    node: str = Field(max_length=200, sa_type=NAME_TYPE)
+    kind: str = Field(max_length=40)
+    """``node-silent``, ``node-recovered``, ``window-missed``, ``window-failed``,
+    ``window-recovered``."""
+    subject: str = Field(max_length=KEY_MAX_LENGTH, sa_type=KEY_TYPE)
+    """What it is about: a window key, or the silence it names (``silent@<last seen>``)."""
+    schedule_id: str | None = Field(default=None, max_length=200, sa_type=NAME_TYPE)
+    window_at: datetime | None = Field(default=None,
+                                       sa_column=Column(UtcDateTime, nullable=True))
+    reason: str = Field(sa_type=Text)
+    payload: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    """The event's payload, as sent."""
+    detected_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    sent_at: datetime | None = Field(default=None, sa_column=Column(UtcDateTime, nullable=True))
+    lease_until: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True))
+    """An instance sending its event holds it until then (a compare-and-set claim)."""
+    attempts: int = 0
+    resolved_at: datetime | None = Field(
+        default=None, sa_column=Column(UtcDateTime, nullable=True))
+    """When a later success (or the node's return) resolved it."""
 
 
 class RevokedSession(SQLModel, table=True):

@@ -7,11 +7,18 @@ Rules:
   offset) and stored as that model's JSON data: the node's latest report
   (replaced), and one more entry of its history, of which only the newest
   ``keep`` are kept (pruned in the same transaction);
+- a report's job records (``jobs``) are stored one per (node, key), in the
+  report's transaction (:mod:`controller.jobs`);
 - a pull is recorded by the API process that answered it, in memory, and
   written behind (:class:`PullRecorder`): at most every ``delay`` seconds,
   all pending nodes in one transaction, so the pull stays a key lookup and a
   thousand nodes cost one write per interval. A recorded pull only ever
-  replaces an older one, whichever API instance wrote first.
+  replaces an older one, whichever API instance wrote first. Only a node's
+  own pulls are recorded (its token; an admin reading its list is not it);
+- liveness (``node_seen``) is the node's latest own request, a pull or a
+  report, and the heartbeat its latest own report announced
+  (:func:`mark_seen`): a report the admin posts for a node is stored, but is
+  no sign of the node's life.
 
 Times are the controller's clock (when it received the report, answered the
 pull), never the node's.
@@ -24,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -34,16 +41,32 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_serializer,
+    model_validator,
 )
-from sqlalchemy import Table, delete, func, select
+from sqlalchemy import Table, case, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from controller.db import transaction
-from controller.models import AgentSchedule, NodePull, NodeReport, NodeReportHistory, NodeRevision
-from sched_core.model import TEXT_MAX_LENGTH, check_text, check_zone_name, format_go_time
+from controller.models import (
+    KEY_MAX_LENGTH,
+    AgentSchedule,
+    NodePull,
+    NodeReport,
+    NodeReportHistory,
+    NodeRevision,
+    NodeSeen,
+)
+from sched_core.model import (
+    _UNSAFE_TEXT,
+    TEXT_MAX_LENGTH,
+    check_identifier,
+    check_text,
+    check_zone_name,
+    format_go_time,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +78,7 @@ _HISTORY: Table = NodeReportHistory.__table__  # type: ignore[attr-defined]
 _PULL: Table = NodePull.__table__  # type: ignore[attr-defined]
 _SCHEDULE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION: Table = NodeRevision.__table__  # type: ignore[attr-defined]
+_SEEN: Table = NodeSeen.__table__  # type: ignore[attr-defined]
 
 
 def utc_text(value: datetime | None) -> str | None:
@@ -109,6 +133,9 @@ def _instant(value: object) -> datetime:
             f"time {value[:60]!r} is out of range in UTC (years 1 to 9999)") from None
 
 
+parse_instant = _instant
+"""The one parser of times from outside (reports, job records, queries): a time without
+an offset, or one outside years 1 to 9999 once in UTC, is refused."""
 AwareInstant = Annotated[datetime, BeforeValidator(_instant)]
 """An RFC 3339 time string with a UTC offset (``Z`` or ``+01:00``), read as UTC."""
 
@@ -152,8 +179,83 @@ FAILING_STATES = frozenset({"Failed", "Crashed", "TimedOut"})
 """Latest-job states that make a node ``failing``."""
 
 
+JOB_STATES = ("Running", "Completed", "Failed", "Crashed", "Cancelled", "Skipped")
+"""The states a job record may have."""
+JobState = Literal["Running", "Completed", "Failed", "Crashed", "Cancelled", "Skipped"]
+MAX_JOBS = 1000
+"""The most job records one report may carry."""
+DEFAULT_HEARTBEAT_S = 300.0
+"""The heartbeat of a node that announced none (an older agent)."""
+
+
+LINE_MAX = 1000
+"""The longest error or reason kept (its first line, cut with an ellipsis)."""
+
+
+def _first_line(value: object) -> object:
+    """Return the first non-empty line of an error or reason, at most LINE_MAX characters,
+    each control or bidi character replaced by U+FFFD (the kit's text rule, check_text).
+
+    Cut and cleaned rather than refused: a node re-sends a refused report, so one
+    odd error line (a command's output) would hold back every later record of it.
+    """
+    if not isinstance(value, str):
+        return value  # the type check names it
+    for line in value.splitlines():
+        if line.strip():
+            line = line.strip()
+            line = line if len(line) <= LINE_MAX else line[: LINE_MAX - 1] + "\u2026"
+            return _UNSAFE_TEXT.sub("\ufffd", line)
+    return None
+
+
+def _schedule_id(value: str) -> str:
+    return check_identifier(value, "schedule_id")
+
+
+class JobRecordIn(_Strict):
+    """One job the node started or ended (issue 21), as its report carries it.
+
+    ``key`` is the window's key (``<schedule id>@<local date>T<HH:MM><offset>``,
+    :func:`sched_core.matcher.window_key`), a chain stage's (``<id>@<stage>@<day>``)
+    or an ad hoc run's (``<id>@manual@<run id>``); it starts with ``schedule_id@``.
+    ``seq`` increases per node: a record with a later seq replaces the stored one
+    of its key, an older or equal one changes nothing (a re-send).
+    """
+
+    key: Annotated[str, Field(min_length=3, max_length=KEY_MAX_LENGTH)]
+    schedule_id: Annotated[str, AfterValidator(_schedule_id)]
+    window: AwareInstant | None = None
+    trigger_key: Annotated[str, Field(min_length=1, max_length=100)]
+    state: JobState
+    started_at: AwareInstant | None = None
+    ended_at: AwareInstant | None = None
+    error: Annotated[str | None, BeforeValidator(_first_line)] = None
+    reason: Annotated[str | None, BeforeValidator(_first_line)] = None
+    offline: bool = False
+    flow_run_id: Name | None = None
+    seq: Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobRecordIn:
+        if not self.key.startswith(self.schedule_id + "@"):
+            raise ValueError(f"key {self.key[:80]!r} does not start with its schedule_id "
+                             f"{self.schedule_id!r} and '@'")
+        if self.state == "Running" and self.ended_at is not None:
+            raise ValueError("a Running job has no ended_at (it has not ended)")
+        if (self.started_at is not None and self.ended_at is not None
+                and self.ended_at < self.started_at):
+            raise ValueError("ended_at is before started_at")
+        return self
+
+
 class NodeReportIn(_Strict):
-    """A node's report of itself (the fleet contract's point 1); every field checked."""
+    """A node's report of itself (the fleet contract's point 1); every field checked.
+
+    ``heartbeat_s`` is the node's promise of a request to the controller (a pull
+    or a report, with its own token) at least that often; ``jobs`` are the job
+    records it has not yet had accepted, oldest first (issue 21).
+    """
 
     node: Name
     agent_version: Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_plain)]
@@ -165,6 +267,9 @@ class NodeReportIn(_Strict):
         default_factory=list
     )
     counts: Counts = Field(default_factory=Counts)
+    heartbeat_s: Annotated[float, Field(ge=10, le=3600)] | None = None
+    jobs: Annotated[list[JobRecordIn], Field(max_length=MAX_JOBS)] = Field(
+        default_factory=list)
 
     @property
     def failing(self) -> list[str]:
@@ -174,8 +279,11 @@ class NodeReportIn(_Strict):
 
 
 def report_data(report: NodeReportIn) -> dict[str, Any]:
-    """Return the report as the JSON data that is stored (times in UTC, ``Z``)."""
-    data: dict[str, Any] = report.model_dump(mode="json")
+    """Return the report as the JSON data that is stored (times in UTC, ``Z``).
+
+    Its job records are left out: they are stored one per key (:mod:`controller.jobs`).
+    """
+    data: dict[str, Any] = report.model_dump(mode="json", exclude={"jobs"})
     return data
 
 
@@ -185,17 +293,84 @@ def _insert(session: Session, table: Table) -> Any:
     return sqlite_insert(table)
 
 
+def mark_seen(
+    session: Session, node: str, *, at: datetime, via: str,
+    heartbeat_s: float | None = None, announced: bool = True,
+) -> None:
+    """Record a request node made with its own token at ``at`` (in the open transaction).
+
+    The stored time only ever moves forward; a report also sets the heartbeat it
+    announced (None: it announced none), a pull (or a refused report, ``announced``
+    False) leaves it as it was.
+    """
+    values: dict[str, Any] = {"node": node, "seen_at": at, "via": via, "first_seen_at": at,
+                              "heartbeat_s": heartbeat_s}
+    stmt = _insert(session, _SEEN).values(**values)
+    later = _SEEN.c.seen_at < stmt.excluded.seen_at
+    update: dict[str, Any] = {
+        "seen_at": case((later, stmt.excluded.seen_at), else_=_SEEN.c.seen_at),
+        "via": case((later, stmt.excluded.via), else_=_SEEN.c.via),
+    }
+    if via == "report" and announced:
+        update["heartbeat_s"] = stmt.excluded.heartbeat_s
+    session.execute(stmt.on_conflict_do_update(index_elements=[_SEEN.c.node], set_=update))
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A node's latest own request: when, how (pull or report), its heartbeat, its first."""
+
+    node: str
+    at: datetime
+    via: str
+    heartbeat_s: float | None
+    first_at: datetime
+
+
+def latest_seen(session: Session, node: str | None = None) -> dict[str, Seen]:
+    """Return each node's latest own request (only node's, when given)."""
+    query = select(_SEEN)
+    if node is not None:
+        query = query.where(_SEEN.c.node == node)
+    return {row.node: Seen(row.node, row.seen_at, row.via, row.heartbeat_s, row.first_seen_at)
+            for row in session.execute(query).all()}
+
+
+def record_refused_report(session: Session, node: str, *, at: datetime) -> None:
+    """Record that a node already seen sent a report the controller refused (422): it is
+    still a sign of life. Commits.
+
+    A node whose outbox holds a record the controller refuses re-sends it; its
+    requests prove it is alive all the same. A refused report creates nothing: a
+    node never seen stays unknown.
+    """
+    with transaction(session):
+        session.execute(
+            _SEEN.update().where(_SEEN.c.node == node, _SEEN.c.seen_at < at)
+            .values(seen_at=at, via="report"))
+
+
 def record_report(
     session: Session, node: str, report: dict[str, Any], *, received_at: datetime,
-    keep: int = REPORT_HISTORY,
-) -> None:
-    """Store report as node's latest and add it to its history, keeping the newest keep; commits."""
+    keep: int = REPORT_HISTORY, own: bool = True, heartbeat_s: float | None = None,
+    jobs: Iterable[JobRecordIn] = (), job_keep: JobKeep | None = None,
+) -> int:
+    """Store report as node's latest, add it to its history (the newest keep), its job
+    records and, when ``own`` (sent with the node's own token), the node's liveness:
+    all in one transaction, which commits. Return how many job records changed.
+    """
+    from controller import jobs as job_store
+
     stmt = _insert(session, _REPORT).values(node=node, received_at=received_at, report=report)
     stmt = stmt.on_conflict_do_update(
         index_elements=[_REPORT.c.node],
         set_={"received_at": stmt.excluded.received_at, "report": stmt.excluded.report},
     )
     with transaction(session):
+        changed = job_store.store_jobs(session, node, list(jobs), received_at=received_at,
+                                       keep=job_keep or JobKeep())
+        if own:
+            mark_seen(session, node, at=received_at, via="report", heartbeat_s=heartbeat_s)
         session.execute(stmt)
         session.execute(_HISTORY.insert().values(node=node, received_at=received_at,
                                                  report=report))
@@ -207,6 +382,16 @@ def record_report(
         )
         session.execute(delete(_HISTORY).where(_HISTORY.c.node == node,
                                                _HISTORY.c.id < oldest_kept))
+    return changed
+
+
+@dataclass(frozen=True)
+class JobKeep:
+    """How many job records the controller keeps: per node at most ``count`` (the newest
+    received), and none received more than ``days`` ago."""
+
+    days: float = 14.0
+    count: int = 50_000
 
 
 @dataclass(frozen=True)
@@ -249,7 +434,10 @@ class Pull:
 
 
 def record_pulls(session: Session, pulls: Iterable[Pull]) -> None:
-    """Store each pull as its node's latest, unless a later one is stored already; commits."""
+    """Store each pull as its node's latest, unless a later one is stored already, and as
+    the node's latest own request (pulls are recorded only when the node made them); commits.
+    """
+    pulls = list(pulls)
     rows = [{"node": p.node, "pulled_at": p.at, "status": p.status,
              "list_version": p.list_version} for p in pulls]
     if not rows:
@@ -263,6 +451,8 @@ def record_pulls(session: Session, pulls: Iterable[Pull]) -> None:
     )
     with transaction(session):
         session.execute(stmt)
+        for pull in pulls:
+            mark_seen(session, pull.node, at=pull.at, via="pull")
 
 
 def latest_pulls(session: Session, node: str | None = None) -> dict[str, Pull]:

@@ -8,6 +8,11 @@ Rules:
 - a row is stored in one column per Go field, plus its set policy fields
   (:data:`POLICY_FIELDS`) in one JSON column, so a row without policies is
   stored (and served) exactly as before;
+- every write also keeps the row's version history (``schedule_version``) in
+  the same transaction: the version written is in force from the write's
+  ``now`` until the next write or the delete, so the controller can tell which
+  row (and policies) a node was to run at any past instant; closed versions
+  older than :data:`VERSION_RETENTION` go with the next write of that node;
 - a row is validated on the way in, and stored with its wire JSON
   (``LocalSchedule.model_dump_json()`` of the row as stored, version included),
   so the pull answer is the stored strings spliced together: reading trusts
@@ -19,6 +24,8 @@ Every write commits its own transaction; reads do not commit.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -29,13 +36,17 @@ from sqlmodel import Session
 
 from controller import sql
 from controller.db import transaction
-from controller.models import AgentSchedule, NodeRevision, utc_now
+from controller.models import AgentSchedule, NodeRevision, ScheduleVersion, utc_now
 from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
 
 _SCHEDULE_TABLE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION_TABLE: Table = NodeRevision.__table__  # type: ignore[attr-defined]
+_VERSION_TABLE: Table = ScheduleVersion.__table__  # type: ignore[attr-defined]
 _COLUMNS = _SCHEDULE_TABLE.c
 _REVISIONS = _REVISION_TABLE.c
+_VERSIONS = _VERSION_TABLE.c
+VERSION_RETENTION = timedelta(days=35)
+"""How long a replaced or deleted row version is kept (longer than any report's range)."""
 
 
 def _insert(session: Session, table: Any) -> Any:
@@ -173,6 +184,79 @@ def get_schedule(session: Session, node: str, schedule_id: str) -> LocalSchedule
     return _to_wire(row) if row else None
 
 
+def _record_version(session: Session, node: str, row: LocalSchedule | None, schedule_id: str,
+                    *, now: datetime) -> None:
+    """Close the row's version in force and open row's (None: deleted), in the open
+    transaction; prune the node's closed versions older than the retention."""
+    session.execute(
+        update(_VERSION_TABLE)
+        .where(_VERSIONS.node == node, _VERSIONS.id == schedule_id,
+               _VERSIONS.valid_until.is_(None))
+        .values(valid_until=now)
+    )
+    if row is not None:
+        session.execute(_VERSION_TABLE.insert().values(
+            node=node, id=row.id, version=row.version, wire=row.model_dump_json(),
+            valid_from=now, valid_until=None))
+    session.execute(delete(_VERSION_TABLE).where(
+        _VERSIONS.node == node, _VERSIONS.valid_until < now - VERSION_RETENTION))
+
+
+@dataclass(frozen=True)
+class RowVersion:
+    """One version of a node's row and the span it was in force: ``[valid_from, valid_until)``."""
+
+    node: str
+    row: LocalSchedule
+    valid_from: datetime
+    valid_until: datetime | None
+
+
+def versions_between(
+    session: Session, since: datetime, until: datetime, *, node: str | None = None,
+    schedule_id: str | None = None,
+) -> dict[str, dict[str, list[RowVersion]]]:
+    """Return, per node and row id, the versions in force at some instant of
+    ``[since, until)``, oldest first (only node's, or one row's, when given)."""
+    query = select(_VERSIONS.node, _VERSIONS.valid_from, _VERSIONS.valid_until,
+                   _VERSIONS.wire).where(
+        _VERSIONS.valid_from < until,
+        (_VERSIONS.valid_until.is_(None)) | (_VERSIONS.valid_until > since))
+    if node is not None:
+        query = query.where(_VERSIONS.node == node)
+    if schedule_id is not None:
+        query = query.where(_VERSIONS.id == schedule_id)
+    rows = session.execute(query.order_by(_VERSIONS.node, _VERSIONS.id, _VERSIONS.valid_from,
+                                          _VERSIONS.seq)).all()
+    found: dict[str, dict[str, list[RowVersion]]] = {}
+    for name, valid_from, valid_until, wire in rows:
+        row = LocalSchedule.model_validate_json(wire, context={STORED_BEFORE_RULES: True})
+        found.setdefault(name, {}).setdefault(row.id, []).append(
+            RowVersion(name, row, valid_from, valid_until))
+    return found
+
+
+def schedule_nodes(session: Session, node: str | None = None) -> list[str]:
+    """Return the nodes that have a row now or a version in the history (only node, if given)."""
+    query = select(_VERSIONS.node).group_by(_VERSIONS.node)
+    if node is not None:
+        query = query.where(_VERSIONS.node == node)
+    found = set(session.execute(query).scalars().all())
+    current = select(_COLUMNS.node).group_by(_COLUMNS.node)
+    if node is not None:
+        current = current.where(_COLUMNS.node == node)
+    found |= set(session.execute(current).scalars().all())
+    return sorted(found)
+
+
+def prune_versions(session: Session, *, now: datetime) -> int:
+    """Delete every closed version older than the retention (rows no longer written); commits."""
+    with transaction(session):
+        result = session.execute(delete(_VERSION_TABLE).where(
+            _VERSIONS.valid_until < now - VERSION_RETENTION))
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 def stored_values(node: str, row: LocalSchedule, *, version: int) -> dict[str, Any]:
     """Return the ``agent_schedule`` columns that store row as node's at version.
 
@@ -202,7 +286,8 @@ class VersionConflict(Exception):
 
 
 def put_schedule(
-    session: Session, node: str, row: LocalSchedule, *, if_version: int | None = None
+    session: Session, node: str, row: LocalSchedule, *, if_version: int | None = None,
+    now: datetime | None = None,
 ) -> LocalSchedule:
     """Insert or replace node's row ``row.id`` and return the stored row; commits.
 
@@ -214,8 +299,13 @@ def put_schedule(
     ``if_version`` (a PATCH's read-modify-write) replaces the row only while
     its stored version is still that one: else :class:`VersionConflict` and
     nothing changes (a row deleted since is not recreated).
+
+    The stored version is in force from ``now`` (default: the wall clock) in
+    the row's version history.
     """
+    now = now or utc_now()
     values = stored_values(node, row, version=1)
+    values["updated_at"] = now
     if if_version is not None:
         stmt: Any = (
             update(_SCHEDULE_TABLE)
@@ -250,11 +340,17 @@ def put_schedule(
                 .values(wire=wire)
             )
         _bump_revision(session, node)
+        _record_version(session, node, stored, stored.id, now=now)
     return stored
 
 
-def delete_schedule(session: Session, node: str, schedule_id: str) -> bool:
-    """Delete node's row schedule_id; return False when there was none. Commits."""
+def delete_schedule(session: Session, node: str, schedule_id: str, *,
+                    now: datetime | None = None) -> bool:
+    """Delete node's row schedule_id; return False when there was none. Commits.
+
+    Its version in force ends at ``now`` (default: the wall clock).
+    """
+    now = now or utc_now()
     with transaction(session):
         result = session.execute(
             delete(_SCHEDULE_TABLE)
@@ -263,6 +359,7 @@ def delete_schedule(session: Session, node: str, schedule_id: str) -> bool:
         ).first()
         if result is not None:
             _bump_revision(session, node)
+            _record_version(session, node, None, schedule_id, now=now)
     return result is not None
 
 

@@ -35,7 +35,7 @@ from controller.api import PULL_CACHE_BYTES, create_app
 from controller.auth import Tokens, TokensReloader
 from controller.connections import ConnectionLimits, guarded_protocol, quiet_repeated_lines
 from controller.db import make_engine, safe_url
-from controller.events import PrefectEvents
+from controller.events import PrefectEvents, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.waits import NodeWaits, PrefectRelay
 from sched_core.errors import ConfigError
@@ -140,6 +140,25 @@ def central_scheduler(
 
 
 @contextmanager
+def fleet_watch(
+    engine: Engine, settings: FleetSettings | None, events: ScheduleEvents, interval: float,
+) -> Iterator[object | None]:
+    """Raise the fleet's alerts while the block runs (nothing when interval is 0)."""
+    if not interval > 0:
+        yield None
+        return
+    from controller.watch import FleetWatch
+
+    send = getattr(events, "send", None) if events.configured else None
+    watch = FleetWatch(engine, settings or FleetSettings(), emit=send, interval=interval)
+    watch.start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
+
+
+@contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """Yield an event set by SIGINT or SIGTERM, with our handlers installed meanwhile.
 
@@ -234,6 +253,7 @@ def run(
     tokens_check_interval: float = 2.0,
     check_prefect: bool = True,
     fleet_settings: FleetSettings | None = None,
+    watch_interval: float = 15.0,
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM.
 
@@ -243,7 +263,10 @@ def run(
     warning names it if it does not answer. The API announces every write of a
     node's schedules as a Prefect event when ``PREFECT_API_URL`` is set (else it
     says so here, at start-up, and in every write's answer), and records every
-    pull it answers.
+    pull it answers. Unless ``watch_interval`` is 0, it also raises the fleet's
+    alerts (:class:`controller.watch.FleetWatch`) every that many seconds, in
+    every mode: the database makes each alert's event go out once, however
+    many instances watch.
     """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
@@ -251,9 +274,11 @@ def run(
                                             "tls": bool(ssl_certfile)})
     watched = tokens if tokens is not None and not tokens.insecure else None
     reloader = TokensReloader(watched, environ, interval=tokens_check_interval)
+    events = PrefectEvents.from_settings()
     try:
         with stop_on_signals() as stop, reloader, on_sighup(reloader.request), \
-                central_scheduler(engine, scheduler, scheduler_settings) as central:
+                central_scheduler(engine, scheduler, scheduler_settings) as central, \
+                fleet_watch(engine, fleet_settings, events, watch_interval):
             if scheduler and check_prefect:
                 from controller.dispatch import warn_if_prefect_unreachable
 
@@ -264,7 +289,6 @@ def run(
             if tokens is None:
                 raise ValueError("the API needs a token configuration")
             wake = getattr(central, "wake", None)
-            events = PrefectEvents.from_settings()
             waits = NodeWaits()
             relay = start_relay(waits)
             app = create_app(
@@ -285,9 +309,9 @@ def run(
             finally:
                 if app.state.pull_recorder is not None:
                     app.state.pull_recorder.close()
-                events.close()
                 if relay is not None:
                     relay.stop()
     finally:
+        events.close()
         engine.dispose()
         log.info("controller stopped")

@@ -9,6 +9,7 @@ client; it imports ``sched_core`` for words and times, and nothing of
 |---|---|
 | ``client.py`` | the controller's HTTP API, its errors as exit codes |
 | ``render.py`` | pure: tables, times and durations for people, safe cells |
-| ``cli.py`` | the commands: ``nodes``, ``schedules ...``, ``upcoming``, ``run``, ``alerts`` |
+| ``cli.py`` | the commands: ``nodes``, ``schedules ...``, ``upcoming``, ``report``, |
+| | ``explain``, ``run``, ``alerts`` |
 | ``alerts.py`` | the Prefect automations ``sched alerts install`` keeps in place |
 """

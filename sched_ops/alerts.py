@@ -1,25 +1,32 @@
 """The fleet's alerts as Prefect automations, kept in place by ``sched alerts install``.
 
-Four automations, each named ``<prefix>: ...`` and found again by that name:
+The controller is the source: its fleet watch (``controller/watch.py``) raises an
+alert for every node from the moment the node has a row, whether or not it ever
+pulled, reported or completed anything, and sends it as a Prefect event on the
+node's resource ``sched.node.<node>`` (the schedule as a related resource
+``sched.schedule.<node>.<id>``), once, whatever the number of controller
+instances. Five automations, each named ``<prefix>: ...`` and found again by
+that name, each reactive (it fires on the event, for every node, including
+nodes added later):
 
-1. **wave overdue** (proactive, one bucket per node: ``for_each`` the node's
-   resource ``sched.agent.<node>``): after a ``sched.job.completed`` of a wave
-   action, none follows within ``wave_within`` (26 h). The wave's jobs are
-   told apart by the job event's related resource ``sched.action.<action>``
-   (role ``sched-action``, :func:`flows.runtime.action_related`): a trigger
-   cannot match on the payload. A node that never completed a wave job has no
-   bucket yet, so it is not watched until its first one.
-2. **job failed** (reactive): every ``sched.job.failed`` (the agent sends one
-   per failed, crashed or interrupted job, once per run).
-3. **reconcile overdue** (proactive, one bucket per node: ``for_each`` the
-   deployment name of the ``reconcile`` run, which is the node's name): no
-   ``prefect.flow-run.Completed`` of the ``reconcile`` flow within
-   ``reconcile_within`` (30 min) after the last one. Chosen over counting
-   Failed runs because it also sees a node whose reconciles stopped running
-   (worker down, runs stuck Late or Crashed), not only runs that fail; a
-   failing reconcile cannot complete, so it is covered too.
-4. **task gave up** (reactive): every ``sched.task.gave-up`` the controller's
-   central scheduler emits when it stops retrying a (task, scheduled time).
+1. **a node went silent**: ``sched.node.silent`` (no request of the node's own
+   for 3 of its announced heartbeats; or never seen and a window missed);
+2. **a window was missed**: ``sched.node.window-missed`` (no report from the
+   node past the window's grace);
+3. **a window failed**: ``sched.node.window-failed`` (its job record is Failed
+   or Crashed, whether it ran online or offline);
+4. **resolved**: ``sched.node.recovered`` (a silent node is back) and
+   ``sched.node.window-recovered`` (a later window of the schedule completed, or
+   the missed window's job was reported after all): it says which alerts it
+   resolves;
+5. **task gave up**: every ``sched.task.gave-up`` the controller's central
+   scheduler emits when it stops retrying a (task, scheduled time).
+
+Each event's payload names the node, the schedule, the window (UTC and the
+node's local time), the reason and the run. Earlier installs' automations of
+the same prefix that are no longer among these (the per-node proactive "no
+completed wave job" and "no completed reconcile", which watched a node only
+from its first completion) are deleted.
 
 Action: with ``block``, each sends a notification through that notification
 block (``SendNotification`` needs the block document's id, looked up by name);
@@ -46,19 +53,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-JOB_COMPLETED = "sched.job.completed"
-JOB_FAILED = "sched.job.failed"
+NODE_SILENT = "sched.node.silent"
+NODE_RECOVERED = "sched.node.recovered"
+WINDOW_MISSED = "sched.node.window-missed"
+WINDOW_FAILED = "sched.node.window-failed"
+WINDOW_RECOVERED = "sched.node.window-recovered"
 TASK_GAVE_UP = "sched.task.gave-up"
-RECONCILE_FLOW = "reconcile"
-ACTION_ROLE = "sched-action"
-"""The role of a job event's related ``sched.action.<action>`` (flows.runtime.ACTION_ROLE)."""
-PROACTIVE_MIN = timedelta(seconds=10)
-"""Prefect's shortest ``within`` for a proactive trigger."""
+"""The events (the controller's names: ``controller.watch.EVENTS``, ``controller.central``)."""
 
 SUBJECT = "sched alert: {{ automation.name }}"
 BODY = (
     "{{ automation.name }}\n\n{{ automation.description }}\n\n"
-    "{% if event %}Event: {{ event.event }} on {{ event.resource.id }} at {{ event.occurred }}\n"
+    "{% if event %}{{ event.payload.reason }}\n\n"
+    "Event: {{ event.event }} on {{ event.resource.id }} at {{ event.occurred }}\n"
     "Payload: {{ event.payload }}{% else %}No event came in time.{% endif %}"
 )
 
@@ -68,111 +75,57 @@ class AlertSettings:
     """What ``sched alerts install`` creates; checked when made (OpsError naming the field)."""
 
     prefix: str = "sched-fleet"
-    wave_actions: tuple[str, ...] = ("backup", "copy")
-    wave_within: timedelta = timedelta(hours=26)
-    reconcile_within: timedelta = timedelta(minutes=30)
     block: str | None = None
     """A notification block's name (``NAME`` or ``BLOCK-TYPE-SLUG/NAME``); None: DoNothing."""
 
     def __post_init__(self) -> None:
         if not self.prefix.strip() or len(self.prefix) > 60:
             raise OpsError("--prefix must be 1 to 60 characters", Exit.USAGE)
-        if not self.wave_actions:
-            raise OpsError("--wave-actions names no action", Exit.USAGE)
-        for action in self.wave_actions:
-            if not action.replace("-", "").replace("_", "").replace(".", "").isalnum():
-                raise OpsError(f"--wave-actions: {action!r} is not an action name", Exit.USAGE)
-        for name, value in (("--wave-within", self.wave_within),
-                            ("--reconcile-within", self.reconcile_within)):
-            if value < PROACTIVE_MIN:
-                raise OpsError(f"{name} must be at least {PROACTIVE_MIN.seconds} s "
-                               "(Prefect's minimum for a proactive trigger)", Exit.USAGE)
 
     def name(self, what: str) -> str:
         """Return the name of one of the automations."""
         return f"{self.prefix}: {what}"
 
 
-def _hours(delta: timedelta) -> str:
-    seconds = int(delta.total_seconds())
-    if seconds % 3600 == 0:
-        return f"{seconds // 3600} h"
-    if seconds % 60 == 0:
-        return f"{seconds // 60} min"
-    return f"{seconds} s"
+KINDS = (
+    ("a node went silent", {NODE_SILENT}, "sched.node.*",
+     "A node made no request of its own (a pull or a report) for 3 of the heartbeats it "
+     "announced, or was never seen and missed a window: it may be down. The payload names "
+     "the node, its last request and its heartbeat."),
+    ("a window was missed", {WINDOW_MISSED}, "sched.node.*",
+     "A window passed its grace with no report from the node: nothing ran, or nothing "
+     "was reported. The payload names node, schedule, window and reason."),
+    ("a window failed", {WINDOW_FAILED}, "sched.node.*",
+     "A window's job ended Failed or Crashed (online or offline). The payload names node, "
+     "schedule, window, the error's first line and the run."),
+    ("resolved", {NODE_RECOVERED, WINDOW_RECOVERED}, "sched.node.*",
+     "A silent node is back, or a later window of a schedule that had a missed or failed "
+     "window completed: the payload names what it resolves."),
+    ("a central task gave up", {TASK_GAVE_UP}, "sched.task.*",
+     "The controller's central scheduler gave up on a (task, scheduled time) after its "
+     f"last failed dispatch ({TASK_GAVE_UP}); the payload names the task, the time, the "
+     "attempts and the error."),
+)
+"""(name, events, resource pattern, description) of each automation."""
 
 
 def specs(settings: AlertSettings, actions: list[Any]) -> list[AutomationCore]:
-    """Return the four automations for settings, each running actions."""
+    """Return the five automations for settings, each running actions."""
     from prefect.automations import AutomationCore
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    agents = ResourceSpecification({"prefect.resource.id": "sched.agent.*"})
-    wave_related = ResourceSpecification({
-        "prefect.resource.role": ACTION_ROLE,
-        "prefect.resource.id": [f"sched.action.{a}" for a in settings.wave_actions],
-    })
-    wave = ", ".join(settings.wave_actions)
     return [
         AutomationCore(
-            name=settings.name(
-                f"no completed wave job on a node for {_hours(settings.wave_within)}"),
-            description=(f"A node completed a wave job ({wave}) and then none for "
-                         f"{_hours(settings.wave_within)}: its backups stopped. Watched per node "
-                         f"from its first completed wave job."),
-            enabled=True,
+            name=settings.name(what), description=description, enabled=True,
             trigger=EventTrigger(
-                after={JOB_COMPLETED}, expect={JOB_COMPLETED}, match=agents,
-                match_related=wave_related, for_each={"prefect.resource.id"},
-                posture=Posture.Proactive, threshold=1, within=settings.wave_within,
+                expect=set(events), match=ResourceSpecification({"prefect.resource.id": pattern}),
+                for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1,
+                within=timedelta(0),
             ),
             actions=list(actions),
-        ),
-        AutomationCore(
-            name=settings.name("a job failed or crashed"),
-            description=("A job of the agent failed, crashed or was interrupted "
-                         f"({JOB_FAILED}); its payload names node, schedule, window and run."),
-            enabled=True,
-            trigger=EventTrigger(
-                expect={JOB_FAILED}, match=agents, for_each={"prefect.resource.id"},
-                posture=Posture.Reactive, threshold=1, within=timedelta(0),
-            ),
-            actions=list(actions),
-        ),
-        AutomationCore(
-            name=settings.name(
-                f"no completed reconcile on a node for {_hours(settings.reconcile_within)}"),
-            description=("A node's reconcile (pull and plan) has not completed for "
-                         f"{_hours(settings.reconcile_within)}: its runs fail, crash or do not "
-                         "run, so schedule changes do not reach it and no runs are planned. "
-                         "Watched per node (its reconcile deployment) from its first completed "
-                         "reconcile."),
-            enabled=True,
-            trigger=EventTrigger(
-                after={"prefect.flow-run.Completed"}, expect={"prefect.flow-run.Completed"},
-                match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-                match_related=ResourceSpecification({
-                    "prefect.resource.role": "flow", "prefect.resource.name": RECONCILE_FLOW}),
-                for_each={"related:deployment:prefect.resource.name"},
-                posture=Posture.Proactive, threshold=1, within=settings.reconcile_within,
-            ),
-            actions=list(actions),
-        ),
-        AutomationCore(
-            name=settings.name("a central task gave up"),
-            description=("The controller's central scheduler gave up on a (task, scheduled "
-                         f"time) after its last failed dispatch ({TASK_GAVE_UP}); the payload "
-                         "names the task, the time, the attempts and the error."),
-            enabled=True,
-            trigger=EventTrigger(
-                expect={TASK_GAVE_UP},
-                match=ResourceSpecification({"prefect.resource.id": "sched.task.*"}),
-                for_each={"prefect.resource.id"},
-                posture=Posture.Reactive, threshold=1, within=timedelta(0),
-            ),
-            actions=list(actions),
-        ),
+        )
+        for what, events, pattern, description in KINDS
     ]
 
 
@@ -214,17 +167,22 @@ def actions_for(client: SyncPrefectClient, settings: AlertSettings) -> list[Any]
 
 
 def _shape(automation: Any) -> dict[str, Any]:
+    """Return what install compares: sets (a trigger's events) in a stable order."""
     shape: dict[str, Any] = automation.model_dump(
         mode="json", include={"description", "enabled", "trigger", "actions"})
+    trigger = shape.get("trigger") or {}
+    for key in ("expect", "after", "for_each"):
+        if isinstance(trigger.get(key), list):
+            trigger[key] = sorted(trigger[key])
     return shape
 
 
 def install(client: SyncPrefectClient, settings: AlertSettings) -> list[dict[str, str]]:
     """Create or update each alert by name; delete duplicates; return what was done to each.
 
-    Idempotent: an automation already as specified is kept as it is. An older
-    alert of the same prefix whose name changed (another ``--wave-within``) is
-    deleted, so one install leaves exactly these four.
+    Idempotent: an automation already as specified is kept as it is. Any other
+    automation of the same prefix (an earlier install's) is deleted, so one
+    install leaves exactly these five.
     """
     wanted = specs(settings, actions_for(client, settings))
     names = {spec.name for spec in wanted}

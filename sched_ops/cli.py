@@ -1,4 +1,5 @@
-"""The operator's commands: ``sched nodes``, ``schedules ...``, ``upcoming``, ``run``, ``alerts``.
+"""The operator's commands: ``sched nodes``, ``schedules ...``, ``upcoming``, ``report``,
+``explain``, ``run``, ``alerts``.
 
 Each command talks to the controller named by ``--controller`` or
 ``SCHED_CONTROLLER_URL`` with the token from ``--token`` or ``SCHED_TOKEN``
@@ -87,12 +88,18 @@ def nodes_table(status: dict[str, Any], now: datetime) -> str:
             pull += f" ({node['last_pull_status']})"
         if served is not None and current is not None and served != current:
             pull += " behind"
+        seen = parse_time(node.get("last_seen_at"))
+        heartbeat = node.get("heartbeat_s")
+        seen_text = ago(seen, now) + (
+            f" (heartbeat {heartbeat:g} s)" if isinstance(heartbeat, int | float) else "")
         rows.append([
             cell(node.get("node")), cell(node.get("schedules", 0)), cell(pull, limit=80),
-            ago(pulled, now), cell(node.get("status")), cell(node.get("timezone")),
+            ago(pulled, now), cell(seen_text if seen else NONE, limit=40),
+            cell(node.get("status")), cell(node.get("timezone")),
             cell(node.get("agent_version")),
         ])
-    return table(["NODE", "SCHEDULES", "LAST PULL", "AGO", "STATUS", "TZ", "VERSION"], rows)
+    return table(["NODE", "SCHEDULES", "LAST PULL", "AGO", "LAST SEEN", "STATUS", "TZ",
+                  "VERSION"], rows)
 
 
 @app.command("nodes")
@@ -119,13 +126,33 @@ def _next_cell(schedule: dict[str, Any]) -> str:
     return f"{first.get('local') or first.get('at')}{note}"
 
 
-def _last_cell(schedule: dict[str, Any], tz: Any) -> str:
-    fired = parse_time(schedule.get("last_fire"))
-    job = schedule.get("last_outcome")
-    if fired is None and not isinstance(job, dict):
+def last_run_text(run: object, tz: Any) -> str:
+    """Return one run's window (or its start, for a run without one) and outcome together."""
+    if not isinstance(run, dict):
         return NONE
-    text = local(fired, tz) if fired is not None else NONE
-    return f"{text} {outcome(job)}" if isinstance(job, dict) else text
+    window = parse_time(run.get("window"))
+    if window is not None:
+        when = local(window, tz)
+    else:
+        started = parse_time(run.get("started_at")) or parse_time(run.get("ended_at"))
+        how = run.get("trigger_key") or "run"
+        when = f"{how} {local(started, tz)}" if started is not None else str(how)
+    text = f"{when} {outcome(run)}"
+    why = run.get("error") or (run.get("reason") if run.get("state") == "Skipped" else None)
+    if why:
+        text += f": {why}"
+    if run.get("offline"):
+        text += " (offline)"
+    return text
+
+
+def _last_cell(schedule: dict[str, Any], tz: Any) -> str:
+    # An older controller has no last_run: its latest job's own window and state (one run).
+    run = schedule.get("last_run") or schedule.get("last_outcome")
+    if isinstance(run, dict):
+        return last_run_text(run, tz)
+    fired = parse_time(schedule.get("last_fire"))
+    return local(fired, tz) if fired is not None else NONE
 
 
 def schedules_table(status: dict[str, Any], rows: dict[str, dict[str, Any]]) -> str:
@@ -141,7 +168,7 @@ def schedules_table(status: dict[str, Any], rows: dict[str, dict[str, Any]]) -> 
         out.append([
             cell(schedule.get("id")), cell(schedule.get("name"), limit=30),
             cell(schedule.get("action")), cell(schedule.get("when"), limit=40),
-            cell(_next_cell(schedule), limit=40), cell(_last_cell(schedule, tz), limit=50),
+            cell(_next_cell(schedule), limit=40), cell(_last_cell(schedule, tz), limit=80),
             cell(policy_summary(merged), limit=60),
             "yes" if schedule.get("enabled") else "no",
         ])
@@ -201,7 +228,13 @@ def describe_text(row: dict[str, Any], schedule: dict[str, Any], status: dict[st
     lines += ["", "Last fire and outcome (the node's report):"]
     fired = parse_time(schedule.get("last_fire"))
     job = schedule.get("last_outcome")
+    run = schedule.get("last_run")
     lines.append(f"  last fire: {local(fired, tz)}")
+    if isinstance(run, dict):
+        ended = parse_time(run.get("ended_at"))
+        name = run.get("flow_run_name") or run.get("flow_run_id")
+        lines.append(f"  last run: {cell(last_run_text(run, tz), limit=200)}, ended "
+                     f"{local(ended, tz)}, run {cell(name)}")
     if isinstance(job, dict):
         ended = parse_time(job.get("ended_at"))
         window = local(parse_time(job.get("window")), tz)
@@ -493,6 +526,23 @@ def upcoming_command(
 # ------------------------------------------------------------------ sched run
 
 
+def silent_warning(status: dict[str, Any], now: datetime) -> str | None:
+    """Return what to tell before a run on a node that is silent or never seen (else None)."""
+    state = status.get("status")
+    node = cell(status.get("node"))
+    if state == "never-seen":
+        return (f"node {node} has never made a request to the controller with its own token: "
+                "the run waits in Prefect until an agent serves it")
+    if state == "silent":
+        seen = parse_time(status.get("last_seen_at"))
+        heartbeat = status.get("heartbeat_s")
+        promise = (f"it promised one every {heartbeat:g} s"
+                   if isinstance(heartbeat, int | float) else "it announced no heartbeat")
+        return (f"node {node} is silent: no request of its own for {ago(seen, now)} "
+                f"({promise}); the run waits in Prefect until its agent is back")
+    return None
+
+
 @app.command("run")
 def run_command(
     schedule_id: Annotated[str, typer.Argument(metavar="ID")], node: NodeOpt,
@@ -506,16 +556,192 @@ def run_command(
     from sched_ops import prefect
 
     action = None
+    warning = None
     if controller:
         with _controller(controller, token) as client:
             action = client.row(node, schedule_id).get("action")
+            warning = silent_warning(client.node_status(node), utcnow())
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)
     with _failing():
         run = prefect.run_job(node, schedule_id, action=action if isinstance(action, str) else None)
     if as_json:
-        _echo_json(run)
+        _echo_json({**run, "node_warning": warning})
         return
     typer.echo(f"created run {run['name']} of {run['deployment']} ({run['state']})")
     typer.echo(run["url"])
+
+
+# ------------------------------------------------------------------ sched report
+
+OUTCOME_WORDS = {"completed": "Completed", "failed": "FAILED", "missed": "MISSED",
+                 "skipped": "Skipped", "running": "Running", "due": "due",
+                 "cancelled": "Cancelled", "unreported": "unreported"}
+
+
+def parse_since(text: str, now: datetime, flag: str) -> str:
+    """Return ``--since``/``--until`` as RFC 3339 UTC: a time with its offset, or ``12h``
+    (that long before now)."""
+    match = _RELATIVE.fullmatch(text.strip())
+    if match:
+        unit = {"m": 60, "min": 60, "h": 3600, "d": 86400}[match.group(2)]
+        at = now - timedelta(seconds=int(match.group(1)) * unit)
+    else:
+        parsed = parse_time(text.strip())
+        if parsed is None:
+            raise OpsError(f"{flag} {text!r} is neither an RFC 3339 time with an offset "
+                           "(2026-12-03T18:00:00-05:00) nor a duration back (90m, 12h, 2d)",
+                           Exit.USAGE)
+        at = parsed
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _run_link(entry: dict[str, Any], link: Any) -> str:
+    run_id = entry.get("flow_run_id")
+    if not run_id:
+        return NONE
+    try:
+        import uuid
+
+        uuid.UUID(str(run_id))
+    except ValueError:
+        return cell(run_id)
+    return link(run_id) if link is not None else cell(run_id)
+
+
+def _duration(entry: dict[str, Any]) -> str:
+    seconds = entry.get("duration_s")
+    if not isinstance(seconds, int | float):
+        return NONE
+    from sched_core.policies import duration_text
+
+    return duration_text(timedelta(seconds=seconds))
+
+
+def report_text(report: dict[str, Any], link: Any = None) -> str:
+    """Return ``GET /api/report`` for people: per node (worst first) every window, then the
+    fleet's summary line. ``link(run_id)`` makes a run's URL (None: the id)."""
+    lines: list[str] = []
+    for node in report.get("nodes") or []:
+        if not isinstance(node, dict):
+            continue
+        since = parse_time(node.get("since"))
+        tz = zone_or_utc(node.get("timezone"))
+        head = f"{cell(node.get('node'))}  (since {local(since, tz)})"
+        if node.get("silent"):
+            head += f"  SILENT: {cell(node.get('silence'), limit=200)}"
+        lines.append(head)
+        rows = []
+        for entry in node.get("windows") or []:
+            if not isinstance(entry, dict):
+                continue
+            status = str(entry.get("status"))
+            what = OUTCOME_WORDS.get(status, cell(status))
+            detail = entry.get("detail") or ""
+            if status == "missed":
+                text = "MISSED: no report from the node"
+            elif status == "completed":
+                text = what + (" (ran offline, recorded later)" if entry.get("offline") else "")
+            elif status == "due":
+                text = f"due (missed after {cell(entry.get('missed_after'))})"
+            elif detail.lower().startswith(str(entry.get("state") or status).lower()):
+                # "Failed: tar exited 2", "Running since ...": the detail says it already.
+                text = what + detail[len(str(entry.get("state") or status)):]
+            else:
+                text = f"{what}: {detail}" if detail else what
+            window = entry.get("local") or NONE
+            if not entry.get("expected"):
+                window = f"{entry.get('trigger_key') or 'run'} {window}"
+            rows.append([cell(entry.get("schedule_id")), cell(window, limit=40),
+                         cell(text, limit=120), _duration(entry), _run_link(entry, link)])
+        if rows:
+            lines += ["  " + line for line in table(
+                ["SCHEDULE", "WINDOW", "OUTCOME", "DURATION", "RUN"], rows).splitlines()]
+        else:
+            lines.append("  no windows in the range")
+        for held in node.get("held") or []:
+            if isinstance(held, dict):
+                lines.append(f"  ({cell(held.get('schedule_id'))}: {held.get('count')} windows "
+                             f"held back by its policies: {cell(held.get('reason'), limit=120)})")
+        lines.append("")
+    summary = report.get("summary") or {}
+    lines.append(cell(summary.get("text"), limit=2000))
+    if report.get("truncated"):
+        lines.append("(the list was cut: narrow --since/--until or --node)")
+    return "\n".join(lines)
+
+
+def report_exit(report: dict[str, Any]) -> Exit:
+    """Return ``sched report``'s exit code: MISSED (6) when a window was missed or a node is
+    silent, else FAILED (5) when a window failed, else OK."""
+    summary = report.get("summary") or {}
+    if summary.get("missed") or summary.get("silent"):
+        return Exit.MISSED
+    if summary.get("failed"):
+        return Exit.FAILED
+    return Exit.OK
+
+
+@app.command("report")
+def report_command(
+    since: Annotated[str | None, typer.Option(
+        help="From: RFC 3339 with its offset, or a duration back (12h, 2d). Default: "
+        "yesterday 18:00 in each node's zone.")] = None,
+    until: Annotated[str | None, typer.Option(help="Until (default: now).")] = None,
+    node: Annotated[str | None, typer.Option("--node", "-n", help="Only this node.")] = None,
+    controller: ControllerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Did every node back up? Every window of the range per node, worst first, and one line.
+
+    Exit 0 when every window ran (or is not due yet), 5 when one failed, 6 when one was
+    missed (no report from the node) or a node is silent: it drops into cron or a monitor.
+    """
+    now = utcnow()
+    with _failing():
+        since_text = parse_since(since, now, "--since") if since else None
+        until_text = parse_since(until, now, "--until") if until else None
+    with _controller(controller, token) as client:
+        found = client.report(since=since_text, until=until_text, node=node)
+    if as_json:
+        _echo_json(found)
+    else:
+        from prefect.settings import PREFECT_API_URL
+
+        from sched_ops.prefect import run_url
+
+        typer.echo(report_text(found, run_url if PREFECT_API_URL.value() else None))
+    raise typer.Exit(int(report_exit(found)))
+
+
+# ------------------------------------------------------------------ sched explain
+
+
+def explain_text(found: dict[str, Any]) -> str:
+    """Return ``GET /api/nodes/{node}/explain`` for people: the verdict, then each fact."""
+    lines = [f"{cell(found.get('verdict'))}: {cell(found.get('summary'), limit=400)}", ""]
+    for fact in found.get("facts") or []:
+        if isinstance(fact, dict):
+            lines.append(f"- {cell(fact.get('topic'))}: {cell(fact.get('text'), limit=600)}")
+    return "\n".join(lines)
+
+
+@app.command("explain")
+def explain_command(
+    node: Annotated[str, typer.Argument(metavar="NODE")],
+    schedule_id: Annotated[str, typer.Argument(metavar="SCHEDULE")],
+    window: Annotated[str, typer.Argument(
+        metavar="WINDOW", help="The window: RFC 3339 with its offset, its key "
+        "(s-1@2026-12-04T02:30-05:00), or the row's local time 2026-12-04T02:30.")],
+    controller: ControllerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Why did that window run, or not: the row and its policies then, DST, the node's
+    silence, the job's record (state, error, reason, offline) and the run."""
+    with _controller(controller, token) as client:
+        found = client.explain(node, schedule_id, window)
+    if as_json:
+        _echo_json(found)
+        return
+    typer.echo(explain_text(found))
 
 
 # ------------------------------------------------------------------ sched alerts
@@ -527,27 +753,18 @@ def alerts_install(
         help="A notification block's name (e.g. a Slack webhook block): each alert sends a "
         "notification through it. Default: no action; the automation's own "
         "prefect.automation.triggered event is the alert.")] = None,
-    wave_actions: Annotated[str, typer.Option(
-        help="The wave's actions (comma list), as the agent's chain counts them.")
-    ] = "backup,copy",
-    wave_within: Annotated[float, typer.Option(
-        min=10, help="Seconds without a completed wave job on a node before alerting.")
-    ] = 26 * 3600,
-    reconcile_within: Annotated[float, typer.Option(
-        min=10, help="Seconds without a Completed reconcile run on a node before alerting.")
-    ] = 30 * 60,
     prefix: Annotated[str, typer.Option(help="The automations' name prefix.")] = "sched-fleet",
     as_json: JsonOpt = False,
 ) -> None:
-    """Create or update the fleet's Prefect automations (idempotent; duplicates deleted)."""
+    """Create or update the fleet's Prefect automations (idempotent; others of the prefix go).
+
+    They fire on the controller's alerts (a silent node, a missed or failed window, and
+    their resolution) for every node, from its first row on.
+    """
     from sched_ops import alerts, prefect
 
     with _failing():
-        settings = alerts.AlertSettings(
-            prefix=prefix, wave_actions=tuple(_words(wave_actions)),
-            wave_within=timedelta(seconds=wave_within),
-            reconcile_within=timedelta(seconds=reconcile_within), block=block,
-        )
+        settings = alerts.AlertSettings(prefix=prefix, block=block)
         done = prefect.with_client(lambda client: alerts.install(client, settings))
     if as_json:
         _echo_json({"automations": done})

@@ -9,7 +9,10 @@ Exit codes a script can trust (:class:`Exit`):
   a file that is not a JSON object);
 - 3: the controller (or Prefect) could not be reached: refused connection,
   unknown host, timeout, TLS failure;
-- 4: it answered, but not as the API says (a 5xx, a body that is not JSON).
+- 4: it answered, but not as the API says (a 5xx, a body that is not JSON);
+- 5 (``sched report``): a window of the range failed, and none was missed;
+- 6 (``sched report``): a window was missed (no report from the node) or a node
+  is silent, whatever else failed.
 
 The token is sent as ``Authorization: Bearer`` and never printed; URLs in
 messages are shown without any user or password.
@@ -35,6 +38,10 @@ class Exit(IntEnum):
     USAGE = 2
     UNREACHABLE = 3
     BAD_ANSWER = 4
+    FAILED = 5
+    """``sched report``: a window failed (its job Failed or Crashed); nothing was missed."""
+    MISSED = 6
+    """``sched report``: a window was missed (no report from the node) or a node is silent."""
 
 
 class OpsError(Exception):
@@ -221,6 +228,21 @@ class Controller:
         if not isinstance(windows, list):
             raise OpsError("GET /api/upcoming: no windows list in the answer", Exit.BAD_ANSWER)
         return [w for w in windows if isinstance(w, dict)]
+
+    def report(self, *, since: str | None = None, until: str | None = None,
+               node: str | None = None) -> dict[str, Any]:
+        """``GET /api/report``: every window of the range per node, worst first, and a summary."""
+        params = {k: v for k, v in (("since", since), ("until", until), ("node", node)) if v}
+        body = self._object(self.json("GET", "/api/report", params=params), "/api/report")
+        if not isinstance(body.get("nodes"), list) or not isinstance(body.get("summary"), dict):
+            raise OpsError("GET /api/report: no nodes or summary in the answer", Exit.BAD_ANSWER)
+        return body
+
+    def explain(self, node: str, schedule_id: str, window: str) -> dict[str, Any]:
+        """``GET /api/nodes/{node}/explain``: why a window did or did not run."""
+        path = f"/api/nodes/{_segment(node)}/explain"
+        return self._object(self.json("GET", path, params={
+            "schedule": schedule_id, "window": window}), path)
 
     @staticmethod
     def _object(body: Any, path: str) -> dict[str, Any]:

@@ -110,14 +110,19 @@ def test_serve_refuses_a_database_not_at_the_latest_schema(tmp_path: Path) -> No
     """Not a 500 on every request: serve says to migrate, and migrating lets it start."""
     url = f"sqlite:///{tmp_path / 'c.db'}"
     env = clean_env(SCHED_DATABASE_URL=url, SCHED_ADMIN_TOKEN=ADMIN_TOKEN)
+    from alembic.script import ScriptDirectory
+
+    from controller import db
+
+    head = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
     empty = run_cli("serve", "--api-only", "--port", str(free_port()), env=env)
     assert empty.returncode == 2
-    assert "is at no schema at all, and this controller needs 0007" in empty.stderr
+    assert f"is at no schema at all, and this controller needs {head}" in empty.stderr
     assert "run `sched controller migrate` first" in empty.stderr
     assert run_cli("migrate", "--revision", "0005", env=env).returncode == 0
     older = run_cli("serve", "--api-only", "--port", str(free_port()), env=env)
     assert older.returncode == 2
-    assert "is at 0005, and this controller needs 0007" in older.stderr
+    assert f"is at 0005, and this controller needs {head}" in older.stderr
 
 
 def test_serve_refuses_a_bad_token_configuration_without_echoing_it(tmp_path: Path) -> None:
@@ -561,6 +566,37 @@ def test_serve_applies_its_connection_limits(tmp_path: Path) -> None:
                 answer += chunk
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
     assert answer.endswith(b"request headers not received within 1.5 s")
+
+
+def test_serve_runs_the_fleet_watch_which_logs_a_dead_nodes_missed_window(
+    tmp_path: Path,
+) -> None:
+    """`serve --watch-interval 1` (no Prefect API: the alert is logged): a node that never showed
+    up, whose row was written an hour ago, has missed windows and is silent."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlmodel import Session
+
+    from controller import schedules
+    from controller.db import make_engine
+    from sched_core.model import LocalSchedule
+
+    url = f"sqlite:///{tmp_path / 'controller.db'}"
+    migrate(url)
+    engine = make_engine(url)
+    with Session(engine) as session:
+        schedules.put_schedule(session, "ghost", LocalSchedule.model_validate({
+            "id": "bk", "name": "bk", "action": "backup", "miss_policy": "skip",
+            "enabled": True, "schedule": {"interval_minutes": 15}}),
+            now=datetime.now(UTC) - timedelta(hours=1))
+    engine.dispose()
+    with serving(tmp_path, "--api-only", "--watch-interval", "1",
+                 SCHED_ADMIN_TOKEN=ADMIN_TOKEN) as (_base, log_path):
+        log = _wait_for_line(log_path, "fleet alert", count=2)
+    alerts = [x for x in log.splitlines() if " WARNING controller.watch: fleet alert" in x]
+    assert {x.split(" kind=")[1].split()[0] for x in alerts} == {"window-missed", "node-silent"}
+    assert all("node=ghost" in x for x in alerts)
+    assert "reason='node ghost has never made a request to this controller" in log
 
 
 def test_a_prefect_api_url_password_never_reaches_the_log(

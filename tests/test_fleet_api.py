@@ -184,9 +184,19 @@ def test_pulls_are_recorded_and_staleness(fleet: Fleet) -> None:
     assert status["stale_after_s"] == 900
     assert status["list_versions"]["node-a"] == got["list_version_current"]
 
-    fleet.clock.now += timedelta(seconds=901)
+    # An admin reading the node's list is not the node: nothing is recorded.
+    fleet.clock.now += timedelta(seconds=600)
+    assert c.get("/api/nodes/node-a/schedules", headers=ADMIN).status_code == 200
+    assert c.get("/api/schedules?node=node-a", headers=ADMIN).status_code == 200
     got = node_row(c, "node-a")
-    assert got["stale"] is True and got["status"] == "stale"
+    assert got["last_pull_at"] == got["last_seen_at"] == "2026-12-03T07:01:00Z"
+    # No heartbeat announced (an older agent): silent after 3 pull intervals (900 s).
+    assert got["silent_after_s"] == 900 and got["heartbeat_s"] is None
+    fleet.clock.now += timedelta(seconds=300)
+    assert node_row(c, "node-a")["status"] == "ok"
+    fleet.clock.now += timedelta(seconds=1)
+    got = node_row(c, "node-a")
+    assert got["stale"] is True and got["silent"] is True and got["status"] == "silent"
     assert c.get("/api/status", headers=NODE_A).status_code == 403
 
 
@@ -271,7 +281,8 @@ def test_patch_pause_resume_and_propagation(fleet: Fleet) -> None:
     assert prop["event_sent"] is False and NO_PREFECT_API in prop["reason"]
     assert prop["next_window"] == "2026-12-03T07:30:00Z"
     assert prop["next_window_local"] == "Thu 2026-12-03 02:30 EST"
-    assert prop["likely_in_time"] is False and "never pulled" in prop["reason"]
+    assert prop["likely_in_time"] is False and "never made a request" in prop["reason"]
+    assert prop["node_silent"] is True
 
     # The node pulled a minute ago; its next periodic pull (300 s) comes before 07:30.
     c.get("/api/nodes/node-a/schedules", headers=NODE_A)

@@ -86,6 +86,25 @@ REPORTS = {
                      "flow_run_name": "backup-b-backup-20261031T2200Z"}}),
 }
 TOKENS = {node: [f"{node}-token"] for node in FLEET}
+WRITTEN = NOW - timedelta(days=1)  # the rows are a day old: their windows since are judged
+
+
+def job(key: str, window: str, state: str, seq: int, **more: Any) -> dict[str, Any]:
+    """A job record as node-b's agent (one that reports its jobs) sends it."""
+    return {"key": key, "schedule_id": key.split("@")[0], "window": window,
+            "trigger_key": "schedule", "state": state, "started_at": window,
+            "ended_at": window.replace(":00:00Z", ":03:10Z"), "seq": seq, **more}
+
+
+# node-b reports its jobs (a heartbeat announced): every window since the rows were written,
+# the last one failed. node-a's agent reports none (an older one); node-c never shows up.
+B_WINDOWS = ["2026-10-31T02:00:00Z", "2026-10-31T06:00:00Z", "2026-10-31T10:00:00Z",
+             "2026-10-31T14:00:00Z", "2026-10-31T18:00:00Z"]
+B_JOBS = [job(f"b-backup@{(datetime.fromisoformat(w) - timedelta(hours=4)):%Y-%m-%dT%H:%M}"
+              "-04:00", w, "Completed", n) for n, w in enumerate(B_WINDOWS)] + [
+    job("b-backup@2026-10-31T18:00-04:00", "2026-10-31T22:00:00Z", "Failed", 9,
+        error="tar exited with code 2", flow_run_id=str(FAILED_RUN))]
+REPORTS["node-b"] |= {"heartbeat_s": 60, "jobs": B_JOBS}
 
 
 def _chromium_or_skip() -> None:
@@ -103,7 +122,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = db.database_url(f"sqlite:///{folder}/controller.db")
     db.migrate(url, "head")
     engine = db.make_engine(url)
-    clock = {"now": NOW - timedelta(minutes=2)}
+    clock = {"now": WRITTEN}
     app = create_app(engine, Tokens([ADMIN], {**TOKENS, "node-a": [NODE, *TOKENS["node-a"]]}),
                      clock=lambda: clock["now"])
     with serve_in_thread(app) as base:
@@ -113,6 +132,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 answer = httpx.put(f"{base}/api/nodes/{node}/schedules/{item['id']}",
                                    json=item, headers=auth)
                 assert answer.status_code == 200, answer.text
+        clock["now"] = NOW - timedelta(minutes=2)
         for node, body in REPORTS.items():
             mine = {"authorization": f"Bearer {TOKENS[node][0]}"}
             pull = httpx.get(f"{base}/api/schedules", params={"node": node}, headers=mine)
@@ -208,8 +228,28 @@ def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any
     assert "ok" in a and "America/New_York" in a and "0.1.0" in a
     assert "Sat 10-31 19:58 EDT 200" in a and "2 min ago" in a  # the pull the API recorded
     assert "failing" in b  # its report says its last backup failed
+    assert "2 min ago (heartbeat 60 s)" in b and "never" in c  # seen: its own requests
     assert "never-seen" in c and "America/New_York (default)" in c
-    assert "Never pulled nor reported: node-c" in browser.find_element(By.TAG_NAME, "body").text
+    assert "Never seen (no pull or report with its own token): node-c" in browser.find_element(
+        By.TAG_NAME, "body").text
+
+    # The morning report, as `sched report` prints it: the summary, then worst node first.
+    assert browser.find_element(By.ID, "summary").text == (
+        "0 of 3 nodes backed up; 1 failed: node-b b-backup tar exited with code 2; "
+        "16 missed: node-c c-backup; 1 silent: node-c; "
+        "1 unreported (an agent that reports no jobs): node-a")
+    rows = [[td.text for td in r.find_elements(By.TAG_NAME, "td")]
+            for r in browser.find_elements(By.CSS_SELECTOR, "#report tr")[1:]]
+    assert [r[0] for r in rows] == ["node-c"] * 17 + ["node-b"] * 6 + ["node-a"] * 5
+    assert rows[0][1].startswith("SILENT: node node-c has never made a request")
+    assert rows[1][2:4] == ["2026-10-30 21:00 EDT", "MISSED: no report from the node"]
+    assert rows[22][1:5] == ["b-backup", "2026-10-31 18:00 EDT",
+                             "FAILED: tar exited with code 2", "3 min 10 s"]
+    assert rows[17][3] == "Completed" and rows[23][3] == "unreported"
+    failed_link = browser.find_element(By.CSS_SELECTOR, "#report tr.failed a")
+    assert failed_link.get_dom_attribute("href") == f"{PREFECT_UI}/runs/flow-run/{FAILED_RUN}"
+    missed = browser.find_element(By.CSS_SELECTOR, "#report tr.missed td.bad")
+    assert missed.value_of_css_property("color") in ("rgb(207, 34, 46)", "rgba(207, 34, 46, 1)")
 
     # One lane per node, New York's fall-back marked in every lane, the windows drawn.
     lanes = browser.find_elements(By.CSS_SELECTOR, "#timeline text.lane-label")

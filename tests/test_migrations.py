@@ -19,7 +19,10 @@ from controller import db
 from controller import models as _models  # noqa: F401  (registers the tables)
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
-          "node_report_history", "node_pull", "revoked_session"}
+          "node_report_history", "node_pull", "revoked_session", "node_seen", "node_job",
+          "schedule_version", "fleet_alert"}
+MORNING_TABLES = {"node_seen", "node_job", "schedule_version", "fleet_alert"}
+"""0008's tables."""
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
@@ -157,6 +160,19 @@ def _execute(url: str, *statements: str) -> None:
                 conn.execute(text(statement))
     finally:
         engine.dispose()
+
+
+def _put_before_0008(engine: Any, node: str, row: Any) -> Any:
+    """Store a row as the code of revisions 0005 to 0007 did (no version history yet)."""
+    from controller import schedules
+    from controller.models import AgentSchedule
+
+    values = schedules.stored_values(node, row, version=1)
+    with engine.begin() as conn:
+        conn.execute(AgentSchedule.__table__.insert().values(**values))
+        conn.execute(text("INSERT INTO node_revision (node, epoch, revision) VALUES (:n, 'e', 1)"
+                          " ON CONFLICT (node) DO NOTHING"), {"n": node})
+    return row.model_copy(update={"version": 1})
 
 
 _INSERT_ROW = (
@@ -335,7 +351,7 @@ def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_th
         db.migrate(empty_url, "0005")
         with Session(engine) as session:
             assert schedules.list_wire(session, "n")[0] == [old.model_dump_json()]
-            with_policies = schedules.put_schedule(session, "n", LocalSchedule.model_validate({
+            with_policies = _put_before_0008(engine, "n", LocalSchedule.model_validate({
                 **old.model_dump(mode="json"), "id": "new-1",
                 "paused": {"note": "n"}, "jitter": 60}))
         assert '"paused"' in with_policies.model_dump_json()
@@ -369,9 +385,8 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
         "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}})
     at = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
     try:
-        with Session(engine) as session:
-            schedules.put_schedule(session, "n", row)
-        db.migrate(empty_url, "0006")
+        _put_before_0008(engine, "n", row)
+        db.migrate(empty_url)  # today's code writes node_seen (0008) with each report
         with Session(engine) as session:
             for index in range(4):
                 nodes.record_report(session, "n", {"i": index}, received_at=at, keep=2)
@@ -384,9 +399,47 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
             assert nodes.latest_pulls(session)["n"].status == "304"
         db.downgrade(empty_url, "0005")
         assert _tables(empty_url) == TABLES - {"node_report", "node_report_history", "node_pull",
-                                               "revoked_session"}
+                                               "revoked_session", *MORNING_TABLES}
         with Session(engine) as session:
             assert [r.id for r in schedules.list_schedules(session, "n")[0]] == ["s-1"]
+    finally:
+        engine.dispose()
+
+
+def test_0008_gives_each_existing_row_its_version_from_its_last_write(empty_url: str) -> None:
+    """0008: a row stored before keeps its bytes and gets one version, in force from its
+    ``updated_at``; later writes close it; the four tables go on downgrade."""
+    from datetime import UTC, datetime
+
+    from sqlmodel import Session
+
+    from controller import schedules
+    from sched_core.model import LocalSchedule
+
+    db.migrate(empty_url, "0007")
+    engine = db.make_engine(empty_url)
+    row = LocalSchedule.model_validate({
+        "id": "s-1", "name": "x", "action": "backup", "miss_policy": "skip", "enabled": True,
+        "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"}})
+    try:
+        _put_before_0008(engine, "n", row)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE agent_schedule SET updated_at = :at"),
+                         {"at": datetime(2026, 11, 2, 3, 4, 5)})
+        db.migrate(empty_url, "0008")
+        since, until = datetime(2026, 1, 1, tzinfo=UTC), datetime(2027, 1, 1, tzinfo=UTC)
+        with Session(engine) as session:
+            (only,) = schedules.versions_between(session, since, until)["n"]["s-1"]
+            assert only.valid_from == datetime(2026, 11, 2, 3, 4, 5, tzinfo=UTC)
+            assert only.valid_until is None and only.row.version == 1
+            later = datetime(2026, 12, 1, tzinfo=UTC)
+            schedules.put_schedule(session, "n", row, now=later)
+            first, second = schedules.versions_between(session, since, until)["n"]["s-1"]
+            assert (first.valid_until, second.valid_from, second.row.version) == (later, later, 2)
+        db.downgrade(empty_url, "0007")
+        assert _tables(empty_url) == TABLES - MORNING_TABLES
+        db.migrate(empty_url)
+        assert _schema(empty_url)["alembic_version"] == [HEAD]
     finally:
         engine.dispose()
 
@@ -394,8 +447,8 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
 def test_revoked_sessions_migration_up_and_down(empty_url: str) -> None:
     """0007: the table of logged-out sessions comes and goes; the rest stays."""
     db.migrate(empty_url, "0006")
-    assert _tables(empty_url) == TABLES - {"revoked_session"}
+    assert _tables(empty_url) == TABLES - {"revoked_session"} - MORNING_TABLES
     db.migrate(empty_url)
     assert _tables(empty_url) == TABLES
     db.downgrade(empty_url, "0006")
-    assert _tables(empty_url) == TABLES - {"revoked_session"}
+    assert _tables(empty_url) == TABLES - {"revoked_session"} - MORNING_TABLES

@@ -84,7 +84,7 @@ def test_put_from_a_file_then_from_flags_stores_the_row(base: str, tmp_path: Pat
     # The controller's word on propagation, whole: this node never pulled, no Prefect API.
     (said,) = [x for x in result.output.splitlines() if x.startswith("next window ")]
     assert "the node is NOT likely to have it by then (change event not sent)" in said
-    assert "never pulled" in said and "PREFECT_API_URL" in said and "…" not in said
+    assert "never made a request" in said and "PREFECT_API_URL" in said and "…" not in said
     stored = httpx.get(f"{base}/api/nodes/node-a/schedules/s-1",
                        headers={"authorization": f"Bearer {ADMIN}"}).json()
     assert stored["schedule"] == ROW["schedule"] and stored["params"] == {"threads": 4}
@@ -179,7 +179,7 @@ def test_nodes_ls_describe_upcoming_pause_and_resume(served: tuple[str, Any]) ->
     result = run("nodes", base=base)
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[0].split() == [
-        "NODE", "SCHEDULES", "LAST", "PULL", "AGO", "STATUS", "TZ", "VERSION"]
+        "NODE", "SCHEDULES", "LAST", "PULL", "AGO", "LAST", "SEEN", "STATUS", "TZ", "VERSION"]
     assert any(line.startswith("node-c") for line in result.output.splitlines())
     status = json.loads(run("nodes", "--json", base=base).output)
     assert "node-c" in {n["node"] for n in status["nodes"]}
@@ -296,6 +296,9 @@ def test_run_creates_a_run_job_run_of_the_node_and_prints_its_url(
         client.create_deployment(flow_id=flow_id, name=node, tags=["sched-agent"])
     result = run("run", "s-1", "--node", node, base=base)
     assert result.exit_code == 0, result.output
+    # The node never made a request of its own: the run is created, and the command says so.
+    assert (f"warning: node {node} has never made a request to the controller with its own "
+            "token: the run waits in Prefect until an agent serves it") in result.output
     url = result.output.strip().splitlines()[-1]
     ui = prefect_server.rstrip("/").removesuffix("/api")
     assert url.startswith(f"{ui}/runs/flow-run/")

@@ -96,6 +96,11 @@ class Auth:
         request.state.node = node
         return self.require_admin(request)
 
+    def is_own(self, principal: Principal, node: str) -> bool:
+        """Return whether principal is node itself: its own token (or any caller when
+        serving without tokens, where nobody can be told apart)."""
+        return principal.node == node or self.tokens.insecure
+
     def require_node(self, request: Request, node: str) -> Principal:
         """Return a principal that may read node's schedules (the admin, or node itself)."""
         request.state.node = node
@@ -195,16 +200,21 @@ def schedule_router(
     reader = Depends(auth.require_node)
 
     def pull_answer(request: Request, node: str, source: str = "path") -> Response:
+        principal = auth.require_node(request, node)
         check_name((source, "node"), node)
+        own = auth.is_own(principal, node)
+
+        def recorded(name: str, status: int, etag: str) -> None:
+            fleet_api.record_pull(name, status, etag, own=own)
+
         return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"),
-                             fleet_api.record_pull)
+                             recorded)
 
     @router.get("/api/schedules", dependencies=[Depends(auth.authenticate)])
     def list_schedules(request: Request, node: str | None = None) -> Response:
         # node is checked here, not by FastAPI, so that a missing token is a 401 first.
         if not node:
             raise _unprocessable(("query", "node"), "node is required (?node=NAME)", "missing")
-        auth.require_node(request, node)
         return pull_answer(request, node, "query")
 
     @router.get("/api/nodes", dependencies=[admin])
@@ -234,7 +244,7 @@ def schedule_router(
         _check_schedule_key(node, schedule_id, storing=True)
         row = row_from_body(await read_object(request, "id", schedule_id))
         stored = await run_in_threadpool(
-            in_session, lambda s: schedules.put_schedule(s, node, row)
+            in_session, lambda s: schedules.put_schedule(s, node, row, now=fleet_api.clock())
         )
         # Both are identifiers by now (the node's path rule, the row's id rule).
         log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
@@ -247,7 +257,8 @@ def schedule_router(
     )
     def delete_schedule(node: str, schedule_id: str) -> Response:
         _check_schedule_key(node, schedule_id)
-        if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id)):
+        if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id,
+                                                             now=fleet_api.clock())):
             raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
         log.info("schedule deleted", extra={"node": printable(node),
                                              "schedule_id": printable(schedule_id)})

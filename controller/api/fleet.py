@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import fleet, nodes, schedules
+from controller import fleet, jobs, ledger, morning, nodes, schedules, watch, why
 from controller.api.jsonbody import (
     _body_errors,
     _unprocessable,
@@ -158,14 +158,16 @@ class FleetApi:
         self.clock = clock
         self.waits = waits
 
-    def record_pull(self, node: str, status: int, etag: str) -> None:
+    def record_pull(self, node: str, status: int, etag: str, *, own: bool = True) -> None:
         """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
 
-        Only a node name that is an identifier (the one node-name rule, as a PUT
-        and a report have it) is recorded: a pull by any other name is answered
-        (rows stored before the rule stay readable) but adds no node to the fleet.
+        Only the node's own pulls are recorded (``own``: made with its token): an
+        admin reading a node's list says nothing about the node. Only a node name
+        that is an identifier (the one node-name rule, as a PUT and a report have
+        it) is recorded: a pull by any other name is answered (rows stored before
+        the rule stay readable) but adds no node to the fleet.
         """
-        if self.recorder is not None and is_node_name(node):
+        if self.recorder is not None and own and is_node_name(node):
             self.recorder.record(node, str(status), etag.removeprefix("W/").strip('"'))
 
     def flush_pulls(self) -> None:
@@ -187,16 +189,19 @@ class FleetApi:
         announced = self.announce(node, stored.id, stored.version, op)
         now = self.clock()
 
-        def facts(session: Session) -> tuple[nodes.Pull | None, nodes.StoredReport | None]:
+        def facts(session: Session) -> tuple[nodes.Pull | None, nodes.StoredReport | None,
+                                             nodes.Seen | None]:
             return (nodes.latest_pulls(session, node).get(node),
-                    nodes.latest_reports(session, node).get(node))
+                    nodes.latest_reports(session, node).get(node),
+                    nodes.latest_seen(session, node).get(node))
 
         self.flush_pulls()
-        pull, report = self.in_session(facts)
+        pull, report, seen = self.in_session(facts)
         tz = fleet.node_zone(report, self.settings)
         spread = fleet.propagation(
             stored, node=node, tz=tz, now=now, pull=pull, announced=announced,
             settings=self.settings, last_fired=fleet.last_fires(report).get(stored.id),
+            seen=seen,
         )
         # The row's bytes as GET serves them (the Go kit's JSON), then the one extra key.
         row = stored.model_dump_json()
@@ -269,8 +274,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         openapi_extra=json_body(nodes.NodeReportIn, "What the node's agent says about itself."),
     )
     async def post_report(request: Request, node: str) -> Response:
-        auth.require_node(request, node)
+        principal = auth.require_node(request, node)
         check_node(("path", "node"), node, storing=True)
+        received = api.clock()
+        own = auth.is_own(principal, node)
         try:
             data = await read_object(request, "node", node)
             try:
@@ -279,14 +286,19 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                 raise InvalidInput(_body_errors(exc)) from None
         except InvalidInput as refused:
             refused_reports.note(node, refused.detail)
+            if own:  # refused, but the node is alive (its outbox may hold a bad record)
+                await run_in_threadpool(api.flush_pulls)  # its pulls first: it may be known
+                await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
+                    s, node, at=received))
             raise
-        received = api.clock()
-        await run_in_threadpool(in_session, lambda s: nodes.record_report(
+        changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
             s, node, nodes.report_data(report), received_at=received,
-            keep=api.settings.report_history))
+            keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
+            jobs=report.jobs, job_keep=api.settings.job_keep))
         log.info("node report", extra={"node": printable(node),
                                        "agent_version": report.agent_version,
-                                       "failing": report.failing})
+                                       "failing": report.failing, "own": own,
+                                       "jobs": len(report.jobs), "jobs_changed": changed})
         return Response(status_code=204)
 
     def status_rows(session: Session, only: str | None) -> dict[str, Any]:
@@ -294,14 +306,18 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         pulls = nodes.latest_pulls(session, only)
         reports = nodes.latest_reports(session, only)
         versions = nodes.list_versions(session, only)
-        names = set(pulls) | set(reports) | set(ids)
+        seen = nodes.latest_seen(session, only)
+        records = jobs.latest_jobs(session, only)
+        names = set(pulls) | set(reports) | set(ids) | set(seen)
         now = api.clock()
         return {
             "now": now, "pulls": pulls, "reports": reports, "versions": versions,
+            "records": records,
             "nodes": [fleet.node_row(
                 name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
                 pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
-                now=now, settings=api.settings,
+                now=now, settings=api.settings, seen=seen.get(name),
+                records=records.get(name),
             ) for name in sorted(names)],
         }
 
@@ -332,10 +348,12 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         tz = fleet.node_zone(report, api.settings)
         reported = fleet._reported(report)
         row = found["nodes"][0]
+        records = found["records"].get(node, {})
         row["schedules"] = [
             fleet.schedule_view(
                 item, node=node, tz=tz, reported=reported.get(item.id),
                 recent=fleet.recent_outcomes(found["history"], item.id), now=found["now"],
+                record=records.get(item.id),
             )
             for item in found["rows"]
         ]
@@ -377,6 +395,97 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         listed, cut = fleet.sort_windows(windows, MAX_UPCOMING)
         return JSONResponse({"windows": listed, "truncated": cut})
 
+    def reader_of(request: Request, node: str | None) -> None:
+        """Let the admin read the fleet, and a node's token its own node only (403 else)."""
+        principal = auth.authenticate(request)
+        if node is not None:
+            check_name(("query", "node"), node)
+            auth.require_node(request, node)
+        elif not principal.is_admin:
+            raise _forbidden("a node token may only read its own node (?node=NAME)")
+
+    @router.get("/api/report")
+    def fleet_report(
+        request: Request, since: str | None = None, until: str | None = None,
+        node: str | None = None,
+    ) -> JSONResponse:
+        reader_of(request, node)
+        now = api.clock()
+        since_at = query_time("since", since)
+        until_at = query_time("until", until)
+        end = until_at or now
+        if since_at is not None and since_at >= end:
+            raise _unprocessable(("query", "since"), "since must be before until (or now)")
+        start = since_at or end - timedelta(days=2)
+        if end - start > morning.MAX_RANGE:
+            raise _unprocessable(("query", "since"), f"the range is longer than "
+                                 f"{morning.MAX_RANGE.days} days")
+        api.flush_pulls()
+        found = in_session(lambda s: ledger.fleet_report(
+            s, settings=api.settings, now=now, since=since_at, until=until_at, node=node))
+        if node is not None and not found["nodes"]:
+            raise NotFound(f"node {node!r} has no schedules and never made a request")
+        return JSONResponse(found)
+
+    @router.get("/api/nodes/{node}/explain")
+    def explain_window(
+        request: Request, node: str, schedule: str | None = None, window: str | None = None,
+    ) -> JSONResponse:
+        # The query is checked here, not by FastAPI, so that a missing token is a 401 first.
+        auth.require_node(request, node)
+        check_name(("path", "node"), node)
+        for field, value in (("schedule", schedule), ("window", window)):
+            if not value:
+                raise _unprocessable(("query", field), f"{field} is required", "missing")
+            if len(value) > 200:
+                raise _unprocessable(("query", field), f"{field} is longer than 200 "
+                                     "characters")
+        assert schedule is not None and window is not None
+        check_name(("query", "schedule"), schedule)
+        now = api.clock()
+        try:
+            instant, wall = why.parse_window_text(window, schedule)
+        except ValueError as exc:
+            raise _unprocessable(("query", "window"), str(exc)) from None
+        api.flush_pulls()
+        found = in_session(lambda s: explain_facts(s, node, schedule, instant or wall, now))
+        if found is None:
+            raise NotFound(f"no schedule {schedule!r} on node {node!r} (now or in the "
+                           f"last {schedules.VERSION_RETENTION.days} days)")
+        from controller.api.page import prefect_ui_url
+
+        return JSONResponse(why.explain(
+            node=node, schedule_id=schedule, text=window, now=now, run_url=prefect_ui_url(),
+            **found))
+
+    def explain_facts(session: Session, node: str, schedule_id: str, near: datetime | None,
+                      now: datetime) -> dict[str, Any] | None:
+        far = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
+        versions = schedules.versions_between(session, *far, node=node,
+                                              schedule_id=schedule_id).get(node, {})
+        if schedule_id not in versions:
+            return None
+        assert near is not None
+        probe = near if near.tzinfo is not None else near.replace(tzinfo=UTC)
+        around = jobs.jobs_between(session, probe - timedelta(days=2), probe + timedelta(days=2),
+                                   nodes=[node]).get(node, [])
+        # A wall time read as UTC is off by the zone's offset: look before any reading of it.
+        before = probe if near.tzinfo is not None else probe - timedelta(hours=15)
+        previous = jobs.last_windows_before(session, before,
+                                            nodes=[node]).get(node, {}).get(schedule_id)
+        report = nodes.latest_reports(session, node).get(node)
+        seen = nodes.latest_seen(session, node).get(node)
+        return {
+            "versions": versions[schedule_id],
+            "records": {r.key: r for r in around if r.schedule_id == schedule_id},
+            "tz": fleet.node_zone(report, api.settings),
+            "grace": ledger.node_grace(report, api.settings),
+            "previous": previous,
+            "liveness": fleet.liveness(seen, now=now, settings=api.settings),
+            "silence": fleet.silence_text(node, seen, now=now, settings=api.settings),
+            "alerts": watch.alert_facts(session, node),
+        }
+
     @router.patch(
         "/api/nodes/{node}/schedules/{schedule_id}",
         openapi_extra=merge_patch_body(
@@ -397,7 +506,8 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                     raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
                 row = _patched_row(current, patch)
                 try:
-                    return schedules.put_schedule(session, node, row, if_version=current.version)
+                    return schedules.put_schedule(session, node, row, if_version=current.version,
+                                                  now=api.clock())
                 except schedules.VersionConflict:
                     continue  # a concurrent write won: apply the patch to its row
             raise InvalidInput([{"field": "", "loc": ["path", "id"], "type": "conflict",
@@ -411,6 +521,16 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         return await run_in_threadpool(api.written, node, stored, "patch")
 
     return router
+
+
+def query_time(field: str, value: str | None) -> datetime | None:
+    """Return a query's RFC 3339 time (with its offset) in UTC; 422 naming the field."""
+    if value is None:
+        return None
+    try:
+        return nodes.parse_instant(value)
+    except ValueError as exc:
+        raise _unprocessable(("query", field), str(exc)) from None
 
 
 def _forbidden(detail: str) -> Exception:

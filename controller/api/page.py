@@ -81,7 +81,7 @@ class FleetApiSource:
 
     def view(self, now: datetime) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]],
                                            list[dict[str, Any]], str]:
-        from controller import fleet, nodes
+        from controller import fleet, jobs, nodes
 
         settings = self.api.settings
 
@@ -89,26 +89,31 @@ class FleetApiSource:
             rows = schedules.all_schedules(session)
             reports = nodes.latest_reports(session, None)
             return {"rows": rows, "pulls": nodes.latest_pulls(session, None),
-                    "reports": reports, "versions": nodes.list_versions(session, None)}
+                    "reports": reports, "versions": nodes.list_versions(session, None),
+                    "seen": nodes.latest_seen(session, None),
+                    "records": jobs.latest_jobs(session, None)}
 
         self.api.flush_pulls()
         found = self.api.in_session(read)
         rows, reports = found["rows"], found["reports"]
-        names = sorted(set(found["pulls"]) | set(reports) | set(rows))
+        names = sorted(set(found["pulls"]) | set(reports) | set(rows) | set(found["seen"]))
         status, per_node, windows = [], {}, []
         for name in names:
             mine = rows.get(name, [])
             report = reports.get(name)
+            records = found["records"].get(name, {})
             status.append(fleet.node_row(
                 name, schedules=len(mine), schedule_ids=[row.id for row in mine],
                 pull=found["pulls"].get(name), report=report,
-                version=found["versions"].get(name), now=now, settings=settings))
+                version=found["versions"].get(name), now=now, settings=settings,
+                seen=found["seen"].get(name), records=records))
             tz = fleet.node_zone(report, settings)
             reported = fleet._reported(report)
-            # The latest job per schedule (the latest report's): no history per node, so
-            # the page costs four queries however many nodes there are.
+            # The latest job per schedule (the latest report's and job record): no history
+            # per node, so the page costs a fixed number of queries however many nodes.
             per_node[name] = [fleet.schedule_view(
-                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now)
+                row, node=name, tz=tz, reported=reported.get(row.id), recent=[], now=now,
+                record=records.get(row.id))
                 for row in mine]
             windows.extend(fleet.upcoming_windows(
                 mine, node=name, tz=tz, now=now, until=now + AHEAD,
@@ -118,10 +123,18 @@ class FleetApiSource:
             if not row.get("timezone"):  # never reported: its windows are in the default zone
                 row.update(timezone=settings.default_timezone, timezone_default=True)
         unseen = [row["node"] for row in status if row["status"] == "never-seen"]
-        notice = (f"Never pulled nor reported: {', '.join(unseen)} (their windows are in "
-                  f"the controller's default zone, {settings.default_timezone})."
-                  if unseen else "")
+        notice = (f"Never seen (no pull or report with its own token): {', '.join(unseen)} "
+                  f"(their windows are in the controller's default zone, "
+                  f"{settings.default_timezone})." if unseen else "")
         return status, per_node, listed, notice
+
+
+    def report(self, now: datetime) -> dict[str, Any]:
+        """Return ``GET /api/report``'s answer for the default range (since yesterday 18:00)."""
+        from controller import ledger
+
+        return dict(self.api.in_session(lambda session: ledger.fleet_report(
+            session, settings=self.api.settings, now=now)))
 
 
 def session_cookie(token: str, now: float) -> str:
@@ -333,9 +346,11 @@ def page_router(
         now = getattr(request.app.state, "clock", clock)()
         fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
         nodes, per_node, windows, notice = fleet.view(now)
+        reporter = getattr(fleet, "report", None)
+        report = reporter(now) if reporter is not None else None
         ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
         view = FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
-                         prefect_ui=ui, notice=notice)
+                         prefect_ui=ui, notice=notice, report=report)
         return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
 
     throttle = LoginThrottle()

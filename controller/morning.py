@@ -1,0 +1,332 @@
+"""The operator's morning: every window of a time range, per node, and what became of it.
+
+Pure: no clock reads, no I/O; every function takes ``now`` and the stored facts
+(row versions, job records, the node's liveness). ``GET /api/report``, the
+fleet page, ``sched report`` and the controller's alerts all read it.
+
+Rules:
+
+1. **The windows a node was to run** are its rows' windows, each judged by the
+   version of its row in force at the window's instant
+   (:func:`controller.schedules.versions_between`), in the row's zone, else the
+   node's (its report's, else the controller's default), with the kit's own
+   functions: :func:`sched_core.policies.window_starts` (DST, jitter),
+   :func:`sched_core.policies.window_block` (pause, dates, blackouts) and
+   :func:`~sched_core.policies.interval_block` (min_interval, counted from the
+   previous window that ran or was to run). A window before the row existed on
+   the controller is not one; nor is a window whose run starts less than
+   :data:`NEW_ROW_S` after the write that gave the row that window (the node
+   could not have pulled it). Disabled rows and chain (``on``) rows have none.
+2. **Its key** is :func:`sched_core.matcher.window_key` in the row's zone: the
+   node's job record of the window carries the same key.
+3. **What became of it**: its job record's state when there is one
+   (``completed``, ``failed`` for Failed or Crashed, ``cancelled``,
+   ``skipped``, ``running``); else, once its run's start (the window plus the
+   row's jitter) plus the node's grace plus :data:`REPORT_SLACK_S` has passed,
+   **missed: no report from the node**; before that it is ``due``. A node
+   that makes requests but never announced a heartbeat runs an agent that
+   does not report its jobs (an older one): its windows without a record are
+   ``unreported``, never missed (its report's latest job per schedule is all
+   there is); a node never seen at all ran nothing, and its windows are missed.
+4. **Other jobs** (chain stages, ad hoc runs, windows no row version has, such
+   as a recovery of an older window) are listed as the node reported them,
+   not expected.
+5. **Worst first**: nodes by their worst window (missed or silent, then failed,
+   then the rest), then name; windows in time order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, time, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from controller.jobs import FAILED_STATES, JobRecord
+from controller.nodes import utc_text
+from controller.schedules import RowVersion
+from sched_core.matcher import fire_times, window_key
+from sched_core.model import LocalSchedule
+from sched_core.policies import (
+    duration_text,
+    interval_block,
+    local_text,
+    row_zone,
+    window_block,
+    window_starts,
+)
+
+REPORT_SLACK_S = 60.0
+"""Seconds a node has, past a window's grace, for the report of its job's start to arrive."""
+NEW_ROW_S = 60.0
+"""A window whose run starts within this long after the write that gave the row that window
+is not held against the node: it could not have pulled the row in time."""
+MAX_RANGE = timedelta(days=31)
+"""The longest time range one report covers."""
+MAX_WINDOWS = 200_000
+"""The most windows one report lists (``truncated`` says when cut)."""
+
+SEVERITY = {"missed": 5, "failed": 4, "cancelled": 2, "unreported": 1, "running": 1, "due": 1,
+            "skipped": 1, "completed": 0}
+"""How bad a window's status is (worst first)."""
+BAD = frozenset({"missed", "failed"})
+_TICK = timedelta(microseconds=1)
+
+
+def default_since(now: datetime, tz: ZoneInfo) -> datetime:
+    """Return yesterday 18:00 in tz, as of now: where the operator's morning starts."""
+    yesterday = now.astimezone(tz).date() - timedelta(days=1)
+    return datetime.combine(yesterday, time(18, 0), tzinfo=tz).astimezone(now.tzinfo)
+
+
+def status_of(state: str) -> str:
+    """Return the report's status of a job record's state (rule 3)."""
+    if state in FAILED_STATES:
+        return "failed"
+    return {"Completed": "completed", "Cancelled": "cancelled", "Skipped": "skipped",
+            "Running": "running"}.get(state, "running")
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the controller knows of one node for a report."""
+
+    node: str
+    tz: ZoneInfo
+    grace: timedelta
+    versions: Mapping[str, Sequence[RowVersion]]
+    """Per row id, its versions in force at some instant of the range, oldest first."""
+    records: Sequence[JobRecord]
+    """The node's job records filed in the range."""
+    previous: Mapping[str, datetime]
+    """Per row id, the latest window before the range that ran (min_interval's start)."""
+    silence: str | None
+    """Why the node is silent or never seen, in words; None when it is alive."""
+    liveness: Mapping[str, Any]
+    """:func:`controller.fleet.liveness` of the node."""
+    reports_jobs: bool = True
+    """False for a node seen but with no heartbeat announced (rule 3: an older agent)."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One window a node was to run (rule 1)."""
+
+    row: LocalSchedule
+    window: datetime
+    start: datetime
+    key: str
+    zone: ZoneInfo
+
+
+def _new_window(versions: Sequence[RowVersion], index: int, window: datetime,
+                start: datetime, tz: ZoneInfo) -> bool:
+    """Return whether the window came with version index less than NEW_ROW_S before its run."""
+    version = versions[index]
+    if (start - version.valid_from).total_seconds() >= NEW_ROW_S:
+        return False
+    if index == 0:
+        return True
+    before = versions[index - 1]
+    if before.valid_until is not None and before.valid_until < version.valid_from:
+        return True  # deleted, then created again
+    row = before.row
+    if not row.enabled or row.schedule.is_event:
+        return True
+    z = row_zone(row, tz)
+    had = any(True for _ in fire_times(row.schedule, window, window + _TICK, z))
+    return not had or window_block(row, window, tz=tz) is not None
+
+
+def expected_windows(
+    versions: Sequence[RowVersion], *, node: str, tz: ZoneInfo, since: datetime,
+    until: datetime, previous: datetime | None,
+) -> tuple[list[Expected], list[tuple[datetime, str]]]:
+    """Return one row's windows in ``[since, until)`` the node was to run (rule 1), and the
+    (window, reason) of those its policies held back."""
+    found: list[Expected] = []
+    held: list[tuple[datetime, str]] = []
+    last = previous
+    for index, version in enumerate(versions):
+        row = version.row
+        if not row.enabled or row.schedule.is_event:
+            continue
+        low = max(since, version.valid_from)
+        high = min(until, version.valid_until) if version.valid_until else until
+        if low >= high:
+            continue
+        z = row_zone(row, tz)
+        for window, start in window_starts(row, low, high, node=node, tz=tz):
+            reason = window_block(row, window, tz=tz) or interval_block(
+                row, window, last_fired=last, tz=tz)
+            if reason is not None:
+                held.append((window, reason))
+                continue
+            if _new_window(versions, index, window, start, tz):
+                continue
+            last = window
+            found.append(Expected(row, window, start, window_key(row.id, window, z), z))
+    return found, held
+
+
+def _entry(node: str, row: LocalSchedule | None, schedule_id: str, *, key: str,
+           window: datetime | None, zone: ZoneInfo, start: datetime | None,
+           record: JobRecord | None, status: str, detail: str, expected: bool,
+           deadline: datetime | None = None) -> dict[str, Any]:
+    at = window or (record.started_at if record else None) or (
+        record.filed_at if record else None)
+    data: dict[str, Any] = {
+        "node": node, "schedule_id": schedule_id,
+        "name": row.name if row else None, "action": row.action if row else None,
+        "key": key, "window": utc_text(window),
+        "local": local_text(at, zone) if at is not None else None,
+        "start": utc_text(start), "missed_after": utc_text(deadline),
+        "status": status, "detail": detail, "expected": expected,
+        "state": None, "trigger_key": None, "started_at": None, "ended_at": None,
+        "duration_s": None, "error": None, "reason": None, "offline": False,
+        "flow_run_id": None,
+        "_sort": at,
+    }
+    if record is not None:
+        job = record.as_json()
+        for name in ("state", "trigger_key", "started_at", "ended_at", "duration_s", "error",
+                     "reason", "offline", "flow_run_id"):
+            data[name] = job[name]
+    return data
+
+
+def record_detail(record: JobRecord) -> str:
+    """Return what became of a job, in one line for people."""
+    status = status_of(record.state)
+    offline = " (ran offline, recorded later)" if record.offline else ""
+    if status == "failed":
+        return f"{record.state}: {record.error or 'no error given'}{offline}"
+    if status == "skipped":
+        return f"Skipped: {record.reason or 'no reason given'}"
+    if status == "running":
+        return f"Running since {utc_text(record.started_at) or '?'}{offline}"
+    if status == "cancelled":
+        return f"Cancelled{': ' + record.error if record.error else ''}{offline}"
+    took = record.duration
+    return f"Completed{' in ' + duration_text(took) if took is not None else ''}{offline}"
+
+
+def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
+                 now: datetime) -> dict[str, Any]:
+    """Return one node's report for ``[since, until)`` as of now (rules 1 to 4)."""
+    node, tz = facts.node, facts.tz
+    upto = now + _TICK if until >= now else until  # a window starting now is due
+    by_key = {record.key: record for record in facts.records}
+    used: set[str] = set()
+    entries: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
+    names: dict[str, LocalSchedule] = {}
+    for schedule_id, versions in sorted(facts.versions.items()):
+        names[schedule_id] = versions[-1].row
+        expected, blocked = expected_windows(
+            versions, node=node, tz=tz, since=since, until=upto,
+            previous=facts.previous.get(schedule_id))
+        if blocked:
+            held.append({"schedule_id": schedule_id, "count": len(blocked),
+                         "first": utc_text(blocked[0][0]), "reason": blocked[0][1]})
+        for item in expected:
+            record = by_key.get(item.key)
+            deadline = item.start + facts.grace + timedelta(seconds=REPORT_SLACK_S)
+            if record is not None:
+                used.add(item.key)
+                status, detail = status_of(record.state), record_detail(record)
+            elif now >= deadline and not facts.reports_jobs:
+                status = "unreported"
+                detail = ("unreported: the node's agent does not report its jobs (it announced "
+                          "no heartbeat); see its latest job in sched schedules ls")
+            elif now >= deadline:
+                status = "missed"
+                detail = "missed: no report from the node" + (
+                    f" ({facts.silence})" if facts.silence else "")
+            else:
+                status = "due"
+                detail = (f"due: its run starts {local_text(item.start, item.zone)}; missed if "
+                          f"nothing is reported by {local_text(deadline, item.zone)}")
+            entries.append(_entry(node, item.row, schedule_id, key=item.key, window=item.window,
+                                  zone=item.zone, start=item.start, record=record,
+                                  status=status, detail=detail, expected=True,
+                                  deadline=deadline))
+    for record in facts.records:
+        if record.key in used:
+            continue
+        row = names.get(record.schedule_id)
+        zone = row_zone(row, tz) if row is not None else tz
+        entries.append(_entry(node, row, record.schedule_id, key=record.key,
+                              window=record.window, zone=zone, start=None, record=record,
+                              status=status_of(record.state), detail=record_detail(record),
+                              expected=False))
+    entries.sort(key=lambda e: (e["_sort"], e["schedule_id"], e["key"]))
+    for entry in entries:
+        del entry["_sort"]
+    counts = {status: 0 for status in SEVERITY}
+    for entry in entries:
+        counts[entry["status"]] += 1
+    worst = max((SEVERITY[e["status"]] for e in entries), default=0)
+    if facts.silence is not None:
+        worst = max(worst, SEVERITY["missed"])
+    return {
+        "node": node, "timezone": str(tz.key), "since": utc_text(since),
+        "until": utc_text(until), "grace_s": facts.grace.total_seconds(),
+        "silent": facts.silence is not None, "silence": facts.silence,
+        **{k: facts.liveness.get(k) for k in ("last_seen_at", "heartbeat_s",
+                                                "silent_after_s")},
+        "counts": counts, "held": held, "severity": worst, "windows": entries,
+    }
+
+
+def _failed_text(entry: dict[str, Any]) -> str:
+    why = entry.get("error") or entry.get("state") or "failed"
+    return f"{entry['node']} {entry['schedule_id']} {why}"
+
+
+def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Return the fleet's summary line and its parts: nodes backed up, failed, missed, silent.
+
+    A node is **backed up** when it had a window in the range, none of them
+    failed or was missed, and it is not silent. Nodes with no window in the
+    range are counted apart.
+    """
+    nodes = list(nodes)
+    with_windows = [n for n in nodes if any(e["expected"] or e["status"] in BAD
+                                            for e in n["windows"]) or n["silent"]]
+    failed = [e for n in nodes for e in n["windows"] if e["status"] == "failed"]
+    missed = [e for n in nodes for e in n["windows"] if e["status"] == "missed"]
+    silent = [n["node"] for n in nodes if n["silent"]]
+    unknown = [n["node"] for n in with_windows if not n["silent"] and any(
+        e["status"] == "unreported" for e in n["windows"])]
+    ok = [n["node"] for n in with_windows if not n["silent"] and n["node"] not in unknown
+          and not any(e["status"] in BAD for e in n["windows"])]
+    idle = [n["node"] for n in nodes if n not in with_windows]
+    parts = [f"{len(ok)} of {len(with_windows)} nodes backed up"]
+    shown = "; ".join(_failed_text(e) for e in failed[:5])
+    more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+    parts.append(f"{len(failed)} failed" + (f": {shown}{more}" if failed else ""))
+    where = sorted({f"{e['node']} {e['schedule_id']}" for e in missed})
+    parts.append(f"{len(missed)} missed" + (
+        f": {', '.join(where[:5])}{' ...' if len(where) > 5 else ''}" if missed else ""))
+    if silent:
+        parts.append(f"{len(silent)} silent: {', '.join(silent[:10])}")
+    if unknown:
+        parts.append(f"{len(unknown)} unreported (an agent that reports no jobs): "
+                     f"{', '.join(unknown[:10])}")
+    if idle:
+        parts.append(f"{len(idle)} with no window in the range")
+    return {
+        "text": "; ".join(parts), "nodes": len(with_windows), "backed_up": ok,
+        "failed": [{"node": e["node"], "schedule_id": e["schedule_id"], "key": e["key"],
+                    "error": e["error"], "state": e["state"]} for e in failed],
+        "missed": [{"node": e["node"], "schedule_id": e["schedule_id"], "key": e["key"],
+                    "window": e["window"]} for e in missed],
+        "silent": silent, "unreported": unknown, "no_windows": idle,
+    }
+
+
+def worst_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return the nodes worst first, then by name (rule 5)."""
+    return sorted(nodes, key=lambda n: (-n["severity"], n["node"]))

@@ -1,0 +1,440 @@
+"""The controller's alerts: a silent node, a missed or failed window, and their recovery.
+
+Every ``interval`` seconds each controller instance reads the fleet's report of
+the last :data:`LOOKBACK` at its first pass, then of the time since its last
+pass plus the longest grace of any node plus :data:`MARGIN` (a window is
+judged once its grace is over, so that covers every window that became missed
+or completed since) (:func:`controller.ledger.fleet_report`), and decides,
+with the pure :func:`plan_alerts`, which alerts to raise and which earlier ones
+a success resolves:
+
+- ``node-silent`` (event ``sched.node.silent``): a node silent past its
+  heartbeats (:mod:`controller.fleet` rule 2), or never seen and with a missed
+  window; subject ``silent@<last seen>`` (or ``never-seen``), so a node that
+  falls silent again later is a new alert;
+- ``window-missed`` (``sched.node.window-missed``): a window with no report
+  from the node past its grace (:mod:`controller.morning` rule 3); subject its key;
+- ``window-failed`` (``sched.node.window-failed``): a window whose job record
+  is Failed or Crashed; subject its key;
+- of those two, one open alert per (node, schedule, kind): while a schedule's
+  missed (or failed) alert is not resolved, its later missed (failed) windows
+  raise no more (an every-minute schedule of a dead node is one alert, not
+  sixty an hour; ``sched report`` lists every window);
+- ``node-recovered`` (``sched.node.recovered``): a silent node made a request
+  again; it resolves the silence;
+- ``window-recovered`` (``sched.node.window-recovered``): a later window of the
+  same schedule completed (or the missed window's job was reported after
+  all); it resolves the schedule's earlier open alerts.
+
+These are not the agent's own ``sched.window.missed`` (a node's planner counting
+windows it never planned): the controller's events are about the node, on the
+resource ``sched.node.<node>``, with the schedule as a related resource
+``sched.schedule.<node>.<id>``.
+
+Exactly once, whatever the number of instances (the database decides):
+
+1. An alert is a row of ``fleet_alert``, unique per (node, kind, subject): each
+   instance inserts what it found with ``ON CONFLICT DO NOTHING``; the one whose
+   insert wins logs it (a WARNING). Resolutions are an ``UPDATE`` of
+   ``resolved_at`` that only sets it once.
+2. A row not yet sent is claimed by a compare-and-set on its lease
+   (``lease_until``, the database's clock), like the central scheduler's claims:
+   only the instance whose ``UPDATE`` matched sends it.
+3. It sends the event (its id derived from the row's key, so even a resend
+   after a lost lease is one event in Prefect) and marks the row sent; a failed
+   send keeps the row unsent, and it is claimed again once its lease (growing
+   with each attempt, at most 10 min) has run out.
+
+Without a Prefect API the alert is only logged (and kept in ``fleet_alert``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import Table, delete, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import CursorResult, Engine
+from sqlmodel import Session
+
+from controller import jobs, ledger, schedules
+from controller.db import db_now, transaction
+from controller.fleet import FleetSettings
+from controller.logtext import printable
+from controller.models import FleetAlert, utc_now
+from controller.nodes import utc_text
+
+log = logging.getLogger(__name__)
+
+ALERTS: Table = FleetAlert.__table__  # type: ignore[attr-defined]
+_A = ALERTS.c
+LOOKBACK = timedelta(hours=6)
+"""How far back each pass looks for missed and failed windows (and their recoveries)."""
+MARGIN = timedelta(minutes=10)
+"""Added to each later pass's look-back, past the longest grace and the report slack."""
+DEFAULT_INTERVAL = 15.0
+"""Seconds between passes."""
+ALERT_RETENTION = timedelta(days=35)
+"""Alerts raised longer ago than this are pruned."""
+LEASE_S = 30.0
+MAX_LEASE_S = 600.0
+_NAMESPACE = uuid.UUID("5d1f3a2e-8c4b-4f6a-9e21-7b0c3d9a4e11")
+
+EVENTS = {
+    "node-silent": "sched.node.silent",
+    "node-recovered": "sched.node.recovered",
+    "window-missed": "sched.node.window-missed",
+    "window-failed": "sched.node.window-failed",
+    "window-recovered": "sched.node.window-recovered",
+}
+"""The Prefect event each kind of alert sends."""
+PROBLEMS = frozenset({"node-silent", "window-missed", "window-failed"})
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert to raise: what, about what, why; and the open alerts it resolves."""
+
+    node: str
+    kind: str
+    subject: str
+    reason: str
+    schedule_id: str | None = None
+    window: datetime | None = None
+    payload: dict[str, Any] = field(default_factory=dict)
+    resolves: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpenAlert:
+    """A problem alert not yet resolved."""
+
+    id: int
+    node: str
+    kind: str
+    subject: str
+    schedule_id: str | None
+    window: datetime | None
+
+
+def event_id(node: str, kind: str, subject: str) -> uuid.UUID:
+    """Return the Prefect event id of an alert: the same for every instance and every resend."""
+    return uuid.uuid5(_NAMESPACE, f"{node}\x00{kind}\x00{subject}")
+
+
+def _payload(node: str, kind: str, reason: str, entry: Mapping[str, Any] | None = None,
+             **more: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"node": node, "kind": kind, "reason": reason}
+    if entry is not None:
+        for name in ("schedule_id", "key", "window", "local", "state", "error", "flow_run_id",
+                     "started_at", "ended_at"):
+            data[name] = entry.get(name)
+    data.update(more)
+    return data
+
+
+def plan_alerts(report: Mapping[str, Any], open_alerts: Iterable[OpenAlert]) -> list[Alert]:
+    """Return the alerts a fleet report calls for (see the module docstring).
+
+    Pure: the report carries its own ``now``; alerts already raised are left
+    to the database's uniqueness (step 1), so a pass may propose them again.
+    """
+    found: list[Alert] = []
+    open_by_node: dict[str, list[OpenAlert]] = {}
+    for item in open_alerts:
+        open_by_node.setdefault(item.node, []).append(item)
+    for node in report["nodes"]:
+        name = node["node"]
+        mine = open_by_node.get(name, [])
+        windows = node["windows"]
+        missed = [e for e in windows if e["status"] == "missed"]
+        if node["silent"] and (node["last_seen_at"] is not None or missed):
+            subject = (f"silent@{node['last_seen_at']}" if node["last_seen_at"]
+                       else "never-seen")
+            found.append(Alert(name, "node-silent", subject, node["silence"] or "silent",
+                               payload=_payload(name, "node-silent", node["silence"] or "",
+                                                last_seen_at=node["last_seen_at"],
+                                                heartbeat_s=node["heartbeat_s"],
+                                                silent_after_s=node["silent_after_s"])))
+        if not node["silent"]:
+            for item in mine:
+                if item.kind == "node-silent":
+                    reason = (f"node {name} is back: its last request of its own was at "
+                              f"{node['last_seen_at']}")
+                    found.append(Alert(name, "node-recovered", f"recovered@{item.subject}",
+                                       reason, resolves=(item.id,),
+                                       payload=_payload(name, "node-recovered", reason,
+                                                        last_seen_at=node["last_seen_at"],
+                                                        resolves=[item.subject])))
+        already = {(i.schedule_id, i.kind) for i in mine}
+        for entry in windows:
+            kind = {"missed": "window-missed", "failed": "window-failed"}.get(entry["status"])
+            if kind is None or (entry["schedule_id"], kind) in already:
+                continue
+            already.add((entry["schedule_id"], kind))
+            reason = f"{entry['schedule_id']} window {entry['local']}: {entry['detail']}"
+            found.append(Alert(name, kind, entry["key"], reason,
+                               schedule_id=entry["schedule_id"],
+                               window=_time(entry["window"]),
+                               payload=_payload(name, kind, reason, entry)))
+        by_key = {e["key"]: e for e in windows}
+        for schedule_id in sorted({i.schedule_id for i in mine if i.schedule_id}):
+            problems = [i for i in mine if i.schedule_id == schedule_id
+                        and i.kind in ("window-missed", "window-failed")]
+            if not problems:
+                continue
+            oldest = min((i.window for i in problems if i.window is not None), default=None)
+            done = [e for e in windows if e["schedule_id"] == schedule_id
+                    and e["status"] == "completed" and e["expected"]
+                    and oldest is not None and (_time(e["window"]) or oldest) > oldest]
+            # A missed window whose job was reported after all is resolved by that report.
+            late = [i for i in problems if i.kind == "window-missed"
+                    and by_key.get(i.subject, {}).get("status") not in (None, "missed")]
+            if done:
+                first = done[0]
+                resolved = tuple(i.id for i in problems if i.window is None
+                                 or i.window < (_time(first["window"]) or i.window))
+                reason = (f"{schedule_id} window {first['local']} completed: resolves "
+                          f"{len(resolved)} earlier alert(s)")
+                found.append(Alert(name, "window-recovered", first["key"], reason,
+                                   schedule_id=schedule_id, window=_time(first["window"]),
+                                   resolves=resolved,
+                                   payload=_payload(name, "window-recovered", reason, first,
+                                                    resolves=[i.subject for i in problems
+                                                              if i.id in resolved])))
+            for item in late:
+                entry = by_key[item.subject]
+                reason = (f"{schedule_id} window {entry['local']}: the node reported its job "
+                          f"after all ({entry['detail']})")
+                found.append(Alert(name, "window-recovered", f"reported@{item.subject}",
+                                   reason, schedule_id=schedule_id,
+                                   window=_time(entry["window"]), resolves=(item.id,),
+                                   payload=_payload(name, "window-recovered", reason, entry,
+                                                    resolves=[item.subject])))
+    return found
+
+
+def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:
+    """Return the alerts raised about node, newest first (for ``sched explain``)."""
+    from controller.why import AlertFact
+
+    rows = session.execute(
+        select(_A.kind, _A.subject, _A.detected_at, _A.sent_at, _A.resolved_at)
+        .where(_A.node == node).order_by(_A.id.desc()).limit(limit)).all()
+    return [AlertFact(r.kind, r.subject, r.detected_at, r.sent_at, r.resolved_at) for r in rows]
+
+
+def _time(value: object) -> datetime | None:
+    from sched_core.model import parse_api_time
+
+    return parse_api_time(value)
+
+
+Emitter = Callable[[dict[str, Any]], None]
+"""Sends one Prefect event (JSON data); raises when it was not accepted."""
+
+
+def prefect_event(alert: Mapping[str, Any], *, occurred: datetime) -> dict[str, Any]:
+    """Return a stored alert's Prefect event as JSON data (rule 3: a stable id)."""
+    from prefect.events import Event
+
+    node, kind, subject = alert["node"], alert["kind"], alert["subject"]
+    related = []
+    if alert.get("schedule_id"):
+        related.append({"prefect.resource.id": f"sched.schedule.{node}.{alert['schedule_id']}",
+                        "prefect.resource.role": "sched-schedule",
+                        "prefect.resource.name": alert["schedule_id"]})
+    event = Event(
+        event=EVENTS[kind],
+        resource={"prefect.resource.id": f"sched.node.{node}", "prefect.resource.name": node},
+        related=related, occurred=occurred, payload=dict(alert["payload"]),
+        id=event_id(node, kind, subject),
+    )
+    data: dict[str, Any] = event.model_dump(mode="json")
+    return data
+
+
+class FleetWatch:
+    """Raise the fleet's alerts every ``interval`` seconds in a thread (see the module).
+
+    ``emit`` sends one event (None: alerts are only logged); ``clock`` is the
+    fleet's now (the API's). :meth:`check` runs one pass in the calling thread.
+    """
+
+    def __init__(
+        self, engine: Engine, settings: FleetSettings, *, emit: Emitter | None,
+        interval: float = DEFAULT_INTERVAL, clock: Callable[[], datetime] = utc_now,
+        lookback: timedelta = LOOKBACK,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.emit = emit
+        self.interval = interval
+        self.clock = clock
+        self.lookback = lookback
+        self.raised = 0
+        """Alerts this instance inserted (won step 1)."""
+        self.sent = 0
+        """Alerts this instance sent (won step 2 and sent)."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: datetime | None = None
+
+    # ------------------------------------------------------------ one pass
+
+    def check(self, now: datetime | None = None) -> list[Alert]:
+        """Run one pass: find, insert once, resolve, send what this instance claims.
+
+        Returns the alerts this instance inserted.
+        """
+        now = now or self.clock()
+        with Session(self.engine) as session:
+            report = ledger.fleet_report(session, settings=self.settings, now=now,
+                                         since=now - self.look_back(session, now), until=now)
+            session.commit()
+            planned = plan_alerts(report, self.open_alerts(session))
+            raised = self._insert(session, planned, now)
+        self.send_pending()
+        return raised
+
+    def look_back(self, session: Session, now: datetime) -> timedelta:
+        """Return how far this pass looks back (see the module docstring)."""
+        last, self._last = self._last, now
+        if last is None or last >= now:
+            return self.lookback
+        from controller import nodes
+        from controller.morning import REPORT_SLACK_S
+
+        graces = [ledger.node_grace(report, self.settings)
+                  for report in nodes.latest_reports(session).values()]
+        longest = max([timedelta(seconds=self.settings.default_grace), *graces])
+        wanted = (now - last) + longest + timedelta(seconds=REPORT_SLACK_S) + MARGIN
+        return min(self.lookback, wanted)
+
+    def open_alerts(self, session: Session) -> list[OpenAlert]:
+        """Return the problem alerts not resolved yet."""
+        rows = session.execute(
+            select(_A.id, _A.node, _A.kind, _A.subject, _A.schedule_id, _A.window_at)
+            .where(_A.resolved_at.is_(None), _A.kind.in_(sorted(PROBLEMS)))
+            .order_by(_A.id)).all()
+        session.commit()
+        return [OpenAlert(int(r.id), r.node, r.kind, r.subject, r.schedule_id, r.window_at)
+                for r in rows]
+
+    def _insert(self, session: Session, planned: list[Alert], now: datetime) -> list[Alert]:
+        """Step 1: insert each alert once; resolve what it resolves; return those inserted."""
+        raised: list[Alert] = []
+        dialect = session.get_bind().dialect.name
+        insert = pg_insert if dialect == "postgresql" else sqlite_insert
+        with transaction(session):
+            for alert in planned:
+                stmt = insert(ALERTS).values(
+                    node=alert.node, kind=alert.kind, subject=alert.subject,
+                    schedule_id=alert.schedule_id, window_at=alert.window, reason=alert.reason,
+                    payload={**alert.payload, "detected_at": utc_text(now)}, detected_at=now,
+                    attempts=0,
+                ).on_conflict_do_nothing(
+                    index_elements=[_A.node, _A.kind, _A.subject]).returning(_A.id)
+                inserted = session.execute(stmt).first() is not None
+                if alert.resolves:
+                    session.execute(update(ALERTS).where(
+                        _A.id.in_(alert.resolves), _A.resolved_at.is_(None)
+                    ).values(resolved_at=now))
+                if inserted:
+                    raised.append(alert)
+        for alert in raised:
+            self.raised += 1
+            level = logging.INFO if alert.kind not in PROBLEMS else logging.WARNING
+            log.log(level, "fleet alert", extra={
+                "node": printable(alert.node), "kind": alert.kind,
+                "schedule_id": printable(alert.schedule_id or "-"),
+                "reason": printable(alert.reason)})
+        return raised
+
+    def send_pending(self, limit: int = 100) -> int:
+        """Steps 2 and 3: claim each unsent alert by its lease, send it, mark it; return sent."""
+        sent = 0
+        with Session(self.engine) as session:
+            now = db_now(session)
+            rows = session.execute(
+                select(ALERTS).where(_A.sent_at.is_(None), or_(
+                    _A.lease_until.is_(None), _A.lease_until < now))
+                .order_by(_A.id).limit(limit)).all()
+            session.commit()
+            for row in rows:
+                lease = min(LEASE_S * 2 ** min(int(row.attempts), 10), MAX_LEASE_S)
+                with transaction(session):
+                    claimed = cast(CursorResult[Any], session.execute(
+                        update(ALERTS).where(
+                            _A.id == row.id, _A.sent_at.is_(None),
+                            or_(_A.lease_until.is_(None), _A.lease_until < now))
+                        .values(lease_until=now + timedelta(seconds=lease),
+                                attempts=_A.attempts + 1))).rowcount
+                if not claimed:
+                    continue  # another instance has it
+                alert = {"node": row.node, "kind": row.kind, "subject": row.subject,
+                         "schedule_id": row.schedule_id, "payload": row.payload}
+                try:
+                    if self.emit is not None:
+                        self.emit(prefect_event(alert, occurred=utc_now()))
+                except Exception as exc:
+                    error = printable(f"{type(exc).__name__}: {exc}")[:300]
+                    log.warning("could not send a fleet alert's event; retrying", extra={
+                        "node": printable(row.node), "kind": row.kind, "retry_in_s": lease,
+                        "error": error})
+                    continue
+                with transaction(session):
+                    session.execute(update(ALERTS).where(_A.id == row.id).values(
+                        sent_at=db_now(session)))
+                sent += 1
+        self.sent += sent
+        return sent
+
+    def prune(self, now: datetime) -> None:
+        """Drop old job records (of nodes that stopped reporting), row versions and alerts."""
+        with Session(self.engine) as session:
+            with transaction(session):
+                jobs.prune_all(session, now=now, keep=self.settings.job_keep)
+                # Resolved or not (a deleted row's alert never is): 35 days is old news.
+                session.execute(delete(ALERTS).where(_A.detected_at < now - ALERT_RETENTION))
+            schedules.prune_versions(session, now=now)
+
+    # ------------------------------------------------------------ the thread
+
+    def start(self) -> None:
+        """Run :meth:`check` every interval in a daemon thread (and prune hourly)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="sched-fleet-watch",
+                                        daemon=True)
+        self._thread.start()
+        log.info("fleet watch started", extra={"interval_s": self.interval,
+                                               "events": self.emit is not None})
+
+    def _run(self) -> None:
+        next_prune = 0.0
+        import time
+
+        while not self._stop.is_set():
+            try:
+                self.check()
+                if time.monotonic() >= next_prune:
+                    self.prune(self.clock())
+                    next_prune = time.monotonic() + 3600
+            except Exception as exc:
+                log.warning("fleet watch pass failed; retrying", extra={
+                    "error": printable(f"{type(exc).__name__}: {exc}")[:300]})
+            self._stop.wait(self.interval)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread (a pass under way finishes)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
