@@ -50,9 +50,10 @@ def wait_router(
 
         now = await run_in_threadpool(current)
         principal = getattr(request.state, "principal", None)
-        if principal is not None and not principal.is_admin:
-            seen_by_node(node, now)
-        changed = (etag and not etag_matches(etag, now)) or (seen and seen != waits.token(node))
+        stale = bool(etag) and not etag_matches(etag, now)
+        if principal is not None and not principal.is_admin and not stale:
+            seen_by_node(node, now)  # a stale node pulls next, and that pull is recorded
+        changed = stale or (seen and seen != waits.token(node))
         if not changed:
             await waits.wait(node, timeout)
             now = await run_in_threadpool(current)
