@@ -33,14 +33,11 @@ test: lint typecheck
 run: setup
 	$(PY) -m deployments.run_local
 
-# BENCH_PREFECT=1 also runs the Prefect benchmarks (each starts its own server; ~40 min, plus
-# ~20 min for bench_propagation).
+# BENCH_PREFECT=1 also runs the node's benchmark (its own Prefect servers; ~75 min).
 bench: setup
 	$(PY) bench/bench_core.py
 ifneq ($(BENCH_PREFECT),)
-	$(PY) bench/bench_idle.py
-	$(PY) bench/bench_plan.py
-	$(PY) bench/bench_propagation.py
+	$(PY) bench/bench_node.py
 endif
 
 # The scaled layout (docs/scaled.md): PostgreSQL, Redis, two Prefect API processes and one

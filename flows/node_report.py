@@ -170,6 +170,7 @@ class Reporter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sending = threading.Lock()  # one report at a time (the thread, the last one)
         self._seq_path = settings.state_dir / "report-seq"
         self.sent = 0
         self.failures = 0
@@ -228,7 +229,7 @@ class Reporter:
         for folder in self.outbox.jobs():
             try:
                 view = folder.view()
-            except ValueError:
+            except (ValueError, OSError):  # unreadable, or forgotten just now
                 continue
             if view.spec.kind != "job":
                 continue
@@ -251,6 +252,10 @@ class Reporter:
         """Build and send one report; return whether the controller accepted it. Never raises."""
         if self.url is None:
             return False
+        with self._sending:
+            return self._send()
+
+    def _send(self) -> bool:
         try:
             pending = self._pending()
             body = self._facts(self._clock())
@@ -273,7 +278,11 @@ class Reporter:
         if pending:
             self._seq_path.write_text(str(pending[-1][1]["seq"]), encoding="ascii")
         for item, record in pending:
-            item.folder.write_json("report.json", {"state": item.state, "seq": record["seq"]})
+            try:
+                item.folder.write_json("report.json",
+                                       {"state": item.state, "seq": record["seq"]})
+            except FileNotFoundError:
+                continue  # forgotten meanwhile (its record and report were complete)
             if record["ended_at"] is not None or item.state == SKIPPED:
                 self._done(item.folder)
         return True
