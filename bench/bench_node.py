@@ -65,7 +65,7 @@ from bench.prefect_bench import (  # noqa: E402
     tree_cpu,
     write_section,
 )
-from flows.prefect_api import ApiSettings, PrefectApi, state_body  # noqa: E402
+from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body  # noqa: E402
 from sched_core.model import LocalSchedule  # noqa: E402
 from sched_core.policies import window_starts  # noqa: E402
 
@@ -447,27 +447,40 @@ class CountingProxy:
 
 
 def _populate(api: PrefectApi, count: int) -> None:
-    """Create count planned runs for other nodes (Scheduled, a day ahead): a busy fleet's plan."""
-    flow = api.ensure_flow("run-job")
-    made = 0
-    nodes = (count + 29) // 30
+    """Create count planned runs for other nodes (Scheduled, a day ahead): a busy fleet's plan.
+
+    Resumable: a server already holding some (``--filled``) gets only the rest (each
+    batch's idempotency keys make a batch sent twice the same runs). SQLite answers 503
+    now and then under this write load: the batch is sent again.
+    """
+    have = int(api._call("POST", "/flow_runs/count", json={
+        "flow_runs": {"name": {"like_": "fill-"}}}).json())
+    made = have - have % 30
     start = datetime.now(UTC) + timedelta(days=1)
-    for n in range(nodes):
-        deployment = api.ensure_deployment(flow, f"fill-{n}")
+    flow = api.ensure_flow("run-job")
+    for n in range(made // 30, (count + 29) // 30):
         batch = [{"name": f"fill-{n}-{k}", "parameters": {"schedule_id": f"s{k}"},
                   "tags": [f"node:fill-{n}", "trigger:schedule"],
                   "idempotency_key": f"fill-{n}:{k}",
                   "state": state_body("SCHEDULED", scheduled_time=start + timedelta(minutes=k)),
                   "enforce_parameter_schema": False} for k in range(min(30, count - made))]
-        api.create_runs(deployment, batch)
+        for attempt in range(30):
+            try:
+                api.create_runs(api.ensure_deployment(flow, f"fill-{n}"), batch)
+                break
+            except PrefectUnavailable:
+                if attempt == 29:
+                    raise
+                time.sleep(10)
         made += len(batch)
 
 
-def idle(work: Path, minutes: int) -> dict[str, Any]:
+def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for label, planned in (("0 planned runs", 0), ("200,000 planned runs", 200_000)):
         folder = work / f"idle-{planned}"
-        proc, url = start_server(folder / "prefect")
+        home = keep / f"prefect-{planned}" if planned and keep is not None else folder / "prefect"
+        proc, url = start_server(home)
         api = PrefectApi(ApiSettings(url=url))
         controller: Controller | None = None
         node: subprocess.Popen[bytes] | None = None
@@ -719,13 +732,16 @@ def main() -> int:
     parser.add_argument("--fleet", type=int, default=200)
     parser.add_argument("--fleet-minutes", type=int, default=10)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--filled", type=Path, default=None,
+                        help="keep the Prefect server with 200,000 planned runs in this folder "
+                             "and reuse it next time (filling it takes ~40 min)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-node-"))
     # The figures of the parts not run now are the last run's (each part says its date).
     found: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     parts: dict[str, Callable[[], Any]] = {
         "latency": lambda: latency(work, args.minutes),
-        "idle": lambda: idle(work, args.idle_minutes),
+        "idle": lambda: idle(work, args.idle_minutes, args.filled),
         "fleet": lambda: fleet(work, args.fleet, args.fleet_minutes),
         "outage": lambda: outage(work),
     }
