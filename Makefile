@@ -28,7 +28,7 @@ typecheck: setup
 	$(VENV)/bin/mypy --strict scripts/scaled.py
 
 test: lint typecheck
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 run: setup
 	$(PY) -m deployments.run_local
