@@ -50,9 +50,10 @@ from sched_core.due import due_windows, missed_windows
 from sched_core.errors import ConfigError, PullError
 from sched_core.index import DueIndex
 from sched_core.matcher import DEFAULT_TZ, window_key, zone
+from sched_core.misses import eligible_after
 from sched_core.model import Cache, LocalSchedule
 from sched_core.plan import StartDecision, decide_start
-from sched_core.policies import policy_block
+from sched_core.policies import latest_window, policy_block, row_zone
 from sched_core.pull import (
     MAX_PAYLOAD,
     PullResult,
@@ -178,6 +179,8 @@ class TickReport:
     fired: list[Fire]
     failed: list[tuple[Fire, str]]
     coalesced: dict[str, int]
+    held: dict[str, str] = field(default_factory=dict)
+    """Schedules whose due window the row's policies hold back, with the guard's reason."""
 
 
 class Scheduler:
@@ -186,6 +189,7 @@ class Scheduler:
     def __init__(self, config: Config, *, now: datetime | None = None) -> None:
         self._config = config
         self._tz = config.tz
+        self._held_logged: dict[str, str] = {}
         self._path = config.path
         self._mutex = threading.RLock()
         self._cache = Cache()
@@ -372,13 +376,56 @@ class Scheduler:
     def due(self, now: datetime) -> list[tuple[LocalSchedule, datetime, int]]:
         """Return (schedule, window, older windows coalesced) for each schedule due at now.
 
-        Pure over the loaded cache (:func:`sched_core.due.due_windows`): the
-        latest eligible window in ``[now - grace, now]`` per enabled clock schedule.
+        Pure over the loaded cache: see :meth:`_decide_due`.
         """
-        windows = due_windows(
-            self._index, self._cache, now=as_utc(now), grace=self._config.fire_grace
-        )
-        return [(due.schedule, due.window, due.coalesced) for due in windows]
+        return self._decide_due(as_utc(now))[0]
+
+    def _decide_due(
+        self, now: datetime
+    ) -> tuple[list[tuple[LocalSchedule, datetime, int]], dict[str, str]]:
+        """Return the windows due at now, and the rows whose policies hold theirs back.
+
+        The candidates: per enabled clock schedule, the latest eligible window
+        in ``[now - grace, now]`` (:func:`sched_core.due.due_windows`); for a
+        row with ``jitter``, the latest window whose start (window plus the
+        node's offset) has come, within the grace of that start. Each is then
+        put to the agent's own start guard (:func:`sched_core.plan.decide_start`,
+        tried now): a pause, a blackout, the row's dates or ``min_interval``
+        hold it back with the guard's reason, as they do on the agent. One
+        rule for every engine the kit offers; a late window is the miss
+        check's, never the tick's.
+        """
+        grace, node = self._config.fire_grace, self._config.node_name
+        cache = self._cache
+        candidates = [
+            (due.schedule, due.window, due.coalesced)
+            for due in due_windows(self._index, cache, now=now, grace=grace)
+            if due.schedule.jitter <= 0
+        ]
+        for row in cache.schedules:
+            if row.jitter <= 0 or not row.enabled or row.schedule.is_event:
+                continue
+            found = latest_window(row, now, since=now - grace - timedelta(seconds=row.jitter),
+                                  node=node, tz=row_zone(row, self._tz))
+            floor = eligible_after(cache.last_fired_at.get(row.id), cache.first_seen_at.get(row.id))
+            if found is not None and now - found[1] <= grace and (
+                floor is None or found[0] >= floor
+            ):
+                candidates.append((row, found[0], 0))
+        due: list[tuple[LocalSchedule, datetime, int]] = []
+        held: dict[str, str] = {}
+        for row, window, older in sorted(candidates, key=lambda c: (c[1], c[0].id)):
+            decision = decide_start(
+                row, schedule_id=row.id, window=window,
+                last_fired=cache.last_fired_at.get(row.id),
+                first_seen=cache.first_seen_at.get(row.id),
+                first_try=now, now=now, grace=grace, tz=self._tz, node=node,
+            )
+            if decision.runs and not decision.late:
+                due.append((row, window, older))
+            else:
+                held[row.id] = decision.reason
+        return due, held
 
     def _fire_windows(
         self, windows: list[tuple[LocalSchedule, datetime]], *, recovery: bool
@@ -423,7 +470,12 @@ class Scheduler:
         coalesced: dict[str, int] = {}
         with self._locked():
             self._reload(now)
-            due = self.due(now)
+            due, held = self._decide_due(as_utc(now))
+            for schedule_id, reason in held.items():
+                if self._held_logged.get(schedule_id) != reason:
+                    self._held_logged[schedule_id] = reason  # once per window, not per tick
+                    log.info("not firing %s: %s", schedule_id, reason,
+                             extra={"schedule_id": schedule_id, "reason": reason})
             for row, window, older in due:
                 if older:
                     coalesced[row.id] = older
@@ -432,7 +484,7 @@ class Scheduler:
                         extra={"schedule_id": row.id, "coalesced": older, "window": str(window)},
                     )
             fired, failed = self._fire_windows([(row, w) for row, w, _ in due], recovery=False)
-        return TickReport(fired=fired, failed=failed, coalesced=coalesced)
+        return TickReport(fired=fired, failed=failed, coalesced=coalesced, held=held)
 
     def missed_run_check(self, now: datetime | None = None) -> int:
         """Apply each schedule's miss policy to its latest missed window; return fires."""
@@ -455,10 +507,20 @@ class Scheduler:
                         item.schedule.id, item.truncated,
                         extra={"schedule_id": item.schedule.id, "truncated": item.truncated},
                     )
+            held: dict[str, str] = {}
+            for item in missed:
+                row = item.schedule
+                block = policy_block(row, item.window, tz=row_zone(row, self._tz),
+                                     last_fired=self._cache.last_fired_at.get(row.id))
+                if block is not None:  # the start guard's rule 4, as on the agent
+                    held[row.id] = f"missed window {item.window.isoformat()} skipped: {block}"
+                    log.info("not firing %s: %s", row.id, held[row.id],
+                             extra={"schedule_id": row.id, "reason": held[row.id]})
             fired, failed = self._fire_windows(
-                [(item.schedule, item.window) for item in missed], recovery=True
+                [(item.schedule, item.window) for item in missed if item.schedule.id not in held],
+                recovery=True,
             )
-        return TickReport(fired=fired, failed=failed, coalesced=truncated)
+        return TickReport(fired=fired, failed=failed, coalesced=truncated, held=held)
 
     def fire_matching(
         self,

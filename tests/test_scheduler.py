@@ -740,3 +740,50 @@ def test_datetime_subclasses_and_naive_times(tmp_path: Path) -> None:
     assert type(agent.fired[0].window) is datetime
     with pytest.raises(ValueError, match="is naive"):
         agent.scheduler.tick(now=datetime(2026, 11, 30, 15, 1))
+
+
+# --- The tick decides through the agent's own start guard (one rule for every engine) ---
+
+
+def test_tick_holds_a_paused_row_with_the_guards_reason_and_fires_after_the_pause(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    until = (T0 + timedelta(hours=1, minutes=30)).isoformat()
+    agent = Agent(tmp_path, [row("a", paused={"note": "disk swap", "until": until}), row("b")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    with caplog.at_level(logging.INFO, logger="sched_core.scheduler"):
+        report = agent.scheduler.tick_report(now=T0)
+        agent.scheduler.tick(now=T0 + timedelta(seconds=30))  # the same window: logged once
+    assert [f.schedule.id for f in report.fired] == ["b"]
+    assert "paused" in report.held["a"] and "disk swap" in report.held["a"], report.held
+    assert sum("not firing a" in r.getMessage() for r in caplog.records) == 1
+    assert agent.scheduler.tick(now=T0 + timedelta(hours=1)) == 1  # b only: a is still paused
+    fired = agent.scheduler.tick_report(now=T0 + timedelta(hours=2)).fired
+    assert sorted(f.schedule.id for f in fired) == ["a", "b"]  # the pause is over
+    assert "a" not in agent.scheduler.missed_run_report(now=T0 + timedelta(hours=2)).held
+
+
+def test_tick_holds_min_interval_and_fires_a_jittered_row_at_its_start(tmp_path: Path) -> None:
+    from sched_core.policies import jitter_offset
+
+    agent = Agent(tmp_path, [row("m", schedule=every(1), min_interval=600),
+                             row("j", jitter=240)])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    offset = timedelta(seconds=jitter_offset("node-a", "j", 240))
+    assert [f.schedule.id for f in agent.scheduler.tick_report(now=T0).fired] == ["m"]
+    held = agent.scheduler.tick_report(now=T0 + timedelta(minutes=1)).held
+    assert "min_interval" in held["m"] or "minimum interval" in held["m"], held
+    assert offset > timedelta(0)  # stable: a hash of the node and the row
+    report = agent.scheduler.tick_report(now=T0 + offset - timedelta(seconds=1))
+    assert "j" not in [f.schedule.id for f in report.fired]  # not before its start
+    fired = agent.scheduler.tick_report(now=T0 + offset).fired
+    assert [(f.schedule.id, f.window) for f in fired if f.schedule.id == "j"] == [("j", T0)]
+    later = agent.scheduler.tick_report(now=T0 + timedelta(minutes=10)).fired
+    assert [f.schedule.id for f in later] == ["m"]  # m's next allowed window; j ran once
+
+
+def test_missed_run_check_holds_a_paused_row(tmp_path: Path) -> None:
+    agent = Agent(tmp_path, [row("a", paused={"note": "maintenance", "until": None})])
+    agent.scheduler.pull(now=T0 - timedelta(hours=3))
+    report = agent.scheduler.missed_run_report(now=T0 + timedelta(minutes=30))
+    assert report.fired == [] and "maintenance" in report.held["a"], report.held
