@@ -139,7 +139,7 @@ class AgentSchedule(SQLModel, table=True):
     policies: dict[str, Any] | None = Field(
         default=None, sa_column=Column(JSON(none_as_null=True), nullable=True)
     )
-    """The row's policy fields (issue 12: ``timezone``, ``overlap``, ``paused``, ...) that
+    """The row's policy fields (``timezone``, ``overlap``, ``paused``, ...) that
     are set, as their JSON; None when the row has none (a row as the Go kit writes it)."""
     version: int = 1
     wire: str = Field(sa_type=Text)

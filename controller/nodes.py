@@ -214,7 +214,7 @@ def _schedule_id(value: str) -> str:
 
 
 class JobRecordIn(_Strict):
-    """One job the node started or ended (issue 21), as its report carries it.
+    """One job the node started or ended as its report carries it.
 
     ``key`` is the window's key (``<schedule id>@<local date>T<HH:MM><offset>``,
     :func:`sched_core.matcher.window_key`), a chain stage's (``<id>@<stage>@<day>``)
@@ -254,7 +254,7 @@ class NodeReportIn(_Strict):
 
     ``heartbeat_s`` is the node's promise of a request to the controller (a pull
     or a report, with its own token) at least that often; ``jobs`` are the job
-    records it has not yet had accepted, oldest first (issue 21).
+    records it has not yet had accepted, oldest first.
     """
 
     node: Name

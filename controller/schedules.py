@@ -62,7 +62,7 @@ _GO_FIELDS = (
 )
 """The Go kit's fields: one column each."""
 POLICY_FIELDS = tuple(name for name in LocalSchedule.model_fields if name not in _GO_FIELDS)
-"""The row's policy fields (issue 12): stored together, the set ones only, in ``policies``."""
+"""The row's policy fields: stored together, the set ones only, in ``policies``."""
 _WIRE_FIELDS = (*_GO_FIELDS, "policies")
 _WIRE_COLUMNS = tuple(_COLUMNS[name] for name in _WIRE_FIELDS)
 _WIRE_LIST: TypeAdapter[list[LocalSchedule]] = TypeAdapter(list[LocalSchedule])

@@ -447,7 +447,7 @@ class LocalSchedule(_WireModel):
     enabled: bool
     params: dict[str, Any] | None = None
     version: int = 0
-    # Policies (issue 12). Every one is left out of the JSON when unset, so a row
+    # Policies. Every one is left out of the JSON when unset, so a row
     # without them is byte for byte the Go kit's, which ignores them.
     timezone: str = Field(default="", exclude_if=_unset)
     overlap: Overlap | None = Field(default=None, exclude_if=_unset)

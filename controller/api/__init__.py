@@ -10,25 +10,9 @@ answer about schedules is built from ``LocalSchedule.model_dump_json()`` (the
 pull answer from each row's stored output of it, see :mod:`controller.schedules`),
 so the bytes on the wire are the Go kit's JSON.
 
-Endpoints (every ``/api`` one needs ``Authorization: Bearer <token>``):
-
-====== ================================== =============== ===========================
-method path                               who             answer
-====== ================================== =============== ===========================
-GET    /healthz                           anyone          ``{"status": "ok"}`` or 503
-GET    /api/schedules?node=N              admin, node N   ``{"schedules": [...]}`` + ETag
-GET    /api/nodes                         admin           ``{"nodes": [...]}``
-GET    /api/nodes/{node}/schedules        admin, node     as ``/api/schedules?node=``
-GET    /api/nodes/{node}/schedules/{id}   admin, node     one row, or 404
-GET    /api/nodes/{node}/wait             admin, node     a long poll (``controller.waits``)
-PUT    /api/nodes/{node}/schedules/{id}   admin           the stored row (version bumped)
-DELETE /api/nodes/{node}/schedules/{id}   admin           204, or 404
-GET    /api/tasks                         admin           ``{"tasks": [...]}``
-GET    /api/tasks/{name}                  admin           one task, or 404
-GET    /api/tasks/{name}/dispatches       admin           ``{"dispatches": [...]}``, or 404
-PUT    /api/tasks/{name}                  admin           the stored task
-DELETE /api/tasks/{name}                  admin           204, or 404
-====== ================================== =============== ===========================
+Endpoints: every ``/api`` one needs ``Authorization: Bearer <token>``. The list with
+who may call each is the README's "Endpoints" table, which ``tests/test_api_reference.py``
+checks against the OpenAPI document the app serves (``/openapi.json``), so neither drifts.
 
 A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
 token outside its node, or on a write, gets 403. An invalid body gets 422 with

@@ -1,6 +1,6 @@
 """The fleet's routes: node reports, fleet and node status, upcoming windows, and what a write says.
 
-Endpoints (the fleet contract, ``/work`` issue 11):
+Endpoints (the fleet contract):
 
 - ``POST /api/nodes/{node}/report`` (admin, node): 204; latest kept, history bounded.
 - ``GET /api/status`` (admin): ``{"stale_after_s", "list_versions", "nodes"}``.

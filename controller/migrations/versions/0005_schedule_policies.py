@@ -1,7 +1,7 @@
 """A schedule row keeps its policy fields: ``agent_schedule.policies``.
 
 Until now the store kept one column per Go field and dropped the row's policy
-fields (issue 12: ``timezone``, ``overlap``, ``jitter``, ``catchup_window``,
+fields (``timezone``, ``overlap``, ``jitter``, ``catchup_window``,
 ``paused``, ``not_before``, ``not_after``, ``blackouts``, ``min_interval``,
 ``repo_lock``) when it stored a row. Upgrade adds one nullable JSON column for
 the set ones; every existing row has none (they were dropped), so its stored
