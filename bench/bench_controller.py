@@ -444,7 +444,7 @@ def report(
         "the completion and the raw side stay durable, the database's default), so the "
         "dispatch does not wait for a second WAL flush; the completion's durable commit "
         "flushes the claim with it, and a claim lost in a database crash is re-dispatched "
-        "under the same idempotency key (README, controller section). `--durable-claims` "
+        "under the same idempotency key (docs/controller.md). `--durable-claims` "
         "waits for the flush. The saves come from a process of their own, as from an API "
         "instance or another client; in the last row they come from a thread of the "
         "scheduler's own process, whose Python work after each commit holds the "

@@ -1,7 +1,7 @@
 """The operator's side of the fleet: the ``sched`` commands that talk to a controller and Prefect.
 
 Rule: this package is a client. It speaks to the controller over HTTP only
-(the API in FLEET-CONTRACT.md and the README) and to Prefect through Prefect's
+(the API in docs/controller.md and docs/operations.md) and to Prefect through Prefect's
 client; it imports ``sched_core`` for words and times, and nothing of
 ``controller``, ``flows`` or ``deployments`` (``tests/test_layering.py``).
 

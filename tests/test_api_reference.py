@@ -1,4 +1,4 @@
-"""The README's endpoint table is the API's reference: it must list exactly what the app serves.
+"""docs/controller.md's endpoint table is the API's reference: exactly what the app serves.
 
 Checked against the OpenAPI document the controller serves, so a new route or a
 removed one fails here until the table says so.
@@ -14,7 +14,7 @@ from sqlalchemy import create_engine
 from controller.api import create_app
 from controller.auth import Tokens
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+PAGE = (Path(__file__).resolve().parents[1] / "docs" / "controller.md").read_text(encoding="utf-8")
 
 
 def _shape(path: str) -> str:
@@ -22,8 +22,8 @@ def _shape(path: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", path.split("?", 1)[0])
 
 
-def readme_endpoints() -> set[tuple[str, str]]:
-    section = README.split("\n### Endpoints\n", 1)[1].split("\n#", 1)[0]
+def listed_endpoints() -> set[tuple[str, str]]:
+    section = PAGE.split("\n### Endpoints\n", 1)[1].split("\n#", 1)[0]
     found: set[tuple[str, str]] = set()
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -40,8 +40,8 @@ def served_endpoints() -> set[tuple[str, str]]:
             for path, operations in app.openapi()["paths"].items() for method in operations}
 
 
-def test_the_readme_lists_every_endpoint_the_controller_serves_and_no_other() -> None:
-    listed, served = readme_endpoints(), served_endpoints()
+def test_the_docs_list_every_endpoint_the_controller_serves_and_no_other() -> None:
+    listed, served = listed_endpoints(), served_endpoints()
     assert len(served) >= 20, served
-    assert served - listed == set(), "served but not in the README's table"
-    assert listed - served == set(), "in the README's table but not served"
+    assert served - listed == set(), "served but not in the table"
+    assert listed - served == set(), "in the table but not served"

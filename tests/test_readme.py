@@ -1,6 +1,6 @@
-"""The README's examples, run as a new user runs them: the shell blocks that can run here.
+"""The examples of the README and docs/, run as a new user runs them: the blocks that can run here.
 
-The `sched preview` example must print exactly what the README shows; the `sched`
+The `sched preview` example must print exactly what docs/kit.md shows; the `sched`
 transcript is compared line by line with the dates, the current time, seconds ago and
 EST/EDT masked (it runs at whatever time the suite does); the two `curl` examples run whole in
 bash against a real controller (and, for the events they send, a real Prefect server),
@@ -28,18 +28,19 @@ import pytest
 from tests.test_controller_cli import free_port, serving
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = "\n".join(path.read_text(encoding="utf-8")
+                  for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 BIN = Path(sys.executable).parent
 
 
 def blocks() -> list[str]:
-    """Return the body of every fenced block of the README."""
-    return re.findall(r"^```[a-z]*\n(.*?)^```$", README, flags=re.MULTILINE | re.DOTALL)
+    """Return the body of every fenced block of the README and docs/."""
+    return re.findall(r"^```[a-z]*\n(.*?)^```$", PAGES, flags=re.MULTILINE | re.DOTALL)
 
 
 def block_with(text: str) -> str:
     found = [body for body in blocks() if text in body]
-    assert len(found) == 1, f"{len(found)} README blocks hold {text!r}"
+    assert len(found) == 1, f"{len(found)} blocks of the docs hold {text!r}"
     return found[0]
 
 
@@ -50,7 +51,7 @@ def transcript(body: str) -> list[tuple[str, list[str]]]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        assert line.startswith("$ "), f"README transcript line outside a command: {line!r}"
+        assert line.startswith("$ "), f"transcript line outside a command: {line!r}"
         command = line[2:]
         while command.endswith("\\"):
             i += 1
@@ -135,7 +136,7 @@ def test_the_sched_transcript_runs_as_shown(tmp_path: Path,
 
 
 def run_block(body: str, cwd: Path, env: dict[str, str]) -> str:
-    """Run a README shell block in bash, then stop the controller it started."""
+    """Run a shell block of the docs in bash, then stop the controller it started."""
     script = body + '\nkill "$!"\nwait "$!" || true\n'
     proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -216,7 +217,7 @@ def test_the_fleet_example_answers_as_the_comments_show(tmp_path: Path,
     assert node["schedules"][0]["when"] == "daily at 02:30"
     assert len(node["schedules"][0]["next_windows"]) == 10
     assert [w["schedule_id"] for w in upcoming["windows"]] == ["s-1"]
-    # Every field the README's comments show is in the real answers.
+    # Every field the example's comments show is in the real answers.
     commented = "\n".join(line for line in raw.splitlines() if line.startswith("#"))
     shown = set(re.findall(r'"([a-z_]+)":', commented))
     real = set(re.findall(r'"([a-z_]+)":', out))

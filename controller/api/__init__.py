@@ -10,9 +10,9 @@ answer about schedules is built from ``LocalSchedule.model_dump_json()`` (the
 pull answer from each row's stored output of it, see :mod:`controller.schedules`),
 so the bytes on the wire are the Go kit's JSON.
 
-Endpoints: every ``/api`` one needs ``Authorization: Bearer <token>``. The list with
-who may call each is the README's "Endpoints" table, which ``tests/test_api_reference.py``
-checks against the OpenAPI document the app serves (``/openapi.json``), so neither drifts.
+Endpoints: every ``/api`` one needs ``Authorization: Bearer <token>``. The list, with
+who may call each, is the "Endpoints" table of docs/controller.md, which
+``tests/test_api_reference.py`` checks against the OpenAPI document the app serves.
 
 A missing or unknown token gets 401 with ``WWW-Authenticate: Bearer``; a node
 token outside its node, or on a write, gets 403. An invalid body gets 422 with
