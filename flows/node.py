@@ -82,16 +82,9 @@ from flows.settings import AgentSettings, load_settings
 from sched_core import Config, ConfigError, Fire, LocalSchedule, Scheduler
 from sched_core.chain import FOLLOW_WINDOW
 from sched_core.firing import Due, NodeView
+from sched_core.guard import StartDecision, retry_allowed, stage_retry_allowed
 from sched_core.matcher import window_key
-from sched_core.plan import (
-    TRIGGER_RECOVERY,
-    TRIGGER_SCHEDULE,
-    WINDOW_TRIGGERS,
-    Missed,
-    StartDecision,
-    retry_allowed,
-    stage_retry_allowed,
-)
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
 from sched_core.policies import row_zone
 
 log = logging.getLogger("flows.node")

@@ -48,11 +48,11 @@ from sched_core.cache import (
 from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
 from sched_core.due import due_windows, missed_windows
 from sched_core.errors import ConfigError, PullError
+from sched_core.guard import StartDecision, decide_start
 from sched_core.index import DueIndex
 from sched_core.matcher import DEFAULT_TZ, window_key, zone
 from sched_core.misses import eligible_after
 from sched_core.model import Cache, LocalSchedule
-from sched_core.plan import StartDecision, decide_start
 from sched_core.policies import latest_window, policy_block, row_zone
 from sched_core.pull import (
     MAX_PAYLOAD,
@@ -389,7 +389,7 @@ class Scheduler:
         in ``[now - grace, now]`` (:func:`sched_core.due.due_windows`); for a
         row with ``jitter``, the latest window whose start (window plus the
         node's offset) has come, within the grace of that start. Each is then
-        put to the agent's own start guard (:func:`sched_core.plan.decide_start`,
+        put to the agent's own start guard (:func:`sched_core.guard.decide_start`,
         tried now): a pause, a blackout, the row's dates or ``min_interval``
         hold it back with the guard's reason, as they do on the agent. One
         rule for every engine the kit offers; a late window is the miss
@@ -545,7 +545,7 @@ class Scheduler:
     ) -> tuple[StartDecision, LocalSchedule | None]:
         """Decide whether a planned run of window runs, and stamp the window if it does.
 
-        The start guard of :func:`sched_core.plan.decide_start`, in one locked
+        The start guard of :func:`sched_core.guard.decide_start`, in one locked
         step with the stamp: two runs of one window can never both pass.
         Returns the decision and a copy of the row it was made on (None when
         the schedule is gone).

@@ -26,8 +26,8 @@ import pytest
 
 from flows.prefect_api import state_body
 from flows.records import job_event
+from sched_core.guard import decide_start
 from sched_core.model import LocalSchedule
-from sched_core.plan import decide_start
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, row
 from tests.procs import wait_for
 

@@ -14,8 +14,8 @@ from zoneinfo import ZoneInfo
 
 from flows.firing import Decided, FiringLoop
 from sched_core.firing import Due, NodeView, due_now, next_start
+from sched_core.guard import StartDecision, Verdict
 from sched_core.model import LocalSchedule
-from sched_core.plan import StartDecision, Verdict
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)

@@ -13,20 +13,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from sched_core.guard import Verdict, decide_start, late_skips, retry_allowed, stage_retry_allowed
 from sched_core.matcher import fire_times, window_key
 from sched_core.model import LocalSchedule
-from sched_core.plan import (
-    MISSED_SHOWN,
-    PlannedRun,
-    Verdict,
-    decide_start,
-    late_skips,
-    missed,
-    obsolete,
-    plan_windows,
-    retry_allowed,
-    stage_retry_allowed,
-)
+from sched_core.plan import MISSED_SHOWN, PlannedRun, missed, obsolete, plan_windows
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)

@@ -17,18 +17,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from sched_core.guard import Verdict, decide_start, retry_allowed
 from sched_core.matcher import fire_times
 from sched_core.model import LocalSchedule
-from sched_core.plan import (
-    PlannedRun,
-    Verdict,
-    decide_start,
-    missed,
-    moved,
-    obsolete,
-    plan_windows,
-    retry_allowed,
-)
+from sched_core.plan import PlannedRun, missed, moved, obsolete, plan_windows
 from sched_core.policies import (
     describe_policies,
     jitter_offset,
