@@ -18,17 +18,18 @@ from sched_core.params import param_bool, param_int, param_string, param_strings
 
 if TYPE_CHECKING:
     from sched_core.chain import Chain, Spec, Stage
-    from sched_core.scheduler import Config, Fire, PullResult, Scheduler, TickReport
+    from sched_core.config import Config, Fire, TickReport
+    from sched_core.scheduler import PullResult, Scheduler
 
 _LAZY = {
     "Chain": "sched_core.chain",
     "Spec": "sched_core.chain",
     "Stage": "sched_core.chain",
-    "Config": "sched_core.scheduler",
-    "Fire": "sched_core.scheduler",
+    "Config": "sched_core.config",
+    "Fire": "sched_core.config",
     "PullResult": "sched_core.scheduler",
     "Scheduler": "sched_core.scheduler",
-    "TickReport": "sched_core.scheduler",
+    "TickReport": "sched_core.config",
 }
 
 

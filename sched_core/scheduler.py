@@ -28,11 +28,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo
 
 from sched_core.cache import (
@@ -46,13 +43,15 @@ from sched_core.cache import (
     validate_rows,
 )
 from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
+from sched_core.config import Config, Fire, FireFunc, TickReport
 from sched_core.due import due_windows, missed_windows
-from sched_core.errors import ConfigError, PullError
+from sched_core.errors import PullError
 from sched_core.guard import StartDecision, decide_start
 from sched_core.index import DueIndex
-from sched_core.matcher import DEFAULT_TZ, window_key, zone
+from sched_core.matcher import window_key
 from sched_core.misses import eligible_after
 from sched_core.model import Cache, LocalSchedule
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
 from sched_core.policies import latest_window, policy_block, row_zone
 from sched_core.pull import (
     MAX_PAYLOAD,
@@ -67,7 +66,7 @@ from sched_core.runner import Runner
 from sched_core.statefile import locked, remove_stale_temporaries
 
 if TYPE_CHECKING:
-    import httpx
+    pass
 
 __all__ = [  # the old import paths of names that moved out stay valid
     "MAX_PAYLOAD",
@@ -87,78 +86,6 @@ __all__ = [  # the old import paths of names that moved out stay valid
 
 log = logging.getLogger(__name__)
 
-TRIGGER_SCHEDULE = "schedule"
-TRIGGER_RECOVERY = "schedule-recovery"
-
-
-@dataclass(frozen=True)
-class Fire:
-    """One fire handed to the agent's callback."""
-
-    schedule: LocalSchedule
-    trigger_key: str
-    missed_recovery: bool
-    window: datetime | None
-    key: str
-
-
-FireFunc = Callable[[Fire], object]
-
-
-@dataclass
-class Config:
-    """How a scheduler pulls, where it keeps its cache and what it calls to fire.
-
-    ``pull_url``, ``node_name``, ``cache_path`` and ``fire`` are required; a
-    missing or invalid field raises :class:`ConfigError` naming it.
-    """
-
-    pull_url: str = ""
-    node_name: str = ""
-    cache_path: str | Path = ""
-    fire: FireFunc | None = None
-    http_client: httpx.Client | None = None
-    timezone: ZoneInfo | str = field(default_factory=lambda: DEFAULT_TZ)
-    fire_interval: timedelta = timedelta(seconds=60)
-    pull_interval: timedelta = timedelta(seconds=300)
-    fire_grace: timedelta = timedelta(minutes=5)
-
-    def __post_init__(self) -> None:
-        for name in ("pull_url", "node_name", "cache_path"):
-            if not getattr(self, name):
-                raise ConfigError(f"Config.{name} is required")
-        if self.fire is None or not callable(self.fire):
-            raise ConfigError("Config.fire is required and must be callable")
-        scheme = urlsplit(self.pull_url).scheme
-        if scheme not in ("http", "https", "file"):
-            raise ConfigError(
-                f"Config.pull_url {redact_url(self.pull_url)!r} must be http(s):// or file://"
-            )
-        if isinstance(self.timezone, str):
-            try:
-                self.timezone = zone(self.timezone)
-            except ValueError as exc:
-                raise ConfigError(f"Config.timezone {self.timezone!r} is unknown") from exc
-        for name in ("fire_interval", "pull_interval", "fire_grace"):
-            value = getattr(self, name)
-            if not isinstance(value, timedelta) or value <= timedelta(0):
-                raise ConfigError(f"Config.{name} must be a positive timedelta, got {value!r}")
-        self.cache_path = Path(self.cache_path)
-        if not self.cache_path.parent.is_dir():
-            raise ConfigError(f"Config.cache_path folder {self.cache_path.parent} does not exist")
-
-    @property
-    def tz(self) -> ZoneInfo:
-        """The timezone as a ZoneInfo."""
-        assert isinstance(self.timezone, ZoneInfo)
-        return self.timezone
-
-    @property
-    def path(self) -> Path:
-        """The cache path as a Path."""
-        return Path(self.cache_path)
-
-
 def _copy_row(row: LocalSchedule) -> LocalSchedule:
     """Return a copy of row the fire callback may change without touching the cache."""
     return row.model_copy(
@@ -170,17 +97,6 @@ def _copy_row(row: LocalSchedule) -> LocalSchedule:
             if row.blackouts else row.blackouts,
         }
     )
-
-
-@dataclass(frozen=True)
-class TickReport:
-    """What one tick fired, coalesced and failed, for logs and artifacts."""
-
-    fired: list[Fire]
-    failed: list[tuple[Fire, str]]
-    coalesced: dict[str, int]
-    held: dict[str, str] = field(default_factory=dict)
-    """Schedules whose due window the row's policies hold back, with the guard's reason."""
 
 
 class Scheduler:
