@@ -190,6 +190,11 @@ class CentralScheduler:
         self._pass_lock = threading.Lock()
         self._in_flight: dict[int, Claim] = {}
         """The claims of the pass under way whose leases the heartbeat renews."""
+        # (task id, scheduled time) this instance dispatched whose completion has not
+        # committed (its statement failed): the next pass completes them, never
+        # dispatches them again. Only the loop's and the listener's passes touch it,
+        # and those never overlap.
+        self._uncompleted: set[tuple[int, datetime]] = set()
         self._in_flight_lock = threading.Lock()
         self.renewals = 0
         """How many lease renewals this instance wrote (tests wait on it)."""
@@ -348,9 +353,10 @@ class CentralScheduler:
             except Exception as exc:
                 failures += 1
                 wait = backoff(failures, base=settings.retry_delay, cap=settings.max_retry_delay)
+                error = f"{type(exc).__name__}: {exc}"
                 log.warning(
-                    "scheduler pass failed; retrying",
-                    extra=self._log_extra(error=f"{type(exc).__name__}: {exc}", retry_in=wait),
+                    "scheduler pass failed (%s); retrying in %.1f s", error, wait,
+                    extra=self._log_extra(error=error, retry_in=wait),
                 )
             if wait > 0:
                 self.waiting.set()
@@ -401,6 +407,8 @@ class CentralScheduler:
            is left alone; one already dispatched is only completed.
         3. Plan each finished claim (:func:`controller.timing.plan_after_dispatch`)
            and complete the batch: reschedule recurring tasks, stop one-shot ones.
+           When that statement fails, the next pass completes what this instance
+           dispatched without dispatching it again.
 
         A batch that skipped claims is followed at once by another, which
         claims the latest windows they moved to. ``now`` pins the time
@@ -457,6 +465,9 @@ class CentralScheduler:
                         claims.complete_many(
                             completer, self._plan(completer, finished, now), now=now
                         )
+                    self._uncompleted.difference_update(
+                        (claim.task_id, claim.scheduled_at) for claim in finished
+                    )
         finally:
             self._release_hold(pairs)
         return skipped
@@ -570,11 +581,16 @@ class CentralScheduler:
         if outcome is DispatchOutcome.DONE:
             log.info("already dispatched; completing only", extra=extra)
             return True
+        if (claim.task_id, claim.scheduled_at) in self._uncompleted:
+            log.info("dispatched by this instance before its completion failed; "
+                     "completing only", extra=extra)
+            return True
         try:
             self.dispatcher(claim)
         except Exception as exc:
             self._failed(session, claim, f"{type(exc).__name__}: {exc}", now, extra)
             return False
+        self._uncompleted.add((claim.task_id, claim.scheduled_at))
         self.dispatched += 1
         return True
 

@@ -584,3 +584,33 @@ def test_the_heartbeat_renews_a_slow_dispatch_so_nobody_takes_it_over(
         second.stop()
         engine.dispose()
     assert quick.keys() == [] and [name for name, _ in slow.keys()] == ["slow"]
+
+
+def test_a_batch_whose_completion_failed_is_completed_without_a_second_dispatch(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Dispatched, then the completion's statement fails (a deadlock, a lost connection):
+    # the records still say "dispatching" by this worker. Its next pass must complete
+    # them, not dispatch them again (four instances under load did, 17 tasks twice).
+    for name in ("a", "b", "c"):
+        _save(engine, {"name": name, "run_at": T0, "event": "x"}, now=T0)
+    real, calls = claims.complete_many, []
+
+    def fails_once(*args: Any, **kwargs: Any) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("deadlock detected (as asked)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(claims, "complete_many", fails_once)
+    recorder = RecordingDispatcher()
+    scheduler = CentralScheduler(engine, worker_id="w1", dispatcher=recorder)
+    try:
+        with pytest.raises(RuntimeError, match="as asked"):
+            scheduler.run_once(now=T0)
+        for seconds in (1, 15, 60):  # before and after the lease and stale_after ran out
+            scheduler.run_once(now=T0 + timedelta(seconds=seconds))
+    finally:
+        scheduler.stop()
+    assert sorted(recorder.keys()) == [("a", T0), ("b", T0), ("c", T0)]
+    assert {_task(engine, name).status for name in ("a", "b", "c")} == {TaskStatus.DONE}
