@@ -58,7 +58,7 @@ from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
 from sched_core.explain import dst_note, schedule_words
 from sched_core.matcher import zone
-from sched_core.model import LocalSchedule, parse_go_time
+from sched_core.model import LocalSchedule, local_text, parse_go_time
 from sched_core.plan import upcoming
 from sched_core.policies import (
     duration_text,
@@ -139,11 +139,6 @@ class FleetSettings:
         if self.stale_after is not None:
             return self.stale_after
         return STALE_PULLS * self.pull_interval
-
-
-def local_text(instant: datetime, tz: ZoneInfo) -> str:
-    """Return an instant for people in tz: ``Wed 2026-12-03 02:30 EST``."""
-    return instant.astimezone(tz).strftime("%a %Y-%m-%d %H:%M %Z")
 
 
 def node_zone(report: StoredReport | None, settings: FleetSettings) -> ZoneInfo:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from sched_core.matcher import DAY, DEFAULT_TZ, ZoneTable, zone_table
+from sched_core.matcher import DAY, DEFAULT_TZ, SETTLE, ZoneTable, zone_table
 from sched_core.model import DAY_NAMES, LocalSchedule
 
 __all__ = ["DueIndex"]
@@ -28,8 +28,6 @@ _DAY_BIT = {name: 1 << index for index, name in enumerate(DAY_NAMES)}
 _ALL_DAYS = 0b111_1111
 _MINUTES_PER_DAY = 1440
 _MINUTE = {text: int(text) for value in range(60) for text in (str(value), f"{value:02d}")}
-# Instants this long after a transition are ordinary (no shift is this large).
-_SETTLE = 3 * 3600
 
 _Slot = tuple[list[int], list[LocalSchedule]]
 """Weekday masks (bit 0 is Monday) and, at the same positions, their schedules."""
@@ -155,9 +153,9 @@ class DueIndex:
         if offset % 60:
             return []  # wall minutes are not UTC minutes here: see fire_times
         local = now + offset
-        if not zone.has_transition(now - _SETTLE, now):
+        if not zone.has_transition(now - SETTLE, now):
             return self._ordinary(local)
-        moment, before, after = zone.transitions(now - _SETTLE, now)[-1]
+        moment, before, after = zone.transitions(now - SETTLE, now)[-1]
         if after > before and now == moment:
             found = self._ordinary(local)
             seen = {id(row) for row in found}

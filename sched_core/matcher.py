@@ -62,7 +62,7 @@ HORIZON = 8 * DAY
 
 # No real transition moves the clock by this much or more, so an instant this far
 # after the last transition is neither in a repeated hour nor a moved window.
-_SETTLE = 3 * 3600
+SETTLE = 3 * 3600
 _PROBE = 3600
 _EPOCH_DATE = date(1970, 1, 1)
 _DAY_INDEX = {name: index for index, name in enumerate(DAY_NAMES)}
@@ -373,9 +373,9 @@ def next_instant(compiled: Compiled, zone: ZoneTable, after: float) -> int | Non
             index = bisect_right(walls, minute_now) if ahead == 0 else 0
             if index < len(walls):
                 candidate = (day + ahead) * DAY + walls[index] * 60 - offset
-                # With no transition from _SETTLE before ``after`` up to the candidate,
+                # With no transition from SETTLE before ``after`` up to the candidate,
                 # wall times map one to one onto instants in between.
-                if not zone.has_transition(now - _SETTLE, candidate):
+                if not zone.has_transition(now - SETTLE, candidate):
                     return candidate if candidate <= after + HORIZON else None
                 break
     for horizon in (DAY, HORIZON):
@@ -401,7 +401,7 @@ def last_instant(compiled: Compiled, zone: ZoneTable, before: float) -> int | No
             index = bisect_right(walls, minute_now) if back == 0 else len(walls)
             if index > 0:
                 candidate = (day - back) * DAY + walls[index - 1] * 60 - offset
-                if not zone.has_transition(candidate - _SETTLE, now):
+                if not zone.has_transition(candidate - SETTLE, now):
                     return candidate if candidate >= before - HORIZON else None
                 break
     for horizon in (DAY, HORIZON):

@@ -37,6 +37,7 @@ from zoneinfo import ZoneInfo
 from sched_core.matcher import fire_times, zone
 from sched_core.misses import LOOKBACK
 from sched_core.model import DAY_NAMES, Blackout, LocalSchedule
+from sched_core.model import local_text as model_local_text
 
 __all__ = [
     "LOOKBACK",
@@ -122,8 +123,8 @@ def run_start(row: LocalSchedule, window: datetime, *, node: str, tz: ZoneInfo) 
 
 
 def local_text(instant: datetime, tz: ZoneInfo) -> str:
-    """Return an instant as ``2026-11-30 02:30 EST`` in tz."""
-    return instant.astimezone(tz).strftime("%Y-%m-%d %H:%M %Z")
+    """Return an instant as ``2026-11-30 02:30 EST`` in tz: the model's, without the weekday."""
+    return model_local_text(instant, tz, "%Y-%m-%d %H:%M %Z")
 
 
 def duration_text(delta: timedelta) -> str:
