@@ -86,6 +86,17 @@ __all__ = [  # the old import paths of names that moved out stay valid
 
 log = logging.getLogger(__name__)
 
+def _own_clock(row: LocalSchedule) -> bool:
+    """Whether the row's windows are not the node zone's minutes: its own zone, or a jitter."""
+    return bool(row.timezone) or row.jitter > 0
+
+
+def _plain(row: LocalSchedule) -> bool:
+    """Whether the row has no policy that can hold a window back (the Go kit's row)."""
+    return not (_own_clock(row) or row.paused or row.not_before or row.not_after
+                or row.blackouts or row.min_interval)
+
+
 def _copy_row(row: LocalSchedule) -> LocalSchedule:
     """Return a copy of row the fire callback may change without touching the cache."""
     return row.model_copy(
@@ -302,24 +313,26 @@ class Scheduler:
         """Return the windows due at now, and the rows whose policies hold theirs back.
 
         The candidates: per enabled clock schedule, the latest eligible window
-        in ``[now - grace, now]`` (:func:`sched_core.due.due_windows`); for a
-        row with ``jitter``, the latest window whose start (window plus the
-        node's offset) has come, within the grace of that start. Each is then
-        put to the agent's own start guard (:func:`sched_core.guard.decide_start`,
+        in ``[now - grace, now]`` (:func:`sched_core.due.due_windows`, in the
+        node's zone); for a row with its own ``timezone`` or a ``jitter``, the
+        latest window in its zone whose start (window plus the node's offset)
+        has come, within the grace of that start. A row with policies then goes
+        to the agent's own start guard (:func:`sched_core.guard.decide_start`,
         tried now): a pause, a blackout, the row's dates or ``min_interval``
-        hold it back with the guard's reason, as they do on the agent. One
-        rule for every engine the kit offers; a late window is the miss
-        check's, never the tick's.
+        hold it back with the guard's reason, as they do on the agent. A row
+        without any is the Go kit's and fires as it always did (the guard would
+        say "on time"). One rule for every engine the kit offers; a late window
+        is the miss check's, never the tick's.
         """
         grace, node = self._config.fire_grace, self._config.node_name
         cache = self._cache
         candidates = [
             (due.schedule, due.window, due.coalesced)
             for due in due_windows(self._index, cache, now=now, grace=grace)
-            if due.schedule.jitter <= 0
+            if not _own_clock(due.schedule)
         ]
         for row in cache.schedules:
-            if row.jitter <= 0 or not row.enabled or row.schedule.is_event:
+            if not _own_clock(row) or not row.enabled or row.schedule.is_event:
                 continue
             found = latest_window(row, now, since=now - grace - timedelta(seconds=row.jitter),
                                   node=node, tz=row_zone(row, self._tz))
@@ -331,6 +344,9 @@ class Scheduler:
         due: list[tuple[LocalSchedule, datetime, int]] = []
         held: dict[str, str] = {}
         for row, window, older in sorted(candidates, key=lambda c: (c[1], c[0].id)):
+            if _plain(row):
+                due.append((row, window, older))
+                continue
             decision = decide_start(
                 row, schedule_id=row.id, window=window,
                 last_fired=cache.last_fired_at.get(row.id),

@@ -787,3 +787,16 @@ def test_missed_run_check_holds_a_paused_row(tmp_path: Path) -> None:
     agent.scheduler.pull(now=T0 - timedelta(hours=3))
     report = agent.scheduler.missed_run_report(now=T0 + timedelta(minutes=30))
     assert report.fired == [] and "maintenance" in report.held["a"], report.held
+
+
+def test_tick_fires_a_row_with_its_own_zone_at_that_zones_wall_clock(tmp_path: Path) -> None:
+    # 10:00 in Berlin on 2026-11-30 is 09:00Z; the node runs in New York (04:00 there).
+    berlin_ten = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+    agent = Agent(tmp_path, [row("z", schedule=clock(["*"], ["10"], "0"),
+                                timezone="Europe/Berlin"),
+                             row("n", schedule=clock(["*"], ["10"], "0"))])
+    agent.scheduler.pull(now=berlin_ten - timedelta(hours=2))
+    fired = agent.scheduler.tick_report(now=berlin_ten).fired
+    assert [(f.schedule.id, f.window) for f in fired] == [("z", berlin_ten)]
+    fired = agent.scheduler.tick_report(now=T0).fired  # 10:00 in New York
+    assert [(f.schedule.id, f.window) for f in fired] == [("n", T0)]
