@@ -19,19 +19,22 @@ reaped children included).
    events to its long poll), for ``--idle-minutes`` (default 16: one periodic
    reconcile), against a server with no planned runs and one with 200,000: the
    node's requests to Prefect and connections to it, and the server's CPU, per
-   node-hour.
+   node-hour, beside the same server's CPU alone for as long before the node
+   starts (its own services: what the node adds is the difference).
 3. ``fleet``: 200 nodes (the real node code, ``Node`` objects in this process,
    each pulling from the controller) on the SQLite server, idle, checked against
    part 2's real node process (requests per node-hour): the server's CPU, and the
    latency of a health probe every second (a request waiting on SQLite's limiter
-   of 100 would show as seconds).
+   of 100 would show as seconds), and the server's busy answers (429/503), while
+   the fleet starts and in the measured minutes.
 4. ``outage``: a node with two every-minute rows; the server killed for 10
    minutes (20 windows): each window's command start, and how long after the
    server's return each run reached its final state.
 
     .venv/bin/python bench/bench_node.py [--parts latency,idle,fleet,outage] [--no-write]
 
-All parts take about 75 minutes. Writes the figures into docs/benchmarks.md
+All parts take about 110 minutes (with a fill of 200,000 planned runs to make; `--filled`
+keeps it for the next run). Writes the figures into docs/benchmarks.md
 between ``node:begin`` and ``node:end``.
 """
 
@@ -500,6 +503,11 @@ def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
             t0 = time.monotonic()
             _populate(api, planned)
             filled = time.monotonic() - t0
+            # The server alone first: its own services' cost, which the node's is beside.
+            time.sleep(30)
+            alone0 = tree_cpu(proc.pid)
+            time.sleep(minutes * 60)
+            alone = (tree_cpu(proc.pid) - alone0) / (minutes / 60)
             name = f"idle-{uuid.uuid4().hex[:6]}"
             controller = Controller(folder, url, [name])
             for row in _idle_rows():
@@ -518,6 +526,7 @@ def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
             hours = minutes / 60
             results[label] = {
                 "server_cpu_s_per_hour": (server1 - server0) / hours,
+                "server_alone_cpu_s_per_hour": alone,
                 "requests_per_hour": (requests1 - requests0) / hours,
                 "connections_opened_per_hour": (opened1 - opened0) / hours,
                 "connections_max": max(samples), "connections_mean": statistics.mean(samples),
@@ -562,6 +571,7 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
             threads.append(thread)
         started = time.monotonic() - t0
         time.sleep(120)  # every node registered and planned
+        busy_at_start = sum(node.api.busy for node in nodes)
         import httpx
 
         def health() -> None:
@@ -578,12 +588,14 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
         time.sleep(minutes * 60)
         server1 = tree_cpu(proc.pid)
         requests1 = sum(node.api.requests for node in nodes)
+        busy1 = sum(node.api.busy for node in nodes)
         stop.set()
         prober.join(5)
         hours = minutes / 60
         return {"nodes": count, "start_s": started,
                 "server_cpu_s_per_hour": (server1 - server0) / hours,
                 "requests_per_node_hour": (requests1 - requests0) / hours / count,
+                "busy_at_start": busy_at_start, "busy_measured": busy1 - busy_at_start,
                 "health_p50_ms": statistics.median(probe) * 1000,
                 "health_p99_ms": _pct(probe, 0.99) * 1000, "health_max_ms": max(probe) * 1000}
     finally:
@@ -669,6 +681,16 @@ def _restart(home: Path, port: int) -> subprocess.Popen[bytes]:
 # -- the report ---------------------------------------------------------------------------
 
 
+def _busy_text(fleet_found: dict[str, Any]) -> str:
+    """What the server's busy answers (429/503: too busy to do anything) say of the fleet."""
+    if "busy_measured" not in fleet_found:
+        return "the server's busy answers (429/503) were not counted in this run."
+    return (f"the server answered "
+            f"{fleet_found['busy_at_start']} requests busy (429/503) while the fleet started "
+            f"and {fleet_found['busy_measured']} in the measured minutes (each is asked again; "
+            "no node holds a websocket).")
+
+
 def report(found: dict[str, Any]) -> str:
     lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 75 "
              "minutes; `--parts latency,idle,fleet,outage` runs some, keeping the others' last "
@@ -697,12 +719,14 @@ def report(found: dict[str, Any]) -> str:
                   "none due; pulling from a controller that relays Prefect's events to its "
                   "long poll; requests and connections counted by a proxy in front of the "
                   "server):", "",
-                  "| server holds | server CPU | requests | connections opened | open (max, "
-                  "mean) |", "|---|---|---|---|---|"]
+                  "| server holds | server CPU with the node (alone) | requests | "
+                  "connections opened | open (max, mean) |", "|---|---|---|---|---|"]
         for label, item in idle_found.items():
             if not isinstance(item, dict):
                 continue
-            lines.append(f"| {label} | {item['server_cpu_s_per_hour']:.2f} s | "
+            alone = item.get("server_alone_cpu_s_per_hour")
+            alone_text = "not measured" if alone is None else f"{alone:.2f} s"
+            lines.append(f"| {label} | {item['server_cpu_s_per_hour']:.2f} s ({alone_text}) | "
                          f"{item['requests_per_hour']:.1f} | "
                          f"{item['connections_opened_per_hour']:.1f} | "
                          f"{item['connections_max']}, {item['connections_mean']:.2f} |")
@@ -721,8 +745,8 @@ def report(found: dict[str, Any]) -> str:
                   f"{(idle_found or {}).get('0 planned runs', {}).get('requests_per_hour', 0):.1f}"
                   "), a health probe every second answered in p50 "
                   f"{fleet_found['health_p50_ms']:.0f} ms, p99 {fleet_found['health_p99_ms']:.0f} "
-                  f"ms, max {fleet_found['health_max_ms']:.0f} ms (no request waited on "
-                  "SQLite's limiter of 100: no node holds a websocket).", ""]
+                  f"ms, max {fleet_found['health_max_ms']:.0f} ms; "
+                  + _busy_text(fleet_found), ""]
     out = found.get("outage")
     if out:
         late = out["starts"]

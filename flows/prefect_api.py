@@ -194,6 +194,8 @@ class PrefectApi:
         )
         self.requests = 0
         """Requests sent (for the node's log and the benchmarks)."""
+        self.busy = 0
+        """Answers of a server too busy to do anything (429, 503), each asked again."""
 
     def close(self) -> None:
         """Close the HTTP client if it is this object's own."""
@@ -210,7 +212,10 @@ class PrefectApi:
                 raise PrefectUnavailable(
                     f"cannot reach the Prefect API at {self.settings.shown_url} "
                     f"({type(exc).__name__}: {exc})") from None
-            if response.status_code not in BUSY or delay is None:
+            if response.status_code not in BUSY:
+                break
+            self.busy += 1
+            if delay is None:
                 break
             time.sleep(delay)  # the server was busy and did nothing: ask again
         if response.status_code in (401, 403):
