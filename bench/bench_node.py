@@ -570,7 +570,18 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
             thread.start()
             threads.append(thread)
         started = time.monotonic() - t0
-        time.sleep(120)  # every node registered and planned
+        # Every node registered and planned: on SQLite, 200 nodes starting at once get
+        # busy answers and register over minutes, so wait until the fleet's calls fall
+        # to an idle fleet's (under one per two nodes a minute), at most 20 minutes.
+        settle_deadline = time.monotonic() + 20 * 60
+        before = sum(node.api.requests for node in nodes)
+        while time.monotonic() < settle_deadline:
+            time.sleep(60)
+            now_requests = sum(node.api.requests for node in nodes)
+            if now_requests - before < count / 2:
+                break
+            before = now_requests
+        settled = time.monotonic() - t0
         busy_at_start = sum(node.api.busy for node in nodes)
         import httpx
 
@@ -592,7 +603,7 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
         stop.set()
         prober.join(5)
         hours = minutes / 60
-        return {"nodes": count, "start_s": started,
+        return {"nodes": count, "start_s": started, "settled_s": settled,
                 "server_cpu_s_per_hour": (server1 - server0) / hours,
                 "requests_per_node_hour": (requests1 - requests0) / hours / count,
                 "busy_at_start": busy_at_start, "busy_measured": busy1 - busy_at_start,
@@ -692,7 +703,7 @@ def _busy_text(fleet_found: dict[str, Any]) -> str:
 
 
 def report(found: dict[str, Any]) -> str:
-    lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 75 "
+    lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 110 "
              "minutes; `--parts latency,idle,fleet,outage` runs some, keeping the others' last "
              "figures, each with the time it was measured).", ""]
     lat = found.get("latency")
@@ -718,7 +729,8 @@ def report(found: dict[str, Any]) -> str:
                   "(10 schedules, "
                   "none due; pulling from a controller that relays Prefect's events to its "
                   "long poll; requests and connections counted by a proxy in front of the "
-                  "server):", "",
+                  "server; server CPU is the whole server's while it serves that one node, its "
+                  "own services included, beside the same server alone where measured):", "",
                   "| server holds | server CPU with the node (alone) | requests | "
                   "connections opened | open (max, mean) |", "|---|---|---|---|---|"]
         for label, item in idle_found.items():
@@ -738,7 +750,11 @@ def report(found: dict[str, Any]) -> str:
         lines += [f"**{fleet_found['nodes']} nodes on the embedded SQLite server** "
                   f"({fleet_found.get('measured', '')}; the real "
                   "node code, each pulling from the controller; started in "
-                  f"{fleet_found['start_s']:.0f} s): server CPU "
+                  f"{fleet_found['start_s']:.0f} s"
+                  + (f", every node registered and planned after "
+                     f"{fleet_found['settled_s'] / 60:.1f} min, then measured"
+                     if "settled_s" in fleet_found else "")
+                  + "): server CPU "
                   f"{fleet_found['server_cpu_s_per_hour']:.0f} s per hour for the whole fleet, "
                   f"{fleet_found['requests_per_node_hour']:.1f} requests per node-hour "
                   "(the real node process of the part above: "
