@@ -603,7 +603,7 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
         stop.set()
         prober.join(5)
         hours = minutes / 60
-        return {"nodes": count, "start_s": started, "settled_s": settled,
+        return {"nodes": count, "minutes": minutes, "start_s": started, "settled_s": settled,
                 "server_cpu_s_per_hour": (server1 - server0) / hours,
                 "requests_per_node_hour": (requests1 - requests0) / hours / count,
                 "busy_at_start": busy_at_start, "busy_measured": busy1 - busy_at_start,
@@ -759,7 +759,10 @@ def report(found: dict[str, Any]) -> str:
                   f"{fleet_found['requests_per_node_hour']:.1f} requests per node-hour "
                   "(the real node process of the part above: "
                   f"{(idle_found or {}).get('0 planned runs', {}).get('requests_per_hour', 0):.1f}"
-                  "), a health probe every second answered in p50 "
+                  + (f"; these {fleet_found['minutes']} minutes hold none of the node's "
+                     "periodic reconciles, every 15 minutes"
+                     if fleet_found.get("minutes", 16) < 15 else "")
+                  + "), a health probe every second answered in p50 "
                   f"{fleet_found['health_p50_ms']:.0f} ms, p99 {fleet_found['health_p99_ms']:.0f} "
                   f"ms, max {fleet_found['health_max_ms']:.0f} ms; "
                   + _busy_text(fleet_found), ""]
