@@ -14,6 +14,7 @@ import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -21,6 +22,8 @@ from flows.identity import job_run_name
 from flows.prefect_api import state_body
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, offset_to, row, wait_runs
 from tests.procs import wait_for
+
+NODE_ZONE = ZoneInfo("America/New_York")  # tests/nodekit.py's agent.toml
 
 pytestmark = [pytest.mark.prefect]
 
@@ -124,7 +127,7 @@ def test_the_chain_prunes_then_checks_after_a_wave_and_not_after_a_failed_one(
     good.start()
     bad.start()
     try:
-        day = good.clock().date()
+        day = good.clock().astimezone(NODE_ZONE).date()  # the chain's day is the node's
         wait_for("prune and check on the good node", lambda: {
             run["name"].split("-", 1)[0] for run in prefect.node_runs(good.name)
             if final(run) and any(tag.startswith("trigger:chain-") for tag in run["tags"])}
