@@ -114,6 +114,9 @@ class Recorder:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._draining = threading.Lock()
+        """One drain at a time: the node's last drain at stop and the thread's would
+        otherwise record one job twice at once (each with its own progress)."""
         self._checked: set[str] = set()  # folders whose in-flight step was checked this process
         self.reachable = True
         """False while the server cannot be reached (for the node's status and its log)."""
@@ -187,6 +190,10 @@ class Recorder:
 
         Raises PrefectUnavailable when the server cannot be reached (the caller waits).
         """
+        with self._draining:
+            return self._drain()
+
+    def _drain(self) -> bool:
         pending = False
         folders = list(self.outbox.jobs())
         for index, folder in enumerate(folders):

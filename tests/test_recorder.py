@@ -164,3 +164,38 @@ def test_a_deleted_deployment_is_registered_again_and_the_job_recorded(
     assert run is not None and run["state"]["type"] == "COMPLETED"
     assert run["deployment_id"] != ids["run-job"]
 
+
+
+def test_two_drains_at_once_record_a_job_once(
+    tmp_path: Path, api: PrefectApi, prefect: Prefect,
+) -> None:
+    # The node's last drain at stop runs beside the recorder thread's: one at a time, or
+    # both record the job with their own progress (two RUNNING states, two events) and
+    # one writes into the folder the other has just forgotten.
+    import threading
+
+    node = f"two-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    ended = WINDOW + timedelta(seconds=2)
+    folder = _job(outbox, node, started=WINDOW, ended=ended, lines=["a", "b", "c"])
+    recorder = _recorder(api, outbox, node, Clock(ended + timedelta(seconds=1)))
+    together = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        together.wait()
+        try:
+            recorder.drain()
+        except Exception as exc:  # the test reports whatever a drain raised
+            errors.append(exc)
+
+    threads = [threading.Thread(target=drain) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    run_id = (folder.read_json("record.json") or {})["flow_run_id"]
+    kinds = [state["type"] for state in prefect.states(run_id)]
+    assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
+    assert len(prefect.events("sched.job.completed", node)) == 1
