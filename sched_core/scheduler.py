@@ -29,7 +29,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 from sched_core.cache import (
@@ -64,9 +63,6 @@ from sched_core.pull import (
 )
 from sched_core.runner import Runner
 from sched_core.statefile import locked, remove_stale_temporaries
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [  # the old import paths of names that moved out stay valid
     "MAX_PAYLOAD",
