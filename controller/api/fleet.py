@@ -359,18 +359,22 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         ]
         return JSONResponse(row)
 
+    def reader_of(request: Request, node: str | None, what: str = "read its own node") -> None:
+        """Let the admin read the fleet, and a node's token its own node only (403 else)."""
+        principal = auth.authenticate(request)
+        if node is not None:
+            check_name(("query", "node"), node)
+            auth.require_node(request, node)
+        elif not principal.is_admin:
+            raise _forbidden(f"a node token may only {what} (?node=NAME)")
+
     @router.get("/api/upcoming")
     def upcoming(
         request: Request,
         hours: float = Query(24, gt=0, le=192),
         node: str | None = None,
     ) -> JSONResponse:
-        principal = auth.authenticate(request)
-        if node is not None:
-            check_name(("query", "node"), node)
-            auth.require_node(request, node)
-        elif not principal.is_admin:
-            raise _forbidden("a node token may only list its own node's windows (?node=NAME)")
+        reader_of(request, node, "list its own node's windows")
 
         def read(session: Session) -> dict[str, Any]:
             if node is not None:
@@ -394,15 +398,6 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
             ))
         listed, cut = fleet.sort_windows(windows, MAX_UPCOMING)
         return JSONResponse({"windows": listed, "truncated": cut})
-
-    def reader_of(request: Request, node: str | None) -> None:
-        """Let the admin read the fleet, and a node's token its own node only (403 else)."""
-        principal = auth.authenticate(request)
-        if node is not None:
-            check_name(("query", "node"), node)
-            auth.require_node(request, node)
-        elif not principal.is_admin:
-            raise _forbidden("a node token may only read its own node (?node=NAME)")
 
     @router.get("/api/report")
     def fleet_report(
