@@ -1,6 +1,9 @@
 """The controller's HTTP API: the schedules agents pull, CRUD for schedules and tasks.
 
-The package: :mod:`~controller.api.app` (the routers, auth as dependencies),
+The package: :mod:`~controller.api.app` (the app, its error answers, the task routes),
+:mod:`~controller.api.access` (auth as dependencies), :mod:`~controller.api.rows` (a
+node's schedules: the pull and the writes), :mod:`~controller.api.fleet` (reports,
+status, windows), :mod:`~controller.api.page` (the fleet page),
 :mod:`~controller.api.jsonbody` (bodies read as Go reads them),
 :mod:`~controller.api.pull` (the pull answer, its ETag and cache) and
 :mod:`~controller.api.access_log` (one log line per request).

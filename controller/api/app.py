@@ -1,4 +1,4 @@
-"""The controller's HTTP app: routers for schedules and tasks, auth as dependencies.
+"""The controller's HTTP app: the routers assembled, errors mapped to answers, the task routes.
 
 Rule: authentication runs before anything reads the request body (it is a
 dependency; bodies are read inside the endpoints), and every answer about
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -28,23 +28,22 @@ from sqlmodel import Session, select
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller import claims, schedules, tasks
+from controller import claims, tasks
+from controller.api.access import Auth
 from controller.api.access_log import AccessLogMiddleware
-from controller.api.fleet import FleetApi, fleet_router, row_from_body
+from controller.api.fleet import FleetApi, fleet_router
 from controller.api.headers import SecurityHeadersMiddleware
 from controller.api.jsonbody import (
-    _unprocessable,
     check_name,
-    check_node,
     read_model,
-    read_object,
     validation_entries,
 )
 from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
-from controller.api.pull import PULL_CACHE_BYTES, PullCache, pull_response
+from controller.api.pull import PULL_CACHE_BYTES, PullCache
+from controller.api.rows import schedule_router
 from controller.api.wait import wait_router
-from controller.auth import Principal, Tokens, bearer_token
+from controller.auth import Tokens
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
 from controller.events import NoEvents, ScheduleEvents
 from controller.fleet import FleetSettings
@@ -60,54 +59,6 @@ T = TypeVar("T")
 
 DB_RETRY_AFTER_S = 5
 """The ``Retry-After`` of a 503 answered because the database is unavailable (seconds)."""
-
-
-class Auth:
-    """Who is calling, as FastAPI dependencies: ``Depends(auth.require_admin)`` and friends.
-
-    A missing or unknown token is a 401 with ``WWW-Authenticate: Bearer``; a
-    node token outside its node, or on a write, is a 403. The principal (and
-    the node, when the path names one) go on ``request.state`` for the access log.
-    """
-
-    def __init__(self, tokens: Tokens) -> None:
-        self.tokens = tokens
-
-    def authenticate(self, request: Request) -> Principal:
-        """Return the caller's principal; 401 when the token is missing or unknown."""
-        token = bearer_token(request.headers.get("authorization"))
-        principal = self.tokens.authenticate(token)
-        if principal is None:
-            detail = "missing bearer token" if token is None else "invalid bearer token"
-            challenge = "Bearer" if token is None else 'Bearer error="invalid_token"'
-            raise HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
-        request.state.principal = principal
-        return principal
-
-    def require_admin(self, request: Request) -> Principal:
-        """Return the admin principal; 403 for a node token."""
-        principal = self.authenticate(request)
-        if not principal.is_admin:
-            raise HTTPException(403, "this endpoint needs the admin token")
-        return principal
-
-    def require_admin_on_node(self, request: Request, node: str) -> Principal:
-        """Return the admin principal of a write to node's schedules (node logged either way)."""
-        request.state.node = node
-        return self.require_admin(request)
-
-    def is_own(self, principal: Principal, node: str) -> bool:
-        """Return whether principal is node itself: its own token (or any caller when
-        serving without tokens, where nobody can be told apart)."""
-        return principal.node == node or self.tokens.insecure
-
-    def require_node(self, request: Request, node: str) -> Principal:
-        """Return a principal that may read node's schedules (the admin, or node itself)."""
-        request.state.node = node
-        principal = self.authenticate(request)
-        if not principal.may_read_node(node):
-            raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
-        return principal
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -178,94 +129,10 @@ def allowed_methods(app: FastAPI, path: str) -> list[str]:
     return sorted(found, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m))
 
 
-def _check_schedule_key(node: str, schedule_id: str, *, storing: bool = False) -> None:
-    check_node(("path", "node"), node, storing=storing)
-    check_name(("path", "id"), schedule_id, storing=storing)
-
-
 def _task_json(task: ScheduledTask) -> dict[str, Any]:
     """Return a stored task as JSON-ready data (called inside its session)."""
     data: dict[str, Any] = task.model_dump(mode="json")
     return data
-
-
-def schedule_router(
-    in_session: Callable[[Callable[[Session], Any]], Any], auth: Auth, pull_cache: PullCache,
-    fleet_api: FleetApi,
-) -> APIRouter:
-    """Return the routes of the agents' schedules: the pull, and CRUD per node."""
-    router = APIRouter()
-    admin = Depends(auth.require_admin)
-    admin_on_node = Depends(auth.require_admin_on_node)
-    reader = Depends(auth.require_node)
-
-    def pull_answer(request: Request, node: str, source: str = "path") -> Response:
-        principal = auth.require_node(request, node)
-        check_name((source, "node"), node)
-        own = auth.is_own(principal, node)
-
-        def recorded(name: str, status: int, etag: str) -> None:
-            fleet_api.record_pull(name, status, etag, own=own)
-
-        return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"),
-                             recorded)
-
-    @router.get("/api/schedules", dependencies=[Depends(auth.authenticate)])
-    def list_schedules(request: Request, node: str | None = None) -> Response:
-        # node is checked here, not by FastAPI, so that a missing token is a 401 first.
-        if not node:
-            raise _unprocessable(("query", "node"), "node is required (?node=NAME)", "missing")
-        return pull_answer(request, node, "query")
-
-    @router.get("/api/nodes", dependencies=[admin])
-    def list_nodes() -> JSONResponse:
-        return JSONResponse({"nodes": in_session(schedules.list_nodes)})
-
-    @router.get("/api/nodes/{node}/schedules", dependencies=[reader])
-    def list_node_schedules(request: Request, node: str) -> Response:
-        return pull_answer(request, node)
-
-    @router.get("/api/nodes/{node}/schedules/{schedule_id}", dependencies=[reader])
-    def get_schedule(node: str, schedule_id: str) -> Response:
-        _check_schedule_key(node, schedule_id)
-        row = in_session(lambda s: schedules.get_schedule(s, node, schedule_id))
-        if row is None:
-            raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
-        return Response(row.model_dump_json(), media_type="application/json")
-
-    @router.put(
-        "/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node],
-        openapi_extra=json_body(
-            LocalSchedule, "The row in the agents' wire format; `id` may be left out "
-            "(the path's), `version` is ignored (the stored one is bumped)."
-        ),
-    )
-    async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
-        _check_schedule_key(node, schedule_id, storing=True)
-        row = row_from_body(await read_object(request, "id", schedule_id))
-        stored = await run_in_threadpool(
-            in_session, lambda s: schedules.put_schedule(s, node, row, now=fleet_api.clock())
-        )
-        # Both are identifiers by now (the node's path rule, the row's id rule).
-        log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
-                                           "version": stored.version})
-        return await run_in_threadpool(fleet_api.written, node, stored, "put")
-
-    @router.delete(
-        "/api/nodes/{node}/schedules/{schedule_id}", status_code=204,
-        dependencies=[admin_on_node],
-    )
-    def delete_schedule(node: str, schedule_id: str) -> Response:
-        _check_schedule_key(node, schedule_id)
-        if not in_session(lambda s: schedules.delete_schedule(s, node, schedule_id,
-                                                             now=fleet_api.clock())):
-            raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
-        log.info("schedule deleted", extra={"node": printable(node),
-                                             "schedule_id": printable(schedule_id)})
-        fleet_api.announce(node, schedule_id, None, "delete")
-        return Response(status_code=204)
-
-    return router
 
 
 def task_router(
@@ -311,6 +178,17 @@ def task_router(
             raise NotFound(f"no task {name!r}")
         return JSONResponse({"dispatches": found})
 
+    _task_write_routes(router, in_session, on_task_saved)
+    return router
+
+
+def _task_write_routes(
+    router: APIRouter,
+    in_session: Callable[[Callable[[Session], Any]], Any],
+    on_task_saved: Callable[[str], None] | None,
+) -> None:
+    """Add PUT and DELETE of a task (the router's dependency: admin only)."""
+
     @router.put(
         "/api/tasks/{name}",
         openapi_extra=json_body(TaskIn, "The task; `name` may be left out (the path's)."),
@@ -334,7 +212,20 @@ def task_router(
         log.info("task deleted", extra={"task": printable(name)})
         return Response(status_code=204)
 
-    return router
+
+def _health_route(app: FastAPI, in_session: Callable[[Callable[[Session], Any]], Any]) -> None:
+    """Add ``GET /healthz`` (no token): 200 when the database answers, else 503."""
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        try:
+            # Reading a controller table also proves the migrations have run.
+            in_session(lambda session: session.execute(select(NodeRevision.node).limit(1)).all())
+        except Exception as exc:
+            # The message may carry a connection string: log its type, answer generically.
+            log.warning("health check failed", extra={"error": type(exc).__name__})
+            return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
+        return JSONResponse({"status": "ok", "database": "ok"})
 
 
 def create_app(
@@ -379,17 +270,7 @@ def create_app(
             session.commit()
             return result
 
-    @app.get("/healthz")
-    def healthz() -> JSONResponse:
-        try:
-            # Reading a controller table also proves the migrations have run.
-            in_session(lambda session: session.execute(select(NodeRevision.node).limit(1)).all())
-        except Exception as exc:
-            # The message may carry a connection string: log its type, answer generically.
-            log.warning("health check failed", extra={"error": type(exc).__name__})
-            return JSONResponse({"status": "unavailable", "database": "error"}, status_code=503)
-        return JSONResponse({"status": "ok", "database": "ok"})
-
+    _health_route(app, in_session)
     recorder = PullRecorder(engine, clock=clock) if record_pulls else None
     app.state.pull_recorder = recorder
     waits = waits or NodeWaits()

@@ -6,8 +6,11 @@ Endpoints (the fleet contract):
 - ``GET /api/status`` (admin): ``{"stale_after_s", "list_versions", "nodes"}``.
 - ``GET /api/nodes/{node}/status`` (admin, node): the node's row and its schedules.
 - ``GET /api/upcoming?hours=24[&node=N]`` (admin, node N): ``{"windows": [...]}``.
-- ``PATCH /api/nodes/{node}/schedules/{id}`` (admin): a JSON merge patch; the stored
-  row and ``_propagation``, as PUT.
+- ``GET /api/report`` and ``GET /api/nodes/{node}/explain``: the windows behind, and
+  why one did what it did.
+
+The writes of a node's rows are :mod:`controller.api.rows`'; :class:`FleetApi` gives
+them their answer and announcement (rule 3).
 
 Rules:
 
@@ -42,22 +45,16 @@ from controller.api.jsonbody import (
     check_name,
     check_node,
     read_object,
-    unknown_keys,
-    validate_as_go,
 )
-from controller.api.openapi import json_body, merge_patch_body
+from controller.api.openapi import json_body
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.waits import NodeWaits
 from sched_core.model import (
-    NAME_MAX_LENGTH,
-    NOTE_MAX_LENGTH,
-    TEXT_MAX_LENGTH,
     LocalSchedule,
     check_identifier,
-    text_problem,
 )
 
 log = logging.getLogger("controller.api")
@@ -67,15 +64,6 @@ InSession = Callable[[Callable[[Session], Any]], Any]
 
 MAX_UPCOMING = 10_000
 """The most windows one ``/api/upcoming`` answer lists (``truncated`` says when cut)."""
-PATCH_ATTEMPTS = 5
-"""How many times a PATCH re-reads and re-applies itself when a concurrent write won."""
-
-_PATCHABLE = frozenset(
-    {alias for name, info in LocalSchedule.model_fields.items()
-     for alias in (name, info.alias) if alias}
-)
-
-
 REFUSAL_LOG_INTERVAL_S = 60.0
 """At most one log line per this many seconds says that node reports were refused."""
 
@@ -123,19 +111,6 @@ def is_node_name(node: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """Return target with the RFC 7386 JSON merge patch applied (neither is changed)."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 class FleetApi:
@@ -209,63 +184,18 @@ class FleetApi:
         return Response(body, media_type="application/json")
 
 
-def refuse_unknown_fields(data: dict[str, Any]) -> None:
-    """Raise InvalidInput naming each key of a row body, at any depth, that no row field has.
-
-    The wire model ignores unknown fields (an agent reading a newer controller's
-    rows), but a write must not: a misspelt ``pasued`` would be dropped silently,
-    and a misspelt ``schedule.interval_minute`` would turn "every 2 minutes"
-    into the row's days and hours.
-    """
-    unknown = unknown_keys(LocalSchedule, data)
-    if unknown:
-        raise InvalidInput(unknown)
-
-
-ROW_TEXT = (("name", NAME_MAX_LENGTH), ("storage", TEXT_MAX_LENGTH),
-            ("schedule.on", NAME_MAX_LENGTH), ("paused.note", NOTE_MAX_LENGTH))
-"""A row's free text a write bounds, and its longest (characters): :func:`check_text`'s rule."""
-
-
-def refuse_bad_text(row: LocalSchedule) -> LocalSchedule:
-    """Return row if its free text (ROW_TEXT) is bounded and printable; else InvalidInput (422).
-
-    Checked on writes only: agents reading rows, and rows stored before the
-    rule, are not refused for it (a node never loses a row it has).
-    """
-    entries = []
-    for field, longest in ROW_TEXT:
-        value: Any = row
-        for part in field.split("."):
-            value = getattr(value, part, None)
-        if isinstance(value, str):
-            problem = text_problem(value, max_length=longest)
-            if problem is not None:
-                entries.append({"field": field, "loc": ["body", *field.split(".")],
-                                "msg": f"{field} {problem}", "type": "value_error"})
-    if entries:
-        raise InvalidInput(entries)
-    return row
-
-
-def row_from_body(data: dict[str, Any]) -> LocalSchedule:
-    """Return a PUT body as a row: unknown fields and Go's types refused, then the row's checks."""
-    return refuse_bad_text(validate_as_go(LocalSchedule, data))
-
-
-def _patched_row(current: LocalSchedule, patch: dict[str, Any]) -> LocalSchedule:
-    """Return current with patch applied, validated as a row (422 naming what is wrong)."""
-    refuse_unknown_fields(patch)
-    for key in ("id", "version"):
-        if key in patch and patch[key] != current.model_dump(mode="json")[key]:
-            raise _unprocessable(("body", key), f"{key} cannot be changed by a PATCH")
-    merged = merge_patch(current.model_dump(mode="json", by_alias=True), patch)
-    return refuse_bad_text(validate_as_go(LocalSchedule, merged))
-
-
 def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
-    """Return the fleet's routes (auth: :class:`controller.api.app.Auth`)."""
+    """Return the fleet's routes (auth: :class:`controller.api.access.Auth`)."""
     router = APIRouter()
+    _report_route(router, api, auth)
+    _status_routes(router, api, auth)
+    _window_routes(router, api, auth)
+    _explain_route(router, api, auth)
+    return router
+
+
+def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
+    """Add a node's report (POST): refused ones counted and logged once a minute at most."""
     in_session = api.in_session
     refused_reports = RefusalLog("node reports")
 
@@ -301,30 +231,15 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
                                        "jobs": len(report.jobs), "jobs_changed": changed})
         return Response(status_code=204)
 
-    def status_rows(session: Session, only: str | None) -> dict[str, Any]:
-        ids = nodes.schedule_ids(session, only)
-        pulls = nodes.latest_pulls(session, only)
-        reports = nodes.latest_reports(session, only)
-        versions = nodes.list_versions(session, only)
-        seen = nodes.latest_seen(session, only)
-        records = jobs.latest_jobs(session, only)
-        names = set(pulls) | set(reports) | set(ids) | set(seen)
-        now = api.clock()
-        return {
-            "now": now, "pulls": pulls, "reports": reports, "versions": versions,
-            "records": records,
-            "nodes": [fleet.node_row(
-                name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
-                pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
-                now=now, settings=api.settings, seen=seen.get(name),
-                records=records.get(name),
-            ) for name in sorted(names)],
-        }
+
+def _status_routes(router: APIRouter, api: FleetApi, auth: Any) -> None:
+    """Add the fleet's status and one node's."""
+    in_session = api.in_session
 
     @router.get("/api/status", dependencies=[Depends(auth.require_admin)])
     def fleet_status() -> JSONResponse:
         api.flush_pulls()
-        found = in_session(lambda s: status_rows(s, None))
+        found = in_session(lambda s: status_rows(api, s, None))
         return JSONResponse({"stale_after_s": api.settings.stale_after_s,
                              "list_versions": found["versions"], "nodes": found["nodes"]})
 
@@ -335,7 +250,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         api.flush_pulls()
 
         def read(session: Session) -> dict[str, Any]:
-            found = status_rows(session, node)
+            found = status_rows(api, session, node)
             found["rows"] = schedules.list_schedules(session, node)[0]
             found["history"] = nodes.report_history(
                 session, node, limit=api.settings.report_history)
@@ -359,14 +274,10 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         ]
         return JSONResponse(row)
 
-    def reader_of(request: Request, node: str | None, what: str = "read its own node") -> None:
-        """Let the admin read the fleet, and a node's token its own node only (403 else)."""
-        principal = auth.authenticate(request)
-        if node is not None:
-            check_name(("query", "node"), node)
-            auth.require_node(request, node)
-        elif not principal.is_admin:
-            raise _forbidden(f"a node token may only {what} (?node=NAME)")
+
+def _window_routes(router: APIRouter, api: FleetApi, auth: Any) -> None:
+    """Add the windows ahead (upcoming) and behind (the report)."""
+    in_session = api.in_session
 
     @router.get("/api/upcoming")
     def upcoming(
@@ -374,7 +285,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         hours: float = Query(24, gt=0, le=192),
         node: str | None = None,
     ) -> JSONResponse:
-        reader_of(request, node, "list its own node's windows")
+        reader_of(auth, request, node, "list its own node's windows")
 
         def read(session: Session) -> dict[str, Any]:
             if node is not None:
@@ -404,7 +315,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         request: Request, since: str | None = None, until: str | None = None,
         node: str | None = None,
     ) -> JSONResponse:
-        reader_of(request, node)
+        reader_of(auth, request, node)
         now = api.clock()
         since_at = query_time("since", since)
         until_at = query_time("until", until)
@@ -421,6 +332,11 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         if node is not None and not found["nodes"]:
             raise NotFound(f"node {node!r} has no schedules and never made a request")
         return JSONResponse(found)
+
+
+def _explain_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
+    """Add why one window did what it did."""
+    in_session = api.in_session
 
     @router.get("/api/nodes/{node}/explain")
     def explain_window(
@@ -443,7 +359,7 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
         except ValueError as exc:
             raise _unprocessable(("query", "window"), str(exc)) from None
         api.flush_pulls()
-        found = in_session(lambda s: explain_facts(s, node, schedule, instant or wall, now))
+        found = in_session(lambda s: explain_facts(api, s, node, schedule, instant or wall, now))
         if found is None:
             raise NotFound(f"no schedule {schedule!r} on node {node!r} (now or in the "
                            f"last {schedules.VERSION_RETENTION.days} days)")
@@ -453,69 +369,66 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
             node=node, schedule_id=schedule, text=window, now=now, run_url=prefect_ui_url(),
             **found))
 
-    def explain_facts(session: Session, node: str, schedule_id: str, near: datetime | None,
-                      now: datetime) -> dict[str, Any] | None:
-        far = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
-        versions = schedules.versions_between(session, *far, node=node,
-                                              schedule_id=schedule_id).get(node, {})
-        if schedule_id not in versions:
-            return None
-        assert near is not None
-        probe = near if near.tzinfo is not None else near.replace(tzinfo=UTC)
-        around = jobs.jobs_between(session, probe - timedelta(days=2), probe + timedelta(days=2),
-                                   nodes=[node]).get(node, [])
-        # A wall time read as UTC is off by the zone's offset: look before any reading of it.
-        before = probe if near.tzinfo is not None else probe - timedelta(hours=15)
-        previous = jobs.last_windows_before(session, before,
-                                            nodes=[node]).get(node, {}).get(schedule_id)
-        report = nodes.latest_reports(session, node).get(node)
-        seen = nodes.latest_seen(session, node).get(node)
-        return {
-            "versions": versions[schedule_id],
-            "records": {r.key: r for r in around if r.schedule_id == schedule_id},
-            "tz": fleet.node_zone(report, api.settings),
-            "grace": ledger.node_grace(report, api.settings),
-            "previous": previous,
-            "liveness": fleet.liveness(seen, now=now, settings=api.settings),
-            "silence": fleet.silence_text(node, seen, now=now, settings=api.settings),
-            "alerts": watch.alert_facts(session, node),
-        }
 
-    @router.patch(
-        "/api/nodes/{node}/schedules/{schedule_id}",
-        openapi_extra=merge_patch_body(
-            "A JSON merge patch of the row (RFC 7386): the fields to change, null to remove "
-            "one (`{\"paused\": null}` resumes)."),
-    )
-    async def patch_schedule(request: Request, node: str, schedule_id: str) -> Response:
-        auth.require_admin_on_node(request, node)
-        check_name(("path", "node"), node)
-        check_name(("path", "id"), schedule_id)
-        patch = await read_object(request, "id", schedule_id)
+def status_rows(api: FleetApi, session: Session, only: str | None) -> dict[str, Any]:
+    ids = nodes.schedule_ids(session, only)
+    pulls = nodes.latest_pulls(session, only)
+    reports = nodes.latest_reports(session, only)
+    versions = nodes.list_versions(session, only)
+    seen = nodes.latest_seen(session, only)
+    records = jobs.latest_jobs(session, only)
+    names = set(pulls) | set(reports) | set(ids) | set(seen)
+    now = api.clock()
+    return {
+        "now": now, "pulls": pulls, "reports": reports, "versions": versions,
+        "records": records,
+        "nodes": [fleet.node_row(
+            name, schedules=len(ids.get(name, [])), schedule_ids=ids.get(name, []),
+            pull=pulls.get(name), report=reports.get(name), version=versions.get(name),
+            now=now, settings=api.settings, seen=seen.get(name),
+            records=records.get(name),
+        ) for name in sorted(names)],
+    }
 
-        def apply(session: Session) -> LocalSchedule:
-            for _ in range(PATCH_ATTEMPTS):
-                current = schedules.get_schedule(session, node, schedule_id)
-                session.commit()
-                if current is None:
-                    raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
-                row = _patched_row(current, patch)
-                try:
-                    return schedules.put_schedule(session, node, row, if_version=current.version,
-                                                  now=api.clock())
-                except schedules.VersionConflict:
-                    continue  # a concurrent write won: apply the patch to its row
-            raise InvalidInput([{"field": "", "loc": ["path", "id"], "type": "conflict",
-                                 "msg": f"row {schedule_id!r} kept changing; try again"}])
 
-        stored = await run_in_threadpool(in_session, apply)
-        log.info("schedule patched", extra={"node": printable(node),
-                                            "schedule_id": printable(schedule_id),
-                                            "version": stored.version,
-                                            "fields": sorted(patch)})
-        return await run_in_threadpool(api.written, node, stored, "patch")
+def reader_of(auth: Any, request: Request, node: str | None,
+              what: str = "read its own node") -> None:
+    """Let the admin read the fleet, and a node's token its own node only (403 else)."""
+    principal = auth.authenticate(request)
+    if node is not None:
+        check_name(("query", "node"), node)
+        auth.require_node(request, node)
+    elif not principal.is_admin:
+        raise _forbidden(f"a node token may only {what} (?node=NAME)")
 
-    return router
+
+def explain_facts(api: FleetApi, session: Session, node: str, schedule_id: str,
+                  near: datetime | None, now: datetime) -> dict[str, Any] | None:
+    far = datetime(1970, 1, 1, tzinfo=UTC), datetime(9999, 1, 1, tzinfo=UTC)
+    versions = schedules.versions_between(session, *far, node=node,
+                                          schedule_id=schedule_id).get(node, {})
+    if schedule_id not in versions:
+        return None
+    assert near is not None
+    probe = near if near.tzinfo is not None else near.replace(tzinfo=UTC)
+    around = jobs.jobs_between(session, probe - timedelta(days=2), probe + timedelta(days=2),
+                               nodes=[node]).get(node, [])
+    # A wall time read as UTC is off by the zone's offset: look before any reading of it.
+    before = probe if near.tzinfo is not None else probe - timedelta(hours=15)
+    previous = jobs.last_windows_before(session, before,
+                                        nodes=[node]).get(node, {}).get(schedule_id)
+    report = nodes.latest_reports(session, node).get(node)
+    seen = nodes.latest_seen(session, node).get(node)
+    return {
+        "versions": versions[schedule_id],
+        "records": {r.key: r for r in around if r.schedule_id == schedule_id},
+        "tz": fleet.node_zone(report, api.settings),
+        "grace": ledger.node_grace(report, api.settings),
+        "previous": previous,
+        "liveness": fleet.liveness(seen, now=now, settings=api.settings),
+        "silence": fleet.silence_text(node, seen, now=now, settings=api.settings),
+        "alerts": watch.alert_facts(session, node),
+    }
 
 
 def query_time(field: str, value: str | None) -> datetime | None:

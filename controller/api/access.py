@@ -1,0 +1,60 @@
+"""Who is calling: the controller's bearer-token checks, as FastAPI dependencies.
+
+Rule: authentication runs before anything reads the request body (each check is a
+dependency or the endpoint's first call), and the principal (and the node, when the
+path names one) go on ``request.state`` for the access log.
+"""
+
+from __future__ import annotations
+
+from fastapi import HTTPException, Request
+
+from controller.auth import Principal, Tokens, bearer_token
+
+
+class Auth:
+    """Who is calling, as FastAPI dependencies: ``Depends(auth.require_admin)`` and friends.
+
+    A missing or unknown token is a 401 with ``WWW-Authenticate: Bearer``; a
+    node token outside its node, or on a write, is a 403. The principal (and
+    the node, when the path names one) go on ``request.state`` for the access log.
+    """
+
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
+
+    def authenticate(self, request: Request) -> Principal:
+        """Return the caller's principal; 401 when the token is missing or unknown."""
+        token = bearer_token(request.headers.get("authorization"))
+        principal = self.tokens.authenticate(token)
+        if principal is None:
+            detail = "missing bearer token" if token is None else "invalid bearer token"
+            challenge = "Bearer" if token is None else 'Bearer error="invalid_token"'
+            raise HTTPException(401, detail, headers={"WWW-Authenticate": challenge})
+        request.state.principal = principal
+        return principal
+
+    def require_admin(self, request: Request) -> Principal:
+        """Return the admin principal; 403 for a node token."""
+        principal = self.authenticate(request)
+        if not principal.is_admin:
+            raise HTTPException(403, "this endpoint needs the admin token")
+        return principal
+
+    def require_admin_on_node(self, request: Request, node: str) -> Principal:
+        """Return the admin principal of a write to node's schedules (node logged either way)."""
+        request.state.node = node
+        return self.require_admin(request)
+
+    def is_own(self, principal: Principal, node: str) -> bool:
+        """Return whether principal is node itself: its own token (or any caller when
+        serving without tokens, where nobody can be told apart)."""
+        return principal.node == node or self.tokens.insecure
+
+    def require_node(self, request: Request, node: str) -> Principal:
+        """Return a principal that may read node's schedules (the admin, or node itself)."""
+        request.state.node = node
+        principal = self.authenticate(request)
+        if not principal.may_read_node(node):
+            raise HTTPException(403, f"this token may not read the schedules of node {node!r}")
+        return principal
