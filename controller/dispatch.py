@@ -1,4 +1,5 @@
-"""Dispatchers: how the central scheduler hands one claimed (task, scheduled time) on.
+"""Dispatchers: how the central scheduler hands one claimed (task, scheduled time) on, and
+the ``sched.task.gave-up`` event it sends when it stops retrying one (:func:`emit_gave_up`).
 
 A dispatcher (:class:`TaskDispatcher`) is any callable taking a
 :class:`controller.claims.Claim`; it
@@ -223,3 +224,47 @@ class PrefectDispatcher:
                 f"deployment {claim.deployment!r} not found on {shown_url(prefect_api_url())} "
                 "(expected <flow name>/<deployment name>, as `prefect deployment ls` shows)"
             ) from None
+
+
+EVENT_GAVE_UP = "sched.task.gave-up"
+"""The Prefect event sent when the scheduler stops retrying a (task, scheduled time)."""
+_GAVE_UP_NAMESPACE = uuid.UUID("0b6e3c1e-7f5e-4a59-9d3a-2f4b8c1d5e60")
+
+
+def emit_gave_up(claim: Claim, message: str, attempts: int) -> None:
+    """Send ``sched.task.gave-up`` about claim's task to Prefect; log, never raise, on failure.
+
+    Resource ``sched.task.<name>``; payload: the task, the scheduled time, the
+    attempts, the error and what became of the task. The event id comes from
+    the claim's idempotency key, so two instances giving up on the same time
+    send one event. Best effort: when Prefect is what failed, the event fails
+    too, and the ERROR log line (and the task's ``last_error``) remain.
+    """
+    try:
+        prefect_api_url()
+    except ConfigError as exc:
+        log.warning("the gave-up event was not sent", extra={
+            "task_name": claim.name, "scheduled_at": claim.scheduled_at, "error": str(exc)})
+        return
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.events import Event
+
+        event = Event(
+            event=EVENT_GAVE_UP,
+            resource={"prefect.resource.id": f"sched.task.{claim.name}",
+                      "prefect.resource.name": claim.name},
+            payload={
+                "task": claim.name, "scheduled_at": claim.scheduled_at.isoformat(),
+                "attempts": attempts, "error": message,
+                "next": "moves on to its next run" if claim.is_recurring else "disabled",
+                "idempotency_key": claim.idempotency_key,
+            },
+            id=uuid.uuid5(_GAVE_UP_NAMESPACE, claim.idempotency_key),
+        )
+        with get_client(sync_client=True) as client:
+            client.request("POST", "/events", json=[event.model_dump(mode="json")])
+    except Exception as exc:
+        log.error("the gave-up event was not sent", extra={
+            "task_name": claim.name, "scheduled_at": claim.scheduled_at,
+            "error": f"{type(exc).__name__}: {exc}"})

@@ -437,11 +437,11 @@ def test_claims_commit_asynchronously_and_completions_durably(
         postgres_url, CentralSettings(durable_claims=durable_claims), worker_id="w-commit",
         dispatcher=RecordingDispatcher(),
     )
-    engine = scheduler._ensure_engine()
+    engine = scheduler.db.engine()
     listener = scheduler.listener.connect()
     try:
-        assert scheduler._claimer is not None
-        with scheduler._claimer.connect() as conn:
+        assert scheduler.db.claimer is not None
+        with scheduler.db.claimer.connect() as conn:
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == claims_commit
         assert listener.execute("SHOW synchronous_commit").fetchone() == (claims_commit,)
         with engine.connect() as conn:  # completions, failures, releases
