@@ -237,7 +237,7 @@ def main() -> None:
         decide = best_of(5, lambda: scheduler.due(TICK))
         fired = scheduler.tick(now=TICK)
         scheduler = Scheduler(config, now=TICK)
-        scheduler._cache.last_fired_at.clear()  # the same tick again, from a clean slate
+        scheduler.store.cache.last_fired_at.clear()  # the same tick again, from a clean slate
         tick = best_of(1, lambda: scheduler.tick(now=TICK))
     table.add(
         f"Scheduler.due at a tick ({fired:,} due), index built", decide,

@@ -209,7 +209,7 @@ def test_a_save_reusing_inode_mtime_and_size_is_still_reloaded(tmp_path: Path) -
         handle.write(new)
     os.replace(keep, cache_path)
     os.utime(cache_path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # ...in the same tick
-    assert stamp_of(cache_path) == a.scheduler._stamp  # A's stamp cannot tell
+    assert stamp_of(cache_path) == a.scheduler.store.stamp  # A's stamp cannot tell
     assert a.scheduler.tick(now=T0 + timedelta(seconds=30)) == 0
     # A's 14:00Z and B's 15:00Z (both call the same fire): 15:00Z once, not twice.
     assert [f.window for f in a.fired] == [T0 - timedelta(hours=1), T0]

@@ -112,7 +112,7 @@ def test_a_pull_whose_save_fails_changes_neither_memory_nor_file(
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as patch:
-        patch.setattr("sched_core.scheduler.save_cache", disk_full)
+        patch.setattr("sched_core.store.save_cache", disk_full)
         agent.write([row("a", version=2), row("b")])
         with pytest.raises(PullError, match=r"could not save the cache file .*No space left"):
             agent.scheduler.pull(now=T0)

@@ -598,7 +598,7 @@ def test_cache_that_cannot_be_rewritten_still_loads(
     def disk_full(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("sched_core.scheduler.save_cache", disk_full)
+    monkeypatch.setattr("sched_core.store.save_cache", disk_full)
     agent = Agent(tmp_path, [row("a"), row("b")])
     assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
     assert agent.cache_path.read_text() == content

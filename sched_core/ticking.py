@@ -1,0 +1,160 @@
+"""What the kit's loop-based :class:`~sched_core.scheduler.Scheduler` fires: its decisions.
+
+Pure but for :func:`call_fire`, which calls the agent's ``fire`` and logs the outcome.
+
+Rules (one rule for every engine the kit offers: the agent's start guard decides):
+
+1. The candidates of a tick at ``now``: per enabled clock row, the latest eligible
+   window in ``[now - grace, now]`` (:func:`sched_core.due.due_windows`, over the
+   node zone's index); for a row with its own ``timezone`` or a ``jitter``, the
+   latest window in its zone whose start (window plus the node's offset) has come,
+   within the grace of that start.
+2. A row with policies then goes to the start guard
+   (:func:`sched_core.guard.decide_start`, tried now): a pause, a blackout, the
+   row's dates or ``min_interval`` hold its window back with the guard's reason.
+   A row without any is the Go kit's and fires as it always did (the guard would
+   say "on time"). A late window is the miss check's, never the tick's.
+3. The miss check's windows (:func:`sched_core.due.missed_windows`) are held back by
+   the row's policies at that window (:func:`sched_core.policies.policy_block`).
+4. A fire carries a copy of its row (the callback may change it) and a stable key:
+   ``window_key`` of the row and window, so a crash between a fire and its stamp is
+   deduplicated downstream.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from sched_core.config import Config, Fire
+from sched_core.due import MissedWindow, due_windows
+from sched_core.guard import decide_start
+from sched_core.index import DueIndex
+from sched_core.matcher import window_key
+from sched_core.misses import eligible_after
+from sched_core.model import Cache, LocalSchedule
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
+from sched_core.policies import latest_window, policy_block, row_zone
+
+log = logging.getLogger("sched_core.scheduler")
+
+DueRow = tuple[LocalSchedule, datetime, int]
+"""A row, its window due now, and how many older windows were coalesced into it."""
+
+
+def own_clock(row: LocalSchedule) -> bool:
+    """Whether the row's windows are not the node zone's minutes: its own zone, or a jitter."""
+    return bool(row.timezone) or row.jitter > 0
+
+
+def plain(row: LocalSchedule) -> bool:
+    """Whether the row has no policy that can hold a window back (the Go kit's row)."""
+    return not (own_clock(row) or row.paused or row.not_before or row.not_after
+                or row.blackouts or row.min_interval)
+
+
+def copy_row(row: LocalSchedule) -> LocalSchedule:
+    """Return a copy of row the fire callback may change without touching the cache."""
+    return row.model_copy(
+        update={
+            "schedule": row.schedule.model_copy(deep=True),
+            "params": copy.deepcopy(row.params) if row.params else row.params,
+            "paused": row.paused.model_copy() if row.paused else None,
+            "blackouts": [item.model_copy(deep=True) for item in row.blackouts]
+            if row.blackouts else row.blackouts,
+        }
+    )
+
+
+def window_fire(row: LocalSchedule, window: datetime, tz: ZoneInfo, *, recovery: bool) -> Fire:
+    """Return the fire of row's window (rule 4)."""
+    return Fire(
+        schedule=copy_row(row),
+        trigger_key=TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE,
+        missed_recovery=recovery,
+        window=window,
+        key=window_key(row.id, window, tz),
+    )
+
+
+def _candidates(index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta,
+                node: str, tz: ZoneInfo) -> list[DueRow]:
+    """Return rule 1's candidates, in no particular order."""
+    found = [
+        (due.schedule, due.window, due.coalesced)
+        for due in due_windows(index, cache, now=now, grace=grace)
+        if not own_clock(due.schedule)
+    ]
+    for row in cache.schedules:
+        if not own_clock(row) or not row.enabled or row.schedule.is_event:
+            continue
+        latest = latest_window(row, now, since=now - grace - timedelta(seconds=row.jitter),
+                               node=node, tz=row_zone(row, tz))
+        floor = eligible_after(cache.last_fired_at.get(row.id), cache.first_seen_at.get(row.id))
+        if latest is not None and now - latest[1] <= grace and (
+            floor is None or latest[0] >= floor
+        ):
+            found.append((row, latest[0], 0))
+    return found
+
+
+def decide_due(index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta, node: str,
+               tz: ZoneInfo) -> tuple[list[DueRow], dict[str, str]]:
+    """Return the windows due at now (rules 1 and 2), and the rows held back with why."""
+    due: list[DueRow] = []
+    held: dict[str, str] = {}
+    candidates = _candidates(index, cache, now=now, grace=grace, node=node, tz=tz)
+    for row, window, older in sorted(candidates, key=lambda c: (c[1], c[0].id)):
+        if plain(row):
+            due.append((row, window, older))
+            continue
+        decision = decide_start(
+            row, schedule_id=row.id, window=window,
+            last_fired=cache.last_fired_at.get(row.id),
+            first_seen=cache.first_seen_at.get(row.id),
+            first_try=now, now=now, grace=grace, tz=tz, node=node,
+        )
+        if decision.runs and not decision.late:
+            due.append((row, window, older))
+        else:
+            held[row.id] = decision.reason
+    return due, held
+
+
+def held_missed(missed: Sequence[MissedWindow], cache: Cache, tz: ZoneInfo) -> dict[str, str]:
+    """Return the missed windows the rows' policies hold back, with why (rule 3)."""
+    held: dict[str, str] = {}
+    for item in missed:
+        row = item.schedule
+        block = policy_block(row, item.window, tz=row_zone(row, tz),
+                             last_fired=cache.last_fired_at.get(row.id))
+        if block is not None:  # the start guard's rule 4, as on the agent
+            held[row.id] = f"missed window {item.window.isoformat()} skipped: {block}"
+    return held
+
+
+def call_fire(config: Config, fire: Fire) -> str | None:
+    """Call the agent's fire; return None on success or the error text (logged either way)."""
+    assert config.fire is not None
+    window = fire.window.isoformat() if fire.window else None
+    try:
+        config.fire(fire)
+    except Exception as exc:
+        log.error(
+            "fire of %s (%s, window %s) failed; it stays unfired and will be retried: %r",
+            fire.schedule.id, fire.trigger_key, fire.window, exc,
+            extra={"schedule_id": fire.schedule.id, "trigger_key": fire.trigger_key,
+                   "window": window, "node": config.node_name, "error": repr(exc)},
+        )
+        return repr(exc)
+    log.info(
+        "fired %s (%s, %s, window %s) as %s",
+        fire.schedule.id, fire.schedule.action, fire.trigger_key, fire.window, fire.key,
+        extra={"schedule_id": fire.schedule.id, "action": fire.schedule.action,
+               "trigger_key": fire.trigger_key, "window": window, "key": fire.key,
+               "node": config.node_name},
+    )
+    return None
