@@ -267,12 +267,14 @@ def test_upcoming_table_keeps_the_order_and_marks_paused_windows() -> None:
 
 
 def test_until_reads_durations_and_rfc3339_and_refuses_the_rest() -> None:
+    from sched_ops.client import OpsError
+
     assert ops.parse_until("90m", NOW) == "2026-11-01T06:30:00Z"
     assert ops.parse_until("3d", NOW) == "2026-11-04T05:00:00Z"
     assert ops.parse_until("2026-12-24T06:00:00+01:00", NOW) == "2026-12-24T05:00:00Z"
-    with pytest.raises(ops.OpsError, match="neither an RFC 3339"):
+    with pytest.raises(OpsError, match="neither an RFC 3339"):
         ops.parse_until("tomorrow", NOW)
-    with pytest.raises(ops.OpsError):
+    with pytest.raises(OpsError):
         ops.parse_until("2026-12-24T06:00:00", NOW)  # no offset: whose 06:00?
 
 
