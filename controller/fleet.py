@@ -46,14 +46,13 @@ from controller.events import Announced
 from controller.jobs import JobRecord
 from controller.models import DEFAULT_TIMEZONE
 from controller.nodes import (
-    DEFAULT_HEARTBEAT_S,
-    FAILING_STATES,
     JobKeep,
     Pull,
     Seen,
     StoredReport,
     utc_text,
 )
+from controller.report_in import DEFAULT_HEARTBEAT_S, FAILING_STATES
 from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
 from sched_core.explain import dst_note, schedule_words

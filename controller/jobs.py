@@ -32,7 +32,8 @@ from sqlmodel import Session
 from controller.models import NodeJob
 
 if TYPE_CHECKING:
-    from controller.nodes import JobKeep, JobRecordIn
+    from controller.nodes import JobKeep
+    from controller.report_in import JobRecordIn
 
 JOBS: Table = NodeJob.__table__  # type: ignore[attr-defined]
 _C = JOBS.c
@@ -45,7 +46,7 @@ FAILED_STATES = frozenset({"Failed", "Crashed"})
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A stored job record (see :class:`controller.nodes.JobRecordIn` for the fields)."""
+    """A stored job record (see :class:`controller.report_in.JobRecordIn` for the fields)."""
 
     node: str
     key: str

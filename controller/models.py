@@ -236,7 +236,7 @@ class NodeReport(SQLModel, table=True):
     received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
     """When the controller received it (its own clock, not the node's)."""
     report: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
-    """The report as validated (:class:`controller.nodes.NodeReportIn`), as JSON data."""
+    """The report as validated (:class:`controller.report_in.NodeReportIn`), as JSON data."""
 
 
 class NodeReportHistory(SQLModel, table=True):

@@ -81,7 +81,7 @@ def parse_window_text(text: str, schedule_id: str) -> tuple[datetime | None, dat
     wall = _wall(text)
     if wall is not None:
         return None, wall
-    from controller.nodes import parse_instant
+    from controller.report_in import parse_instant
 
     try:
         return parse_instant(text), None

@@ -49,7 +49,8 @@ from controller.events import NoEvents, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
-from controller.nodes import NodeReportIn, PullRecorder
+from controller.nodes import PullRecorder
+from controller.report_in import NodeReportIn
 from controller.waits import NodeWaits
 from sched_core.model import LocalSchedule
 

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import fleet, jobs, ledger, morning, nodes, schedules, watch, why
+from controller import fleet, jobs, ledger, morning, nodes, report_in, schedules, watch, why
 from controller.api.jsonbody import (
     _body_errors,
     _unprocessable,
@@ -201,7 +201,7 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
 
     @router.post(
         "/api/nodes/{node}/report", status_code=204,
-        openapi_extra=json_body(nodes.NodeReportIn, "What the node's agent says about itself."),
+        openapi_extra=json_body(report_in.NodeReportIn, "What the node's agent says about itself."),
     )
     async def post_report(request: Request, node: str) -> Response:
         principal = auth.require_node(request, node)
@@ -211,7 +211,7 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
         try:
             data = await read_object(request, "node", node)
             try:
-                report = nodes.NodeReportIn.model_validate(data)
+                report = report_in.NodeReportIn.model_validate(data)
             except ValidationError as exc:
                 raise InvalidInput(_body_errors(exc)) from None
         except InvalidInput as refused:
@@ -222,7 +222,7 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
                     s, node, at=received))
             raise
         changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
-            s, node, nodes.report_data(report), received_at=received,
+            s, node, report_in.report_data(report), received_at=received,
             keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
             jobs=report.jobs, job_keep=api.settings.job_keep))
         log.info("node report", extra={"node": printable(node),
@@ -436,7 +436,7 @@ def query_time(field: str, value: str | None) -> datetime | None:
     if value is None:
         return None
     try:
-        return nodes.parse_instant(value)
+        return report_in.parse_instant(value)
     except ValueError as exc:
         raise _unprocessable(("query", field), str(exc)) from None
 
