@@ -1,0 +1,341 @@
+"""The record steps of one job, each done once (steps 1-4 of :mod:`flows.recorder`).
+
+Each step is noted in the job's ``record.json`` when it is done, and as ``inflight``
+just before it is sent; a step found in flight after a restart is checked against
+the server before it is sent again. The command's output goes as the run's logs in
+batches of at most :data:`LOG_BATCH` lines and :data:`LOG_BATCH_BYTES` bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from flows.outbox import (
+    CANCELLED,
+    COMPLETED,
+    CRASHED,
+    FAILED,
+    KIND_RECONCILE,
+    SKIPPED,
+    JobFolder,
+    JobView,
+    utc_text,
+)
+from flows.prefect_api import PrefectRefused, state_body
+from flows.records import job_event, job_markdown
+from flows.registration import RECONCILE, RUN_JOB
+
+if TYPE_CHECKING:
+    from flows.recorder import Recorder
+
+log = logging.getLogger("flows.recorder")
+
+LOG_BATCH = 500
+"""Log lines per request."""
+LOG_BATCH_BYTES = 1 << 20
+"""The most of a log file read at once (a batch of lines is sent per read)."""
+
+def read_lines(folder: JobFolder, name: str, start: int,
+               limit: int = LOG_BATCH) -> tuple[list[dict[str, Any]], int]:
+    """Return up to limit JSON lines of a log file from byte start, and the byte after them.
+
+    Only whole lines are read: the part after the last newline may still be written.
+    """
+    try:
+        with open(folder.path / name, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(LOG_BATCH_BYTES)
+    except FileNotFoundError:
+        return [], start
+    found: list[dict[str, Any]] = []
+    end = start
+    for raw in data.split(b"\n")[:-1][:limit]:
+        end += len(raw) + 1
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = {"t": None, "m": raw.decode("utf-8", "replace")}
+        found.append(value if isinstance(value, dict) else {"t": None, "m": str(value)})
+    if not found and len(data) == LOG_BATCH_BYTES:  # one line longer than a batch: skip it
+        cut = data.find(b"\n")
+        return [{"t": None, "m": "[an output line longer than 1 MiB was left out]"}], (
+            start + cut + 1 if cut >= 0 else start + len(data))
+    return found, end
+
+
+class Steps:
+    """The record steps of one job, each done once (the module's steps 1-4)."""
+
+    def __init__(self, recorder: Recorder, folder: JobFolder, view: JobView,
+                 progress: dict[str, Any]) -> None:
+        self.r = recorder
+        self.api = recorder.api
+        self.folder = folder
+        self.view = view
+        self.spec = view.spec
+        self.p = progress
+
+    def _save(self) -> None:
+        self.folder.write_json("record.json", self.p)
+
+    def _step(self, name: str) -> Iterator[None]:
+        """Run a step once: mark it in flight, do it, mark it done (use with ``for _ in``)."""
+        if self.p.get(name):
+            return
+        self.p["inflight"] = name
+        self._save()
+        yield
+        self.p[name] = True
+        self.p.pop("inflight", None)
+        self._save()
+
+    @property
+    def run(self) -> str:
+        run_id = self.p.get("flow_run_id")
+        assert isinstance(run_id, str)
+        return run_id
+
+    def _deployment(self) -> str:
+        flow = RECONCILE if self.spec.kind == KIND_RECONCILE else RUN_JOB
+        return self.r.deployments.get()[flow]
+
+    # 1. the run
+    def run_id(self) -> None:
+        if self.p.get("flow_run_id"):
+            return
+        if self.spec.flow_run_id:
+            self.p["flow_run_id"] = self.spec.flow_run_id
+        else:
+            scheduled = self.spec.planned_start or self.spec.accepted_at
+            body = {
+                "name": self.spec.run_name,
+                "parameters": self.spec.parameters,
+                "tags": self.spec.tags,
+                "idempotency_key": self.spec.idempotency_key,
+                "state": state_body("SCHEDULED", scheduled_time=scheduled),
+                "enforce_parameter_schema": False,
+            }
+            try:
+                created = self.api.create_run(self._deployment(), body)
+            except PrefectRefused as exc:
+                if exc.status != 404:
+                    raise
+                self.r.deployments.forget()  # the deployment was deleted: register it again
+                created = self.api.create_run(self._deployment(), body)
+            self.p["flow_run_id"] = str(created["id"])
+        self._save()
+
+    # 2. Running
+    def running(self) -> None:
+        started = self.view.started_at or self.spec.accepted_at
+        offline = bool(self.p.get("offline"))
+        for _ in self._step("running"):
+            keeper = self.view.attempts[0].shim_pid if self.view.attempts else None
+            fields: dict[str, Any] = {"infrastructure_pid": f"{self.r.node}:{keeper or 0}"}
+            if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
+                # An ad hoc run: named and tagged as a planned one would be.
+                fields.update(name=self.spec.run_name, tags=self.spec.tags)
+            self.api.update_run(self.run, **fields)
+            note = " (recorded late: the Prefect server was unreachable)" if offline else ""
+            self._set(state_body("RUNNING", message=f"started on {self.r.node} at "
+                                                    f"{utc_text(started)}{note}"))
+        self.p.setdefault("offline", False)
+
+    def _set(self, state: dict[str, Any]) -> None:
+        try:
+            self.api.set_state(self.run, state, force=True)
+        except PrefectRefused as exc:
+            if exc.status != 404:
+                raise
+            log.warning("run %s of job %s was deleted on the server; its record is dropped",
+                        self.run, self.spec.run_name, extra={"job_id": self.spec.job_id})
+
+    # 3. the task run and its tries
+    def task_run(self) -> None:
+        if not self.p.get("task_run_id"):
+            self.p["task_run_id"] = self.api.create_task_run({
+                "name": "run-command", "flow_run_id": self.run, "task_key": "run-command",
+                "dynamic_key": "0", "state": state_body("PENDING"),
+                "empirical_policy": {"retries": self.spec.retries,
+                                     "retry_delay": self.spec.retry_delay_s},
+            })
+            self._save()
+        wanted = self._task_states()
+        sent = int(self.p.get("task_states", 0))
+        for state in wanted[sent:]:
+            self.api.set_task_state(str(self.p["task_run_id"]), state)
+            sent += 1
+            self.p["task_states"] = sent
+            self._save()
+
+    def _task_states(self) -> list[dict[str, Any]]:
+        """Return the task run's states as Prefect shows a task's retries (pure over the view)."""
+        states: list[dict[str, Any]] = []
+        program = self.spec.argv[0] if self.spec.argv else self.spec.action
+        for attempt in self.view.attempts:
+            started = attempt.started_at or attempt.launched_at
+            name = "Retrying" if attempt.number > 1 else None
+            states.append(state_body("RUNNING", name=name,
+                                     message=f"try {attempt.number} started at "
+                                             f"{utc_text(started)}"))
+            if not attempt.ended:
+                break
+            failure = None if attempt.ok else attempt.failure(program, self.spec.timeout_s)
+            ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
+            last = attempt is self.view.attempts[-1]
+            if not last:
+                states.append(state_body("SCHEDULED", name="AwaitingRetry",
+                                         message=f"try {attempt.number} ended at {ended}: "
+                                                 f"{failure}"))
+            elif self.view.phase == "ended":
+                states.append(self._final_body(task=True))
+        return states
+
+    # logs
+    def logs(self) -> None:
+        """Send the node's lines and each try's output from where the last call stopped."""
+        sources = [("log.jsonl", "node", None)]
+        sources += [(f"a{item.number}.out", f"a{item.number}", self.p.get("task_run_id"))
+                    for item in self.view.attempts]
+        for name, mark, task_run in sources:
+            while True:
+                start = int(self.p.get("bytes", {}).get(mark, 0))
+                batch, end = read_lines(self.folder, name, start)
+                if end == start:
+                    break
+                self.p["inflight"] = f"logs:{mark}:{start}:{end}"
+                self._save()
+                self.api.send_logs([self._log(item, task_run) for item in batch])
+                self.p.setdefault("bytes", {})[mark] = end
+                self.p.pop("inflight", None)
+                self._save()
+
+    def _log(self, item: dict[str, Any], task_run: object) -> dict[str, Any]:
+        stamp = item.get("t") or utc_text(self.spec.accepted_at)
+        return {"name": "sched.job" if task_run else "sched.node", "level": 20,
+                "message": str(item.get("m", ""))[:100_000], "timestamp": stamp,
+                "flow_run_id": self.run, "task_run_id": task_run or None}
+
+    # 4. artifact, final state, event
+    def artifact(self) -> None:
+        for _ in self._step("artifact"):
+            if self.spec.kind == KIND_RECONCILE:
+                markdown = (self.folder.path / "artifact.md").read_text(encoding="utf-8")
+                key = f"reconcile-{_slug(self.r.node)}"
+            else:
+                markdown = job_markdown(self.view, self.r.node)
+                key = f"job-{_slug(self.r.node)}-{_slug(self.spec.schedule_id)}"
+            self.api.create_artifact({"key": key, "type": "markdown", "data": markdown,
+                                      "flow_run_id": self.run,
+                                      "description": f"{self.spec.run_name}: "
+                                                     f"{self.view.end_state}"})
+
+    def _final_body(self, *, task: bool = False) -> dict[str, Any]:
+        state = self.view.end_state or FAILED
+        ended = utc_text(self.view.end_at) if self.view.end_at else "unknown"
+        started = self.view.started_at
+        if self.spec.kind == KIND_RECONCILE:
+            when = f"on {self.r.node} at {ended}"
+        elif started:
+            when = f"ran on {self.r.node} from {utc_text(started)} to {ended}"
+        else:
+            when = f"decided on {self.r.node} at {ended}"
+        message = f"{self.view.message} ({when})" if self.view.message else when
+        if self.p.get("offline"):
+            message += "; recorded after the Prefect server came back"
+        if state == SKIPPED:
+            return state_body("COMPLETED", name=SKIPPED, message=message)
+        kind = {COMPLETED: "COMPLETED", FAILED: "FAILED", CANCELLED: "CANCELLED",
+                CRASHED: "CRASHED"}.get(state, "FAILED")
+        return state_body(kind, message=message)
+
+    def final(self) -> None:
+        for _ in self._step("final"):
+            self._set(self._final_body())
+
+    def event(self) -> None:
+        for _ in self._step("event"):
+            state = self.view.end_state
+            if state == SKIPPED or self.spec.kind == KIND_RECONCILE:
+                extra = self.folder.read_json("events.json") or {}
+                events = extra.get("events", [])
+                if events:
+                    self.api.emit_events(events)
+                return
+            started = self.view.started_at
+            payload = {
+                "node": self.r.node, "action": self.spec.action,
+                "schedule_id": self.spec.schedule_id, "trigger_key": self.spec.trigger_key,
+                "window": self.spec.window.isoformat() if self.spec.window else "",
+                "key": self.spec.key, "flow_run_id": self.run,
+                "flow_run_name": self.spec.run_name, "state": state or "",
+                "started_at": utc_text(started) if started else None,
+                "ended_at": utc_text(self.view.end_at) if self.view.end_at else None,
+                "error": self.view.error, "offline": bool(self.p.get("offline")),
+            }
+            occurred = self.view.end_at or self.r._clock()
+            self.api.emit_events([job_event(self.r.node, payload, completed=state == COMPLETED,
+                                            occurred=occurred)])
+
+    # a restart in mid-step
+    def check_inflight(self) -> None:
+        """Settle a step a kill left in flight: done on the server already, or to send again."""
+        step = self.p.get("inflight")
+        if not isinstance(step, str) or not self.p.get("flow_run_id"):
+            return
+        done = False
+        if step.startswith("logs:"):
+            done = self._logs_arrived(step)
+        elif step == "artifact":
+            found = self.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [self.run]}},
+                                               "limit": 1})
+            done = bool(found)
+        elif step in ("running", "final"):
+            run = self.api.read_run(self.run) or {}
+            kind = (run.get("state") or {}).get("type")
+            after = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+            done = kind in (after | {"RUNNING", "CANCELLING"} if step == "running" else after)
+        elif step == "event":
+            done = False  # the event's id is the run's: sending it twice keeps one
+        if done:
+            if step.startswith("logs:"):
+                _, mark, _start, end = step.split(":")
+                self.p.setdefault("bytes", {})[mark] = int(end)
+            else:
+                self.p[step] = True
+        self.p.pop("inflight", None)
+        self._save()
+
+    def _logs_arrived(self, step: str) -> bool:
+        """Return whether the batch a kill left in flight (bytes start to end) reached the server.
+
+        Its last line is looked for among the run's logs from that line's time on.
+        """
+        _, mark, start, end = step.split(":")
+        name = "log.jsonl" if mark == "node" else f"{mark}.out"
+        try:
+            with open(self.folder.path / name, "rb") as handle:
+                handle.seek(int(start))
+                data = handle.read(int(end) - int(start))
+        except FileNotFoundError:
+            return True
+        lines = [line for line in data.split(b"\n") if line]
+        if not lines:
+            return True
+        try:
+            last = json.loads(lines[-1])
+        except ValueError:
+            return False
+        found = self.api.filter_logs({"logs": {"flow_run_id": {"any_": [self.run]},
+                                               "timestamp": {"after_": last.get("t")}},
+                                      "limit": 200})
+        return any(item.get("message") == last.get("m") for item in found)
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
