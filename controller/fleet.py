@@ -57,7 +57,7 @@ from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
 from sched_core.explain import dst_note, schedule_words
 from sched_core.matcher import zone
-from sched_core.model import LocalSchedule, local_text, parse_go_time
+from sched_core.model import LocalSchedule
 from sched_core.plan import upcoming
 from sched_core.policies import (
     duration_text,
@@ -68,6 +68,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
+from sched_core.values import local_text, parse_go_time
 
 DEFAULT_PULL_INTERVAL = 900.0
 """Seconds between a node's periodic pulls unless told otherwise: the agents' default

@@ -20,8 +20,8 @@ from html import escape
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from sched_core.model import local_text, zone_or_utc
-from sched_core.model import parse_api_time as _time
+from sched_core.values import local_text, zone_or_utc
+from sched_core.values import parse_api_time as _time
 
 PAST = timedelta(hours=6)
 """How far back the timeline shows the latest runs."""

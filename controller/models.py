@@ -54,7 +54,8 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from sched_core.matcher import zone
-from sched_core.model import NAME_MAX_LENGTH, Schedule, check_text, check_zone_name
+from sched_core.model import Schedule
+from sched_core.values import NAME_MAX_LENGTH, check_text, check_zone_name
 
 DEFAULT_TIMEZONE = "America/New_York"
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
@@ -401,7 +402,7 @@ class TaskIn(SQLModel):
     @field_validator("name", "cron", "event", "deployment")
     @classmethod
     def _plain_text(cls, value: str | None, info: ValidationInfo) -> str | None:
-        # The one rule for text people read (sched_core.model.check_text).
+        # The one rule for text people read (sched_core.values.check_text).
         if value is not None:
             check_text(value, info.field_name or "text", max_length=NAME_MAX_LENGTH)
         return value

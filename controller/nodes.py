@@ -49,9 +49,7 @@ from controller.models import (
     NodeSeen,
 )
 from controller.report_in import JobRecordIn
-from sched_core.model import (
-    format_go_time,
-)
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Rules: unknown fields are refused at every level; every time carries a UTC offset and is
 written back in UTC with ``Z``; free text is held to the kit's one text rule
-(:func:`sched_core.model.check_text`: bounded, no control or bidi character; a message
+(:func:`sched_core.values.check_text`: bounded, no control or bidi character; a message
 may have several lines); a report lists at most :data:`MAX_JOBS` job records. What is
 stored of it is :func:`report_data` (:mod:`controller.nodes` stores it).
 """
@@ -26,7 +26,7 @@ from pydantic import (
 from controller.models import (
     KEY_MAX_LENGTH,
 )
-from sched_core.model import (
+from sched_core.values import (
     _UNSAFE_TEXT,
     TEXT_MAX_LENGTH,
     check_identifier,

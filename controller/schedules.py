@@ -37,7 +37,8 @@ from sqlmodel import Session
 from controller import sql
 from controller.db import transaction
 from controller.models import AgentSchedule, NodeRevision, ScheduleVersion, utc_now
-from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
+from sched_core.model import LocalSchedule
+from sched_core.values import STORED_BEFORE_RULES
 
 _SCHEDULE_TABLE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION_TABLE: Table = NodeRevision.__table__  # type: ignore[attr-defined]

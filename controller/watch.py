@@ -232,7 +232,7 @@ def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:
 
 
 def _time(value: object) -> datetime | None:
-    from sched_core.model import parse_api_time
+    from sched_core.values import parse_api_time
 
     return parse_api_time(value)
 

@@ -39,8 +39,8 @@ import httpx
 
 from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
 from flows.registration import RECONCILE, RUN_JOB, Deployments
-from sched_core.model import format_go_time
 from sched_core.reconnect import Reconnecting
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from pathlib import Path
 from sched_core.firing import Due, NodeView, due_now, next_start
 from sched_core.guard import StartDecision
 from sched_core.jsonwire import MAX_DEPTH
-from sched_core.model import format_go_time
 from sched_core.plan import Missed, missed
 from sched_core.statefile import locked, read_json_file, write_atomic
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

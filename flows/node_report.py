@@ -37,8 +37,9 @@ import httpx
 from flows.history import Ended
 from flows.outbox import SKIPPED, JobFolder, JobView, Outbox, utc_text
 from flows.settings import AgentSettings
-from sched_core.model import Cache, format_go_time
+from sched_core.model import Cache
 from sched_core.plan import upcoming
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sched_core.model import format_go_time, parse_go_time
 from sched_core.statefile import write_atomic
+from sched_core.values import format_go_time, parse_go_time
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
 from flows.registration import RUN_JOB, Deployments
 from sched_core.firing import NodeView
 from sched_core.jsonwire import MAX_DEPTH
-from sched_core.model import format_go_time
 from sched_core.plan import TRIGGER_SCHEDULE, Window, gone_reason, plan_windows
 from sched_core.policies import policy_block, run_start
 from sched_core.statefile import locked, read_json_file, write_atomic
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from sched_core import ConfigError, SchedError
-from sched_core.model import format_go_time
+from sched_core.values import format_go_time
 
 log = logging.getLogger(__name__)
 

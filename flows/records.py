@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from flows.outbox import Attempt, JobView, utc_text
-from sched_core.model import format_go_time
+from sched_core.values import format_go_time
 
 EVENT_JOB_COMPLETED = "sched.job.completed"
 EVENT_JOB_FAILED = "sched.job.failed"

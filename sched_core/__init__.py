@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from sched_core.errors import ConfigError, PullError, SchedError, ScheduleError, WireError
 from sched_core.matcher import DEFAULT_TZ, fire_times, last_fire, matches, next_fire, window_key
-from sched_core.model import Cache, LocalSchedule, MissPolicy, Schedule, check_identifier
+from sched_core.model import Cache, LocalSchedule, MissPolicy, Schedule
 from sched_core.params import param_bool, param_int, param_string, param_strings
+from sched_core.values import check_identifier
 
 if TYPE_CHECKING:
     from sched_core.chain import Chain, Spec, Stage

@@ -36,7 +36,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from sched_core.jsonwire import MAX_LIST_DEPTH, find_problem, is_utf8
-from sched_core.model import Cache, LocalSchedule, format_go_time, go_escape, parse_go_time
+from sched_core.model import Cache, LocalSchedule
 from sched_core.statefile import (  # re-exported: the old home of the state-file shell
     FileStamp,
     copy_aside,
@@ -48,6 +48,7 @@ from sched_core.statefile import (  # re-exported: the old home of the state-fil
     stamp_of,
     write_atomic,
 )
+from sched_core.values import format_go_time, go_escape, parse_go_time
 
 __all__ = [
     "FUTURE_SLACK",

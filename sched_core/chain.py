@@ -38,9 +38,10 @@ from sched_core.clock import now_or_clock
 from sched_core.errors import ConfigError
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.matcher import zone
-from sched_core.model import LocalSchedule, format_go_time, parse_go_time
+from sched_core.model import LocalSchedule
 from sched_core.scheduler import Scheduler
 from sched_core.statefile import locked, read_json_file, remove_stale_temporaries, write_atomic
+from sched_core.values import format_go_time, parse_go_time
 
 log = logging.getLogger(__name__)
 

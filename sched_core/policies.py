@@ -37,7 +37,7 @@ from zoneinfo import ZoneInfo
 from sched_core.matcher import fire_times, zone
 from sched_core.misses import LOOKBACK
 from sched_core.model import DAY_NAMES, Blackout, LocalSchedule
-from sched_core.model import local_text as model_local_text
+from sched_core.values import local_text as model_local_text
 
 __all__ = [
     "LOOKBACK",

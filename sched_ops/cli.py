@@ -22,9 +22,9 @@ from typing import Annotated, Any
 import typer
 
 from sched_core.clock import utcnow
-from sched_core.model import local_text as local
-from sched_core.model import parse_api_time as parse_time
-from sched_core.model import zone_or_utc
+from sched_core.values import local_text as local
+from sched_core.values import parse_api_time as parse_time
+from sched_core.values import zone_or_utc
 from sched_ops.cli_common import (
     ControllerOpt,
     JsonOpt,

@@ -20,9 +20,10 @@ from sched_core.cache import (
     load_cache_file,
     read_generation,
 )
-from sched_core.model import Cache, format_go_time, parse_go_time
+from sched_core.model import Cache
 from sched_core.scheduler import Scheduler
 from sched_core.statefile import stamp_of
+from sched_core.values import format_go_time, parse_go_time
 from tests.test_scheduler import T0, Agent, row
 
 

@@ -26,8 +26,9 @@ from controller.db import make_engine, migrate
 from controller.models import TaskIn
 from controller.testing import serve_in_thread
 from sched_core.errors import PullError
-from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
+from sched_core.model import LocalSchedule
 from sched_core.scheduler import Config, Fire, Scheduler
+from sched_core.values import STORED_BEFORE_RULES
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
 NODE_A_TOKEN = "node-a-secret-token-abcdef"

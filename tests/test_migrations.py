@@ -287,7 +287,8 @@ def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
     from sqlmodel import Session
 
     from controller import schedules
-    from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
+    from sched_core.model import LocalSchedule
+    from sched_core.values import STORED_BEFORE_RULES
 
     db.migrate(empty_url)
     # "été" and "~y" are no identifiers now (the API refuses them), but rows stored

@@ -52,10 +52,8 @@ from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.waits import NodeWaits
-from sched_core.model import (
-    LocalSchedule,
-    check_identifier,
-)
+from sched_core.model import LocalSchedule
+from sched_core.values import check_identifier
 
 log = logging.getLogger("controller.api")
 

@@ -30,7 +30,7 @@ from sched_core.jsonwire import (
     is_utf8,
     parse_strict,
 )
-from sched_core.model import check_identifier
+from sched_core.values import check_identifier
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -116,7 +116,7 @@ def check_node(loc: tuple[str, str], node: str, *, storing: bool = False) -> Non
     """Raise InvalidInput (422) naming loc's field if node cannot be used as a node name.
 
     Every name is held to :func:`check_name`; a node name being stored (a
-    write) must also be an identifier (:func:`sched_core.model.check_identifier`,
+    write) must also be an identifier (:func:`sched_core.values.check_identifier`,
     the kit's rule, which the agents' pull also applies). Reading or deleting a
     node stored before the rule stays possible, as the length rule allows.
     """

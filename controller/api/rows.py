@@ -46,13 +46,8 @@ from controller.api.openapi import json_body, merge_patch_body
 from controller.api.pull import PullCache, pull_response
 from controller.errors import InvalidInput, NotFound
 from controller.logtext import printable
-from sched_core.model import (
-    NAME_MAX_LENGTH,
-    NOTE_MAX_LENGTH,
-    TEXT_MAX_LENGTH,
-    LocalSchedule,
-    text_problem,
-)
+from sched_core.model import NOTE_MAX_LENGTH, LocalSchedule
+from sched_core.values import NAME_MAX_LENGTH, TEXT_MAX_LENGTH, text_problem
 
 log = logging.getLogger("controller.api")
 

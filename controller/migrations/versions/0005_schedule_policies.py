@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from sched_core.model import STORED_BEFORE_RULES, LocalSchedule
+from sched_core.model import LocalSchedule
+from sched_core.values import STORED_BEFORE_RULES
 
 revision: str = "0005"
 down_revision: str | None = "0004"
