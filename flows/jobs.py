@@ -12,7 +12,7 @@ Rules:
    a slot is never overtaken by a later one.
 3. **Overlap** (the row's ``overlap``), checked when a job is accepted and again
    when it could start, against the jobs of its schedule that are running
-   (:func:`overlap_verdict`): ``skip`` ends it Skipped naming the running one;
+   (:func:`sched_core.policies.overlap_verdict`): ``skip`` ends it Skipped naming the running one;
    ``allow`` runs it alongside; ``buffer-one`` waits for it (one waiter at
    most, for at most the action's longest run); ``cancel-other`` cancels it,
    then waits as ``buffer-one`` does.
@@ -49,6 +49,7 @@ from flows.outbox import (
     utc_text,
 )
 from sched_core import SchedError
+from sched_core.policies import Peer, overlap_verdict
 
 log = logging.getLogger(__name__)
 
@@ -58,38 +59,6 @@ Clock = Callable[[], datetime]
 def longest_run_s(spec: JobSpec) -> float:
     """Return how long one job can run: every try, and the delays between."""
     return spec.timeout_s * (spec.retries + 1) + spec.retry_delay_s * spec.retries
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Another job of the same schedule, as the overlap rule sees it."""
-
-    job_id: str
-    run_name: str
-    since: str
-    running: bool
-    waiting: bool
-
-
-def overlap_verdict(mode: str, schedule_id: str, peers: list[Peer]) -> tuple[str, str]:
-    """Return what a job does about the running jobs of its schedule (rule 3).
-
-    ``("run", "")``, ``("skip", reason)``, ``("wait", reason)`` or
-    ``("cancel", reason)`` (cancel the running ones, then wait).
-    """
-    running = [peer for peer in peers if peer.running]
-    if mode == "allow" or not running:
-        return "run", ""
-    holder = running[0]
-    busy = (f"a job of schedule {schedule_id} is still active on this node: run "
-            f"{holder.run_name} (since {holder.since})")
-    if mode == "skip":
-        return "skip", f"{busy}; overlap skip"
-    if any(peer.waiting for peer in peers):
-        return "skip", f"{busy}, and another run already waits for it; overlap {mode}"
-    if mode == "cancel-other":
-        return "cancel", f"{busy}; overlap cancel-other: cancelling it"
-    return "wait", f"{busy}; overlap buffer-one: waiting for it to end"
 
 
 @dataclass

@@ -25,12 +25,15 @@ Rules, shared by the planner, the start guard, the missed-run check and
    measured from the run's start; the window's identity and key do not move.
 5. **catchup_window** replaces the fixed 24 h look-back of the miss policy for
    the row (:func:`catchup`).
+6. **overlap** says what a job does about a running job of its schedule
+   (:func:`overlap_verdict`; the node's jobs apply it, :mod:`flows.jobs` rule 3).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
@@ -282,3 +285,35 @@ def describe_policies(row: LocalSchedule, *, node: str, tz: ZoneInfo) -> list[st
     if row.repo_lock:
         parts.append(f"repo_lock {row.repo_id}")
     return parts
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another job of the same schedule, as the overlap rule sees it."""
+
+    job_id: str
+    run_name: str
+    since: str
+    running: bool
+    waiting: bool
+
+
+def overlap_verdict(mode: str, schedule_id: str, peers: list[Peer]) -> tuple[str, str]:
+    """Return what a job does about the running jobs of its schedule (rule 6).
+
+    ``("run", "")``, ``("skip", reason)``, ``("wait", reason)`` or
+    ``("cancel", reason)`` (cancel the running ones, then wait).
+    """
+    running = [peer for peer in peers if peer.running]
+    if mode == "allow" or not running:
+        return "run", ""
+    holder = running[0]
+    busy = (f"a job of schedule {schedule_id} is still active on this node: run "
+            f"{holder.run_name} (since {holder.since})")
+    if mode == "skip":
+        return "skip", f"{busy}; overlap skip"
+    if any(peer.waiting for peer in peers):
+        return "skip", f"{busy}, and another run already waits for it; overlap {mode}"
+    if mode == "cancel-other":
+        return "cancel", f"{busy}; overlap cancel-other: cancelling it"
+    return "wait", f"{busy}; overlap buffer-one: waiting for it to end"

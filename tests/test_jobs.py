@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from flows import launcher
-from flows.jobs import Jobs, Peer, overlap_verdict
+from flows.jobs import Jobs
 from flows.outbox import JobSpec, JobView, Outbox, job_id_for, utc_text
+from sched_core.policies import Peer, overlap_verdict
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
 
