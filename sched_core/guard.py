@@ -173,6 +173,23 @@ def decide_start(
     tz = row_zone(row, tz)
     lookback = catchup(row, lookback)
     shown = _local(window, tz)
+    held = _held_back(row, window, shown, last_fired=last_fired, first_seen=first_seen,
+                      tz=tz, retry=retry)
+    if held is not None:
+        return held
+    start = run_start(row, window, node=node, tz=tz)
+    lateness = (now if retry else first_try) - start
+    if lateness <= grace:
+        why = "re-run of an interrupted job" if retry else "on time"
+        return StartDecision(Verdict.RUN, f"window {shown}: {why}", stamp=True)
+    return _late_start(row, window, shown, lateness, now=now, grace=grace, tz=tz, retry=retry,
+                       lookback=lookback, node=node)
+
+
+def _held_back(row: LocalSchedule, window: datetime, shown: str, *,
+               last_fired: datetime | None, first_seen: datetime | None, tz: ZoneInfo,
+               retry: bool) -> StartDecision | None:
+    """Return :func:`decide_start`'s skip by its steps 2-4, or None when they let it run."""
     if last_fired is not None and last_fired >= window:
         if not (retry and last_fired == window):
             if last_fired == window:
@@ -191,11 +208,13 @@ def decide_start(
     block = policy_block(row, window, last_fired=last_fired, tz=tz, retry=retry)
     if block is not None:
         return StartDecision(Verdict.SKIP, f"window {shown} skipped: {block}")
-    start = run_start(row, window, node=node, tz=tz)
-    lateness = (now if retry else first_try) - start
-    if lateness <= grace:
-        why = "re-run of an interrupted job" if retry else "on time"
-        return StartDecision(Verdict.RUN, f"window {shown}: {why}", stamp=True)
+    return None
+
+
+def _late_start(row: LocalSchedule, window: datetime, shown: str, lateness: timedelta, *,
+                now: datetime, grace: timedelta, tz: ZoneInfo, retry: bool,
+                lookback: timedelta, node: str) -> StartDecision:
+    """Return :func:`decide_start`'s answer for a late start (its step 6)."""
     policy = row.miss_policy
     late = f"{_minutes(lateness)} late (grace {_minutes(grace)})"
     if retry:

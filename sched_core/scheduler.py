@@ -389,30 +389,7 @@ class Scheduler:
                 extra={"url": shown, "node": self._config.node_name, "error": str(exc)},
             )
             raise
-        for rid, reason in rejected:
-            log.warning(
-                "dropped invalid schedule %s from %s: %s", rid, shown, reason,
-                extra={"schedule_id": rid, "reason": reason, "source": shown},
-            )
-        for rid in result.kept_last_good:
-            log.warning(
-                "kept the last good version (%d) of invalid schedule %s",
-                old[rid].version, rid,
-                extra={"schedule_id": rid, "version": old[rid].version},
-            )
-        log.info(
-            "pulled %d schedules: %d added, %d removed, %d changed, %d rejected",
-            len(good) + len(result.kept_last_good), len(result.added), len(result.removed),
-            len(result.changed), len(result.rejected),
-            extra={
-                "node": self._config.node_name,
-                "count": len(good) + len(result.kept_last_good),
-                "added": len(result.added),
-                "removed": len(result.removed),
-                "changed": len(result.changed),
-                "rejected": len(result.rejected),
-            },
-        )
+        _log_accepted(result, good, rejected, old, shown, self._config.node_name)
         return result
 
     def _not_modified(self, now: datetime) -> PullResult:
@@ -435,3 +412,32 @@ class Scheduler:
     def stop(self) -> None:
         """Stop the loops and wait for them; safe to call more than once."""
         self._runner.stop()
+
+
+def _log_accepted(result: PullResult, good: list[LocalSchedule], rejected: list[tuple[str, str]],
+                  old: dict[str, LocalSchedule], shown: str, node: str) -> None:
+    """Log an accepted pull: each row dropped, each last good version kept, the counts."""
+    for rid, reason in rejected:
+        log.warning(
+            "dropped invalid schedule %s from %s: %s", rid, shown, reason,
+            extra={"schedule_id": rid, "reason": reason, "source": shown},
+        )
+    for rid in result.kept_last_good:
+        log.warning(
+            "kept the last good version (%d) of invalid schedule %s",
+            old[rid].version, rid,
+            extra={"schedule_id": rid, "version": old[rid].version},
+        )
+    log.info(
+        "pulled %d schedules: %d added, %d removed, %d changed, %d rejected",
+        len(good) + len(result.kept_last_good), len(result.added), len(result.removed),
+        len(result.changed), len(result.rejected),
+        extra={
+            "node": node,
+            "count": len(good) + len(result.kept_last_good),
+            "added": len(result.added),
+            "removed": len(result.removed),
+            "changed": len(result.changed),
+            "rejected": len(result.rejected),
+        },
+    )
