@@ -10,9 +10,11 @@ idempotency key). Nobody starts them: the node's deployments have no worker.
    record (``<state_dir>/plan.json``: idempotency key to run id) costs nothing,
    so a reconcile that changed nothing sends no request.
 2. **Prune.** A planned run whose window is no longer one of its row's, or
-   that its row's policies now skip, is deleted (:func:`sched_core.plan.gone_reason`,
-   :func:`sched_core.policies.policy_block`); one whose start moved (a new
-   jitter) is moved.
+   that its row's policies now skip, is deleted; one whose start moved (a new
+   jitter) is deleted and made again at its new start in the same pass
+   (:func:`sched_core.plan.planned_fate`): Prefect 3.9.1 keeps a run's
+   ``expected_start_time`` through a new Scheduled state, and the Upcoming
+   list sorts and shows by it.
 3. A record that is lost is rebuilt from the server's Scheduled runs of the
    node's deployment the next time the server answers; a window planned twice
    is one run (its idempotency key).
@@ -34,8 +36,7 @@ from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
 from flows.registration import RUN_JOB, Deployments
 from sched_core.firing import NodeView
 from sched_core.jsonwire import MAX_DEPTH
-from sched_core.plan import TRIGGER_SCHEDULE, Window, gone_reason, plan_windows
-from sched_core.policies import policy_block, run_start
+from sched_core.plan import TRIGGER_SCHEDULE, Window, plan_windows, planned_fate
 from sched_core.statefile import locked, read_json_file, write_atomic
 from sched_core.values import format_go_time
 
@@ -133,6 +134,8 @@ class Planner:
             deployment = self.deployments.get()[RUN_JOB]
             if not self._loaded:
                 self._rebuild(deployment, view.node, now=now)
+            # Pruned first: a moved run is deleted here and made again below at its start.
+            self._prune(view, report, now=now)
             plan = plan_windows(
                 view.rows, last_fired=view.last_fired, first_seen=view.first_seen, now=now,
                 grace=view.grace, horizon=self.horizon, min_windows=self.min_windows,
@@ -144,7 +147,6 @@ class Planner:
                        if ref.idempotency_key not in self._entries]
             for offset in range(0, len(missing), BULK_MAX):
                 self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
-            self._prune(view, report, now=now)
             cutoff = now - KEEP_FOR
             self._entries = {key: item for key, item in self._entries.items()
                              if item.start >= cutoff}
@@ -199,30 +201,21 @@ class Planner:
         for key, item in list(self._entries.items()):
             if item.start <= now:
                 continue  # its window is the firing loop's now: it records the run's end
-            row = rows.get(item.schedule_id)
-            reason = gone_reason(row, item.schedule_id, item.window, view.tz)
-            if reason is None and row is not None:
-                block = policy_block(row, item.window,
-                                     last_fired=view.last_fired.get(row.id), tz=view.tz)
-                if block is not None:
-                    reason = f"schedule {row.id} skips this window: {block}"
-            if reason is not None:
-                try:
-                    self.api.delete_run(item.run_id)
-                except PrefectRefused as exc:
-                    report.failed.append((key, str(exc)[:200]))
-                    continue
-                del self._entries[key]
-                report.deleted.append((key, reason))
+            fate = planned_fate(rows.get(item.schedule_id), item.schedule_id, item.window,
+                                item.start, last_fired=view.last_fired.get(item.schedule_id),
+                                tz=view.tz, node=view.node)
+            if fate.delete is None and fate.move_to is None:
                 continue
-            assert row is not None
-            start = run_start(row, item.window, node=view.node, tz=view.tz)
-            if abs(start - item.start) >= timedelta(seconds=1):
-                self.api.set_state(item.run_id, state_body("SCHEDULED", scheduled_time=start),
-                                   force=True)
-                self._entries[key] = PlannedEntry(item.run_id, item.schedule_id, item.window,
-                                                  start)
-                report.moved.append((key, start))
+            try:
+                self.api.delete_run(item.run_id)
+            except PrefectRefused as exc:
+                report.failed.append((key, str(exc)[:200]))
+                continue
+            del self._entries[key]
+            if fate.delete is not None:
+                report.deleted.append((key, fate.delete))
+            elif fate.move_to is not None:
+                report.moved.append((key, fate.move_to))
 
     def _rebuild(self, deployment: str, node: str, *, now: datetime) -> None:
         """Fill a lost record from the server's Scheduled runs of the deployment (rule 3)."""

@@ -10,14 +10,12 @@ planner it answers to:
   The caller stamps the window in the same locked step. Every engine the kit
   offers decides through it: the node's firing loop, ``Scheduler.start_window``
   and ``Scheduler.tick``.
-- :func:`late_skips`: the waiting runs the guard would end without running.
 - :func:`retry_allowed`, :func:`stage_retry_allowed`: whether an interrupted
   job or chain stage runs once more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -26,62 +24,10 @@ from zoneinfo import ZoneInfo
 from sched_core.clock import floor_minute
 from sched_core.misses import LOOKBACK
 from sched_core.model import LocalSchedule, MissPolicy
-from sched_core.plan import AWAITING_SLOT, WINDOW_TRIGGERS, PlannedRun, gone_reason
+from sched_core.plan import gone_reason
 from sched_core.policies import catchup, latest_window, policy_block, row_zone, run_start
 
 _TICK = timedelta(microseconds=1)
-
-
-def late_skips(
-    runs: Iterable[PlannedRun],
-    rows: Sequence[LocalSchedule],
-    *,
-    last_fired: Mapping[str, datetime],
-    first_seen: Mapping[str, datetime],
-    now: datetime,
-    grace: timedelta,
-    tz: ZoneInfo,
-    node: str = "",
-    lookback: timedelta = LOOKBACK,
-    first_tries: Mapping[str, datetime] | None = None,
-) -> list[tuple[PlannedRun, str]]:
-    """Return the waiting runs, already late, that the start guard would end without running.
-
-    An untried run (Scheduled, or marked Late: nobody tried to start it) whose
-    start is more than the grace ago is late whenever it is first tried, at
-    ``now`` at the earliest; a run waiting for a job slot
-    (AwaitingConcurrencySlot) was first tried at ``first_tries[run_id]`` (from
-    its state history; without it the run is left alone). For a late run a
-    skip is final: the latest window it was coalesced into only moves later,
-    the last fire only later, and a skip policy stays. So the guard's answer
-    now is the answer the run would get when it starts, and the planner can
-    end such runs at once (each would otherwise start a process only to say
-    so: after a long downtime, hundreds). Runs the guard would run (the latest
-    missed window, a run tried on time) are left to run; re-runs of interrupted
-    jobs and rows that are gone (the planner deletes those runs) are not returned.
-    """
-    by_id = {row.id: row for row in rows}
-    tried = first_tries or {}
-    found: list[tuple[PlannedRun, str]] = []
-    for run in runs:
-        row = by_id.get(run.schedule_id)
-        if run.untried:
-            first_try = now
-        elif run.state_name == AWAITING_SLOT and run.run_id in tried:
-            first_try = tried[run.run_id]
-        else:
-            continue
-        if (run.retry or run.trigger_key not in WINDOW_TRIGGERS or row is None
-                or run.start is None or now - run.start <= grace):
-            continue
-        decision = decide_start(
-            row, schedule_id=run.schedule_id, window=run.window,
-            last_fired=last_fired.get(run.schedule_id), first_seen=first_seen.get(run.schedule_id),
-            first_try=first_try, now=now, grace=grace, tz=tz, lookback=lookback, node=node,
-        )
-        if decision.verdict is Verdict.SKIP:
-            found.append((run, decision.reason))
-    return found
 
 
 class Verdict(StrEnum):

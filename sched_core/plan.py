@@ -11,10 +11,11 @@ The design, in four rules:
    ``max_runs`` for the whole node (:func:`plan_windows`). A window is
    eligible when it is later than the schedule's last fire and not earlier
    than the minute the node first saw the schedule.
-2. **Prune.** A planned run that has not been tried yet and whose window is no
+2. **Prune.** A planned run that has not started yet and whose window is no
    longer a window of its row (removed, disabled, moved to the chain, its
-   days, hours or minute changed) is deleted, so the upcoming list is what
-   the node will do (:func:`obsolete`).
+   days, hours or minute changed, or its policies now skip it) is deleted, so
+   the upcoming list is what the node will do; one whose row's jitter changed
+   moves its start (:func:`planned_fate`).
 3. **Guard.** When a run starts, :func:`sched_core.guard.decide_start` says whether it runs,
    from the cache as it is then: the row must still have the window, the
    window must not have run, and a run first tried more than ``grace`` after
@@ -39,7 +40,7 @@ window plus the row's jitter, and lateness counts from that start; the row's
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -244,83 +245,39 @@ def upcoming(
     return Upcoming(found, skipped)
 
 
-AWAITING_SLOT = "AwaitingConcurrencySlot"
-"""The state of a run the runner tried to start while its deployment's job slots were taken."""
-
-
 @dataclass(frozen=True)
-class PlannedRun:
-    """A run that exists for a window: its id, window, trigger and state name."""
+class Fate:
+    """What becomes of a planned run not started yet (rule 2): kept, deleted, or moved."""
 
-    run_id: str
-    schedule_id: str
-    window: datetime
-    trigger_key: str
-    state_name: str
-    start: datetime | None = None
-    """Its scheduled start (None when unknown)."""
-    retry: bool = False
-    """True for the one re-run of an interrupted job (it starts when it is made)."""
-
-    @property
-    def untried(self) -> bool:
-        """True while nobody tried to start it yet (Scheduled, or marked Late by the server)."""
-        return self.state_name in ("Scheduled", "Late")
+    delete: str | None = None
+    """Why it is deleted (None: it stays)."""
+    move_to: datetime | None = None
+    """Its new start, when the row's jitter (or the node's name) moved it."""
 
 
-def obsolete(
-    runs: Iterable[PlannedRun],
-    rows: Sequence[LocalSchedule],
-    *,
-    tz: ZoneInfo,
-    last_fired: Mapping[str, datetime] | None = None,
-) -> list[tuple[PlannedRun, str]]:
-    """Return the untried window runs to delete, each with why (rule 2 of the module).
+def planned_fate(row: LocalSchedule | None, schedule_id: str, window: datetime,
+                 start: datetime, *, last_fired: datetime | None, tz: ZoneInfo,
+                 node: str) -> Fate:
+    """Return what becomes of the planned run of window, due to start at start (rule 2).
 
-    A run is obsolete when its row is gone, disabled or on an event, no
-    longer has the window, or its policies now skip the window (a new pause,
-    dates or blackout, or min_interval counted from the last fire in
-    ``last_fired``). A row changed in any other way (name, params, overlap)
-    keeps its runs: a run reads its row when it starts.
+    It is deleted when its row is gone, disabled or on an event, no longer has the
+    window, or its policies now skip the window (a new pause, dates or blackout, or
+    ``min_interval`` counted from ``last_fired``). A row changed in any other way
+    (name, params, overlap) keeps its runs: a run reads its row when it starts. A
+    changed jitter (or a renamed node) keeps the run's window and key and moves only
+    its start.
     """
-    by_id = {row.id: row for row in rows}
-    fired = last_fired or {}
-    found: list[tuple[PlannedRun, str]] = []
-    for run in runs:
-        if not run.untried or run.trigger_key not in WINDOW_TRIGGERS:
-            continue
-        row = by_id.get(run.schedule_id)
-        reason = gone_reason(row, run.schedule_id, run.window, tz)
-        if reason is None and row is not None:
-            block = policy_block(row, run.window, last_fired=fired.get(row.id), tz=tz)
-            if block is not None:
-                reason = f"schedule {row.id} skips this window: {block}"
-        if reason is not None:
-            found.append((run, reason))
-    return found
-
-
-def moved(
-    runs: Iterable[PlannedRun], rows: Sequence[LocalSchedule], *, node: str, tz: ZoneInfo
-) -> list[tuple[PlannedRun, datetime]]:
-    """Return the untried planned runs whose start is no longer their window's, with the new one.
-
-    That is a jitter the row changed (or a node renamed): the run keeps its
-    window and key, and only its scheduled start moves. Recovery runs and the
-    re-runs of interrupted jobs start when they are made, so they never move.
-    """
-    by_id = {row.id: row for row in rows}
-    found: list[tuple[PlannedRun, datetime]] = []
-    for run in runs:
-        row = by_id.get(run.schedule_id)
-        if (not run.untried or run.trigger_key != TRIGGER_SCHEDULE or run.retry
-                or run.start is None or row is None
-                or gone_reason(row, run.schedule_id, run.window, tz)):
-            continue
-        start = run_start(row, run.window, node=node, tz=tz)
-        if abs(start - run.start) >= timedelta(seconds=1):
-            found.append((run, start))
-    return found
+    reason = gone_reason(row, schedule_id, window, tz)
+    if reason is None and row is not None:
+        block = policy_block(row, window, last_fired=last_fired, tz=tz)
+        if block is not None:
+            reason = f"schedule {row.id} skips this window: {block}"
+    if reason is not None or row is None:
+        return Fate(delete=reason or f"schedule {schedule_id} was removed")
+    new_start = run_start(row, window, node=node, tz=tz)
+    if abs(new_start - start) >= timedelta(seconds=1):
+        return Fate(move_to=new_start)
+    return Fate()
 
 
 def gone_reason(

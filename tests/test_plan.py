@@ -13,10 +13,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from sched_core.guard import Verdict, decide_start, late_skips, retry_allowed, stage_retry_allowed
+from sched_core.guard import Verdict, decide_start, retry_allowed, stage_retry_allowed
 from sched_core.matcher import fire_times, window_key
 from sched_core.model import LocalSchedule
-from sched_core.plan import MISSED_SHOWN, PlannedRun, missed, obsolete, plan_windows
+from sched_core.plan import MISSED_SHOWN, Fate, missed, plan_windows, planned_fate
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)
@@ -168,82 +168,27 @@ def test_a_planned_window_carries_the_kits_window_key() -> None:
 # -- pruning ----------------------------------------------------------------------------
 
 
-def run(sid: str, window: datetime, state: str = "Scheduled",
-        trigger: str = "schedule") -> PlannedRun:
-    return PlannedRun(run_id=f"run-{sid}-{window:%H%M}", schedule_id=sid, window=window,
-                      trigger_key=trigger, state_name=state)
+def fate(row_: LocalSchedule | None, sid: str, window: datetime, **kw: Any) -> Fate:
+    return planned_fate(row_, sid, window, window, last_fired=kw.pop("last_fired", None),
+                        tz=kw.pop("tz", NY), node=kw.pop("node", "node-a"))
 
 
-def test_obsolete_runs_are_those_whose_row_no_longer_has_the_window() -> None:
+def test_planned_runs_whose_row_no_longer_has_the_window_are_deleted_saying_why() -> None:
     w = utc(2026, 11, 30, 7, 30)  # 02:30 EST
-    rows = [row("same", at(["2"], "30")), row("params", at(["2"], "30"), params={"x": 1}),
-            row("moved", at(["3"], "30")), row("off", at(["2"], "30"), enabled=False),
-            row("ev", {"days": None, "hours": None, "minute": "", "on": "after_wave"})]
-    runs = [run(sid, w) for sid in ("same", "params", "moved", "off", "ev", "gone")]
-    got = {r.schedule_id: reason for r, reason in obsolete(runs, rows, tz=NY)}
+    rows = {r.id: r for r in [
+        row("same", at(["2"], "30")), row("params", at(["2"], "30"), params={"x": 1}),
+        row("moved", at(["3"], "30")), row("off", at(["2"], "30"), enabled=False),
+        row("ev", {"days": None, "hours": None, "minute": "", "on": "after_wave"})]}
+    got = {sid: fate(rows.get(sid), sid, w).delete
+           for sid in ("same", "params", "moved", "off", "ev", "gone")}
     assert got == {
+        "same": None, "params": None,
         "moved": "schedule moved no longer has this window (its times changed)",
         "off": "schedule off is disabled",
         "ev": "schedule ev now fires on 'after_wave', not on the clock",
         "gone": "schedule gone was removed from this node's list",
     }
-
-
-def test_runs_already_tried_or_not_window_runs_are_never_pruned() -> None:
-    w = utc(2026, 11, 30, 7, 30)
-    runs = [run("gone", w, state="AwaitingConcurrencySlot"), run("gone", w, state="Running"),
-            run("gone", w, trigger="chain-prune"), run("gone", w, trigger="manual"),
-            run("gone", w, state="Late")]
-    assert [r.state_name for r, _ in obsolete(runs, [], tz=NY)] == ["Late"]
-
-
-def test_late_untried_runs_the_guard_would_skip_are_ended_by_the_planner_with_its_reason() -> None:
-    """After 1 h 15 min down: every late run but the latest of run-once ends now; skip's all."""
-    hourly = at(["*"], "30")
-    rows = [row("once", hourly), row("never", hourly, miss_policy="skip"),
-            row("fresh", hourly)]
-    w1, w2 = utc(2026, 11, 30, 7, 30), utc(2026, 11, 30, 8, 30)
-    now = w2 + timedelta(minutes=15)
-
-    def planned(sid: str, window: datetime, state: str = "Scheduled", **kw: Any) -> PlannedRun:
-        return PlannedRun(run_id=f"{sid}-{window:%H%M}-{state}", schedule_id=sid, window=window,
-                          trigger_key="schedule", state_name=state, start=window, **kw)
-
-    runs = [planned("once", w1), planned("once", w2), planned("never", w1),
-            planned("never", w2, "Late"),
-            planned("never", w1, "AwaitingConcurrencySlot"),  # tried: its own guard decides
-            planned("once", w1, retry=True),  # an interrupted job's re-run: never
-            planned("fresh", now - timedelta(minutes=4)),  # within the grace: on time
-            planned("gone", w1)]  # the pruning deletes it
-    got = {(r.schedule_id, r.window, r.state_name): why
-           for r, why in late_skips(runs, rows, last_fired={}, first_seen={}, now=now,
-                                    grace=GRACE, tz=NY)}
-    assert got == {
-        ("once", w1, "Scheduled"): "window 2026-11-30 02:30 EST missed: 1 h 15 min late "
-        "(grace 5 min); coalesced into 2026-11-30 03:30 EST (the latest missed window)",
-        ("never", w1, "Scheduled"): "window 2026-11-30 02:30 EST missed: 1 h 15 min late "
-        "(grace 5 min); miss policy skip",
-        ("never", w2, "Late"): "window 2026-11-30 03:30 EST missed: 15 min late "
-        "(grace 5 min); miss policy skip",
-    }
-    # A run waiting for a job slot is judged from its first try: on time runs, late skips.
-    waiting = [planned("never", w1, "AwaitingConcurrencySlot"),
-               planned("never", w2, "AwaitingConcurrencySlot")]
-    tries = {waiting[0].run_id: w1 + timedelta(minutes=1), waiting[1].run_id: w2 + GRACE * 2}
-    got_waiting = late_skips(waiting, rows, last_fired={}, first_seen={}, now=now, grace=GRACE,
-                             tz=NY, first_tries=tries)
-    assert [(r.window, why) for r, why in got_waiting] == [
-        (w2, "window 2026-11-30 03:30 EST missed: 10 min late (grace 5 min); miss policy skip")]
-    # The answer is the guard's own when the run would start now, and final: later, too.
-    for (sid, window, _), why in got.items():
-        for later in (now, now + HOUR):
-            decision = decide_start(
-                rows[["once", "never"].index(sid)], schedule_id=sid, window=window,
-                last_fired=None, first_seen=None, first_try=later, now=later, grace=GRACE, tz=NY)
-            assert decision.verdict is Verdict.SKIP
-        assert why == decide_start(
-            rows[["once", "never"].index(sid)], schedule_id=sid, window=window, last_fired=None,
-            first_seen=None, first_try=now, now=now, grace=GRACE, tz=NY).reason
+    assert fate(rows["same"], "same", w) == Fate()
 
 
 # -- the start guard --------------------------------------------------------------------

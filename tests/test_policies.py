@@ -20,7 +20,7 @@ import pytest
 from sched_core.guard import Verdict, decide_start, retry_allowed
 from sched_core.matcher import fire_times
 from sched_core.model import LocalSchedule
-from sched_core.plan import PlannedRun, missed, moved, obsolete, plan_windows
+from sched_core.plan import Fate, missed, plan_windows, planned_fate
 from sched_core.policies import (
     describe_policies,
     jitter_offset,
@@ -166,12 +166,11 @@ def test_the_guard_measures_lateness_from_the_jittered_start() -> None:
 def test_a_changed_jitter_moves_the_untried_run_and_keeps_its_window() -> None:
     r = row("s-1", NIGHTLY, jitter=600)
     window = utc(2026, 11, 30, 7, 30)
-    runs = [PlannedRun("a", "s-1", window, "schedule", "Scheduled", start=window),
-            PlannedRun("b", "s-1", window + DAY, "schedule", "Scheduled",
-                       start=window + DAY + timedelta(seconds=2499 % 600)),
-            PlannedRun("c", "s-1", window, "schedule", "Running", start=window)]
-    assert moved(runs, [r], node="node-a", tz=NY) == [
-        (runs[0], window + timedelta(seconds=2499 % 600))]
+    offset = timedelta(seconds=2499 % 600)  # node-a's share of the 600 s jitter
+    assert planned_fate(r, "s-1", window, window, last_fired=None, tz=NY,
+                        node="node-a") == Fate(move_to=window + offset)
+    assert planned_fate(r, "s-1", window + DAY, window + DAY + offset, last_fired=None, tz=NY,
+                        node="node-a") == Fate()
 
 
 # -- catchup_window ----------------------------------------------------------------------
@@ -256,10 +255,11 @@ def test_a_pause_without_until_plans_and_runs_nothing() -> None:
 
 def test_a_new_pause_makes_the_planned_runs_in_it_obsolete_with_the_reason() -> None:
     r = row("p", every(30), paused=PAUSED)
-    runs = [PlannedRun(f"r{n}", "p", UNTIL + n * 30 * MINUTE, "schedule", "Scheduled")
-            for n in (-1, 0, 1)]
-    assert obsolete(runs, [r], tz=NY) == [(runs[0], (
-        "schedule p skips this window: paused: disk swap (until 2026-11-30 12:00 EST)"))]
+    got = [planned_fate(r, "p", UNTIL + n * 30 * MINUTE, UNTIL + n * 30 * MINUTE,
+                        last_fired=None, tz=NY, node="node-a").delete for n in (-1, 0, 1)]
+    assert got == [
+        "schedule p skips this window: paused: disk swap (until 2026-11-30 12:00 EST)",
+        None, None]
 
 
 # -- not_before, not_after ---------------------------------------------------------------
@@ -363,8 +363,8 @@ def test_a_row_in_a_half_hour_zone_on_a_new_york_node() -> None:
     decision = guard(r, w.window, first_try=w.window)
     assert decision.reason == "window 2026-03-08 02:30 IST: on time"
     # The node's own zone would have been 02:30 EST: that window is no longer the row's.
-    runs = [PlannedRun("x", "k", utc(2026, 3, 7, 7, 30), "schedule", "Scheduled")]
-    assert obsolete(runs, [r], tz=NY)[0][1] == (
+    est = utc(2026, 3, 7, 7, 30)
+    assert planned_fate(r, "k", est, est, last_fired=None, tz=NY, node="node-a").delete == (
         "schedule k no longer has this window (its times changed)")
 
 
@@ -411,9 +411,10 @@ def test_min_interval_plans_only_the_windows_that_will_run() -> None:
                   last_fired={"c": utc(2026, 11, 29, 7, 30)})
     assert [w.strftime("%a") for w in got] == ["Tue", "Thu", "Sat"]
     # A planned run the last fire now holds back is obsolete, saying why.
-    stale = PlannedRun("x", "c", utc(2026, 11, 30, 7, 30), "schedule", "Scheduled")
-    [(_, why)] = obsolete([stale], [r], tz=NY, last_fired={"c": utc(2026, 11, 29, 7, 30)})
-    assert why.startswith("schedule c skips this window: min_interval 2 d")
+    stale = utc(2026, 11, 30, 7, 30)
+    why = planned_fate(r, "c", stale, stale, last_fired=utc(2026, 11, 29, 7, 30), tz=NY,
+                       node="node-a").delete
+    assert why is not None and why.startswith("schedule c skips this window: min_interval 2 d")
 
 
 def test_min_interval_does_not_hold_back_the_rerun_of_an_interrupted_job() -> None:
@@ -454,14 +455,12 @@ def test_policies_are_described_for_people() -> None:
     ]
 
 
-def test_the_rerun_of_an_interrupted_job_never_moves_and_old_windows_are_the_guards() -> None:
-    r = row("c", NIGHTLY, jitter=600, min_interval=WEEK)
+def test_a_planned_window_before_the_last_fire_is_left_to_the_guard() -> None:
+    r = row("c", NIGHTLY, min_interval=WEEK)
     window = utc(2026, 11, 30, 7, 30)
-    rerun = PlannedRun("a", "c", window, "schedule", "Scheduled", start=window + HOUR, retry=True)
-    assert moved([rerun], [r], node="node-a", tz=NY) == []
-    # A run of a window before the last fire is left to the guard ("older than the last fire").
-    older = PlannedRun("b", "c", window - DAY, "schedule", "Scheduled")
-    assert obsolete([older], [r], tz=NY, last_fired={"c": window}) == []
+    # A run of a window before the last fire is the guard's ("older than the last fire").
+    assert planned_fate(r, "c", window - DAY, window - DAY, last_fired=window, tz=NY,
+                        node="node-a") == Fate()
     assert guard(r, window - DAY, first_try=window - DAY, last_fired=window).reason == (
         "window 2026-11-29 02:30 EST is older than the last fire: coalesced into "
         "2026-11-30 02:30 EST, which already ran")
