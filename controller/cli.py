@@ -1,7 +1,7 @@
 """``sched controller``: serve the API and the central scheduler, run the migrations.
 
-Configuration comes from the environment (see :mod:`controller.auth` for tokens,
-:mod:`controller.db` for ``SCHED_DATABASE_URL``); flags override the URL.
+Configuration comes from the flags and the environment (:mod:`controller.settings`,
+``SCHED_DATABASE_URL``, the tokens, ``SCHED_RETRY_DELAY``); flags override the URL.
 """
 
 from __future__ import annotations
@@ -281,7 +281,11 @@ def migrate(
     """Upgrade the database to the latest schema (or --downgrade to a revision)."""
     from controller import db
 
-    url = db.database_url(database_url)
+    try:
+        url = db.database_url(database_url)
+    except ConfigError as exc:  # the environment (ControllerSettings) is checked whole
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     if downgrade:
         if revision is None:
             typer.echo("error: --downgrade needs --revision (e.g. -1 or base)", err=True)
