@@ -75,32 +75,27 @@ class ControllerSettings(BaseSettings):
         populate_by_name=True,
     )
     _environ: ClassVar[Mapping[str, str] | None] = None
-    docs_defaults: ClassVar[dict[str, str]] = {
-        "database_url": "`.data/controller.db`", "admin_token": "none", "node_tokens": "none",
-        "tokens_file": "none",
-    }
-    """How the settings table (docs/controller.md) writes a default that is no plain value."""
-
     database_url: str = Field(
         "", validation_alias="SCHED_DATABASE_URL",
-        description="the database: `postgresql://user:pw@host:5432/sched` (PostgreSQL), else "
-        "the embedded SQLite file `.data/controller.db` under the working directory")
+        json_schema_extra={"docs_default": "`.data/controller.db`"},
+        description="the database, e.g. `postgresql://user:pw@host:5432/sched`; unset: the "
+        "embedded SQLite file `.data/controller.db` under the working directory")
     admin_token: SecretStr = Field(
         SecretStr(""), validation_alias="SCHED_ADMIN_TOKEN",
-        description="the admin's token: reads and writes everything; `serve` refuses to start "
-        "without one unless `--insecure-no-auth`")
+        description="the **admin** token reads and writes everything; `serve` refuses to start "
+        "without one unless you pass `--insecure-no-auth`")
     node_tokens: SecretStr = Field(
         SecretStr(""), validation_alias="SCHED_NODE_TOKENS",
-        description="the nodes' tokens, `node-a=tok1,node-b=tok2`: each reads only its node's "
+        description="**node** tokens, `node-a=tok1,node-b=tok2`: each reads only that node's "
         "schedules")
     tokens_file: str = Field(
         "", validation_alias="SCHED_TOKENS_FILE",
-        description="a TOML (or JSON, by its `.json` suffix) file of tokens, merged with the two "
-        "above; `chmod 600`; reloaded when it changes and on SIGHUP (below)")
+        description="a tokens file (TOML, or JSON by its `.json` suffix), merged with the "
+        "above; `chmod 600`; reloaded while `serve` runs (below)")
     retry_delay: float = Field(
         DEFAULT_RETRY_DELAY, validation_alias="SCHED_RETRY_DELAY",
-        description="seconds before the first reconnect (or retry) after a failure; doubles up "
-        "to a cap (30 s)")
+        description="seconds before the first reconnect of the listening connection (or retry "
+        "of a failed pass) after a failure; doubles up to 30 s")
 
     @field_validator("retry_delay", mode="before")
     @classmethod
