@@ -24,25 +24,25 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from sched_core.errors import ConfigError
 
-ENV_PREFIX = "SCHED_"
 DEFAULT_RETRY_DELAY = 1.0
 
 
-def problems(exc: ValidationError, name_of: Mapping[str, str] | None = None) -> str:
+def problems(exc: ValidationError, *, show_input: bool = True) -> str:
     """Return a ValidationError's problems in one line: our own messages as they are.
 
     A validator's own message (a ``ValueError``) already names what it is about;
-    any other problem is prefixed by its field (``name_of`` renames it, e.g. to
-    its environment variable).
+    any other problem is prefixed by its field (or variable) and, with show_input,
+    the value given (never for a setting that may hold a token).
     """
     said = []
     for error in exc.errors():
         name = ".".join(str(part) for part in error["loc"]) or "settings"
-        name = (name_of or {}).get(name, name)
         if error["type"] == "value_error":
             said.append(str(error["ctx"]["error"]))
-        else:
+        elif show_input:
             said.append(f"{name}={error.get('input')!r}: {error['msg']}")
+        else:
+            said.append(f"{name}: {error['msg']}")
     return "; ".join(said)
 
 
@@ -133,11 +133,10 @@ class ControllerSettings(BaseSettings):
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> ControllerSettings:
         """Return the settings from the environment (or environ); ConfigError naming a bad one."""
-        names = {field: cls.env_name(field) for field in cls.model_fields}
         # A given environment (a snapshot, a test's) is read instead of the process's.
         settings_cls: type[ControllerSettings] = cls if environ is None else type(
             cls.__name__, (cls,), {"_environ": dict(environ)})
         try:
             return settings_cls()
         except ValidationError as exc:
-            raise ConfigError(problems(exc, names)) from None
+            raise ConfigError(problems(exc, show_input=False)) from None
