@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from controller.settings import ControllerSettings
 from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,9 @@ log = logging.getLogger(__name__)
 MIN_TOKEN_LENGTH = 16
 """The shortest token served without a warning (characters): ``openssl rand -hex 32`` gives 64."""
 
-ADMIN_TOKEN_ENV = "SCHED_ADMIN_TOKEN"
-NODE_TOKENS_ENV = "SCHED_NODE_TOKENS"
-TOKENS_FILE_ENV = "SCHED_TOKENS_FILE"
+ADMIN_TOKEN_ENV = ControllerSettings.env_name("admin_token")
+NODE_TOKENS_ENV = ControllerSettings.env_name("node_tokens")
+TOKENS_FILE_ENV = ControllerSettings.env_name("tokens_file")
 
 
 @dataclass(frozen=True)
@@ -181,20 +182,23 @@ class Tokens:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Tokens:
-        """Return the tokens named by the environment (admin, node list, tokens file)."""
-        env = os.environ if environ is None else environ
+        """Return the tokens named by the environment (admin, node list, tokens file).
+
+        ``environ`` (default: the process's) is read as :class:`ControllerSettings`.
+        """
+        settings = ControllerSettings.read(environ)
         admin: list[str] = []
         nodes: dict[str, list[str]] = {}
-        file_name = env.get(TOKENS_FILE_ENV, "").strip()
+        file_name = settings.tokens_file.strip()
         if file_name:
             file_admin, file_nodes = load_tokens_file(Path(file_name))
             admin.extend(file_admin)
             for node, node_tokens in file_nodes.items():
                 nodes.setdefault(node, []).extend(node_tokens)
-        admin_token = env.get(ADMIN_TOKEN_ENV, "").strip()
+        admin_token = settings.admin_token.get_secret_value().strip()
         if admin_token:
             admin.append(admin_token)
-        for node, token in parse_node_tokens(env.get(NODE_TOKENS_ENV, "")):
+        for node, token in parse_node_tokens(settings.node_tokens.get_secret_value()):
             nodes.setdefault(node, []).append(token)
         return cls(admin, nodes)
 
@@ -326,7 +330,7 @@ class TokensReloader:
             )
         self.tokens = tokens
         self.environ = dict(os.environ if environ is None else environ)
-        file_name = self.environ.get(TOKENS_FILE_ENV, "").strip()
+        file_name = ControllerSettings.read(self.environ).tokens_file.strip()
         self.path = Path(file_name) if file_name and tokens is not None else None
         self.interval = interval
         self.require_admin = require_admin

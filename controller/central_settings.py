@@ -1,7 +1,9 @@
-"""The central scheduler's settings: ``CentralSettings``, read from flags and the environment.
+"""The central scheduler's settings: ``CentralSettings``, from flags and the environment.
 
-Every field is checked on construction (a bad value is a :class:`ConfigError`
-naming it); ``SCHED_RETRY_DELAY`` sets the first reconnect delay.
+A pydantic model, frozen: every field is checked on construction (a bad value is
+a :class:`ConfigError` naming it). :meth:`CentralSettings.from_env` takes the
+first reconnect delay from ``SCHED_RETRY_DELAY`` (:class:`ControllerSettings`,
+the controller's environment).
 """
 
 from __future__ import annotations
@@ -10,32 +12,25 @@ import math
 import os
 import socket
 import uuid
-from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core.core_schema import ValidationInfo
+
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
+from controller.settings import DEFAULT_RETRY_DELAY, ControllerSettings, problems
 from sched_core.errors import ConfigError
 
-RETRY_DELAY_ENV = "SCHED_RETRY_DELAY"
+RETRY_DELAY_ENV = ControllerSettings.env_name("retry_delay")
 """Seconds before the first reconnect (or retry) after a failure; doubles up to a cap."""
 
-DEFAULT_RETRY_DELAY = 1.0
 PRUNE_BATCH = 10_000
 """Dispatch records deleted per transaction when pruning."""
 
 
-def retry_delay_from_env(default: float = DEFAULT_RETRY_DELAY) -> float:
-    """Return ``SCHED_RETRY_DELAY`` in seconds (default when unset); ConfigError if invalid."""
-    text = os.environ.get(RETRY_DELAY_ENV, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{RETRY_DELAY_ENV}={text!r} is not a number of seconds") from None
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"{RETRY_DELAY_ENV}={text!r} must be a positive number of seconds")
-    return value
+def retry_delay_from_env() -> float:
+    """Return ``SCHED_RETRY_DELAY`` in seconds (1 when unset); ConfigError if invalid."""
+    return ControllerSettings.read().retry_delay
 
 
 def default_worker_id() -> str:
@@ -49,85 +44,111 @@ _POSITIVE_SECONDS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class CentralSettings:
+def _positive_seconds(value: object, name: str) -> object:
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    return value
+
+
+class CentralSettings(BaseModel):
     """How a central scheduler behaves; validated when made (ConfigError naming the field).
 
-    Times are seconds.
-
-    :param poll_interval: the longest wait between passes.
-    :param lease: how long a claim is held before another instance may claim it; renewed
-        every ``heartbeat_interval`` while its dispatch is in flight, so a killed instance's
-        claims are taken over about ``lease`` seconds after its last renewal.
-    :param batch_size: tasks claimed per pass.
-    :param retry_delay: backoff base of reconnects and failed passes (``SCHED_RETRY_DELAY``
-        in :meth:`from_env`), doubling up to ``max_retry_delay``.
-    :param max_retry_delay: the cap of that backoff.
-    :param dispatch_retry_delay: backoff base after a failed dispatch, doubling up to
-        ``max_dispatch_retry_delay``.
-    :param max_dispatch_retry_delay: the cap of that backoff.
-    :param stale_after: when a dispatch record left "dispatching" is taken over: once
-        neither its start nor its worker's last renewal is that recent.
-    :param heartbeat_interval: how often leases in flight are renewed (None: a third
-        of the lease, at most ``stale_after`` / 2 when that is shorter).
-    :param listen_timeout: how long the listener waits for a notification at a time
-        (and so how long it takes to stop).
-    :param health_interval: how often the listener checks its connection.
-    :param wake_on_local_saves: wake the loop on a save in this process (SQLite's NOTIFY).
-    :param claim_on_notify: the listener claims on its own connection as soon as a
-        notification arrives, instead of waking the loop.
-    :param durable_claims: claims wait for the WAL flush (see the module docstring for
-        why the default does not).
-    :param max_attempts: failed dispatches of one (task, scheduled time) before giving up
-        on it (:func:`controller.claims.give_up`: a recurring task moves on to its next
-        run, a one-shot task is disabled, the failed record stays); 0 retries forever.
-    :param dispatch_retention: how long finished dispatch records are kept (None: forever).
-    :param prune_interval: how often the loop prunes them.
+    Times are seconds. Frozen: :meth:`but` returns a changed copy.
     """
 
-    poll_interval: float = 5.0
-    lease: float = 10.0
-    batch_size: int = 100
-    retry_delay: float = DEFAULT_RETRY_DELAY
-    max_retry_delay: float = 30.0
-    dispatch_retry_delay: float = 10.0
-    max_dispatch_retry_delay: float = 600.0
-    stale_after: float = 10.0
-    heartbeat_interval: float | None = None
-    listen_timeout: float = 0.25
-    health_interval: float = 30.0
-    wake_on_local_saves: bool = True
-    claim_on_notify: bool = True
-    durable_claims: bool = False
-    max_attempts: int = DEFAULT_MAX_ATTEMPTS
-    dispatch_retention: float | None = DEFAULT_DISPATCH_RETENTION
-    prune_interval: float = 3600.0
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        for name in _POSITIVE_SECONDS:
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name}={value!r} must be a positive number of seconds")
-        if not (isinstance(self.stale_after, int | float) and self.stale_after >= 0
-                and math.isfinite(self.stale_after)):
-            raise ConfigError(
-                f"stale_after={self.stale_after!r} must be 0 or more seconds"
-            )
-        heartbeat = self.heartbeat_interval
-        if heartbeat is not None and not (
-            isinstance(heartbeat, int | float) and heartbeat > 0 and math.isfinite(heartbeat)
+    poll_interval: float = Field(5.0, description="the longest wait between passes")
+    lease: float = Field(10.0, description=(
+        "how long a claim is held before another instance may claim it; renewed every "
+        "`heartbeat_interval` while its dispatch is in flight, so a killed instance's claims "
+        "are taken over about `lease` seconds after its last renewal"))
+    batch_size: int = Field(100, description="tasks claimed per pass")
+    retry_delay: float = Field(DEFAULT_RETRY_DELAY, description=(
+        "backoff base of reconnects and failed passes (`SCHED_RETRY_DELAY` in `from_env`), "
+        "doubling up to `max_retry_delay`"))
+    max_retry_delay: float = Field(30.0, description="the cap of that backoff")
+    dispatch_retry_delay: float = Field(10.0, description=(
+        "backoff base after a failed dispatch, doubling up to `max_dispatch_retry_delay`"))
+    max_dispatch_retry_delay: float = Field(600.0, description="the cap of that backoff")
+    stale_after: float = Field(10.0, description=(
+        "when a dispatch record left \"dispatching\" is taken over: once neither its start "
+        "nor its worker's last renewal is that recent"))
+    heartbeat_interval: float | None = Field(None, description=(
+        "how often leases in flight are renewed (None: a third of the lease, at most "
+        "`stale_after` / 2 when that is shorter)"))
+    listen_timeout: float = Field(0.25, description=(
+        "how long the listener waits for a notification at a time (and so how long it takes "
+        "to stop)"))
+    health_interval: float = Field(30.0, description=(
+        "how often the listener checks its connection"))
+    wake_on_local_saves: bool = Field(True, description=(
+        "wake the loop on a save in this process (SQLite's NOTIFY)"))
+    claim_on_notify: bool = Field(True, description=(
+        "the listener claims on its own connection as soon as a notification arrives, "
+        "instead of waking the loop"))
+    durable_claims: bool = Field(False, description=(
+        "claims wait for the WAL flush (see the module docstring of `controller.central` for "
+        "why the default does not)"))
+    max_attempts: int = Field(DEFAULT_MAX_ATTEMPTS, description=(
+        "failed dispatches of one (task, scheduled time) before giving up on it "
+        "(`controller.claims.give_up`: a recurring task moves on to its next run, a one-shot "
+        "task is disabled, the failed record stays); 0 retries forever"))
+    dispatch_retention: float | None = Field(DEFAULT_DISPATCH_RETENTION, description=(
+        "how long finished dispatch records are kept (None: forever)"))
+    prune_interval: float = Field(3600.0, description="how often the loop prunes them")
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(problems(exc)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CentralSettings are frozen: use .but({name}=...)")
+
+    @field_validator(*_POSITIVE_SECONDS, mode="before")
+    @classmethod
+    def _check_seconds(cls, value: object, info: ValidationInfo) -> object:
+        return _positive_seconds(value, str(info.field_name))
+
+    @field_validator("stale_after", mode="before")
+    @classmethod
+    def _check_stale_after(cls, value: object) -> object:
+        if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):
+            raise ValueError(f"stale_after={value!r} must be 0 or more seconds")
+        return value
+
+    @field_validator("heartbeat_interval", mode="before")
+    @classmethod
+    def _check_heartbeat(cls, value: object) -> object:
+        if value is not None and not (
+            isinstance(value, int | float) and value > 0 and math.isfinite(value)
         ):
-            raise ConfigError(f"heartbeat_interval={heartbeat!r} must be a positive number "
-                              "of seconds (or None: a third of the lease)")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size} must be 1 or more")
-        if self.max_attempts < 0:
-            raise ConfigError(f"max_attempts={self.max_attempts} must be 0 (no limit) or more")
-        if self.dispatch_retention is not None and not self.dispatch_retention > 0:
-            raise ConfigError(
-                f"dispatch_retention={self.dispatch_retention} must be a positive number "
-                "of seconds"
-            )
+            raise ValueError(f"heartbeat_interval={value!r} must be a positive number "
+                             "of seconds (or None: a third of the lease)")
+        return value
+
+    @field_validator("batch_size")
+    @classmethod
+    def _check_batch_size(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"batch_size={value} must be 1 or more")
+        return value
+
+    @field_validator("max_attempts")
+    @classmethod
+    def _check_max_attempts(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"max_attempts={value} must be 0 (no limit) or more")
+        return value
+
+    @field_validator("dispatch_retention", mode="before")
+    @classmethod
+    def _check_retention(cls, value: object) -> object:
+        if isinstance(value, int | float) and not value > 0:
+            raise ValueError(f"dispatch_retention={value} must be a positive number of seconds")
+        return value
 
     @classmethod
     def from_env(cls, **overrides: Any) -> CentralSettings:
@@ -135,8 +156,7 @@ class CentralSettings:
 
         ConfigError for an invalid environment value or override, or an unknown name.
         """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - set(cls.model_fields))
         if unknown:
             raise ConfigError(f"unknown central scheduler setting(s): {', '.join(unknown)}")
         values: dict[str, Any] = {"retry_delay": retry_delay_from_env()}
@@ -155,4 +175,4 @@ class CentralSettings:
 
     def but(self, **changes: Any) -> CentralSettings:
         """Return a copy with changes (validated again)."""
-        return replace(self, **changes)
+        return type(self)(**{**self.model_dump(exclude_unset=True), **changes})

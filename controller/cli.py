@@ -1,14 +1,14 @@
 """``sched controller``: serve the API and the central scheduler, run the migrations.
 
-Configuration comes from the environment (see :mod:`controller.auth` for tokens,
-:mod:`controller.db` for ``SCHED_DATABASE_URL``); flags override the URL.
+Configuration comes from the flags and the environment (:mod:`controller.settings`,
+``SCHED_DATABASE_URL``, the tokens, ``SCHED_RETRY_DELAY``); flags override the URL.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -23,6 +23,9 @@ from controller.connections import (
 from controller.defaults import DEFAULT_DISPATCH_RETENTION, DEFAULT_MAX_ATTEMPTS
 from controller.logtext import printable, redact_credentials
 from sched_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from controller.central_settings import CentralSettings
 
 app = typer.Typer(
     help="The controller: the schedule API agents pull from, and the central scheduler.",
@@ -91,6 +94,67 @@ def _setup_logging(level: str) -> None:
     # PREFECT_API_URL's password included: warnings only (and those redacted).
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def _fail(message: str) -> NoReturn:
+    """Say ``error: message`` on stderr and exit 2 (a configuration the command refuses)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2) from None
+
+
+def _serving_tokens(insecure_no_auth: bool) -> Tokens:
+    """Return the tokens the API answers to: the environment's, or none (--insecure-no-auth)."""
+    try:
+        tokens = Tokens.from_env()
+    except ConfigError as exc:
+        _fail(str(exc))
+    if insecure_no_auth:
+        logging.getLogger("controller.cli").warning(
+            "serving WITHOUT authentication (--insecure-no-auth): every caller is the admin"
+        )
+        return Tokens(insecure=True)
+    if not tokens.has_admin:
+        _fail("no admin token: set SCHED_ADMIN_TOKEN (or `admin` in the file named by "
+              "SCHED_TOKENS_FILE), or pass --insecure-no-auth to serve without tokens")
+    tokens.warn_short()
+    return tokens
+
+
+def _check_prefect() -> None:
+    """Exit 2 unless the central scheduler has a Prefect API to dispatch to."""
+    from controller.dispatch import prefect_api_url
+
+    try:
+        prefect_api_url()
+    except ConfigError as exc:
+        _fail(f"the central scheduler cannot start: {exc}; or pass --api-only")
+
+
+def _scheduler_settings(max_attempts: int, dispatch_retention_days: float,
+                        durable_claims: bool) -> CentralSettings:
+    """Return the central scheduler's settings: the flags' and ``SCHED_RETRY_DELAY``."""
+    from controller.central import CentralSettings
+
+    return CentralSettings.from_env(
+        max_attempts=max_attempts,
+        dispatch_retention=dispatch_retention_days * 86400 or None,
+        durable_claims=durable_claims,
+    )
+
+
+def _check_schema(database_url: str | None) -> None:
+    """Exit 2 if the database is not at the latest schema (unreachable: a warning only)."""
+    from controller.db import schema_problem
+
+    try:
+        problem = schema_problem(database_url)
+    except Exception as exc:  # unreachable: serve waits for it like for any outage
+        logging.getLogger("controller.cli").warning(
+            "could not read the database's schema version at start-up: %s",
+            repr(exc)[:300])
+        problem = None
+    if problem is not None:
+        _fail(problem)
 
 
 @app.command()
@@ -188,67 +252,23 @@ def serve(
     try:
         check_tls_files(ssl_certfile, ssl_keyfile)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    tokens: Tokens | None = None
-    if not scheduler_only:
-        try:
-            tokens = Tokens.from_env()
-        except ConfigError as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        if insecure_no_auth:
-            logging.getLogger("controller.cli").warning(
-                "serving WITHOUT authentication (--insecure-no-auth): every caller is the admin"
-            )
-            tokens = Tokens(insecure=True)
-        elif not tokens.has_admin:
-            typer.echo(
-                "error: no admin token: set SCHED_ADMIN_TOKEN (or `admin` in the file named "
-                "by SCHED_TOKENS_FILE), or pass --insecure-no-auth to serve without tokens",
-                err=True,
-            )
-            raise typer.Exit(2)
-        else:
-            tokens.warn_short()
+        _fail(str(exc))
+    tokens = None if scheduler_only else _serving_tokens(insecure_no_auth)
     if not api_only:
-        from controller.dispatch import prefect_api_url
-
-        try:
-            prefect_api_url()
-        except ConfigError as exc:
-            typer.echo(f"error: the central scheduler cannot start: {exc}; or pass --api-only",
-                       err=True)
-            raise typer.Exit(2) from None
-    from controller.central import CentralSettings
+        _check_prefect()
     from controller.fleet import FleetSettings
-    from controller.server import run
 
     try:
         fleet_settings = FleetSettings(pull_interval=pull_interval, stale_after=stale_after,
                                        report_history=report_history,
                                        job_retention_days=job_retention_days,
                                        job_history=job_history)
-        settings = CentralSettings.from_env(
-            max_attempts=max_attempts,
-            dispatch_retention=dispatch_retention_days * 86400 or None,
-            durable_claims=durable_claims,
-        )
+        settings = _scheduler_settings(max_attempts, dispatch_retention_days, durable_claims)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    from controller.db import schema_problem
+        _fail(str(exc))
+    _check_schema(database_url)
+    from controller.server import run
 
-    try:
-        problem = schema_problem(database_url)
-    except Exception as exc:  # unreachable: serve waits for it like for any outage
-        logging.getLogger("controller.cli").warning(
-            "could not read the database's schema version at start-up: %s",
-            repr(exc)[:300])
-        problem = None
-    if problem is not None:
-        typer.echo(f"error: {problem}", err=True)
-        raise typer.Exit(2)
     run(
         url=database_url,
         tokens=tokens,
@@ -281,7 +301,10 @@ def migrate(
     """Upgrade the database to the latest schema (or --downgrade to a revision)."""
     from controller import db
 
-    url = db.database_url(database_url)
+    try:
+        url = db.database_url(database_url)
+    except ConfigError as exc:  # the environment (ControllerSettings) is checked whole
+        _fail(str(exc))
     if downgrade:
         if revision is None:
             typer.echo("error: --downgrade needs --revision (e.g. -1 or base)", err=True)

@@ -18,7 +18,6 @@ Sessions: :func:`transaction` is the one commit-or-rollback of every write, and
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -34,6 +33,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlmodel import Session, create_engine
 
 from controller.models import UtcDateTime, utc_now
+from controller.settings import ControllerSettings
 
 DATA_DIR_NAME = ".data"
 """The data folder of the embedded default, under the working directory (git-ignored)."""
@@ -48,7 +48,7 @@ def default_sqlite_path() -> Path:
     return Path.cwd() / DATA_DIR_NAME / "controller.db"
 
 
-DATABASE_URL_ENV = "SCHED_DATABASE_URL"
+DATABASE_URL_ENV = ControllerSettings.env_name("database_url")
 """The environment variable naming the database URL."""
 
 APPLICATION_NAME = "sched-controller"
@@ -62,7 +62,7 @@ def database_url(url: str | URL | None = None) -> URL:
 
     A ``postgresql://`` or ``postgres://`` URL is given the psycopg 3 driver.
     """
-    text = url if url is not None else os.environ.get(DATABASE_URL_ENV) or ""
+    text = url if url is not None else ControllerSettings.read().database_url
     if not text:
         return make_url(f"sqlite:///{default_sqlite_path()}")
     parsed = make_url(text)

@@ -262,41 +262,117 @@ class AgentSettings(BaseSettings):
     )
     _toml_file: ClassVar[Path | None] = None
 
-    node_name: str = Field(default_factory=socket.gethostname, min_length=1)
-    pull_url: str = Field(min_length=1)
-    token: SecretStr | None = None
-    token_secret_block: str | None = None
-    state_dir: Path = Path(".state")
-    timezone: str = "America/New_York"
-    grace: Seconds = timedelta(minutes=5)
-    pull_timeout: Seconds = timedelta(seconds=10)
-    pull_retries: int = Field(default=3, ge=0)
-    pull_retry_delay: Seconds = timedelta(seconds=2)
-    # The node's report to the controller after each reconcile and job (flows/node_report.py).
-    report_url: str | None = None
-    report_timeout: Seconds = timedelta(seconds=5)
-    actions: dict[str, ActionSpec] = Field(default_factory=dict)
-    wave: list[str] = Field(default_factory=lambda: ["backup", "copy"])
-    stages: list[StageSpec] = Field(default_factory=_default_stages)
-    wave_lookback: Seconds = timedelta(hours=12)
-    job_limit: int = Field(default=8, ge=1)
-    listen: bool = True
-    """The node keeps one channel open to the center (the controller's wait, else Prefect's
-    event stream) for changes, ad hoc runs and cancels."""
-    heartbeat: Seconds = Field(default=timedelta(seconds=60))
-    """The node reaches its controller at least this often (a wait or a report); the
-    controller calls it silent after a few of these."""
-    outbox_max_bytes: int = Field(default=512 << 20, ge=1 << 20)
-    """The outbox's size past which the oldest jobs' output is cut to its last lines."""
+    node_name: str = Field(
+        default_factory=socket.gethostname, min_length=1,
+        json_schema_extra={"docs_default": "the host name"},
+        description="the node; its deployments' names, the `node:` tag, the event resource")
+    pull_url: str = Field(
+        min_length=1,
+        description="`https://.../api/schedules?node=N`, `file:///path.json`, or a plain path")
+    token: SecretStr | None = Field(
+        None,
+        description="the controller's bearer token (never logged)")
+    token_secret_block: str | None = Field(
+        None,
+        description="the name of a Prefect `Secret` block holding the token, used when `token` "
+        "is unset (readable by anyone with the Prefect API: see section 2)")
+    state_dir: Path = Field(
+        Path(".state"),
+        description="`cache.json`, `chain.json`, `outbox/`, `history.json`, `decided.json`, "
+        "`plan.json`; created if missing, private (below)")
+    timezone: str = Field(
+        "America/New_York",
+        description="the zone every schedule is matched in")
+    grace: Seconds = Field(
+        timedelta(minutes=5),
+        description="how late a window may be decided after its start and still run (a node "
+        "that was stopped); later ones go to the miss policy")
     # The planner: runs created ahead of their windows (docs/agent.md, "The planner").
-    reconcile_interval: Seconds = timedelta(minutes=15)
-    plan_horizon: Seconds = timedelta(hours=1)
-    plan_min_windows: int = Field(default=3, ge=0, le=100)
-    plan_max_runs: int = Field(default=2000, ge=1)
+    reconcile_interval: Seconds = Field(
+        timedelta(minutes=15),
+        description="seconds between the node's periodic pulls (a 304 from a controller); a "
+        "change reaches the node at once through its long poll, so this is only the "
+        "safety net; each also tops up the plan and asks Prefect for ad hoc runs "
+        "it may have missed")
+    plan_horizon: Seconds = Field(
+        timedelta(hours=1),
+        description="every window within this many seconds is a Scheduled run in Prefect (the "
+        "Upcoming tab); must be longer than `reconcile_interval`. The plan is for "
+        "the record: the node fires its windows whether it reached Prefect or not")
+    plan_min_windows: int = Field(
+        3, ge=0, le=100,
+        description="and at least each schedule's next this many windows, within 8 days")
+    plan_max_runs: int = Field(
+        2000, ge=1,
+        description="at most this many windows planned for the node, nearest first; the rest at "
+        "the next reconcile")
+    pull_timeout: Seconds = Field(
+        timedelta(seconds=10),
+        description="seconds per pull request")
+    pull_retries: int = Field(
+        3, ge=0,
+        description="retries of a failed pull within one reconcile")
+    pull_retry_delay: Seconds = Field(
+        timedelta(seconds=2),
+        description="the backoff factor: retries wait 2, 4, 8, ... seconds")
+    # The node's report to the controller after each reconcile and job (flows/node_report.py).
+    report_url: str | None = Field(
+        None,
+        json_schema_extra={"docs_default": "derived"},
+        description="where the node reports its jobs and its heartbeat (below); default: the "
+        "pull URL's `.../api/` prefix plus `nodes/<node>/report`; a file pull URL "
+        "sends no report")
+    report_timeout: Seconds = Field(
+        timedelta(seconds=5),
+        description="seconds a report may take; a failed report is sent again later and never "
+        "holds up a job")
+    wave: list[str] = Field(
+        default_factory=lambda: ["backup", "copy"],
+        json_schema_extra={"docs_env": "`SCHED_WAVE='[\"backup\",\"copy\"]'`"},
+        description="the actions whose completion starts the chain")
+    stages: list[StageSpec] = Field(
+        default_factory=_default_stages,
+        json_schema_extra={"docs_env": "(TOML)", "docs_default": "prune, then check"},
+        description="`[[stages]]` with `name`, `action`, `on` (default `after_wave`), "
+        "`trigger_key` (default `chain-<name>`), `after` (`success`, the default: "
+        "the first stage follows only a wave in which a job succeeded; `any`)")
+    wave_lookback: Seconds = Field(
+        timedelta(hours=12),
+        description="a wave counts as finished if one of its jobs ended within this many "
+        "seconds")
+    job_limit: int = Field(
+        8, ge=1,
+        description="how many jobs the node runs at once (running, or between two tries); the "
+        "others wait in the order they came, one schedule's windows in order")
+    listen: bool = Field(
+        True,
+        description="keep the node's one connection to the center (the controller's long poll, "
+        "else Prefect's event stream) for changes, ad hoc runs and cancels; "
+        "`false`: they arrive at the next `reconcile_interval`")
+    heartbeat: Seconds = Field(
+        timedelta(seconds=60),
+        description="the longest the node stays silent to its controller (its long poll, or a "
+        "report); 10 s to 1 h. The controller calls a node silent after a few of "
+        "these")
+    outbox_max_bytes: int = Field(
+        512 << 20, ge=1 << 20,
+        description="past this size the outbox cuts the oldest unsent output to its last 100 "
+        "lines (a long Prefect outage)")
+    actions: dict[str, ActionSpec] = Field(
+        default_factory=dict,
+        json_schema_extra={"docs_env": "(TOML)"},
+        description="the action table, below")
 
     # -- what a row may make a node execute (flows/actions.py checks every value) --
-    strict_params: bool = True
-    job_umask: Umask = 0o077
+    strict_params: bool = Field(
+        True,
+        description="a row may carry only the params its action declares (below); an action's "
+        "own `strict_params` overrides it")
+    job_umask: Umask = Field(
+        0o077,
+        json_schema_extra={"docs_default": "`0o077`"},
+        description="the umask of every job's command (TOML `0o077`, env `077`): what it "
+        "creates is the agent user's alone; also sets the state folder's mode")
 
     @classmethod
     def settings_customise_sources(

@@ -304,7 +304,17 @@ def test_the_page_escapes_every_value_and_links_only_run_ids() -> None:
                   "name": hostile, "note": hostile}])
     html = render_page(view)
     assert "<img" not in html and "javascript:" not in html
-    assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;" in html  # Jinja2's spelling of &quot;
+
+
+def test_the_templates_escape_every_value_and_refuse_a_name_they_are_not_given() -> None:
+    import jinja2
+
+    from controller.fleetpage import TEMPLATES
+
+    assert TEMPLATES.from_string("{{ v }}").render(v="<b>") == "&lt;b&gt;"
+    with pytest.raises(jinja2.UndefinedError):
+        TEMPLATES.get_template("page.html").render()
 
 
 def test_chromium_is_installed_where_make_can_install_it() -> None:

@@ -43,7 +43,13 @@ from starlette.concurrency import run_in_threadpool
 
 from controller import schedules
 from controller.auth import Principal, Tokens, bearer_token, sign
-from controller.fleetpage import AHEAD, FleetView, render_login, render_page
+from controller.fleetpage import (
+    AHEAD,
+    FleetView,
+    render_forbidden,
+    render_login,
+    render_page,
+)
 from controller.logtext import printable
 from controller.models import RevokedSession
 
@@ -297,6 +303,101 @@ def prefect_ui_url() -> str | None:
     return api[: -len("/api")] if api.endswith("/api") else api
 
 
+HTML_HEADERS = {"cache-control": "no-store", "x-frame-options": "DENY",
+                "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'"}
+"""The headers of every HTML answer: never cached, never framed, nothing loaded but styles."""
+
+
+def who(tokens: Tokens, revocations: SessionRevocations | None,
+        request: Request) -> tuple[Principal | None, str]:
+    """Return (principal, why not) from the Authorization header or the session cookie."""
+    if tokens.insecure:
+        return tokens.authenticate(None), ""
+    header = request.headers.get("authorization")
+    if header is not None:
+        principal = tokens.authenticate(bearer_token(header))
+        return principal, "" if principal else "invalid bearer token"
+    cookie = request.cookies.get(COOKIE)
+    principal = cookie_principal(tokens, cookie, time.time())
+    if principal is not None and cookie and revocations is not None \
+            and revocations.is_revoked(cookie):
+        principal = None
+    if principal is None and cookie:
+        return None, "your session has ended: log in again"
+    return principal, ""
+
+
+def fleet_view(request: Request, source: FleetSource, clock: Clock,
+               prefect_ui: Callable[[], str | None]) -> FleetView:
+    """Return what the page shows now, from the app's source (or source) and clock."""
+    # app.state may carry another clock or source (tests pin the time; a richer source).
+    now = getattr(request.app.state, "clock", clock)()
+    fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
+    nodes, per_node, windows, notice = fleet.view(now)
+    reporter = getattr(fleet, "report", None)
+    report = reporter(now) if reporter is not None else None
+    ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
+    return FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
+                     prefect_ui=ui, notice=notice, report=report)
+
+
+def login_page(message: str, status_code: int, **headers: str) -> HTMLResponse:
+    """Return the login form saying message, with the HTML headers (and headers)."""
+    return HTMLResponse(render_login(message), status_code=status_code,
+                        headers={**HTML_HEADERS, **headers})
+
+
+async def read_form(request: Request) -> dict[str, list[str]] | None:
+    """Return the login form's fields, or None when its body is over MAX_FORM bytes."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM:
+            return None
+    return parse_qs(body.decode("utf-8", "replace"), max_num_fields=5)
+
+
+async def log_in(request: Request, tokens: Tokens, throttle: LoginThrottle) -> Response:
+    """Answer the login form: a session cookie for the admin's token, else the form again."""
+    address = request.client.host if request.client else "-"
+    wait = throttle.wait_s(address)
+    if wait > 0:
+        retry = max(1, math.ceil(wait))
+        log.warning("fleet page login refused: too many failed logins",
+                    extra={"client": printable(address), "retry_after_s": retry})
+        return login_page(f"too many failed logins from your address: try again in {retry} s",
+                          429, **{"retry-after": str(retry)})
+    form = await read_form(request)
+    if form is None:
+        return login_page("the form is too large", 413)
+    token = (form.get("token") or [""])[0]
+    principal = await run_in_threadpool(tokens.authenticate, token or None)
+    request.state.principal = principal
+    if principal is None or not principal.is_admin:
+        throttle.failed(address)
+        log.info("fleet page login refused", extra={
+            "principal": principal.label if principal else "-"})
+        return login_page("that token is not the admin's" if principal is not None
+                          else "unknown token", 401)
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(COOKIE, session_cookie(token, time.time()), max_age=SESSION_S,
+                        httponly=True, samesite="strict", path="/",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+def log_out(request: Request, revocations: SessionRevocations | None) -> Response:
+    """End the session (on every instance, with revocations) and delete the browser's cookie."""
+    cookie = request.cookies.get(COOKIE)
+    if cookie and revocations is not None and revocations.revoke(
+            cookie, now=datetime.fromtimestamp(time.time(), UTC)):
+        log.info("fleet page session ended (log out)")
+    response = RedirectResponse("/", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
 def page_router(
     tokens: Tokens,
     source: FleetSource,
@@ -311,94 +412,25 @@ def page_router(
     (the cookie stops working); without, it only deletes the browser's cookie.
     """
     router = APIRouter(include_in_schema=False)
-    html_headers = {"cache-control": "no-store", "x-frame-options": "DENY",
-                    "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                    "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'"}
-
-    def who(request: Request) -> tuple[Principal | None, str]:
-        """Return (principal, why not) from the Authorization header or the session cookie."""
-        if tokens.insecure:
-            return tokens.authenticate(None), ""
-        header = request.headers.get("authorization")
-        if header is not None:
-            principal = tokens.authenticate(bearer_token(header))
-            return principal, "" if principal else "invalid bearer token"
-        cookie = request.cookies.get(COOKIE)
-        principal = cookie_principal(tokens, cookie, time.time())
-        if principal is not None and cookie and revocations is not None \
-                and revocations.is_revoked(cookie):
-            principal = None
-        if principal is None and cookie:
-            return None, "your session has ended: log in again"
-        return principal, ""
+    throttle = LoginThrottle()
 
     @router.get("/", response_class=HTMLResponse)
     def fleet_page(request: Request) -> Response:
-        principal, why = who(request)
+        principal, why = who(tokens, revocations, request)
         if principal is None:
-            return HTMLResponse(render_login(why), status_code=401, headers={
-                **html_headers, "www-authenticate": "Bearer"})
+            return login_page(why, 401, **{"www-authenticate": "Bearer"})
         request.state.principal = principal
         if not principal.is_admin:
-            return HTMLResponse("<!DOCTYPE html><p>The fleet page needs the admin token.</p>",
-                                status_code=403, headers=html_headers)
-        # app.state may carry another clock or source (tests pin the time; a richer source).
-        now = getattr(request.app.state, "clock", clock)()
-        fleet: FleetSource = getattr(request.app.state, "fleet_source", None) or source
-        nodes, per_node, windows, notice = fleet.view(now)
-        reporter = getattr(fleet, "report", None)
-        report = reporter(now) if reporter is not None else None
-        ui = getattr(request.app.state, "prefect_ui", None) or prefect_ui()
-        view = FleetView(now=now, nodes=nodes, schedules=per_node, windows=windows,
-                         prefect_ui=ui, notice=notice, report=report)
-        return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=html_headers)
-
-    throttle = LoginThrottle()
+            return HTMLResponse(render_forbidden(), status_code=403, headers=HTML_HEADERS)
+        view = fleet_view(request, source, clock, prefect_ui)
+        return HTMLResponse(render_page(view, logout=not tokens.insecure), headers=HTML_HEADERS)
 
     @router.post("/login")
     async def login(request: Request) -> Response:
-        address = request.client.host if request.client else "-"
-        wait = throttle.wait_s(address)
-        if wait > 0:
-            retry = max(1, math.ceil(wait))
-            log.warning("fleet page login refused: too many failed logins",
-                        extra={"client": printable(address), "retry_after_s": retry})
-            return HTMLResponse(
-                render_login(f"too many failed logins from your address: try again in "
-                             f"{retry} s"), status_code=429,
-                headers={**html_headers, "retry-after": str(retry)})
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM:
-                return HTMLResponse(render_login("the form is too large"), status_code=413,
-                                    headers=html_headers)
-        form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=5)
-        token = (form.get("token") or [""])[0]
-        principal = await run_in_threadpool(tokens.authenticate, token or None)
-        if principal is None or not principal.is_admin:
-            throttle.failed(address)
-            request.state.principal = principal
-            log.info("fleet page login refused", extra={
-                "principal": principal.label if principal else "-"})
-            message = ("that token is not the admin's" if principal is not None
-                       else "unknown token")
-            return HTMLResponse(render_login(message), status_code=401, headers=html_headers)
-        request.state.principal = principal
-        response = RedirectResponse("/", status_code=303)
-        response.set_cookie(COOKIE, session_cookie(token, time.time()), max_age=SESSION_S,
-                            httponly=True, samesite="strict", path="/",
-                            secure=request.url.scheme == "https")
-        return response
+        return await log_in(request, tokens, throttle)
 
     @router.post("/logout")
     def logout(request: Request) -> Response:
-        cookie = request.cookies.get(COOKIE)
-        if cookie and revocations is not None and revocations.revoke(
-                cookie, now=datetime.fromtimestamp(time.time(), UTC)):
-            log.info("fleet page session ended (log out)")
-        response = RedirectResponse("/", status_code=303)
-        response.delete_cookie(COOKIE, path="/")
-        return response
+        return log_out(request, revocations)
 
     return router

@@ -1,0 +1,159 @@
+"""The settings tables of the docs, made from the settings models: the models are the source.
+
+``python scripts/settings_docs.py`` rewrites each table in place (run it after changing a
+field); ``--check`` only says which differ (exit 1). tests/test_settings_docs.py fails
+when a table in a doc is not what the model makes.
+
+A row is ``| `field` | `ENV_NAME` | default | meaning |``: the meaning is the field's
+``description``, the variable is its alias or the model's ``env_prefix`` and its name in
+capitals, the default is written from the field's default (seconds for a duration,
+``none`` for None or empty, ``required`` without one). A field whose variable or default
+needs words says them in ``json_schema_extra``: ``docs_env``, ``docs_default``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the checkout's packages
+
+from controller.settings import ControllerSettings  # noqa: E402
+from flows.settings import AgentSettings  # noqa: E402
+
+HEADER = "| setting | env | default | meaning |"
+SEPARATOR = "|---|---|---|---|"
+TABLES: dict[str, type[BaseModel]] = {
+    "docs/agent.md": AgentSettings,
+    "docs/controller.md": ControllerSettings,
+}
+"""Each doc with a settings table (its one line ``HEADER``), and the model it is made from."""
+REGENERATE = "python scripts/settings_docs.py"
+
+
+def _extra(field: FieldInfo, key: str) -> str | None:
+    extra = field.json_schema_extra
+    value = extra.get(key) if isinstance(extra, dict) else None
+    return None if value is None else str(value)
+
+
+def env_cell(model: type[BaseModel], name: str, field: FieldInfo) -> str:
+    """Return the env column: the field's variable (its alias, or the prefix and its name)."""
+    said = _extra(field, "docs_env")
+    if said is not None:
+        return said
+    if isinstance(field.validation_alias, str):
+        return f"`{field.validation_alias}`"
+    prefix = str(model.model_config.get("env_prefix") or "")
+    return f"`{prefix}{name.upper()}`"
+
+
+def default_text(value: Any) -> str:
+    """Return how the table writes a default value."""
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if value is None or value in ("", {}, []):
+        return "none"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g}"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return f"`{json.dumps(value)}`"
+    return f"`{value}`"
+
+
+def default_cell(field: FieldInfo) -> str:
+    """Return the default column: the field's default (made, for a factory), or its words."""
+    said = _extra(field, "docs_default")
+    if said is not None:
+        return said
+    if field.default_factory is not None:
+        return default_text(field.default_factory())  # type: ignore[call-arg]
+    if field.default is PydanticUndefined:
+        return "required"
+    return default_text(field.default)
+
+
+def rows(model: type[BaseModel]) -> list[str]:
+    """Return the table a model makes: header, separator, one row per field in its order."""
+    made = [HEADER, SEPARATOR]
+    for name, field in model.model_fields.items():
+        if not field.description:
+            raise ValueError(f"{model.__name__}.{name} has no description for the docs")
+        made.append(f"| `{name}` | {env_cell(model, name, field)} | {default_cell(field)} | "
+                     f"{field.description} |")
+    return made
+
+
+def table_lines(text: str) -> tuple[int, int]:
+    """Return where a doc's settings table is: (first line, line after the last) of text."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == HEADER]
+    if len(starts) != 1:
+        raise ValueError(f"expected one line {HEADER!r}, found {len(starts)}")
+    end = starts[0] + 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return starts[0], end
+
+
+def documented(text: str) -> list[str]:
+    """Return the settings table of a doc's text, line by line."""
+    start, end = table_lines(text)
+    return text.splitlines()[start:end]
+
+
+def rewrite(text: str, model: type[BaseModel]) -> str:
+    """Return text with its settings table replaced by the one the model makes."""
+    start, end = table_lines(text)
+    lines = text.splitlines()
+    lines[start:end] = rows(model)
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+
+
+def first_difference(doc: list[str], made: list[str]) -> str | None:
+    """Return the first line where a documented table and a made one differ, said, or None."""
+    for number, (found, wanted) in enumerate(zip(doc, made, strict=False), start=1):
+        if found != wanted:
+            return f"line {number} of the table:\n  the doc:   {found}\n  the model: {wanted}"
+    if len(doc) > len(made):
+        return f"line {len(made) + 1} of the table is only in the doc: {doc[len(made)]}"
+    if len(made) > len(doc):
+        return f"line {len(doc) + 1} of the table is only in the model: {made[len(doc)]}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    stale = 0
+    for doc, model in TABLES.items():
+        path = ROOT / doc
+        text = path.read_text(encoding="utf-8")
+        new = rewrite(text, model)
+        if new == text:
+            continue
+        stale += 1
+        if check:
+            print(f"{doc}: the settings table differs from {model.__name__}, "
+                  f"{first_difference(documented(text), rows(model))}")
+        else:
+            path.write_text(new, encoding="utf-8")
+            print(f"{doc}: settings table rewritten from {model.__name__}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
