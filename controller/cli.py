@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -157,136 +158,177 @@ def _check_schema(database_url: str | None) -> None:
         _fail(problem)
 
 
+# `sched controller serve`'s options, one alias each (typer reads them from the annotations).
+HostOpt = Annotated[str, typer.Option(help="Address to listen on.")]
+PortOpt = Annotated[int, typer.Option(help="Port to listen on.")]
+ApiOnlyOpt = Annotated[bool, typer.Option("--api-only", help="Run the HTTP API only.")]
+SchedulerOnlyOpt = Annotated[bool, typer.Option(
+    "--scheduler-only", help="Run the central scheduler only (no HTTP).")]
+InsecureNoAuthOpt = Annotated[bool, typer.Option(
+    "--insecure-no-auth",
+    help="Serve without tokens: every caller is the admin. Never on a shared network.")]
+DatabaseUrlOpt = Annotated[str | None, typer.Option("--database-url", help=_URL_HELP)]
+PullCacheMbOpt = Annotated[int, typer.Option(
+    min=0, help="MiB of pull answers cached per process, keyed by ETag (0: off).")]
+LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning or error.")]
+PullIntervalOpt = Annotated[float, typer.Option(
+    min=1,
+    help="Seconds between a node's periodic pulls (the agents' reconcile_interval): "
+    "what a write's answer counts on without an event.")]
+StaleAfterOpt = Annotated[float | None, typer.Option(
+    min=1,
+    help="Seconds without a request of its own before a node that announced "
+    "no heartbeat (an older agent) is silent (default: 3 pull intervals, at least 900); "
+    "a node that announces one is silent after 3 of its heartbeats.")]
+ReportHistoryOpt = Annotated[int, typer.Option(min=1, help="Reports kept per node (the newest).")]
+MaxAttemptsOpt = Annotated[int, typer.Option(
+    min=0,
+    help="Failed dispatches of one (task, scheduled time) before giving up on it: a "
+    "recurring task moves on to its next run, a one-shot task is disabled (0: never).")]
+DispatchRetentionDaysOpt = Annotated[float, typer.Option(
+    min=0, help="Days finished dispatch records are kept, pruned hourly (0: keep forever).")]
+DurableClaimsOpt = Annotated[bool, typer.Option(
+    "--durable-claims",
+    help="Make each claim wait for the WAL flush on Postgres (slower wake-up; a claim "
+    "lost in a database crash is otherwise re-dispatched under the same idempotency key).")]
+SslCertfileOpt = Annotated[str | None, typer.Option(
+    "--ssl-certfile", help="Serve HTTPS with this PEM certificate (chain).")]
+SslKeyfileOpt = Annotated[str | None, typer.Option(
+    "--ssl-keyfile", help="The certificate's PEM private key (chmod 600).")]
+MaxConnectionsOpt = Annotated[int, typer.Option(
+    min=1,
+    help="Open connections at most; past it a new one gets 503 and is closed "
+    "(lowered to fit the open-file limit).")]
+HeaderTimeoutOpt = Annotated[float, typer.Option(
+    min=0.1,
+    help="Seconds a client has to send its request line and headers (408, then closed).")]
+BodyTimeoutOpt = Annotated[float, typer.Option(
+    min=0.1, help="Seconds a client has to send a request body once its headers are in (408).")]
+WriteTimeoutOpt = Annotated[float, typer.Option(
+    min=0.1, help="Seconds a client may leave its answer unread before it is cut off.")]
+TokensCheckIntervalOpt = Annotated[float, typer.Option(
+    min=0,
+    help="Seconds between looks at the tokens file for a change (0: reload on SIGHUP only).")]
+WatchIntervalOpt = Annotated[float, typer.Option(
+    min=0,
+    help="Seconds between the fleet watch's passes, which raise alerts (a silent node, a "
+    "missed or failed window, their recovery) as Prefect events (0: off).")]
+JobRetentionDaysOpt = Annotated[float, typer.Option(
+    min=0.01, help="Days the nodes' job records are kept.")]
+JobHistoryOpt = Annotated[int, typer.Option(
+    min=1, help="Job records kept per node at most (the newest).")]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `sched controller serve` was given (its flags, checked by typer)."""
+
+    host: str
+    port: int
+    api_only: bool
+    scheduler_only: bool
+    insecure_no_auth: bool
+    database_url: str | None
+    pull_cache_mb: int
+    log_level: str
+    pull_interval: float
+    stale_after: float | None
+    report_history: int
+    max_attempts: int
+    dispatch_retention_days: float
+    durable_claims: bool
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
+    max_connections: int
+    header_timeout: float
+    body_timeout: float
+    write_timeout: float
+    tokens_check_interval: float
+    watch_interval: float
+    job_retention_days: float
+    job_history: int
+
+
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
-    port: int = typer.Option(8080, help="Port to listen on."),
-    api_only: bool = typer.Option(False, "--api-only", help="Run the HTTP API only."),
-    scheduler_only: bool = typer.Option(
-        False, "--scheduler-only", help="Run the central scheduler only (no HTTP)."
-    ),
-    insecure_no_auth: bool = typer.Option(
-        False,
-        "--insecure-no-auth",
-        help="Serve without tokens: every caller is the admin. Never on a shared network.",
-    ),
-    database_url: str | None = typer.Option(None, "--database-url", help=_URL_HELP),
-    pull_cache_mb: int = typer.Option(
-        64, min=0, help="MiB of pull answers cached per process, keyed by ETag (0: off)."
-    ),
-    log_level: str = typer.Option("info", help="debug, info, warning or error."),
-    pull_interval: float = typer.Option(
-        900.0, min=1,
-        help="Seconds between a node's periodic pulls (the agents' reconcile_interval): "
-        "what a write's answer counts on without an event.",
-    ),
-    stale_after: float | None = typer.Option(
-        None, min=1, help="Seconds without a request of its own before a node that announced "
-        "no heartbeat (an older agent) is silent (default: 3 pull intervals, at least 900); "
-        "a node that announces one is silent after 3 of its heartbeats.",
-    ),
-    report_history: int = typer.Option(
-        50, min=1, help="Reports kept per node (the newest)."
-    ),
-    max_attempts: int = typer.Option(
-        DEFAULT_MAX_ATTEMPTS, min=0,
-        help="Failed dispatches of one (task, scheduled time) before giving up on it: a "
-        "recurring task moves on to its next run, a one-shot task is disabled (0: never).",
-    ),
-    dispatch_retention_days: float = typer.Option(
-        DEFAULT_DISPATCH_RETENTION / 86400, min=0,
-        help="Days finished dispatch records are kept, pruned hourly (0: keep forever).",
-    ),
-    durable_claims: bool = typer.Option(
-        False, "--durable-claims",
-        help="Make each claim wait for the WAL flush on Postgres (slower wake-up; a claim "
-        "lost in a database crash is otherwise re-dispatched under the same idempotency key).",
-    ),
-    ssl_certfile: str | None = typer.Option(
-        None, "--ssl-certfile", help="Serve HTTPS with this PEM certificate (chain)."
-    ),
-    ssl_keyfile: str | None = typer.Option(
-        None, "--ssl-keyfile", help="The certificate's PEM private key (chmod 600)."
-    ),
-    max_connections: int = typer.Option(
-        DEFAULT_MAX_CONNECTIONS, min=1,
-        help="Open connections at most; past it a new one gets 503 and is closed "
-        "(lowered to fit the open-file limit).",
-    ),
-    header_timeout: float = typer.Option(
-        DEFAULT_HEADER_TIMEOUT, min=0.1,
-        help="Seconds a client has to send its request line and headers (408, then closed).",
-    ),
-    body_timeout: float = typer.Option(
-        DEFAULT_BODY_TIMEOUT, min=0.1,
-        help="Seconds a client has to send a request body once its headers are in (408).",
-    ),
-    write_timeout: float = typer.Option(
-        DEFAULT_WRITE_TIMEOUT, min=0.1,
-        help="Seconds a client may leave its answer unread before it is cut off.",
-    ),
-    tokens_check_interval: float = typer.Option(
-        2.0, min=0,
-        help="Seconds between looks at the tokens file for a change (0: reload on SIGHUP only).",
-    ),
-    watch_interval: float = typer.Option(
-        15.0, min=0,
-        help="Seconds between the fleet watch's passes, which raise alerts (a silent node, a "
-        "missed or failed window, their recovery) as Prefect events (0: off).",
-    ),
-    job_retention_days: float = typer.Option(
-        14.0, min=0.01, help="Days the nodes' job records are kept."),
-    job_history: int = typer.Option(
-        50_000, min=1, help="Job records kept per node at most (the newest)."),
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8080,
+    api_only: ApiOnlyOpt = False,
+    scheduler_only: SchedulerOnlyOpt = False,
+    insecure_no_auth: InsecureNoAuthOpt = False,
+    database_url: DatabaseUrlOpt = None,
+    pull_cache_mb: PullCacheMbOpt = 64,
+    log_level: LogLevelOpt = "info",
+    pull_interval: PullIntervalOpt = 900.0,
+    stale_after: StaleAfterOpt = None,
+    report_history: ReportHistoryOpt = 50,
+    max_attempts: MaxAttemptsOpt = DEFAULT_MAX_ATTEMPTS,
+    dispatch_retention_days: DispatchRetentionDaysOpt = DEFAULT_DISPATCH_RETENTION / 86400,
+    durable_claims: DurableClaimsOpt = False,
+    ssl_certfile: SslCertfileOpt = None,
+    ssl_keyfile: SslKeyfileOpt = None,
+    max_connections: MaxConnectionsOpt = DEFAULT_MAX_CONNECTIONS,
+    header_timeout: HeaderTimeoutOpt = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: BodyTimeoutOpt = DEFAULT_BODY_TIMEOUT,
+    write_timeout: WriteTimeoutOpt = DEFAULT_WRITE_TIMEOUT,
+    tokens_check_interval: TokensCheckIntervalOpt = 2.0,
+    watch_interval: WatchIntervalOpt = 15.0,
+    job_retention_days: JobRetentionDaysOpt = 14.0,
+    job_history: JobHistoryOpt = 50_000,
 ) -> None:
     """Run the API and the central scheduler in one process (or either alone, to scale).
 
     SIGINT or SIGTERM stops it; SIGHUP reloads the tokens file (which is also
     reloaded when it changes on disk).
     """
-    if api_only and scheduler_only:
+    _serve(ServeOptions(**locals()))
+
+
+def _serve(o: ServeOptions) -> None:
+    """Check what serve was given, then run (the steps above)."""
+    if o.api_only and o.scheduler_only:
         raise typer.BadParameter("--api-only and --scheduler-only exclude each other")
-    _setup_logging(log_level)
+    _setup_logging(o.log_level)
     from controller.server import check_tls_files
 
     try:
-        check_tls_files(ssl_certfile, ssl_keyfile)
+        check_tls_files(o.ssl_certfile, o.ssl_keyfile)
     except ConfigError as exc:
         _fail(str(exc))
-    tokens = None if scheduler_only else _serving_tokens(insecure_no_auth)
-    if not api_only:
+    tokens = None if o.scheduler_only else _serving_tokens(o.insecure_no_auth)
+    if not o.api_only:
         _check_prefect()
     from controller.fleet import FleetSettings
 
     try:
-        fleet_settings = FleetSettings(pull_interval=pull_interval, stale_after=stale_after,
-                                       report_history=report_history,
-                                       job_retention_days=job_retention_days,
-                                       job_history=job_history)
-        settings = _scheduler_settings(max_attempts, dispatch_retention_days, durable_claims)
+        fleet_settings = FleetSettings(pull_interval=o.pull_interval, stale_after=o.stale_after,
+                                       report_history=o.report_history,
+                                       job_retention_days=o.job_retention_days,
+                                       job_history=o.job_history)
+        settings = _scheduler_settings(o.max_attempts, o.dispatch_retention_days, o.durable_claims)
     except ConfigError as exc:
         _fail(str(exc))
-    _check_schema(database_url)
+    _check_schema(o.database_url)
     from controller.server import run
 
     run(
-        url=database_url,
+        url=o.database_url,
         tokens=tokens,
-        host=host,
-        port=port,
-        api=not scheduler_only,
-        scheduler=not api_only,
-        log_level=log_level,
-        pull_cache_bytes=pull_cache_mb << 20,
+        host=o.host,
+        port=o.port,
+        api=not o.scheduler_only,
+        scheduler=not o.api_only,
+        log_level=o.log_level,
+        pull_cache_bytes=o.pull_cache_mb << 20,
         scheduler_settings=settings,
-        limits=ConnectionLimits(max_connections=max_connections,
-                                header_timeout=header_timeout, body_timeout=body_timeout,
-                                write_timeout=write_timeout),
-        ssl_certfile=ssl_certfile,
-        ssl_keyfile=ssl_keyfile,
-        tokens_check_interval=tokens_check_interval,
+        limits=ConnectionLimits(max_connections=o.max_connections,
+                                header_timeout=o.header_timeout, body_timeout=o.body_timeout,
+                                write_timeout=o.write_timeout),
+        ssl_certfile=o.ssl_certfile,
+        ssl_keyfile=o.ssl_keyfile,
+        tokens_check_interval=o.tokens_check_interval,
         fleet_settings=fleet_settings,
-        watch_interval=watch_interval,
+        watch_interval=o.watch_interval,
     )
 
 
