@@ -121,9 +121,7 @@ class FiringLoop:
         """Decide everything due at now (steps 1-3); return the next start (or None)."""
         view = self._view(now)
         decided = self.decided.values()
-        items = missed(view.rows, last_fired=view.last_fired, first_seen=view.first_seen,
-                       planned_through=decided, now=now, grace=view.grace, tz=view.tz,
-                       node=view.node)
+        items = missed(view, planned_through=decided, now=now)
         for item in items:
             self.decided.note(item.schedule_id, item.latest or item.windows[-1])
         recoveries = [item for item in items if item.recover is not None]

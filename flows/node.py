@@ -294,11 +294,8 @@ class Node:
         now = self._clock()
         row = self._row(spec.schedule_id)
         if spec.trigger_key in WINDOW_TRIGGERS and spec.window is not None:
-            cache = self.scheduler.cache()
-            decision = retry_allowed(row, schedule_id=spec.schedule_id, window=spec.window,
-                                     last_fired=cache.last_fired_at.get(spec.schedule_id),
-                                     now=now, grace=self.settings.grace, tz=self.settings.tz,
-                                     node=self.node)
+            decision = retry_allowed(row, self.view(now), schedule_id=spec.schedule_id,
+                                     window=spec.window, now=now)
             return decision.runs, decision.reason
         stage = self.settings.stage(spec.trigger_key)
         if stage is not None:

@@ -136,10 +136,8 @@ class Planner:
                 self._rebuild(deployment, view.node, now=now)
             # Pruned first: a moved run is deleted here and made again below at its start.
             self._prune(view, report, now=now)
-            plan = plan_windows(
-                view.rows, last_fired=view.last_fired, first_seen=view.first_seen, now=now,
-                grace=view.grace, horizon=self.horizon, min_windows=self.min_windows,
-                max_runs=self.max_runs, tz=view.tz, node=view.node)
+            plan = plan_windows(view, now=now, horizon=self.horizon,
+                                min_windows=self.min_windows, max_runs=self.max_runs)
             report.planned, report.held_back = len(plan.windows), plan.held_back
             wanted = [(self._ref(view.node, item), item) for item in plan.windows
                       if item.start > now]

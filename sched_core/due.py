@@ -15,6 +15,7 @@ from sched_core.clock import floor_minute
 from sched_core.index import DueIndex
 from sched_core.misses import eligible_after, plan_recovery
 from sched_core.model import Cache, LocalSchedule
+from sched_core.view import NodeView
 
 _MINUTE = timedelta(minutes=1)
 
@@ -28,16 +29,14 @@ class DueWindow:
     coalesced: int
 
 
-def due_windows(
-    index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta
-) -> list[DueWindow]:
+def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueWindow]:
     """Return each enabled clock schedule's latest eligible window in ``[now - grace, now]``.
 
     Sorted by window, then id. Minutes are walked newest first, so the first
     eligible window found per schedule is its latest; each older one found
     after it is counted as coalesced into it.
     """
-    last_fired, first_seen = cache.last_fired_at, cache.first_seen_at
+    last_fired, first_seen, grace = view.last_fired, view.first_seen, view.grace
     floors: dict[str, datetime | None] = {}
     latest: dict[str, DueWindow] = {}
     minute = floor_minute(now)

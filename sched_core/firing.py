@@ -26,31 +26,21 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from zoneinfo import ZoneInfo
 
 from sched_core.misses import eligible_after
 from sched_core.model import LocalSchedule
 from sched_core.policies import policy_block, window_starts
+from sched_core.view import NodeView
+
+__all__ = ["LOOK_AHEAD", "Due", "NodeView", "due_now", "next_start"]
 
 LOOK_AHEAD = timedelta(days=8)
 """How far ahead :func:`next_start` looks (the matcher's horizon)."""
 
 _TICK = timedelta(microseconds=1)
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """What the firing decisions read of a node: its rows, their fires, its zone and grace."""
-
-    rows: Sequence[LocalSchedule]
-    last_fired: Mapping[str, datetime]
-    first_seen: Mapping[str, datetime]
-    tz: ZoneInfo
-    node: str
-    grace: timedelta
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ planner it answers to:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 from zoneinfo import ZoneInfo
@@ -26,6 +26,7 @@ from sched_core.misses import LOOKBACK
 from sched_core.model import LocalSchedule, MissPolicy
 from sched_core.plan import gone_reason
 from sched_core.policies import catchup, latest_window, policy_block, row_zone, run_start
+from sched_core.view import NodeView
 
 _TICK = timedelta(microseconds=1)
 
@@ -77,28 +78,25 @@ def _local(instant: datetime, tz: ZoneInfo) -> str:
 
 def decide_start(
     row: LocalSchedule | None,
+    view: NodeView,
     *,
     schedule_id: str,
     window: datetime,
-    last_fired: datetime | None,
-    first_seen: datetime | None,
     first_try: datetime,
     now: datetime,
-    grace: timedelta,
-    tz: ZoneInfo,
     retry: bool = False,
     lookback: timedelta = LOOKBACK,
-    node: str = "",
 ) -> StartDecision:
     """Return whether the run of window runs now (rule 3 of the module).
 
-    ``first_try`` is when Prefect first tried to start the run (a run that
-    then waited for a job slot is not late); ``now`` is when it decides.
+    ``row`` is the schedule's row now (None when it is gone); ``view`` gives the
+    schedule's last fire and first-seen time, the node's zone, name (the row's
+    jitter offset) and grace. ``first_try`` is when the run was first tried (a
+    run that then waited for a job slot is not late); ``now`` is when it decides.
     ``retry`` marks the one re-run of a job interrupted by the node's own
     shutdown or crash: its window may already be stamped (by the interrupted
     run), and it runs while the miss policy would still run that window.
-    ``lookback`` is the catch-up window of a row that sets none; ``node``
-    gives the row's jitter offset.
+    ``lookback`` is the catch-up window of a row that sets none.
 
     1. The row must still have the window (:func:`gone_reason`).
     2. A window already stamped, or older than a stamped one, does not run
@@ -113,6 +111,8 @@ def decide_start(
        the row's catch-up window, and coalesce it into that latest window
        otherwise.
     """
+    last_fired, first_seen = view.last_fired.get(schedule_id), view.first_seen.get(schedule_id)
+    grace, tz, node = view.grace, view.tz, view.node
     gone = gone_reason(row, schedule_id, window, tz)
     if gone is not None or row is None:
         return StartDecision(Verdict.SKIP, gone or f"schedule {schedule_id} was removed")
@@ -191,37 +191,22 @@ def _late_start(row: LocalSchedule, window: datetime, shown: str, lateness: time
 
 def retry_allowed(
     row: LocalSchedule | None,
+    view: NodeView,
     *,
     schedule_id: str,
     window: datetime,
-    last_fired: datetime | None,
     now: datetime,
-    grace: timedelta,
-    tz: ZoneInfo,
     lookback: timedelta = LOOKBACK,
-    node: str = "",
 ) -> StartDecision:
     """Return whether an interrupted job of window may be run again now.
 
     The same rule as a retry's start guard (:func:`decide_start` with
-    ``retry=True``), checked before creating the retry run so that a window
-    the policy no longer allows is reported instead of becoming a run that
-    only skips.
+    ``retry=True``; the first-seen time does not apply), checked before creating
+    the retry run so that a window the policy no longer allows is reported
+    instead of becoming a run that only skips.
     """
-    return decide_start(
-        row,
-        schedule_id=schedule_id,
-        window=window,
-        last_fired=last_fired,
-        first_seen=None,
-        first_try=now,
-        now=now,
-        grace=grace,
-        tz=tz,
-        retry=True,
-        lookback=lookback,
-        node=node,
-    )
+    return decide_start(row, replace(view, first_seen={}), schedule_id=schedule_id,
+                        window=window, first_try=now, now=now, retry=True, lookback=lookback)
 
 
 def stage_retry_allowed(

@@ -40,7 +40,7 @@ window plus the row's jitter, and lateness counts from that start; the row's
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
@@ -58,6 +58,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
+from sched_core.view import NodeView
 
 PLAN_AHEAD_LIMIT = timedelta(days=8)
 """How far ahead ``min_windows`` may reach for a schedule's next windows."""
@@ -152,17 +153,7 @@ def _row_plan(
 
 
 def plan_windows(
-    rows: Sequence[LocalSchedule],
-    *,
-    last_fired: Mapping[str, datetime],
-    first_seen: Mapping[str, datetime],
-    now: datetime,
-    grace: timedelta,
-    horizon: timedelta,
-    min_windows: int,
-    max_runs: int,
-    tz: ZoneInfo,
-    node: str = "",
+    view: NodeView, *, now: datetime, horizon: timedelta, min_windows: int, max_runs: int,
 ) -> Plan:
     """Return the windows that should have a planned run at now (rule 1 of the module).
 
@@ -173,13 +164,14 @@ def plan_windows(
     is counted in ``held_back``.
     """
     per_row: list[Iterator[Window]] = []
-    for row in rows:
+    for row in view.rows:
         if not row.enabled or row.schedule.is_event:
             continue
-        last = last_fired.get(row.id)
+        last = view.last_fired.get(row.id)
         per_row.append(_row_plan(
-            row, eligible=eligible_after(last, first_seen.get(row.id)), last_fired=last,
-            now=now, grace=grace, horizon=horizon, min_windows=min_windows, node=node, tz=tz,
+            row, eligible=eligible_after(last, view.first_seen.get(row.id)), last_fired=last,
+            now=now, grace=view.grace, horizon=horizon, min_windows=min_windows,
+            node=view.node, tz=view.tz,
         ))
     windows: list[Window] = []
     held_back = 0
@@ -316,17 +308,12 @@ MISSED_SHOWN = 10
 
 
 def missed(
-    rows: Sequence[LocalSchedule],
+    view: NodeView,
     *,
-    last_fired: Mapping[str, datetime],
-    first_seen: Mapping[str, datetime],
     planned_through: Mapping[str, datetime],
     now: datetime,
-    grace: timedelta,
-    tz: ZoneInfo,
     have: Collection[tuple[str, datetime]] = (),
     lookback: timedelta = LOOKBACK,
-    node: str = "",
 ) -> list[Missed]:
     """Return, per schedule, the windows older than the grace that never had a run (rule 4).
 
@@ -343,49 +330,55 @@ def missed(
     either (it was never to run); the look-back is the row's catch-up window.
     """
     found: list[Missed] = []
-    for row in rows:
+    for row in view.rows:
         if not row.enabled or row.schedule.is_event:
             continue
-        reach = catchup(row, lookback)
-        bounds = [now - reach + _TICK]
-        last = last_fired.get(row.id)
-        eligible = eligible_after(last, first_seen.get(row.id))
-        if eligible is not None:
-            bounds.append(eligible)
-        done = planned_through.get(row.id)
-        if done is not None:
-            bounds.append(done + _TICK)
-        start, end = max(bounds), now - grace
-        if start >= end:
-            continue
-        windows = [
-            window for window, begins in window_starts(row, start, end, node=node, tz=tz)
-            if begins < end and (row.id, window) not in have
-            and policy_block(row, window, last_fired=last, tz=tz) is None
-        ]
-        if not windows:
-            continue
-        recover: Window | None = None
-        truncated = 0
-        if row.miss_policy is not MissPolicy.SKIP:
-            latest = windows[-1]
-            newest = latest_window(row, now, since=now - reach + _TICK, node=node, tz=tz)
-            # The latest window's own run (if it had one) or a later window's
-            # inside the grace runs under the guard: recovering an older one
-            # as well would run the schedule twice in a row.
-            if newest is None or newest[0] == latest:
-                recover = Window(
-                    start=latest, schedule_id=row.id, window=latest,
-                    key=window_key(row.id, latest, row_zone(row, tz)), action=row.action,
-                )
-                truncated = len(windows) - 1 if row.miss_policy is MissPolicy.RUN_ALL else 0
-        found.append(Missed(
-            schedule_id=row.id,
-            windows=windows[:MISSED_SHOWN],
-            count=len(windows),
-            recover=recover,
-            truncated=truncated,
-            latest=windows[-1],
-        ))
+        windows = _unrun_windows(view, row, planned_through.get(row.id), now=now, have=have,
+                                 lookback=lookback)
+        if windows:
+            found.append(_missed_of(view, row, windows, now=now, lookback=lookback))
     return found
+
+
+def _unrun_windows(view: NodeView, row: LocalSchedule, done: datetime | None, *,
+                   now: datetime, have: Collection[tuple[str, datetime]],
+                   lookback: timedelta) -> list[datetime]:
+    """Return row's windows older than the grace that never had a run (rule 4's windows)."""
+    bounds = [now - catchup(row, lookback) + _TICK]
+    last = view.last_fired.get(row.id)
+    eligible = eligible_after(last, view.first_seen.get(row.id))
+    if eligible is not None:
+        bounds.append(eligible)
+    if done is not None:
+        bounds.append(done + _TICK)
+    start, end = max(bounds), now - view.grace
+    if start >= end:
+        return []
+    return [
+        window for window, begins in window_starts(row, start, end, node=view.node, tz=view.tz)
+        if begins < end and (row.id, window) not in have
+        and policy_block(row, window, last_fired=last, tz=view.tz) is None
+    ]
+
+
+def _missed_of(view: NodeView, row: LocalSchedule, windows: list[datetime], *, now: datetime,
+               lookback: timedelta) -> Missed:
+    """Return what the miss policy does about row's missed windows: at most one recovery."""
+    recover: Window | None = None
+    truncated = 0
+    if row.miss_policy is not MissPolicy.SKIP:
+        latest = windows[-1]
+        newest = latest_window(row, now, since=now - catchup(row, lookback) + _TICK,
+                               node=view.node, tz=view.tz)
+        # The latest window's own run (if it had one) or a later window's
+        # inside the grace runs under the guard: recovering an older one
+        # as well would run the schedule twice in a row.
+        if newest is None or newest[0] == latest:
+            recover = Window(
+                start=latest, schedule_id=row.id, window=latest,
+                key=window_key(row.id, latest, row_zone(row, view.tz)), action=row.action,
+            )
+            truncated = len(windows) - 1 if row.miss_policy is MissPolicy.RUN_ALL else 0
+    return Missed(schedule_id=row.id, windows=windows[:MISSED_SHOWN], count=len(windows),
+                  recover=recover, truncated=truncated, latest=windows[-1])
 

@@ -62,6 +62,7 @@ from sched_core.ticking import (
     held_missed,
     window_fire,
 )
+from sched_core.view import NodeView
 
 __all__ = [  # the old import paths of names that moved out stay valid
     "MAX_PAYLOAD",
@@ -141,10 +142,14 @@ class Scheduler:
         """
         return self._decide_due(as_utc(now))[0]
 
+    def _view(self, cache: Cache) -> NodeView:
+        """Return cache as the decisions read it (references: only under the lock)."""
+        return NodeView(rows=cache.schedules, last_fired=cache.last_fired_at,
+                        first_seen=cache.first_seen_at, tz=self._tz,
+                        node=self._config.node_name, grace=self._config.fire_grace)
+
     def _decide_due(self, now: datetime) -> tuple[list[DueRow], dict[str, str]]:
-        return decide_due(self.store.index, self.store.cache, now=now,
-                          grace=self._config.fire_grace, node=self._config.node_name,
-                          tz=self._tz)
+        return decide_due(self.store.index, self._view(self.store.cache), now=now)
 
     def _fire_windows(
         self, windows: list[tuple[LocalSchedule, datetime]], *, recovery: bool
@@ -265,17 +270,8 @@ class Scheduler:
             row = next((item for item in cache.schedules if item.id == schedule_id), None)
             last = cache.last_fired_at.get(schedule_id)
             decision = decide_start(
-                row,
-                schedule_id=schedule_id,
-                window=window,
-                last_fired=last,
-                first_seen=cache.first_seen_at.get(schedule_id),
-                first_try=as_utc(first_try, "first_try"),
-                now=now,
-                grace=self._config.fire_grace,
-                tz=self._tz,
-                retry=retry,
-                node=self._config.node_name,
+                row, self._view(cache), schedule_id=schedule_id, window=window,
+                first_try=as_utc(first_try, "first_try"), now=now, retry=retry,
             )
             if decision.stamp:
                 cache.last_fired_at[schedule_id] = window if last is None else max(last, window)

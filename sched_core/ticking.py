@@ -38,6 +38,7 @@ from sched_core.misses import eligible_after
 from sched_core.model import Cache, LocalSchedule
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
 from sched_core.policies import latest_window, policy_block, row_zone
+from sched_core.view import NodeView
 
 log = logging.getLogger("sched_core.scheduler")
 
@@ -80,20 +81,20 @@ def window_fire(row: LocalSchedule, window: datetime, tz: ZoneInfo, *, recovery:
     )
 
 
-def _candidates(index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta,
-                node: str, tz: ZoneInfo) -> list[DueRow]:
+def _candidates(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueRow]:
     """Return rule 1's candidates, in no particular order."""
+    grace = view.grace
     found = [
         (due.schedule, due.window, due.coalesced)
-        for due in due_windows(index, cache, now=now, grace=grace)
+        for due in due_windows(index, view, now=now)
         if not own_clock(due.schedule)
     ]
-    for row in cache.schedules:
+    for row in view.rows:
         if not own_clock(row) or not row.enabled or row.schedule.is_event:
             continue
         latest = latest_window(row, now, since=now - grace - timedelta(seconds=row.jitter),
-                               node=node, tz=row_zone(row, tz))
-        floor = eligible_after(cache.last_fired_at.get(row.id), cache.first_seen_at.get(row.id))
+                               node=view.node, tz=row_zone(row, view.tz))
+        floor = eligible_after(view.last_fired.get(row.id), view.first_seen.get(row.id))
         if latest is not None and now - latest[1] <= grace and (
             floor is None or latest[0] >= floor
         ):
@@ -101,22 +102,18 @@ def _candidates(index: DueIndex, cache: Cache, *, now: datetime, grace: timedelt
     return found
 
 
-def decide_due(index: DueIndex, cache: Cache, *, now: datetime, grace: timedelta, node: str,
-               tz: ZoneInfo) -> tuple[list[DueRow], dict[str, str]]:
+def decide_due(index: DueIndex, view: NodeView, *,
+               now: datetime) -> tuple[list[DueRow], dict[str, str]]:
     """Return the windows due at now (rules 1 and 2), and the rows held back with why."""
     due: list[DueRow] = []
     held: dict[str, str] = {}
-    candidates = _candidates(index, cache, now=now, grace=grace, node=node, tz=tz)
+    candidates = _candidates(index, view, now=now)
     for row, window, older in sorted(candidates, key=lambda c: (c[1], c[0].id)):
         if plain(row):
             due.append((row, window, older))
             continue
-        decision = decide_start(
-            row, schedule_id=row.id, window=window,
-            last_fired=cache.last_fired_at.get(row.id),
-            first_seen=cache.first_seen_at.get(row.id),
-            first_try=now, now=now, grace=grace, tz=tz, node=node,
-        )
+        decision = decide_start(row, view, schedule_id=row.id, window=window, first_try=now,
+                                now=now)
         if decision.runs and not decision.late:
             due.append((row, window, older))
         else:

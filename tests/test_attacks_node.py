@@ -28,6 +28,7 @@ from flows.prefect_api import state_body
 from flows.records import job_event
 from sched_core.guard import decide_start
 from sched_core.model import LocalSchedule
+from sched_core.view import NodeView
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, row
 from tests.procs import wait_for
 
@@ -48,9 +49,11 @@ def test_a_runs_parameters_never_move_the_nodes_clock(
     # The mechanism is live: a guard handed the attacker's now runs 02:30 six minutes early.
     window = datetime(2026, 12, 4, 7, 30, tzinfo=UTC)
     forged = window + timedelta(seconds=1)
-    early = decide_start(LocalSchedule.model_validate(nightly), schedule_id="s-1",
-                         window=window, last_fired=None, first_seen=None, first_try=forged,
-                         now=forged, grace=timedelta(minutes=5), tz=ZoneInfo("America/New_York"))
+    parsed = LocalSchedule.model_validate(nightly)
+    view = NodeView(rows=[parsed], last_fired={}, first_seen={},
+                    tz=ZoneInfo("America/New_York"), node="", grace=timedelta(minutes=5))
+    early = decide_start(parsed, view, schedule_id="s-1", window=window, first_try=forged,
+                         now=forged)
     assert early.runs, "a forged now makes the guard run the window"
     node = NodeUnderTest(tmp_path, prefect_server, name=f"clk-{uuid.uuid4().hex[:6]}",
                          rows=[nightly])

@@ -17,6 +17,7 @@ from sched_core.guard import Verdict, decide_start, retry_allowed, stage_retry_a
 from sched_core.matcher import fire_times, window_key
 from sched_core.model import LocalSchedule
 from sched_core.plan import MISSED_SHOWN, Fate, missed, plan_windows, planned_fate
+from sched_core.view import NodeView
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)
@@ -56,7 +57,25 @@ def plan(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[tuple[str,
         "min_windows": 3, "max_runs": 1000, "tz": NY,
     }
     options.update(kw)
-    return [(w.schedule_id, w.window) for w in plan_windows(rows, **options).windows]
+    view = view_of(rows, options)
+    return [(w.schedule_id, w.window) for w in plan_windows(view, **options).windows]
+
+
+def view_of(rows: list[LocalSchedule], options: dict[str, Any]) -> NodeView:
+    """Take the node's facts out of options, as the view the planner and guard read."""
+    return NodeView(rows=rows, last_fired=options.pop("last_fired", {}),
+                    first_seen=options.pop("first_seen", {}), tz=options.pop("tz", NY),
+                    node=options.pop("node", ""), grace=options.pop("grace", GRACE))
+
+
+def guard_view(r: LocalSchedule | None, options: dict[str, Any]) -> NodeView:
+    """The view of one row's guard: its last fire and first-seen time, keyed by its id."""
+    sid = options["schedule_id"]
+    fired, seen = options.pop("last_fired", None), options.pop("first_seen", None)
+    return view_of([r] if r else [], {**{k: options.pop(k) for k in ("tz", "node", "grace")
+                                         if k in options},
+                                      "last_fired": {sid: fired} if fired else {},
+                                      "first_seen": {sid: seen} if seen else {}})
 
 
 # -- planning ---------------------------------------------------------------------------
@@ -145,8 +164,8 @@ def test_at_least_min_windows_within_eight_days_and_no_further() -> None:
 def test_the_cap_keeps_the_nearest_windows_of_the_whole_node() -> None:
     rows = [row("a", every(1)), row("b", at(["10"], "30"))]
     now = utc(2026, 11, 30, 15, 0)  # 10:00 EST
-    result = plan_windows(rows, last_fired={}, first_seen={}, now=now, grace=GRACE,
-                          horizon=HOUR, min_windows=3, max_runs=40, tz=NY)
+    result = plan_windows(view_of(rows, {}), now=now, horizon=HOUR, min_windows=3,
+                          max_runs=40)
     assert len(result.windows) == 40
     assert result.windows == sorted(result.windows)
     assert ("b", utc(2026, 11, 30, 15, 30)) in [(w.schedule_id, w.window) for w in result.windows]
@@ -157,9 +176,8 @@ def test_the_cap_keeps_the_nearest_windows_of_the_whole_node() -> None:
 
 
 def test_a_planned_window_carries_the_kits_window_key() -> None:
-    result = plan_windows([row("s", at(["2"], "30"))], last_fired={}, first_seen={},
-                          now=utc(2026, 3, 8, 5, 0), grace=GRACE, horizon=HOUR,
-                          min_windows=1, max_runs=10, tz=NY)
+    result = plan_windows(view_of([row("s", at(["2"], "30"))], {}),
+                          now=utc(2026, 3, 8, 5, 0), horizon=HOUR, min_windows=1, max_runs=10)
     [w] = result.windows
     assert w.key == "s@2026-03-08T03:00-04:00" == window_key("s", w.window, NY)
     assert w.start == w.window and w.action == "backup"
@@ -201,7 +219,8 @@ def guard(r: LocalSchedule | None, *, first_try: datetime, now: datetime | None 
     options: dict[str, Any] = {"schedule_id": "s", "window": W, "last_fired": None,
                                "first_seen": utc(2026, 11, 1), "grace": GRACE, "tz": NY}
     options.update(kw)
-    return decide_start(r, first_try=first_try, now=now or first_try, **options)
+    view = guard_view(r, options)
+    return decide_start(r, view, first_try=first_try, now=now or first_try, **options)
 
 
 NIGHTLY = row("s", at(["2"], "30"))
@@ -288,8 +307,9 @@ def test_the_retry_of_an_interrupted_job_runs_its_stamped_window_once_more() -> 
         "window 2026-11-30 02:30 EST missed: interrupted and 2 h after its window")
     assert not guard(NIGHTLY, first_try=W, now=W + timedelta(hours=2),
                      last_fired=W + timedelta(days=1), retry=True).runs
-    assert retry_allowed(NIGHTLY, schedule_id="s", window=W, last_fired=W,
-                         now=W + timedelta(hours=2), grace=GRACE, tz=NY).runs
+    view = guard_view(NIGHTLY, {"schedule_id": "s", "last_fired": W})
+    assert retry_allowed(NIGHTLY, view, schedule_id="s", window=W,
+                         now=W + timedelta(hours=2)).runs
 
 
 def test_a_chain_stage_job_is_rerun_while_its_row_is_still_of_the_stage() -> None:
@@ -331,7 +351,7 @@ def lost(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[Any]:
     options: dict[str, Any] = {"last_fired": {}, "first_seen": {}, "planned_through": {},
                                "now": now, "grace": GRACE, "tz": NY}
     options.update(kw)
-    return missed(rows, **options)
+    return missed(view_of(rows, options), **options)
 
 
 def test_after_a_long_downtime_the_latest_unplanned_window_is_recovered() -> None:

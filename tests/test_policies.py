@@ -29,6 +29,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
+from sched_core.view import NodeView
 
 NY = ZoneInfo("America/New_York")
 ADELAIDE = ZoneInfo("Australia/Adelaide")
@@ -71,7 +72,25 @@ def plan(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[Any]:
         "min_windows": 3, "max_runs": 1000, "tz": NY, "node": "node-a",
     }
     options.update(kw)
-    return plan_windows(rows, **options).windows
+    view = view_of(rows, options)
+    return plan_windows(view, **options).windows
+
+
+def view_of(rows: list[LocalSchedule], options: dict[str, Any]) -> NodeView:
+    """Take the node's facts out of options, as the view the planner and guard read."""
+    return NodeView(rows=rows, last_fired=options.pop("last_fired", {}),
+                    first_seen=options.pop("first_seen", {}), tz=options.pop("tz", NY),
+                    node=options.pop("node", ""), grace=options.pop("grace", GRACE))
+
+
+def guard_view(r: LocalSchedule | None, options: dict[str, Any]) -> NodeView:
+    """The view of one row's guard: its last fire and first-seen time, keyed by its id."""
+    sid = options["schedule_id"]
+    fired, seen = options.pop("last_fired", None), options.pop("first_seen", None)
+    return view_of([r] if r else [], {**{k: options.pop(k) for k in ("tz", "node", "grace")
+                                         if k in options},
+                                      "last_fired": {sid: fired} if fired else {},
+                                      "first_seen": {sid: seen} if seen else {}})
 
 
 def windows(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[datetime]:
@@ -84,14 +103,15 @@ def guard(r: LocalSchedule | None, window: datetime, *, first_try: datetime,
                                "last_fired": None, "first_seen": utc(2026, 1, 1),
                                "grace": GRACE, "tz": NY, "node": "node-a"}
     options.update(kw)
-    return decide_start(r, first_try=first_try, now=now or first_try, **options)
+    view = guard_view(r, options)
+    return decide_start(r, view, first_try=first_try, now=now or first_try, **options)
 
 
 def missed_of(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[Any]:
     options: dict[str, Any] = {"last_fired": {}, "first_seen": {}, "planned_through": {},
                                "now": now, "grace": GRACE, "tz": NY, "node": "node-a"}
     options.update(kw)
-    return missed(rows, **options)
+    return missed(view_of(rows, options), **options)
 
 
 # -- jitter ------------------------------------------------------------------------------
@@ -420,16 +440,16 @@ def test_min_interval_plans_only_the_windows_that_will_run() -> None:
 def test_min_interval_does_not_hold_back_the_rerun_of_an_interrupted_job() -> None:
     r = row("c", NIGHTLY, min_interval=WEEK)
     window = utc(2026, 11, 30, 7, 30)
-    decision = retry_allowed(r, schedule_id="c", window=window, last_fired=window,
-                             now=window + MINUTE, grace=GRACE, tz=NY, node="node-a")
+    view = guard_view(r, {"schedule_id": "c", "last_fired": window, "node": "node-a"})
+    decision = retry_allowed(r, view, schedule_id="c", window=window, now=window + MINUTE)
     assert decision.runs
 
 
 def test_a_paused_window_is_not_rerun_after_an_interruption() -> None:
     r = row("p", NIGHTLY, paused={"note": "stop"})
     window = utc(2026, 11, 30, 7, 30)
-    decision = retry_allowed(r, schedule_id="p", window=window, last_fired=window,
-                             now=window + MINUTE, grace=GRACE, tz=NY, node="node-a")
+    view = guard_view(r, {"schedule_id": "p", "last_fired": window, "node": "node-a"})
+    decision = retry_allowed(r, view, schedule_id="p", window=window, now=window + MINUTE)
     assert decision.verdict is Verdict.SKIP and "paused: stop" in decision.reason
 
 
