@@ -15,6 +15,7 @@ from sched_core.clock import floor_minute
 from sched_core.index import DueIndex
 from sched_core.misses import eligible_after, plan_recovery
 from sched_core.model import Cache, LocalSchedule
+from sched_core.policies import row_zone
 from sched_core.view import NodeView
 
 _MINUTE = timedelta(minutes=1)
@@ -70,7 +71,10 @@ class MissedWindow:
 def missed_windows(
     cache: Cache, *, now: datetime, grace: timedelta, tz: ZoneInfo
 ) -> list[MissedWindow]:
-    """Return, in cache order, the window each enabled clock schedule's miss policy fires now."""
+    """Return, in cache order, the window each enabled clock schedule's miss policy fires now.
+
+    A row with its own ``timezone`` is read in that zone (tz is the node's).
+    """
     missed: list[MissedWindow] = []
     for row in cache.schedules:
         if not row.enabled or row.schedule.is_event:
@@ -82,7 +86,7 @@ def missed_windows(
             first_seen=cache.first_seen_at.get(row.id),
             now=now,
             grace=grace,
-            tz=tz,
+            tz=row_zone(row, tz),
         )
         if recovery is not None:
             missed.append(MissedWindow(row, recovery.window, recovery.truncated))

@@ -71,13 +71,13 @@ def copy_row(row: LocalSchedule) -> LocalSchedule:
 
 
 def window_fire(row: LocalSchedule, window: datetime, tz: ZoneInfo, *, recovery: bool) -> Fire:
-    """Return the fire of row's window (rule 4)."""
+    """Return the fire of row's window (rule 4); its key in the row's zone, as the planner's."""
     return Fire(
         schedule=copy_row(row),
         trigger_key=TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE,
         missed_recovery=recovery,
         window=window,
-        key=window_key(row.id, window, tz),
+        key=window_key(row.id, window, row_zone(row, tz)),
     )
 
 

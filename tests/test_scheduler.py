@@ -800,3 +800,18 @@ def test_tick_fires_a_row_with_its_own_zone_at_that_zones_wall_clock(tmp_path: P
     assert [(f.schedule.id, f.window) for f in fired] == [("z", berlin_ten)]
     fired = agent.scheduler.tick_report(now=T0).fired  # 10:00 in New York
     assert [(f.schedule.id, f.window) for f in fired] == [("n", T0)]
+
+
+def test_missed_run_check_recovers_a_row_with_its_own_zone_at_that_zones_window(
+    tmp_path: Path,
+) -> None:
+    # Down over Berlin's 10:00 (09:00Z) on 2026-11-30: the recovery is that window, keyed in
+    # Berlin's time, not New York's 10:00 (which has not come yet at 11:00Z).
+    berlin_ten = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+    agent = Agent(tmp_path, [row("z", schedule=clock(["*"], ["10"], "0"),
+                                timezone="Europe/Berlin", miss_policy="run-once-within-24h")])
+    agent.scheduler.pull(now=berlin_ten - timedelta(hours=2))
+    fired = agent.scheduler.missed_run_report(now=berlin_ten + timedelta(hours=2)).fired
+    assert [(f.schedule.id, f.window, f.missed_recovery) for f in fired] == [
+        ("z", berlin_ten, True)]
+    assert fired[0].key == "z@2026-11-30T10:00+01:00"
