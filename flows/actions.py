@@ -7,7 +7,7 @@ argv goes to ``exec`` as is.
 
 Rule: a value is data, never an option, a path out of bounds, or a pattern.
 Every value a row, a run parameter or the node puts into an argv element is
-checked where it lands (docs/agent.md, "What a row may put into a command"):
+checked where it lands (docs/agent-reference.md, "What a row may put into a command"):
 
 1. Any value: at most MAX_VALUE_BYTES bytes, no control character (NUL,
    newline, ...); ``repo_id``, ``id``, ``action``, ``node`` and

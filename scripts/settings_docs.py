@@ -32,7 +32,7 @@ from flows.settings import AgentSettings  # noqa: E402
 HEADER = "| setting | env | default | meaning |"
 SEPARATOR = "|---|---|---|---|"
 TABLES: dict[str, type[BaseModel]] = {
-    "docs/agent.md": AgentSettings,
+    "docs/agent-reference.md": AgentSettings,
     "docs/controller.md": ControllerSettings,
 }
 """Each doc with a settings table (its one line ``HEADER``), and the model it is made from."""

@@ -1,4 +1,4 @@
-"""The settings tables of docs/agent.md and docs/controller.md are the settings models'.
+"""The settings tables of docs/agent-reference.md and docs/controller.md are the settings models'.
 
 Each table is made from its model (``scripts/settings_docs.py``: a field's description,
 its variable, its default), so a new field, a renamed variable, a changed default or
