@@ -37,6 +37,7 @@ environment it is given as the whole environment.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -425,8 +426,27 @@ def run_command(
     """
     emit = log or logging.getLogger(__name__).info
     started = time.monotonic()
+    proc = _spawn(argv, env=env, cwd=cwd, umask=umask)
+    timed_out = threading.Event()
+    kill = functools.partial(_kill_timed_out, proc.pid, timed_out)
+    timer = threading.Timer(timeout_s, kill)
+    timer.daemon = True
+    timer.start()
+    exit_code, lines = _follow(proc, emit, timer, kill)
+    return CommandResult(
+        argv=argv,
+        exit_code=exit_code,
+        duration_s=round(time.monotonic() - started, 3),
+        timed_out=timed_out.is_set(),
+        output_lines=lines,
+    )
+
+
+def _spawn(argv: list[str], *, env: Mapping[str, str] | None, cwd: Path | None,
+           umask: int) -> subprocess.Popen[str]:
+    """Start argv in a session of its own, its output as text lines; ConfigError if it cannot."""
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -441,18 +461,21 @@ def run_command(
         )
     except OSError as exc:
         raise ConfigError(f"cannot start {argv[0]!r}: {exc}") from exc
-    timed_out = threading.Event()
 
-    def _kill() -> None:
-        timed_out.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
-    timer = threading.Timer(timeout_s, _kill)
-    timer.daemon = True
-    timer.start()
+def _kill_timed_out(pid: int, timed_out: threading.Event) -> None:
+    """Say the command timed out and SIGKILL its process group."""
+    timed_out.set()
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _follow(proc: subprocess.Popen[str], emit: Callable[[str], object],
+            timer: threading.Timer, kill: Callable[[], None]) -> tuple[int, int]:
+    """Pass each output line to emit until the command exits; return its exit code and the
+    lines seen. However this ends, the timer stops and a command still running is killed."""
     lines = 0
     try:
         assert proc.stdout is not None
@@ -463,14 +486,8 @@ def run_command(
     finally:
         timer.cancel()
         if proc.poll() is None:
-            _kill()
+            kill()
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    return CommandResult(
-        argv=argv,
-        exit_code=exit_code,
-        duration_s=round(time.monotonic() - started, 3),
-        timed_out=timed_out.is_set(),
-        output_lines=lines,
-    )
+    return exit_code, lines
