@@ -43,7 +43,6 @@ import math
 import os
 import re
 import signal
-import string
 import subprocess
 import threading
 import time
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.identity import window_stamp
-from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec
+from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
 from sched_core import ConfigError, LocalSchedule
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -287,7 +286,7 @@ def render_argv(
     fixed = {"state_dir": lambda: str(state_dir), "window": lambda: window_stamp(window, now=now)}
     argv: list[str] = []
     for index, template in enumerate(spec.argv):
-        pieces = _parse(template)
+        pieces = template_pieces(template)
         place = _Place.of(spec.argv, index, pieces)
         out: list[str] = []
         first: tuple[_Slot, str] | None = None  # the value the element starts with
@@ -386,13 +385,6 @@ def _check_element_start(slot: _Slot, text: str, *, whole: bool) -> None:
     if whole and text in FIND_OPERATORS:
         words = " ".join(sorted(FIND_OPERATORS))
         raise slot.refuse(text, f"a whole argv element may not be one of {words}")
-
-
-def _parse(template: str) -> list[tuple[str, str | None, str, str | None]]:
-    return [
-        (literal, name, spec or "", conv)
-        for literal, name, spec, conv in string.Formatter().parse(template)
-    ]
 
 
 @dataclass(frozen=True)
