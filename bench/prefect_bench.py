@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from deployments.run_local import stop_group as _stop_group
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -76,16 +78,7 @@ def stop_group(proc: subprocess.Popen[bytes] | None, *, grace_s: float = 20) -> 
     """SIGTERM proc's process group, wait up to grace_s, then SIGKILL what is left of it."""
     if proc is None:
         return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    _stop_group(proc, grace_s, kill_wait_s=10.0)
     try:  # children of the leader (flow-run subprocesses) may outlive it
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

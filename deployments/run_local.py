@@ -92,7 +92,13 @@ def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> Non
     if proc is None or proc.poll() is not None:
         return
     say(f"stopping {name} (pid {proc.pid})...")
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    stop_group(proc, grace_s)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float, *, kill_wait_s: float = 5.0) -> None:
+    """SIGTERM proc's process group and wait up to grace_s; then SIGKILL it and wait up to
+    kill_wait_s. The one process-group stop (the benchmarks use it too)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
