@@ -59,6 +59,7 @@ from sqlmodel import Session  # noqa: E402
 
 from controller import claims, db, tasks  # noqa: E402
 from controller.models import ScheduledTask, TaskIn  # noqa: E402
+from deployments.run_local import stop_group  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- failover:begin -->", "<!-- failover:end -->"
@@ -74,20 +75,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM proc's process group, then SIGKILL it after grace seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @contextmanager
@@ -118,7 +105,7 @@ def prefect_server(folder: Path) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        stop_group(proc, 30)
+        stop_group(proc, 30, kill_wait_s=10.0)
         log.close()
 
 
@@ -190,7 +177,7 @@ class Instance:
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_group(self.proc, 30)
+            stop_group(self.proc, 30, kill_wait_s=10.0)
 
 
 def terminate_a_listener(url: str, rng: random.Random) -> bool:

@@ -667,26 +667,8 @@ def outage(work: Path, minutes: int = 10) -> dict[str, Any]:
 
 
 def _restart(home: Path, port: int) -> subprocess.Popen[bytes]:
-    import httpx
-
-    from bench.prefect_bench import server_env
-
-    env = server_env(home, port)
-    log = (home / "server.log").open("ab")
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the Prefect server did not come back")
+    """Start the Prefect server again on its port, on the same home."""
+    return start_server(home, port=port)[0]
 
 
 # -- the report ---------------------------------------------------------------------------

@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from deployments.run_local import stop_group as _stop_group
+from deployments.run_local import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -44,11 +46,11 @@ def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, st
     return env
 
 
-def start_server(home: Path, *, late_runs: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``prefect server start`` on a free port; return it and its API URL once healthy."""
-    import httpx
-
-    port = free_port()
+def start_server(home: Path, *, late_runs: bool = True,
+                 port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``prefect server start`` on port (default: a free one); return it and its API URL
+    once healthy."""
+    port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = server_env(home, port, late_runs=late_runs)
     log = (home / "server.log").open("ab")
@@ -60,14 +62,8 @@ def start_server(home: Path, *, late_runs: bool = True) -> tuple[subprocess.Pope
     )
     log.close()
     url = env["PREFECT_API_URL"]
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_healthy(url, proc, timeout_s=180):
+        return proc, url
     stop_group(proc, grace_s=0)
     raise SystemExit(f"the Prefect server did not start; see {home / 'server.log'}")
 
@@ -76,16 +72,7 @@ def stop_group(proc: subprocess.Popen[bytes] | None, *, grace_s: float = 20) -> 
     """SIGTERM proc's process group, wait up to grace_s, then SIGKILL what is left of it."""
     if proc is None:
         return
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    _stop_group(proc, grace_s, kill_wait_s=10.0)
     try:  # children of the leader (flow-run subprocesses) may outlive it
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

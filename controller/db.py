@@ -191,6 +191,16 @@ def alembic_config(url: str | URL | None = None) -> Config:
     return config
 
 
+def _current_heads(url: str | URL | None) -> set[str]:
+    """Return the revisions the database at url is at (read on an engine of its own)."""
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return set(MigrationContext.configure(conn).get_current_heads())
+    finally:
+        engine.dispose()
+
+
 def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
     """Return True when the database is exactly at revision (read without a write lock)."""
     script = ScriptDirectory.from_config(config)
@@ -201,13 +211,7 @@ def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
         if found is None:
             return False
         targets = {found.revision}
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
-    finally:
-        engine.dispose()
-    return current == targets
+    return _current_heads(url) == targets
 
 
 def schema_problem(url: str | URL | None = None) -> str | None:
@@ -218,12 +222,7 @@ def schema_problem(url: str | URL | None = None) -> str | None:
     """
     config = alembic_config(url)
     heads = set(ScriptDirectory.from_config(config).get_heads())
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
-    finally:
-        engine.dispose()
+    current = _current_heads(url)
     if current == heads:
         return None
     where = safe_url(database_url(url))

@@ -236,40 +236,17 @@ def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
             if record is not None:
                 used.add(item.key)
                 status, detail = status_of(record.state), record_detail(record)
-            elif now >= deadline and not facts.reports_jobs:
-                status = "unreported"
-                detail = ("unreported: the node's agent does not report its jobs (it announced "
-                          "no heartbeat); see its latest job in sched schedules ls")
-            elif now >= deadline:
-                status = "missed"
-                detail = "missed: no report from the node" + (
-                    f" ({facts.silence})" if facts.silence else "")
             else:
-                status = "due"
-                detail = (f"due: its run starts {local_text(item.start, item.zone)}; missed if "
-                          f"nothing is reported by {local_text(deadline, item.zone)}")
+                status, detail = _unrecorded(item, deadline, facts, now)
             entries.append(_entry(node, item.row, schedule_id, key=item.key, window=item.window,
                                   zone=item.zone, start=item.start, record=record,
                                   status=status, detail=detail, expected=True,
                                   deadline=deadline))
-    for record in facts.records:
-        if record.key in used:
-            continue
-        row = names.get(record.schedule_id)
-        zone = row_zone(row, tz) if row is not None else tz
-        entries.append(_entry(node, row, record.schedule_id, key=record.key,
-                              window=record.window, zone=zone, start=None, record=record,
-                              status=status_of(record.state), detail=record_detail(record),
-                              expected=False))
+    entries += _other_entries(facts, used, names)
     entries.sort(key=lambda e: (e["_sort"], e["schedule_id"], e["key"]))
     for entry in entries:
         del entry["_sort"]
-    counts = {status: 0 for status in SEVERITY}
-    for entry in entries:
-        counts[entry["status"]] += 1
-    worst = max((SEVERITY[e["status"]] for e in entries), default=0)
-    if facts.silence is not None:
-        worst = max(worst, SEVERITY["missed"])
+    counts, worst = _severity(entries, facts.silence)
     return {
         "node": node, "timezone": str(tz.key), "since": utc_text(since),
         "until": utc_text(until), "grace_s": facts.grace.total_seconds(),
@@ -278,6 +255,48 @@ def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
                                                 "silent_after_s")},
         "counts": counts, "held": held, "severity": worst, "windows": entries,
     }
+
+
+def _unrecorded(item: Expected, deadline: datetime, facts: NodeFacts,
+                now: datetime) -> tuple[str, str]:
+    """Return the status and detail of an expected window with no job record (rule 3):
+    due before its deadline, then missed (unreported when the node does not report jobs)."""
+    if now >= deadline and not facts.reports_jobs:
+        return ("unreported", "unreported: the node's agent does not report its jobs (it "
+                "announced no heartbeat); see its latest job in sched schedules ls")
+    if now >= deadline:
+        return "missed", "missed: no report from the node" + (
+            f" ({facts.silence})" if facts.silence else "")
+    return "due", (f"due: its run starts {local_text(item.start, item.zone)}; missed if "
+                   f"nothing is reported by {local_text(deadline, item.zone)}")
+
+
+def _other_entries(facts: NodeFacts, used: set[str],
+                   names: Mapping[str, LocalSchedule]) -> list[dict[str, Any]]:
+    """Return the entries of the node's job records no expected window took (rule 4)."""
+    entries = []
+    for record in facts.records:
+        if record.key in used:
+            continue
+        row = names.get(record.schedule_id)
+        zone = row_zone(row, facts.tz) if row is not None else facts.tz
+        entries.append(_entry(facts.node, row, record.schedule_id, key=record.key,
+                              window=record.window, zone=zone, start=None, record=record,
+                              status=status_of(record.state), detail=record_detail(record),
+                              expected=False))
+    return entries
+
+
+def _severity(entries: list[dict[str, Any]], silence: str | None) -> tuple[dict[str, int], int]:
+    """Return the count of entries per status and the node's worst severity (a silent node's
+    is at least missed's)."""
+    counts = {status: 0 for status in SEVERITY}
+    for entry in entries:
+        counts[entry["status"]] += 1
+    worst = max((SEVERITY[e["status"]] for e in entries), default=0)
+    if silence is not None:
+        worst = max(worst, SEVERITY["missed"])
+    return counts, worst
 
 
 def _failed_text(entry: dict[str, Any]) -> str:

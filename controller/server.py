@@ -16,6 +16,7 @@ everything else (no dictConfig of its own), so one formatter escapes every line.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -270,8 +271,7 @@ def run(
     """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
-                                            "scheduler": scheduler,
-                                            "tls": bool(ssl_certfile)})
+                                            "scheduler": scheduler, "tls": bool(ssl_certfile)})
     watched = tokens if tokens is not None and not tokens.insecure else None
     reloader = TokensReloader(watched, environ, interval=tokens_check_interval)
     events = PrefectEvents.from_settings()
@@ -286,32 +286,45 @@ def run(
             if not api:
                 stop.wait()
                 return
-            if tokens is None:
-                raise ValueError("the API needs a token configuration")
-            wake = getattr(central, "wake", None)
-            waits = NodeWaits()
-            relay = start_relay(waits)
-            app = create_app(
-                engine,
-                tokens,
-                on_task_saved=(lambda _name: wake()) if wake else None,
-                pull_cache_bytes=pull_cache_bytes,
-                events=events,
-                fleet_settings=fleet_settings,
-                waits=waits,
-            )
-            config = uvicorn_config(app, host=host, port=port, log_level=log_level,
-                                    limits=limits, ssl_certfile=ssl_certfile,
-                                    ssl_keyfile=ssl_keyfile)
-            try:
-                if not stop.is_set():  # a signal during start-up
-                    WaitingServer(config, waits).run()
-            finally:
-                if app.state.pull_recorder is not None:
-                    app.state.pull_recorder.close()
-                if relay is not None:
-                    relay.stop()
+            config = functools.partial(uvicorn_config, host=host, port=port, log_level=log_level,
+                                       limits=limits, ssl_certfile=ssl_certfile,
+                                       ssl_keyfile=ssl_keyfile)
+            _serve_api(engine, tokens, stop, wake=getattr(central, "wake", None), events=events,
+                       pull_cache_bytes=pull_cache_bytes, fleet_settings=fleet_settings,
+                       config=config)
     finally:
         events.close()
         engine.dispose()
         log.info("controller stopped")
+
+
+def _serve_api(
+    engine: Engine, tokens: Tokens | None, stop: threading.Event, *,
+    wake: Callable[[], None] | None, events: ScheduleEvents, pull_cache_bytes: int,
+    fleet_settings: FleetSettings | None, config: Callable[[object], uvicorn.Config],
+) -> None:
+    """Serve the API under uvicorn until stopped (not at all if a signal came first): the
+    nodes' waits and their Prefect relay, the app; then close the pull recorder and the relay.
+    """
+    if tokens is None:
+        raise ValueError("the API needs a token configuration")
+    waits = NodeWaits()
+    relay = start_relay(waits)
+    app = create_app(
+        engine,
+        tokens,
+        on_task_saved=(lambda _name: wake()) if wake else None,
+        pull_cache_bytes=pull_cache_bytes,
+        events=events,
+        fleet_settings=fleet_settings,
+        waits=waits,
+    )
+    settings = config(app)
+    try:
+        if not stop.is_set():  # a signal during start-up
+            WaitingServer(settings, waits).run()
+    finally:
+        if app.state.pull_recorder is not None:
+            app.state.pull_recorder.close()
+        if relay is not None:
+            relay.stop()

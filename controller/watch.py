@@ -153,72 +153,103 @@ def plan_alerts(report: Mapping[str, Any], open_alerts: Iterable[OpenAlert]) -> 
     for node in report["nodes"]:
         name = node["node"]
         mine = open_by_node.get(name, [])
-        windows = node["windows"]
-        missed = [e for e in windows if e["status"] == "missed"]
-        if node["silent"] and (node["last_seen_at"] is not None or missed):
-            subject = (f"silent@{node['last_seen_at']}" if node["last_seen_at"]
-                       else "never-seen")
-            found.append(Alert(name, "node-silent", subject, node["silence"] or "silent",
-                               payload=_payload(name, "node-silent", node["silence"] or "",
-                                                last_seen_at=node["last_seen_at"],
-                                                heartbeat_s=node["heartbeat_s"],
-                                                silent_after_s=node["silent_after_s"])))
-        if not node["silent"]:
-            for item in mine:
-                if item.kind == "node-silent":
-                    reason = (f"node {name} is back: its last request of its own was at "
-                              f"{node['last_seen_at']}")
-                    found.append(Alert(name, "node-recovered", f"recovered@{item.subject}",
-                                       reason, resolves=(item.id,),
-                                       payload=_payload(name, "node-recovered", reason,
-                                                        last_seen_at=node["last_seen_at"],
-                                                        resolves=[item.subject])))
-        already = {(i.schedule_id, i.kind) for i in mine}
-        for entry in windows:
-            kind = {"missed": "window-missed", "failed": "window-failed"}.get(entry["status"])
-            if kind is None or (entry["schedule_id"], kind) in already:
-                continue
-            already.add((entry["schedule_id"], kind))
-            reason = f"{entry['schedule_id']} window {entry['local']}: {entry['detail']}"
-            found.append(Alert(name, kind, entry["key"], reason,
-                               schedule_id=entry["schedule_id"],
-                               window=_time(entry["window"]),
-                               payload=_payload(name, kind, reason, entry)))
-        by_key = {e["key"]: e for e in windows}
-        for schedule_id in sorted({i.schedule_id for i in mine if i.schedule_id}):
-            problems = [i for i in mine if i.schedule_id == schedule_id
-                        and i.kind in ("window-missed", "window-failed")]
-            if not problems:
-                continue
-            oldest = min((i.window for i in problems if i.window is not None), default=None)
-            done = [e for e in windows if e["schedule_id"] == schedule_id
-                    and e["status"] == "completed" and e["expected"]
-                    and oldest is not None and (_time(e["window"]) or oldest) > oldest]
-            # A missed window whose job was reported after all is resolved by that report.
-            late = [i for i in problems if i.kind == "window-missed"
-                    and by_key.get(i.subject, {}).get("status") not in (None, "missed")]
-            if done:
-                first = done[0]
-                resolved = tuple(i.id for i in problems if i.window is None
-                                 or i.window < (_time(first["window"]) or i.window))
-                reason = (f"{schedule_id} window {first['local']} completed: resolves "
-                          f"{len(resolved)} earlier alert(s)")
-                found.append(Alert(name, "window-recovered", first["key"], reason,
-                                   schedule_id=schedule_id, window=_time(first["window"]),
-                                   resolves=resolved,
-                                   payload=_payload(name, "window-recovered", reason, first,
-                                                    resolves=[i.subject for i in problems
-                                                              if i.id in resolved])))
-            for item in late:
-                entry = by_key[item.subject]
-                reason = (f"{schedule_id} window {entry['local']}: the node reported its job "
-                          f"after all ({entry['detail']})")
-                found.append(Alert(name, "window-recovered", f"reported@{item.subject}",
-                                   reason, schedule_id=schedule_id,
-                                   window=_time(entry["window"]), resolves=(item.id,),
-                                   payload=_payload(name, "window-recovered", reason, entry,
+        found += _silence_alerts(node, mine)
+        found += _window_alerts(name, node["windows"], mine)
+        found += _recovery_alerts(name, node["windows"], mine)
+    return found
+
+
+def _silence_alerts(node: Mapping[str, Any], mine: list[OpenAlert]) -> list[Alert]:
+    """Decide node-silent (a silent node seen once, or with a missed window) and
+    node-recovered (a node back while its silence is open)."""
+    found: list[Alert] = []
+    name = node["node"]
+    missed = [e for e in node["windows"] if e["status"] == "missed"]
+    if node["silent"] and (node["last_seen_at"] is not None or missed):
+        subject = (f"silent@{node['last_seen_at']}" if node["last_seen_at"]
+                   else "never-seen")
+        found.append(Alert(name, "node-silent", subject, node["silence"] or "silent",
+                           payload=_payload(name, "node-silent", node["silence"] or "",
+                                            last_seen_at=node["last_seen_at"],
+                                            heartbeat_s=node["heartbeat_s"],
+                                            silent_after_s=node["silent_after_s"])))
+    if not node["silent"]:
+        for item in mine:
+            if item.kind == "node-silent":
+                reason = (f"node {name} is back: its last request of its own was at "
+                          f"{node['last_seen_at']}")
+                found.append(Alert(name, "node-recovered", f"recovered@{item.subject}",
+                                   reason, resolves=(item.id,),
+                                   payload=_payload(name, "node-recovered", reason,
+                                                    last_seen_at=node["last_seen_at"],
                                                     resolves=[item.subject])))
     return found
+
+
+def _window_alerts(name: str, windows: list[dict[str, Any]],
+                   mine: list[OpenAlert]) -> list[Alert]:
+    """Decide window-missed and window-failed: the first of each schedule and kind while
+    none of them is open."""
+    found: list[Alert] = []
+    already = {(i.schedule_id, i.kind) for i in mine}
+    for entry in windows:
+        kind = {"missed": "window-missed", "failed": "window-failed"}.get(entry["status"])
+        if kind is None or (entry["schedule_id"], kind) in already:
+            continue
+        already.add((entry["schedule_id"], kind))
+        reason = f"{entry['schedule_id']} window {entry['local']}: {entry['detail']}"
+        found.append(Alert(name, kind, entry["key"], reason,
+                           schedule_id=entry["schedule_id"],
+                           window=_time(entry["window"]),
+                           payload=_payload(name, kind, reason, entry)))
+    return found
+
+
+def _recovery_alerts(name: str, windows: list[dict[str, Any]],
+                     mine: list[OpenAlert]) -> list[Alert]:
+    """Decide window-recovered, schedule by schedule: a later window that completed resolves
+    the schedule's earlier open alerts; a missed window reported after all resolves its own."""
+    found: list[Alert] = []
+    by_key = {e["key"]: e for e in windows}
+    for schedule_id in sorted({i.schedule_id for i in mine if i.schedule_id}):
+        problems = [i for i in mine if i.schedule_id == schedule_id
+                    and i.kind in ("window-missed", "window-failed")]
+        if not problems:
+            continue
+        oldest = min((i.window for i in problems if i.window is not None), default=None)
+        done = [e for e in windows if e["schedule_id"] == schedule_id
+                and e["status"] == "completed" and e["expected"]
+                and oldest is not None and (_time(e["window"]) or oldest) > oldest]
+        # A missed window whose job was reported after all is resolved by that report.
+        late = [i for i in problems if i.kind == "window-missed"
+                and by_key.get(i.subject, {}).get("status") not in (None, "missed")]
+        if done:
+            found.append(_completed_recovery(name, schedule_id, done[0], problems))
+        for item in late:
+            entry = by_key[item.subject]
+            reason = (f"{schedule_id} window {entry['local']}: the node reported its job "
+                      f"after all ({entry['detail']})")
+            found.append(Alert(name, "window-recovered", f"reported@{item.subject}",
+                               reason, schedule_id=schedule_id,
+                               window=_time(entry["window"]), resolves=(item.id,),
+                               payload=_payload(name, "window-recovered", reason, entry,
+                                                resolves=[item.subject])))
+    return found
+
+
+def _completed_recovery(name: str, schedule_id: str, first: Mapping[str, Any],
+                        problems: list[OpenAlert]) -> Alert:
+    """Return the window-recovered alert of a completed window: it resolves the schedule's
+    open alerts about earlier windows."""
+    resolved = tuple(i.id for i in problems if i.window is None
+                     or i.window < (_time(first["window"]) or i.window))
+    reason = (f"{schedule_id} window {first['local']} completed: resolves "
+              f"{len(resolved)} earlier alert(s)")
+    return Alert(name, "window-recovered", first["key"], reason,
+                 schedule_id=schedule_id, window=_time(first["window"]),
+                 resolves=resolved,
+                 payload=_payload(name, "window-recovered", reason, first,
+                                  resolves=[i.subject for i in problems if i.id in resolved]))
 
 
 def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:

@@ -164,39 +164,16 @@ def explain(
         return {**answer, "verdict": word, "summary": summary, "facts": facts}
 
     if version is None:
-        first, last = versions[0], versions[-1]
-        if probe < first.valid_from:
-            return verdict("NOT A WINDOW", f"the row {schedule_id} did not exist on the "
-                           f"controller yet: it was written at {utc_text(first.valid_from)}")
-        return verdict("NOT A WINDOW", f"the row {schedule_id} was deleted at "
-                       f"{utc_text(last.valid_until)}")
+        return verdict("NOT A WINDOW", _row_absent(versions, probe, schedule_id))
     row = version.row
     z = row_zone(row, tz)
     answer.update(row=row.model_dump(mode="json"), version=row.version)
-    until = (f", replaced {utc_text(version.valid_until)}" if version.valid_until else
-             ", in force now")
-    policies = describe_policies(row, node=node, tz=tz)
-    fact("row", f"version {row.version} (written {utc_text(version.valid_from)}{until}): "
-                f"{schedule_words(row.schedule)} in {z.key}, miss policy "
-                f"{row.miss_policy.value}" + (f"; {', '.join(policies)}" if policies else "")
-                + ("" if row.enabled else "; DISABLED"))
+    fact("row", _row_text(version, node=node, tz=tz, z=z))
     window, found = resolve(row, z, instant=instant, wall=wall)
     for said in found:
         fact("DST", said)
     if window is None:
-        if not row.enabled:
-            return verdict("NOT A WINDOW", f"the row {schedule_id} was disabled then")
-        if row.schedule.is_event:
-            return verdict("NOT A WINDOW", f"the row {schedule_id} is fired by the chain "
-                           f"({schedule_words(row.schedule)}), never on the clock")
-        before = [w for w in _windows(row, probe - timedelta(days=8), probe, z)][-1:]
-        after = _windows(row, probe + _TICK, probe + timedelta(days=8), z)[:1]
-        near = "; ".join(f"{what} {local_text(w, z)}" for what, ws in
-                         (("the window before is", before), ("the one after is", after))
-                         for w in ws)
-        return verdict("NOT A WINDOW", f"{local_text(probe, z)} is not a window of "
-                       f"{schedule_id} ({schedule_words(row.schedule)})" +
-                       (f": {near}" if near else ""))
+        return verdict("NOT A WINDOW", _not_a_window(row, schedule_id, probe, z))
     key = window_key(row.id, window, z)
     answer.update(key=key, window=utc_text(window), local=local_text(window, z))
     note = dst_note(row.schedule, window, z)
@@ -204,46 +181,112 @@ def explain(
         fact("DST", note)
     start = run_start(row, window, node=node, tz=tz)
     deadline = start + grace + timedelta(seconds=REPORT_SLACK_S)
-    jitter = f" (its jitter: +{duration_text(start - window)})" if start != window else ""
-    fact("start", f"its run starts {local_text(start, z)}{jitter}; the node's grace is "
-                  f"{duration_text(grace)}, so with {REPORT_SLACK_S:g} s for its report it "
-                  f"counts as missed from {local_text(deadline, z)}")
+    fact("start", _start_text(window, start, deadline, grace, z))
     held = window_block(row, window, tz=tz) or interval_block(row, window, last_fired=previous,
                                                               tz=tz)
     record = records.get(key)
+    answer.update(_record_fields(record, run_url))
+    for said in _alert_texts(alerts, key):
+        fact("alert", said)
+    _silence_facts(fact, node, window, deadline, liveness, silence, alerts, now)
     if record is not None:
-        answer["record"] = record.as_json()
-        if record.flow_run_id and run_url:
-            answer["run_url"] = f"{run_url}/runs/flow-run/{record.flow_run_id}"
+        fact("job", _record_text(record))
+    return verdict(*_outcome(
+        window=window, start=start, deadline=deadline, z=z, held=held, record=record,
+        written=version.valid_from, first=version is versions[0], silence=silence, now=now))
+
+
+def _row_absent(versions: Sequence[RowVersion], probe: datetime, schedule_id: str) -> str:
+    """Say why no version of the row was in force at probe: not written yet, or deleted."""
+    first, last = versions[0], versions[-1]
+    if probe < first.valid_from:
+        return (f"the row {schedule_id} did not exist on the controller yet: it was written "
+                f"at {utc_text(first.valid_from)}")
+    return f"the row {schedule_id} was deleted at {utc_text(last.valid_until)}"
+
+
+def _row_text(version: RowVersion, *, node: str, tz: ZoneInfo, z: ZoneInfo) -> str:
+    """Describe the version in force (rule 2): when written, the schedule, its policies."""
+    row = version.row
+    until = (f", replaced {utc_text(version.valid_until)}" if version.valid_until else
+             ", in force now")
+    policies = describe_policies(row, node=node, tz=tz)
+    return (f"version {row.version} (written {utc_text(version.valid_from)}{until}): "
+            f"{schedule_words(row.schedule)} in {z.key}, miss policy "
+            f"{row.miss_policy.value}" + (f"; {', '.join(policies)}" if policies else "")
+            + ("" if row.enabled else "; DISABLED"))
+
+
+def _not_a_window(row: LocalSchedule, schedule_id: str, probe: datetime, z: ZoneInfo) -> str:
+    """Say why probe is no window of the row: disabled, event-fired, or the windows around it."""
+    if not row.enabled:
+        return f"the row {schedule_id} was disabled then"
+    if row.schedule.is_event:
+        return (f"the row {schedule_id} is fired by the chain "
+                f"({schedule_words(row.schedule)}), never on the clock")
+    before = [w for w in _windows(row, probe - timedelta(days=8), probe, z)][-1:]
+    after = _windows(row, probe + _TICK, probe + timedelta(days=8), z)[:1]
+    near = "; ".join(f"{what} {local_text(w, z)}" for what, ws in
+                     (("the window before is", before), ("the one after is", after))
+                     for w in ws)
+    return (f"{local_text(probe, z)} is not a window of "
+            f"{schedule_id} ({schedule_words(row.schedule)})" + (f": {near}" if near else ""))
+
+
+def _start_text(window: datetime, start: datetime, deadline: datetime, grace: timedelta,
+                z: ZoneInfo) -> str:
+    """Say when the window's run starts (its jitter) and from when it counts as missed."""
+    jitter = f" (its jitter: +{duration_text(start - window)})" if start != window else ""
+    return (f"its run starts {local_text(start, z)}{jitter}; the node's grace is "
+            f"{duration_text(grace)}, so with {REPORT_SLACK_S:g} s for its report it "
+            f"counts as missed from {local_text(deadline, z)}")
+
+
+def _record_fields(record: JobRecord | None, run_url: str | None) -> dict[str, Any]:
+    """Return the answer's fields from the window's job record: the record, its run's link."""
+    if record is None:
+        return {}
+    fields: dict[str, Any] = {"record": record.as_json()}
+    if record.flow_run_id and run_url:
+        fields["run_url"] = f"{run_url}/runs/flow-run/{record.flow_run_id}"
+    return fields
+
+
+def _alert_texts(alerts: Sequence[AlertFact], key: str) -> list[str]:
+    """Describe the alerts raised about the window (its key, or its report)."""
+    texts = []
     for alert in alerts:
         if alert.subject == key or alert.subject == f"reported@{key}":
             sent = f", sent {utc_text(alert.sent_at)}" if alert.sent_at else ", not sent yet"
             done = f", resolved {utc_text(alert.resolved_at)}" if alert.resolved_at else ""
-            fact("alert", f"{alert.kind} raised {utc_text(alert.detected_at)}{sent}{done}")
-    _silence_facts(fact, node, window, deadline, liveness, silence, alerts, now)
+            texts.append(f"{alert.kind} raised {utc_text(alert.detected_at)}{sent}{done}")
+    return texts
+
+
+def _outcome(*, window: datetime, start: datetime, deadline: datetime, z: ZoneInfo,
+             held: str | None, record: JobRecord | None, written: datetime, first: bool,
+             silence: str | None, now: datetime) -> tuple[str, str]:
+    """Decide a found window's verdict (rule 3): held, too new, its record's, or the clock's."""
     if held is not None and record is None:
-        return verdict("HELD", f"{local_text(window, z)} was held back by the row's policies: "
-                       f"{held}; it was never to run")
-    if record is None and (start - version.valid_from).total_seconds() < NEW_ROW_S \
-            and version is versions[0]:
-        return verdict("NOT EXPECTED", f"the row was written {utc_text(version.valid_from)}, "
-                       f"{duration_text(start - version.valid_from)} before this window's run: "
-                       "the node could not have had it")
+        return ("HELD", f"{local_text(window, z)} was held back by the row's policies: "
+                f"{held}; it was never to run")
+    if record is None and (start - written).total_seconds() < NEW_ROW_S and first:
+        return ("NOT EXPECTED", f"the row was written {utc_text(written)}, "
+                f"{duration_text(start - written)} before this window's run: "
+                "the node could not have had it")
     if record is not None:
         status = status_of(record.state)
-        fact("job", _record_text(record))
         word = {"completed": "RAN", "failed": "FAILED", "skipped": "SKIPPED",
                 "running": "RUNNING", "cancelled": "CANCELLED"}[status]
-        detail = record_detail(record)
-        return verdict(word, detail.removeprefix(f"{record.state}: "))
+        return word, record_detail(record).removeprefix(f"{record.state}: ")
     if now < start:
-        return verdict("NOT YET", f"its run starts {local_text(start, z)}")
+        return "NOT YET", f"its run starts {local_text(start, z)}"
     if now < deadline:
-        return verdict("DUE", f"no report yet; missed from {local_text(deadline, z)}")
+        return "DUE", f"no report yet; missed from {local_text(deadline, z)}"
     why = "no report from the node"
     if silence:
         why += f" ({silence})"
-    return verdict("MISSED", why)
+    return "MISSED", why
 
 
 def _record_text(record: JobRecord) -> str:

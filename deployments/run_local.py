@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
@@ -91,7 +92,13 @@ def stop(proc: subprocess.Popen[bytes] | None, name: str, grace_s: float) -> Non
     if proc is None or proc.poll() is not None:
         return
     say(f"stopping {name} (pid {proc.pid})...")
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    stop_group(proc, grace_s)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float, *, kill_wait_s: float = 5.0) -> None:
+    """SIGTERM proc's process group and wait up to grace_s; then SIGKILL it and wait up to
+    kill_wait_s. The one process-group stop (the benchmarks use it too)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -137,76 +144,100 @@ def pause(seconds: float, stopping: Callable[[], bool]) -> bool:
     return stopping()
 
 
-def main() -> int:
-    """Run the server and the agent until interrupted; return the exit status."""
-    port = int(os.environ.get("SCHED_PREFECT_PORT", "4200"))
-    home = ROOT / ".prefect"
-    home.mkdir(exist_ok=True)
-    env = server_env(home, port)
-    api = env["PREFECT_API_URL"]
-    if not port_free(port):
-        print(f"port {port} is in use (another Prefect server?); stop it or set "
-              "SCHED_PREFECT_PORT", file=sys.stderr)
-        return 2
-    prefect_cli = str(Path(sys.executable).parent / "prefect")
-    stopping = False
+@dataclass
+class _Children:
+    """The Prefect server and the node this run keeps going, and how to start each again."""
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    prefect_cli: str
+    port: int
+    env: dict[str, str]
+    home: Path
     server: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
-    status = 0
-    try:
-        print(f"starting a Prefect server on 127.0.0.1:{port} (PREFECT_HOME={home}, "
-              f"log {home / 'server.log'})...", flush=True)
-        server = start_server(prefect_cli, port, env, home)
-        if not wait_healthy(api, server, timeout_s=120):
-            print(f"the Prefect server did not become healthy; see {home / 'server.log'}",
+    stopping: bool = False
+    backoff: dict[str, float] = field(
+        default_factory=lambda: {"server": RESTART_MIN_S, "agent": RESTART_MIN_S})
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Ask the run to stop (step 5)."""
+        self.stopping = True
+
+    def start(self) -> bool:
+        """Start the server, wait until it is healthy, start the node (steps 1-3); False
+        when the server never became healthy."""
+        print(f"starting a Prefect server on 127.0.0.1:{self.port} (PREFECT_HOME={self.home}, "
+              f"log {self.home / 'server.log'})...", flush=True)
+        self.server = start_server(self.prefect_cli, self.port, self.env, self.home)
+        if not wait_healthy(self.env["PREFECT_API_URL"], self.server, timeout_s=120):
+            print(f"the Prefect server did not become healthy; see {self.home / 'server.log'}",
                   file=sys.stderr)
-            return 1
-        print(f"starting the node with SCHED_CONFIG={env['SCHED_CONFIG']}...", flush=True)
-        agent = start_agent(env)
+            return False
+        print(f"starting the node with SCHED_CONFIG={self.env['SCHED_CONFIG']}...", flush=True)
+        self.agent = start_agent(self.env)
         print(
-            f"\n  Prefect UI: http://127.0.0.1:{port}/\n"
+            f"\n  Prefect UI: http://127.0.0.1:{self.port}/\n"
             "  The node fires its own windows and records each job here: its coming windows\n"
             "  are Scheduled runs of run-job/demo (Deployments > run-job/demo > Upcoming);\n"
             "  each runs at its time, and the chain's prune and check follow the wave.\n"
             "  Press Ctrl-C to stop everything.\n",
             flush=True,
         )
-        backoff = {"server": RESTART_MIN_S, "agent": RESTART_MIN_S}
-        while not stopping:
-            if server.poll() is not None:
-                say(f"the Prefect server exited (code {server.returncode}); starting it again "
-                    f"in {backoff['server']:.0f} s", err=True)
-                if pause(backoff["server"], lambda: stopping):
+        return True
+
+    def keep(self) -> int:
+        """Start again a child that exited, until asked to stop (step 4); return the exit
+        status: 2 when the node refused its settings, else 0."""
+        assert self.server is not None and self.agent is not None
+        while not self.stopping:
+            if self.server.poll() is not None:
+                say(f"the Prefect server exited (code {self.server.returncode}); starting it "
+                    f"again in {self.backoff['server']:.0f} s", err=True)
+                if self._pause("server"):
                     break
-                backoff["server"] = min(backoff["server"] * 2, RESTART_MAX_S)
-                server = start_server(prefect_cli, port, env, home)
-                if wait_healthy(api, server, timeout_s=120):
-                    backoff["server"] = RESTART_MIN_S
-            if agent.poll() == 2:  # its settings are invalid: starting again cannot help
+                self.server = start_server(self.prefect_cli, self.port, self.env, self.home)
+                if wait_healthy(self.env["PREFECT_API_URL"], self.server, timeout_s=120):
+                    self.backoff["server"] = RESTART_MIN_S
+            if self.agent.poll() == 2:  # its settings are invalid: starting again cannot help
                 say("the agent refused its settings (above); stopping", err=True)
-                status = 2
-                break
-            if agent.poll() is not None:
-                say(f"the node exited (code {agent.returncode}); starting it again "
-                    f"in {backoff['agent']:.0f} s", err=True)
-                if pause(backoff["agent"], lambda: stopping):
+                return 2
+            if self.agent.poll() is not None:
+                say(f"the node exited (code {self.agent.returncode}); starting it again "
+                    f"in {self.backoff['agent']:.0f} s", err=True)
+                if self._pause("agent"):
                     break
-                backoff["agent"] = min(backoff["agent"] * 2, RESTART_MAX_S)
-                agent = start_agent(env)
+                self.agent = start_agent(self.env)
             time.sleep(0.5)
+        return 0
+
+    def _pause(self, child: str) -> bool:
+        """Wait the child's back-off before starting it again, then double it; True when the
+        run is to stop instead."""
+        if pause(self.backoff[child], lambda: self.stopping):
+            return True
+        self.backoff[child] = min(self.backoff[child] * 2, RESTART_MAX_S)
+        return False
+
+
+def main() -> int:
+    """Run the server and the agent until interrupted; return the exit status."""
+    port = int(os.environ.get("SCHED_PREFECT_PORT", "4200"))
+    home = ROOT / ".prefect"
+    home.mkdir(exist_ok=True)
+    env = server_env(home, port)
+    if not port_free(port):
+        print(f"port {port} is in use (another Prefect server?); stop it or set "
+              "SCHED_PREFECT_PORT", file=sys.stderr)
+        return 2
+    children = _Children(str(Path(sys.executable).parent / "prefect"), port, env, home)
+    signal.signal(signal.SIGINT, children.on_signal)
+    signal.signal(signal.SIGTERM, children.on_signal)
+    try:
+        return children.keep() if children.start() else 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        stop(agent, "the node", grace_s=30)
-        stop(server, "the Prefect server", grace_s=20)
+        stop(children.agent, "the node", grace_s=30)
+        stop(children.server, "the Prefect server", grace_s=20)
         say("stopped.")
-    return status
 
 
 if __name__ == "__main__":

@@ -37,12 +37,12 @@ environment it is given as the whole environment.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import re
 import signal
-import string
 import subprocess
 import threading
 import time
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.identity import window_stamp
-from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec
+from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
 from sched_core import ConfigError, LocalSchedule
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -286,7 +286,7 @@ def render_argv(
     fixed = {"state_dir": lambda: str(state_dir), "window": lambda: window_stamp(window, now=now)}
     argv: list[str] = []
     for index, template in enumerate(spec.argv):
-        pieces = _parse(template)
+        pieces = template_pieces(template)
         place = _Place.of(spec.argv, index, pieces)
         out: list[str] = []
         first: tuple[_Slot, str] | None = None  # the value the element starts with
@@ -387,13 +387,6 @@ def _check_element_start(slot: _Slot, text: str, *, whole: bool) -> None:
         raise slot.refuse(text, f"a whole argv element may not be one of {words}")
 
 
-def _parse(template: str) -> list[tuple[str, str | None, str, str | None]]:
-    return [
-        (literal, name, spec or "", conv)
-        for literal, name, spec, conv in string.Formatter().parse(template)
-    ]
-
-
 @dataclass(frozen=True)
 class CommandResult:
     """What a command did: its exit code (negative: killed by that signal) and duration."""
@@ -425,8 +418,27 @@ def run_command(
     """
     emit = log or logging.getLogger(__name__).info
     started = time.monotonic()
+    proc = _spawn(argv, env=env, cwd=cwd, umask=umask)
+    timed_out = threading.Event()
+    kill = functools.partial(_kill_timed_out, proc.pid, timed_out)
+    timer = threading.Timer(timeout_s, kill)
+    timer.daemon = True
+    timer.start()
+    exit_code, lines = _follow(proc, emit, timer, kill)
+    return CommandResult(
+        argv=argv,
+        exit_code=exit_code,
+        duration_s=round(time.monotonic() - started, 3),
+        timed_out=timed_out.is_set(),
+        output_lines=lines,
+    )
+
+
+def _spawn(argv: list[str], *, env: Mapping[str, str] | None, cwd: Path | None,
+           umask: int) -> subprocess.Popen[str]:
+    """Start argv in a session of its own, its output as text lines; ConfigError if it cannot."""
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -441,18 +453,21 @@ def run_command(
         )
     except OSError as exc:
         raise ConfigError(f"cannot start {argv[0]!r}: {exc}") from exc
-    timed_out = threading.Event()
 
-    def _kill() -> None:
-        timed_out.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
-    timer = threading.Timer(timeout_s, _kill)
-    timer.daemon = True
-    timer.start()
+def _kill_timed_out(pid: int, timed_out: threading.Event) -> None:
+    """Say the command timed out and SIGKILL its process group."""
+    timed_out.set()
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _follow(proc: subprocess.Popen[str], emit: Callable[[str], object],
+            timer: threading.Timer, kill: Callable[[], None]) -> tuple[int, int]:
+    """Pass each output line to emit until the command exits; return its exit code and the
+    lines seen. However this ends, the timer stops and a command still running is killed."""
     lines = 0
     try:
         assert proc.stdout is not None
@@ -463,14 +478,8 @@ def run_command(
     finally:
         timer.cancel()
         if proc.poll() is None:
-            _kill()
+            kill()
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    return CommandResult(
-        argv=argv,
-        exit_code=exit_code,
-        duration_s=round(time.monotonic() - started, 3),
-        timed_out=timed_out.is_set(),
-        output_lines=lines,
-    )
+    return exit_code, lines

@@ -79,6 +79,15 @@ class _Job:
     cancelled_peers: set[str] = field(default_factory=set)
 
 
+@dataclass
+class _Moves:
+    """What one pass over the queue decided, done once the lock is let go."""
+
+    start: list[_Job] = field(default_factory=list)
+    end: list[tuple[_Job, str, str]] = field(default_factory=list)  # (job, state, reason)
+    cancel: list[tuple[_Job, str]] = field(default_factory=list)  # (running job, message)
+
+
 class Jobs:
     """The node's jobs (the module's rules), with everything outside injected.
 
@@ -225,69 +234,83 @@ class Jobs:
 
     def _dispatch(self) -> None:
         """Start every queued job that may start now, in order (rules 1-3)."""
-        to_start: list[_Job] = []
-        to_end: list[tuple[_Job, str, str]] = []
-        to_cancel: list[tuple[_Job, str]] = []
         with self._lock:
-            free = self.slots - sum(1 for job in self._jobs.values() if job.state == "running")
-            blocked: set[str] = set()
-            for job_id in list(self._order):
-                job = self._jobs[job_id]
-                if job.state != "queued" or job.cancel is not None:
-                    continue
-                schedule = job.spec.schedule_id
-                if schedule in blocked:
-                    continue  # an earlier job of its schedule waits (rule 2)
-                verdict, reason = overlap_verdict(job.spec.overlap, schedule, self._peers(job))
-                if verdict == "skip":
-                    to_end.append((job, SKIPPED, reason))
-                    self._order.remove(job_id)
-                    continue
-                if verdict in ("wait", "cancel"):
-                    if not job.waiting:
-                        job.waiting = True
-                        job.wait_until = time.monotonic() + longest_run_s(job.spec)
-                        job.folder.log(self._clock(), reason)
-                        self._wakeup.set()  # the ticker watches its deadline
-                    elif job.wait_until is not None and time.monotonic() > job.wait_until:
-                        waited = longest_run_s(job.spec)
-                        to_end.append((job, SKIPPED, f"{reason}; waited {waited:g} s and it "
-                                                     "did not end"))
-                        self._order.remove(job_id)
-                        continue
-                    if verdict == "cancel":
-                        for peer in self._peers(job):
-                            if peer.running and peer.job_id not in job.cancelled_peers:
-                                job.cancelled_peers.add(peer.job_id)
-                                to_cancel.append((self._jobs[peer.job_id],
-                                                  f"cancelled by {job.spec.run_name}: overlap "
-                                                  f"cancel-other of schedule {schedule}"))
-                    blocked.add(schedule)
-                    continue
-                if free <= 0:
-                    blocked.add(schedule)
-                    if not job.folder.read_json("queued.json"):
-                        job.folder.write_json("queued.json", {"at": utc_text(self._clock())})
-                        job.folder.log(self._clock(), f"waiting for a job slot (all "
-                                                      f"{self.slots} are taken)")
-                    continue
-                if job.waiting:
-                    job.folder.log(self._clock(), "the other job of its schedule ended: running")
-                job.waiting = False
-                job.state = "running"
-                free -= 1
-                to_start.append(job)
-        for job, state, reason in to_end:
+            moves = self._pass()
+        for job, state, reason in moves.end:
             job.folder.log(self._clock(), f"skipped: {reason}")
             self._end(job, state, reason, dispatch=False)
-        for target, message in to_cancel:
+        for target, message in moves.cancel:
             self.cancel(job_id=target.spec.job_id, message=message)
-        for job in to_start:
+        for job in moves.start:
             job.thread = threading.Thread(target=self._run, args=(job,),
                                           name=f"job-{job.spec.run_name}", daemon=True)
             job.thread.start()
-        if to_end:
+        if moves.end:
             self._dispatch()
+
+    def _pass(self) -> _Moves:
+        """Go through the queue in order (the lock held): decide which jobs start, which end
+        skipped and which running ones to cancel; the others wait (rules 1-3)."""
+        moves = _Moves()
+        free = self.slots - sum(1 for job in self._jobs.values() if job.state == "running")
+        blocked: set[str] = set()
+        for job_id in list(self._order):
+            job = self._jobs[job_id]
+            if job.state != "queued" or job.cancel is not None:
+                continue
+            schedule = job.spec.schedule_id
+            if schedule in blocked:
+                continue  # an earlier job of its schedule waits (rule 2)
+            verdict, reason = overlap_verdict(job.spec.overlap, schedule, self._peers(job))
+            if verdict == "skip":
+                moves.end.append((job, SKIPPED, reason))
+                self._order.remove(job_id)
+                continue
+            if verdict in ("wait", "cancel"):
+                if self._wait_for_peer(job, verdict, reason, moves):
+                    self._order.remove(job_id)
+                else:
+                    blocked.add(schedule)
+                continue
+            if free <= 0:
+                blocked.add(schedule)
+                self._wait_for_slot(job)
+                continue
+            if job.waiting:
+                job.folder.log(self._clock(), "the other job of its schedule ended: running")
+            job.waiting = False
+            job.state = "running"
+            free -= 1
+            moves.start.append(job)
+        return moves
+
+    def _wait_for_peer(self, job: _Job, verdict: str, reason: str, moves: _Moves) -> bool:
+        """Hold job back behind the running job of its schedule (rule 3): start its wait, or
+        end it Skipped once the wait is over (True); for cancel-other, cancel the running one."""
+        if not job.waiting:
+            job.waiting = True
+            job.wait_until = time.monotonic() + longest_run_s(job.spec)
+            job.folder.log(self._clock(), reason)
+            self._wakeup.set()  # the ticker watches its deadline
+        elif job.wait_until is not None and time.monotonic() > job.wait_until:
+            waited = longest_run_s(job.spec)
+            moves.end.append((job, SKIPPED, f"{reason}; waited {waited:g} s and it did not end"))
+            return True
+        if verdict == "cancel":
+            for peer in self._peers(job):
+                if peer.running and peer.job_id not in job.cancelled_peers:
+                    job.cancelled_peers.add(peer.job_id)
+                    moves.cancel.append((self._jobs[peer.job_id],
+                                         f"cancelled by {job.spec.run_name}: overlap "
+                                         f"cancel-other of schedule {job.spec.schedule_id}"))
+        return False
+
+    def _wait_for_slot(self, job: _Job) -> None:
+        """Journal, once, that job waits for a free slot (rule 1)."""
+        if not job.folder.read_json("queued.json"):
+            job.folder.write_json("queued.json", {"at": utc_text(self._clock())})
+            job.folder.log(self._clock(), f"waiting for a job slot (all "
+                                          f"{self.slots} are taken)")
 
     def _tick(self) -> None:
         """Look at the queue every second while a job waits for another (its deadline can

@@ -88,41 +88,52 @@ def plan_lines(
     plan_error: str | None = None,
 ) -> list[str]:
     """Return the plan's part: each schedule's next windows and policies, then what it changed."""
-    lines = ["#### Plan", ""]
-    if report is None:
-        lines += [f"The plan in Prefect was not updated: {plan_error or 'no server'}. The node "
-                  "fires its windows all the same; the Upcoming tab catches up at the next "
-                  "reconcile.", ""]
-    else:
-        lines += [f"{report.planned} windows planned ({len(report.created)} runs created now), "
-                  f"{len(report.deleted)} deleted, {len(report.moved)} moved"
-                  + (f", {report.held_back} held back by plan_max_runs" if report.held_back
-                     else "") + ".", ""]
+    lines = ["#### Plan", "", *_plan_summary(report, plan_error)]
     clock_rows = [row for row in rows if not row.schedule.is_event]
     fired = last_fired or {}
     if clock_rows:
         lines += ["| schedule | name | action | next windows (local) | policies | notes |",
                   "|---|---|---|---|---|---|"]
-        for row in sorted(clock_rows, key=lambda r: (r.name, r.id)):
-            name = cell(row.name)
-            policies = "<br>".join(cell(part) for part in describe_policies(row, node=node, tz=tz))
-            if not row.enabled:
-                lines.append(f"| `{row.id}` | {name} | {row.action} | disabled | {policies} | |")
-                continue
-            z = row_zone(row, tz)
-            coming = upcoming(row, now=now, last_fired=fired.get(row.id), count=NEXT_SHOWN,
-                              node=node, tz=tz)
-            shown = "<br>".join(window_cell(w.window, w.start, z) for w in coming.windows)
-            notes = [f"{local(w.window, z)}: {note}" for w in coming.windows
-                     if (note := dst_note(row, w.window, z))]
-            notes += [f"{local(window, z)} skipped: {why}" for window, why in coming.skipped]
-            lines.append(
-                f"| `{row.id}` | {name} | {row.action} | {shown or 'none within 8 days'} "
-                f"| {policies} | {'<br>'.join(cell(note) for note in notes)} |"
-            )
+        lines += [_schedule_line(row, now=now, tz=tz, node=node, last_fired=fired.get(row.id))
+                  for row in sorted(clock_rows, key=lambda r: (r.name, r.id))]
         lines.append("")
     if report is None:
         return lines
+    return lines + _change_lines(report, tz)
+
+
+def _plan_summary(report: PlanReport | None, plan_error: str | None) -> list[str]:
+    """Return the plan's first line: what it planned, or why Prefect's plan was not updated."""
+    if report is None:
+        return [f"The plan in Prefect was not updated: {plan_error or 'no server'}. The node "
+                "fires its windows all the same; the Upcoming tab catches up at the next "
+                "reconcile.", ""]
+    return [f"{report.planned} windows planned ({len(report.created)} runs created now), "
+            f"{len(report.deleted)} deleted, {len(report.moved)} moved"
+            + (f", {report.held_back} held back by plan_max_runs" if report.held_back
+               else "") + ".", ""]
+
+
+def _schedule_line(row: LocalSchedule, *, now: datetime, tz: ZoneInfo, node: str,
+                   last_fired: datetime | None) -> str:
+    """Return a clock row's line of the table: its next windows, policies and notes."""
+    name = cell(row.name)
+    policies = "<br>".join(cell(part) for part in describe_policies(row, node=node, tz=tz))
+    if not row.enabled:
+        return f"| `{row.id}` | {name} | {row.action} | disabled | {policies} | |"
+    z = row_zone(row, tz)
+    coming = upcoming(row, now=now, last_fired=last_fired, count=NEXT_SHOWN, node=node, tz=tz)
+    shown = "<br>".join(window_cell(w.window, w.start, z) for w in coming.windows)
+    notes = [f"{local(w.window, z)}: {note}" for w in coming.windows
+             if (note := dst_note(row, w.window, z))]
+    notes += [f"{local(window, z)} skipped: {why}" for window, why in coming.skipped]
+    return (f"| `{row.id}` | {name} | {row.action} | {shown or 'none within 8 days'} "
+            f"| {policies} | {'<br>'.join(cell(note) for note in notes)} |")
+
+
+def _change_lines(report: PlanReport, tz: ZoneInfo) -> list[str]:
+    """Return what the plan changed: the runs created, deleted, moved, and failed."""
+    lines: list[str] = []
     if report.created:
         lines += ["Created:", ""]
         lines += [f"- `{name}` at {local(start, tz)}" for name, start in report.created[:50]]

@@ -52,6 +52,18 @@ TEMPLATE_FIELDS = frozenset(
 """Names an argv template may use: ``{repo_id}``, ``{param:NAME}``, ``{window}``, ..."""
 
 
+def template_pieces(template: str) -> list[tuple[str, str | None, str, str | None]]:
+    """Return a template's (literal, field, spec, conversion) pieces; ValueError when malformed.
+
+    The one parse of an argv template: :func:`template_fields` checks its fields at load,
+    :func:`flows.actions.render_argv` fills them.
+    """
+    return [
+        (literal, name, spec or "", conv)
+        for literal, name, spec, conv in string.Formatter().parse(template)
+    ]
+
+
 def template_fields(template: str) -> list[tuple[str, str]]:
     """Return the (field, spec) pairs of a template; ``{param:threads}`` gives ("param", "threads").
 
@@ -59,7 +71,7 @@ def template_fields(template: str) -> list[tuple[str, str]]:
     ``}}`` are literal braces (``find ... -exec gzip -t {{}} +``).
     """
     try:
-        parsed = list(string.Formatter().parse(template))
+        parsed = template_pieces(template)
     except ValueError as exc:
         raise ConfigError(f"argv template {template!r} is malformed: {exc}") from exc
     fields: list[tuple[str, str]] = []

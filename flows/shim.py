@@ -40,6 +40,10 @@ import sys
 import threading
 from datetime import UTC, datetime, timedelta
 
+TYPE_CHECKING = False  # typing is not imported at run time: it would slow the keeper's start
+if TYPE_CHECKING:
+    from typing import IO, Any
+
 TAIL_LINES = 100
 KILL_AFTER_S = 10.0
 
@@ -64,35 +68,28 @@ def _write_once(path: str, data: dict[str, object]) -> None:
 
 
 def _kill_group(pid: int, sig: int) -> None:
+    # Written out again here, not imported: the keeper runs with -I -S on the standard library.
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def main(argv: list[str]) -> int:
-    """Run the attempt a SPEC describes (the module's steps); return the shim's exit status.
-
-    ``shim.py SPEC``: the command's environment is this process's own. ``shim.py --wait``
-    (a warm keeper, started ahead): wait for one line on stdin, ``{"spec": path, "env":
-    {...}}``, then run it with that environment; end at once on EOF (the node went away
-    before it had a job for this keeper).
-    """
-    global _OFFSET
+def _handoff(argv: list[str]) -> tuple[str, dict[str, str]] | None:
+    """Return the SPEC path and the command's environment; None when a warm keeper gets EOF."""
     if argv[1:] == ["--wait"]:
         line = sys.stdin.readline()
         if not line:
-            return 0
+            return None
         handoff = json.loads(line)
-        spec_path, env = str(handoff["spec"]), dict(handoff["env"])
-    else:
-        spec_path, env = argv[1], dict(os.environ)
-    with open(spec_path, encoding="utf-8") as handle:
-        spec = json.load(handle)
-    _OFFSET = timedelta(seconds=float(spec.get("clock_offset_s", 0.0)))
-    out = open(spec["out"], "a", encoding="utf-8")  # closed at the end
+        return str(handoff["spec"]), dict(handoff["env"])
+    return argv[1], dict(os.environ)
+
+
+def _start(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    """Start the command (step 2); when it cannot start, write the exit file saying why."""
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             spec["argv"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -107,34 +104,42 @@ def main(argv: list[str]) -> int:
         _write_once(spec["exit"], {"exit_code": None, "timed_out": False, "cancelled": False,
                                    "at": _now(), "lines": 0, "dropped": 0,
                                    "error": f"cannot start {spec['argv'][0]!r}: {exc}"})
-        return 0
-    started = _now()
-    _write_once(spec["started"], {"pid": proc.pid, "at": started, "shim_pid": os.getpid()})
+        return None
+
+
+def _arm_stops(pid: int, timeout_s: float) -> tuple[dict[str, bool], threading.Timer]:
+    """Arm step 5: the timeout's kill and the cancel signals; return the flags they set and
+    the timeout's timer."""
     flags = {"timed_out": False, "cancelled": False}
 
     def on_timeout() -> None:
         flags["timed_out"] = True
-        _kill_group(proc.pid, signal.SIGKILL)
+        _kill_group(pid, signal.SIGKILL)
 
     def on_cancel(signum: int, frame: object) -> None:
         if flags["cancelled"]:
             return
         flags["cancelled"] = True
-        _kill_group(proc.pid, signal.SIGTERM)
-        later = threading.Timer(KILL_AFTER_S, _kill_group, (proc.pid, signal.SIGKILL))
+        _kill_group(pid, signal.SIGTERM)
+        later = threading.Timer(KILL_AFTER_S, _kill_group, (pid, signal.SIGKILL))
         later.daemon = True
         later.start()
 
     signal.signal(signal.SIGTERM, on_cancel)
     signal.signal(signal.SIGINT, on_cancel)
-    timer = threading.Timer(float(spec["timeout_s"]), on_timeout)
+    timer = threading.Timer(timeout_s, on_timeout)
     timer.daemon = True
     timer.start()
-    max_bytes = int(spec.get("max_bytes", 10 << 20))
+    return flags, timer
+
+
+def _copy_output(stream: IO[bytes], out: IO[str],
+                 max_bytes: int) -> tuple[int, int, collections.deque[str]]:
+    """Copy the output lines to out until max_bytes (step 4); return the lines seen, the lines
+    dropped, and the tail kept past max_bytes."""
     written = lines = dropped = 0
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    assert proc.stdout is not None
-    for raw in proc.stdout:
+    for raw in stream:
         lines += 1
         record = json.dumps({"t": _now(), "m": raw.decode("utf-8", "replace").rstrip("\r\n")})
         if written < max_bytes:
@@ -145,13 +150,48 @@ def main(argv: list[str]) -> int:
         if len(tail) == tail.maxlen:
             dropped += 1
         tail.append(record)
-    exit_code = proc.wait()
-    timer.cancel()
+    return lines, dropped, tail
+
+
+def _close_output(out: IO[str], dropped: int, tail: collections.deque[str],
+                  max_bytes: int) -> None:
+    """End out: say how many lines were dropped, then the tail kept."""
     if dropped:
         out.write(json.dumps({"t": _now(), "m": f"[{dropped} output lines dropped: more than "
                                                f"{max_bytes} bytes of output]"}) + "\n")
     out.writelines(record + "\n" for record in tail)
     out.close()
+
+
+def main(argv: list[str]) -> int:
+    """Run the attempt a SPEC describes (the module's steps); return the shim's exit status.
+
+    ``shim.py SPEC``: the command's environment is this process's own. ``shim.py --wait``
+    (a warm keeper, started ahead): wait for one line on stdin, ``{"spec": path, "env":
+    {...}}``, then run it with that environment; end at once on EOF (the node went away
+    before it had a job for this keeper).
+    """
+    global _OFFSET
+    handoff = _handoff(argv)
+    if handoff is None:
+        return 0
+    spec_path, env = handoff
+    with open(spec_path, encoding="utf-8") as handle:
+        spec = json.load(handle)
+    _OFFSET = timedelta(seconds=float(spec.get("clock_offset_s", 0.0)))
+    out = open(spec["out"], "a", encoding="utf-8")  # closed at the end
+    proc = _start(spec, env)
+    if proc is None:
+        return 0
+    started = _now()
+    _write_once(spec["started"], {"pid": proc.pid, "at": started, "shim_pid": os.getpid()})
+    flags, timer = _arm_stops(proc.pid, float(spec["timeout_s"]))
+    max_bytes = int(spec.get("max_bytes", 10 << 20))
+    assert proc.stdout is not None
+    lines, dropped, tail = _copy_output(proc.stdout, out, max_bytes)
+    exit_code = proc.wait()
+    timer.cancel()
+    _close_output(out, dropped, tail, max_bytes)
     _write_once(spec["exit"], {"exit_code": exit_code, "timed_out": flags["timed_out"],
                                "cancelled": flags["cancelled"], "at": _now(), "lines": lines,
                                "dropped": dropped, "started_at": started})

@@ -357,16 +357,24 @@ def fire_times(
         yield _to_utc(instant)
 
 
+def _wall_minute(zone: ZoneTable, now: int) -> tuple[int, int, int] | None:
+    """Return (local day number, minute of that day, UTC offset) at now; None when the offset
+    is not whole minutes (the fast paths of next_instant and last_instant then step aside)."""
+    offset = zone.offset_at(now)
+    if offset % 60 != 0:
+        return None
+    day, second = divmod((now // 60) * 60 + offset, DAY)
+    return day, second // 60, offset
+
+
 def next_instant(compiled: Compiled, zone: ZoneTable, after: float) -> int | None:
     """Return the first fire instant strictly after ``after``, None beyond ``HORIZON``."""
     if compiled.kind == KIND_EVENT:
         return None
     now = math.floor(after)
-    offset = zone.offset_at(now)
-    if offset % 60 == 0:
-        local = (now // 60) * 60 + offset
-        day, second = divmod(local, DAY)
-        minute_now = second // 60
+    wall = _wall_minute(zone, now)
+    if wall is not None:
+        day, minute_now, offset = wall
         by_weekday = compiled.minutes_by_weekday
         for ahead in range(9):
             walls = by_weekday[(day + ahead + 3) % 7]
@@ -385,16 +393,15 @@ def next_instant(compiled: Compiled, zone: ZoneTable, after: float) -> int | Non
     return None
 
 
+# next_instant's fast path run backwards: kept as its mirror, one direction per function.
 def last_instant(compiled: Compiled, zone: ZoneTable, before: float) -> int | None:
     """Return the latest fire instant at or before ``before``, None beyond ``HORIZON``."""
     if compiled.kind == KIND_EVENT:
         return None
     now = math.floor(before)
-    offset = zone.offset_at(now)
-    if offset % 60 == 0:
-        local = (now // 60) * 60 + offset
-        day, second = divmod(local, DAY)
-        minute_now = second // 60
+    wall = _wall_minute(zone, now)
+    if wall is not None:
+        day, minute_now, offset = wall
         by_weekday = compiled.minutes_by_weekday
         for back in range(9):
             walls = by_weekday[(day - back + 3) % 7]
