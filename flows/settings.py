@@ -299,7 +299,8 @@ class AgentSettings(BaseSettings):
         timedelta(minutes=5),
         description="how late a window may be decided after its start and still run (a node "
         "that was stopped); later ones go to the miss policy")
-    # The planner: runs created ahead of their windows (docs/agent.md, "How the node fires, and Prefect records").
+    # The planner: runs created ahead of their windows (docs/agent.md, "How the node
+    # fires, and Prefect records").
     reconcile_interval: Seconds = Field(
         timedelta(minutes=15),
         description="seconds between the node's periodic pulls (a 304 from a controller); a "
