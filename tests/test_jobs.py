@@ -21,6 +21,7 @@ from flows import launcher
 from flows.jobs import Jobs
 from flows.outbox import JobSpec, JobView, Outbox, job_id_for, utc_text
 from sched_core.policies import Peer, overlap_verdict
+from tests.procs import wait_for
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
 
@@ -64,6 +65,17 @@ class Node:
                     return view
             time.sleep(0.02)
         raise AssertionError(f"{name} did not end within {timeout} s")
+
+
+def _wait_started(node: Node, name: str) -> None:
+    """Wait until name's first attempt has started its command (a fixed sleep is not enough
+    on a loaded machine)."""
+    def started() -> bool:
+        return any(folder.view().spec.run_name == name
+                   and folder.attempt_path(1, "started").exists()
+                   for folder in node.outbox.jobs())
+
+    wait_for(f"{name}'s command to start", started, 30)
 
 
 @pytest.fixture
@@ -117,7 +129,7 @@ def test_overlap_buffer_one_waits_and_a_third_is_skipped(node: Node) -> None:
 
 def test_overlap_cancel_other_stops_the_running_command_then_runs(node: Node) -> None:
     node.jobs.accept(_spec("c1", ["sleep", "30"], overlap="cancel-other"))
-    time.sleep(0.3)
+    _wait_started(node, "c1")
     node.jobs.accept(_spec("c2", ["true"], overlap="cancel-other"))
     c1, c2 = node.end("c1", 20), node.end("c2", 20)
     assert c1.end_state == "Cancelled" and "overlap cancel-other" in c1.message
@@ -137,7 +149,7 @@ def test_a_failing_command_is_tried_again_and_a_timeout_kills_its_group(node: No
 
 def test_a_cancel_stops_the_command_and_the_job_ends_cancelled(node: Node) -> None:
     node.jobs.accept(_spec("long", ["sleep", "30"]))
-    time.sleep(0.3)
+    _wait_started(node, "long")
     folder = node.outbox.folder(next(s.job_id for s, _ in node.jobs.active()))
     pid = json.loads(folder.attempt_path(1, "started").read_text())["pid"]
     assert node.jobs.cancel(job_id=folder.job_id, message="stop it")
@@ -151,7 +163,7 @@ def test_a_restart_follows_a_command_that_outlived_the_node_and_reads_its_outcom
     node: Node,
 ) -> None:
     node.jobs.accept(_spec("outlive", ["sh", "-c", "sleep 1; echo done"]))
-    time.sleep(0.3)
+    _wait_started(node, "outlive")
     node.jobs.stop()  # the node process is gone (its keeper lives on)
     jobs = node.restart()
     resumed = jobs.resume()
@@ -171,9 +183,10 @@ def test_a_job_whose_keeper_was_killed_runs_once_more_or_ends_crashed_saying_why
                             ((False, "older than its grace"), "Crashed")):
         node = Node(tmp_path / expected, rerun=rerun)
         node.jobs.accept(_spec("killed", ["sleep", "30"]))
-        time.sleep(0.3)
-        node.jobs.stop()
         folder = next(iter(node.outbox.jobs()))
+        # Its command has started (a loaded machine takes longer than a fixed sleep).
+        wait_for("the command's start", folder.attempt_path(1, "started").exists, 30)
+        node.jobs.stop()
         keeper = folder.view().attempts[0]
         os.kill(keeper.shim_pid or 0, signal.SIGKILL)  # the machine went down, say
         command = json.loads(folder.attempt_path(1, "started").read_text())["pid"]

@@ -34,14 +34,22 @@ def _name() -> str:
     return f"n-{uuid.uuid4().hex[:8]}"
 
 
-def _one_window(node: NodeUnderTest, prefect: Prefect, action: str, sid: str
-                ) -> tuple[dict[str, Any], datetime]:
-    """Start the node, wait for the run of sid's next minute window to end; return it."""
+def _upcoming(prefect: Prefect, node: str) -> list[dict[str, Any]]:
+    return [item for item in prefect.node_runs(node)
+            if item["state"]["type"] == "SCHEDULED" and "trigger:schedule" in item["tags"]]
+
+
+def _one_window(node: NodeUnderTest, prefect: Prefect, action: str, sid: str, *,
+                planned: int = 0) -> tuple[dict[str, Any], datetime]:
+    """Start the node, wait for the run of sid's next minute window to end (and for planned
+    coming windows to be in Prefect, on a loaded machine too); return it."""
     window = (node.clock() + timedelta(seconds=10)).replace(second=0, microsecond=0)
     name = job_run_name(action, sid, window)
     node.start()
     try:
         runs = wait_runs(prefect, node.name, [name], timeout=60)
+        wait_for(f"{planned} planned runs", lambda: len(_upcoming(prefect, node.name)) >= planned,
+                 60)
     finally:
         node.stop()
     return runs[name], window
@@ -52,7 +60,7 @@ def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
 ) -> None:
     offset = offset_to(4)
     node = NodeUnderTest(tmp_path, prefect_server, name=_name(), rows=[row("s-1")], offset=offset)
-    run, window = _one_window(node, prefect, "echo", "s-1")
+    run, window = _one_window(node, prefect, "echo", "s-1", planned=3)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert f"ran on {node.name} from " in run["state"]["message"]
     logs = prefect.logs(run["id"])
@@ -74,8 +82,7 @@ def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
     artifacts = prefect.api.filter_artifacts(
         {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     assert len(artifacts) == 1 and "exit code" in artifacts[0]["data"]
-    upcoming = [item for item in prefect.node_runs(node.name)
-                if item["state"]["type"] == "SCHEDULED" and "trigger:schedule" in item["tags"]]
+    upcoming = _upcoming(prefect, node.name)
     assert len(upcoming) >= 3, "the coming windows are planned as Scheduled runs"
     assert all(item["expected_start_time"] > run["expected_start_time"] for item in upcoming)
 
