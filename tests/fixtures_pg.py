@@ -24,7 +24,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
+from sqlmodel import Session
 
 from controller import db
 
@@ -126,6 +127,23 @@ def database_url(request: pytest.FixtureRequest) -> str:
     if request.param == "postgres":
         return str(request.getfixturevalue("postgres_url"))
     return str(request.getfixturevalue("sqlite_url"))
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """Yield an engine on a fresh migrated database (SQLite, then Postgres)."""
+    made = db.make_engine(database_url, application_name="sched-test-store")
+    try:
+        yield made
+    finally:
+        made.dispose()
+
+
+@pytest.fixture
+def session(engine: Engine) -> Iterator[Session]:
+    """Yield a session on that database."""
+    with Session(engine) as opened:
+        yield opened
 
 
 @pytest.fixture

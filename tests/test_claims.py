@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -24,21 +23,6 @@ from controller.timing import plan_after_give_up, plan_catch_up
 from tests.factories import T0, claimed, complete, complete_all, cron_task, one_shot
 
 US = timedelta(microseconds=1)
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.make_engine(database_url, application_name="sched-test-store")
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
-def session(engine: Engine) -> Iterator[Session]:
-    with Session(engine) as session:
-        yield session
 
 
 def test_earliest_next_run_skips_inactive_tasks_and_honours_holds(session: Session) -> None:

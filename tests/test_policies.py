@@ -29,7 +29,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
-from sched_core.view import NodeView
+from tests.views import guard_view, view_of
 
 NY = ZoneInfo("America/New_York")
 ADELAIDE = ZoneInfo("Australia/Adelaide")
@@ -75,22 +75,6 @@ def plan(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[Any]:
     view = view_of(rows, options)
     return plan_windows(view, **options).windows
 
-
-def view_of(rows: list[LocalSchedule], options: dict[str, Any]) -> NodeView:
-    """Take the node's facts out of options, as the view the planner and guard read."""
-    return NodeView(rows=rows, last_fired=options.pop("last_fired", {}),
-                    first_seen=options.pop("first_seen", {}), tz=options.pop("tz", NY),
-                    node=options.pop("node", ""), grace=options.pop("grace", GRACE))
-
-
-def guard_view(r: LocalSchedule | None, options: dict[str, Any]) -> NodeView:
-    """The view of one row's guard: its last fire and first-seen time, keyed by its id."""
-    sid = options["schedule_id"]
-    fired, seen = options.pop("last_fired", None), options.pop("first_seen", None)
-    return view_of([r] if r else [], {**{k: options.pop(k) for k in ("tz", "node", "grace")
-                                         if k in options},
-                                      "last_fired": {sid: fired} if fired else {},
-                                      "first_seen": {sid: seen} if seen else {}})
 
 
 def windows(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[datetime]:

@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from sqlalchemy import text
-from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from controller import db, schedules
+from controller import schedules
 from tests.factories import schedule_row
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.make_engine(database_url, application_name="sched-test-store")
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
-def session(engine: Engine) -> Iterator[Session]:
-    with Session(engine) as session:
-        yield session
 
 
 def test_put_schedule_versions_from_one_and_ignores_the_sent_version(session: Session) -> None:

@@ -5,32 +5,15 @@ Time is pinned: every call gets ``now`` (T0 = 2026-12-02 12:00 UTC, no DST nearb
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from pydantic import ValidationError
-from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from controller import db, tasks
+from controller import tasks
 from controller.models import TaskIn
 from tests.factories import T0, cron_task, one_shot
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.make_engine(database_url, application_name="sched-test-store")
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-
-
-@pytest.fixture
-def session(engine: Engine) -> Iterator[Session]:
-    with Session(engine) as session:
-        yield session
 
 
 def test_save_task_upserts_by_name_and_computes_next_run(session: Session) -> None:
