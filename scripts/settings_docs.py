@@ -1,6 +1,8 @@
 """The settings tables of the docs, made from the settings models: the models are the source.
 
-``python scripts/settings_docs.py`` rewrites each table in place (run it after changing a
+The flags of ``sched controller serve`` are made the same way from the command itself
+(a row: the flag, its default, its help). ``python scripts/settings_docs.py`` rewrites each
+table in place (run it after changing a
 field); ``--check`` only says which differ (exit 1). tests/test_settings_docs.py fails
 when a table in a doc is not what the model makes.
 
@@ -28,6 +30,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the checkout's p
 
 from controller.settings import ControllerSettings  # noqa: E402
 from flows.settings import AgentSettings  # noqa: E402
+
+FLAG_HEADER = "| flag | default | meaning |"
+FLAG_SEPARATOR = "|---|---|---|"
 
 HEADER = "| setting | env | default | meaning |"
 SEPARATOR = "|---|---|---|---|"
@@ -98,30 +103,59 @@ def rows(model: type[BaseModel]) -> list[str]:
     return made
 
 
-def table_lines(text: str) -> tuple[int, int]:
-    """Return where a doc's settings table is: (first line, line after the last) of text."""
+def flag_rows() -> list[str]:
+    """Return the table of ``sched controller serve``'s flags, from the command itself."""
+    import typer.main
+
+    from controller.cli import app
+
+    command = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    made = [FLAG_HEADER, FLAG_SEPARATOR]
+    for param in command.params:
+        if param.param_type_name != "option" or param.name == "help":
+            continue
+        flag = ", ".join(f"`{name}`" for name in param.opts)
+        if param.is_flag:
+            default = "off" if not param.default else "on"
+        else:
+            default = default_text(param.default)
+        made.append(f"| {flag} | {default} | {param.help} |")
+    return made
+
+
+FLAG_TABLES = {"docs/controller.md": flag_rows}
+"""Each doc with a flags table (its one line ``FLAG_HEADER``), and what makes it."""
+
+
+def table_lines(text: str, header: str = HEADER) -> tuple[int, int]:
+    """Return where a doc's table is: (first line, line after the last) of text."""
     lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.strip() == HEADER]
+    starts = [i for i, line in enumerate(lines) if line.strip() == header]
     if len(starts) != 1:
-        raise ValueError(f"expected one line {HEADER!r}, found {len(starts)}")
+        raise ValueError(f"expected one line {header!r}, found {len(starts)}")
     end = starts[0] + 1
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
     return starts[0], end
 
 
-def documented(text: str) -> list[str]:
-    """Return the settings table of a doc's text, line by line."""
-    start, end = table_lines(text)
+def documented(text: str, header: str = HEADER) -> list[str]:
+    """Return the table of a doc's text that opens with header, line by line."""
+    start, end = table_lines(text, header)
     return text.splitlines()[start:end]
+
+
+def replace_table(text: str, made: list[str]) -> str:
+    """Return text with the table that opens like made replaced by made."""
+    start, end = table_lines(text, made[0])
+    lines = text.splitlines()
+    lines[start:end] = made
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
 
 
 def rewrite(text: str, model: type[BaseModel]) -> str:
     """Return text with its settings table replaced by the one the model makes."""
-    start, end = table_lines(text)
-    lines = text.splitlines()
-    lines[start:end] = rows(model)
-    return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
+    return replace_table(text, rows(model))
 
 
 def first_difference(doc: list[str], made: list[str]) -> str | None:
@@ -152,6 +186,20 @@ def main(argv: list[str]) -> int:
         else:
             path.write_text(new, encoding="utf-8")
             print(f"{doc}: settings table rewritten from {model.__name__}")
+    for doc, make in FLAG_TABLES.items():
+        path = ROOT / doc
+        text = path.read_text(encoding="utf-8")
+        made = make()
+        new = replace_table(text, made)
+        if new == text:
+            continue
+        stale += 1
+        if check:
+            print(f"{doc}: the flags table differs from the command, "
+                  f"{first_difference(documented(text, FLAG_HEADER), made)}")
+        else:
+            path.write_text(new, encoding="utf-8")
+            print(f"{doc}: flags table rewritten from the command")
     return 1 if check and stale else 0
 
 

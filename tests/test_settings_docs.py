@@ -60,3 +60,14 @@ def test_every_field_is_in_the_table_with_its_variable_and_default() -> None:
     made = DOCS.rows(Example)
     assert DOCS.first_difference(made[:3] + made[4:], made) == (
         "line 4 of the table:\n  the doc:   " + made[4] + "\n  the model: " + made[3])
+
+
+@pytest.mark.parametrize("doc", sorted(DOCS.FLAG_TABLES))
+def test_the_flags_table_is_the_one_the_command_makes(doc: str) -> None:
+    documented = DOCS.documented((ROOT / doc).read_text(encoding="utf-8"), DOCS.FLAG_HEADER)
+    made = DOCS.FLAG_TABLES[doc]()
+    difference = DOCS.first_difference(documented, made)
+    assert difference is None, (
+        f"{doc}'s flags table is not `sched controller serve`'s: {difference}\n"
+        f"change the option's help, then run `{DOCS.REGENERATE}` to rewrite the table")
+    assert any(row.startswith("| `--max-connections` | 1000 |") for row in made)
