@@ -112,6 +112,7 @@ class ControllerSettings(BaseSettings):
             raise ValueError(f"{name}={text!r} must be a positive number of seconds")
         return seconds
 
+    # pydantic-settings' hook, in its own signature (the agent's settings have one too).
     @classmethod
     def settings_customise_sources(
         cls,

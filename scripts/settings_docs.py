@@ -170,36 +170,29 @@ def first_difference(doc: list[str], made: list[str]) -> str | None:
     return None
 
 
+def tables() -> list[tuple[str, str, list[str], str]]:
+    """Return each generated table: its doc, its header, the table made, and what made it."""
+    made = [(doc, HEADER, rows(model), model.__name__) for doc, model in TABLES.items()]
+    made += [(doc, FLAG_HEADER, make(), "the command") for doc, make in FLAG_TABLES.items()]
+    return made
+
+
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     stale = 0
-    for doc, model in TABLES.items():
+    for doc, header, made, source in tables():
         path = ROOT / doc
         text = path.read_text(encoding="utf-8")
-        new = rewrite(text, model)
-        if new == text:
-            continue
-        stale += 1
-        if check:
-            print(f"{doc}: the settings table differs from {model.__name__}, "
-                  f"{first_difference(documented(text), rows(model))}")
-        else:
-            path.write_text(new, encoding="utf-8")
-            print(f"{doc}: settings table rewritten from {model.__name__}")
-    for doc, make in FLAG_TABLES.items():
-        path = ROOT / doc
-        text = path.read_text(encoding="utf-8")
-        made = make()
         new = replace_table(text, made)
         if new == text:
             continue
         stale += 1
         if check:
-            print(f"{doc}: the flags table differs from the command, "
-                  f"{first_difference(documented(text, FLAG_HEADER), made)}")
+            print(f"{doc}: a table differs from {source}, "
+                  f"{first_difference(documented(text, header), made)}")
         else:
             path.write_text(new, encoding="utf-8")
-            print(f"{doc}: flags table rewritten from the command")
+            print(f"{doc}: table rewritten from {source}")
     return 1 if check and stale else 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,15 +27,6 @@ from sched_core.errors import ConfigError
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 DEADLINE = 30.0  # seconds; only ever reached when something is broken
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    engine = db.make_engine(database_url, application_name="sched-test-central")
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def _save(engine: Engine, body: dict[str, Any], now: datetime | None = None) -> None:
