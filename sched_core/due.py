@@ -1,4 +1,4 @@
-"""Which windows a tick and a missed-run check fire, over a loaded cache.
+"""Which windows a tick fires, over a loaded cache (the miss check is sched_core.plan.missed).
 
 Pure: no clock reads, no I/O; every function takes ``now`` (an aware UTC
 datetime) and returns values. The :class:`~sched_core.scheduler.Scheduler`
@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from zoneinfo import ZoneInfo
 
 from sched_core.clock import floor_minute
 from sched_core.index import DueIndex
-from sched_core.misses import eligible_after, plan_recovery
-from sched_core.model import Cache, LocalSchedule
-from sched_core.policies import row_zone
+from sched_core.misses import eligible_after
+from sched_core.model import LocalSchedule
 from sched_core.view import NodeView
 
 _MINUTE = timedelta(minutes=1)
@@ -57,37 +55,3 @@ def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueWi
             )
         minute -= _MINUTE
     return sorted(latest.values(), key=lambda due: (due.window, due.schedule.id))
-
-
-@dataclass(frozen=True)
-class MissedWindow:
-    """A missed window the miss policy fires, and how many older ones ``run-all`` drops."""
-
-    schedule: LocalSchedule
-    window: datetime
-    truncated: int
-
-
-def missed_windows(
-    cache: Cache, *, now: datetime, grace: timedelta, tz: ZoneInfo
-) -> list[MissedWindow]:
-    """Return, in cache order, the window each enabled clock schedule's miss policy fires now.
-
-    A row with its own ``timezone`` is read in that zone (tz is the node's).
-    """
-    missed: list[MissedWindow] = []
-    for row in cache.schedules:
-        if not row.enabled or row.schedule.is_event:
-            continue
-        recovery = plan_recovery(
-            row.schedule,
-            row.miss_policy,
-            last_fired=cache.last_fired_at.get(row.id),
-            first_seen=cache.first_seen_at.get(row.id),
-            now=now,
-            grace=grace,
-            tz=row_zone(row, tz),
-        )
-        if recovery is not None:
-            missed.append(MissedWindow(row, recovery.window, recovery.truncated))
-    return missed

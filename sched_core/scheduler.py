@@ -37,11 +37,10 @@ from zoneinfo import ZoneInfo
 from sched_core.cache import validate_rows
 from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
 from sched_core.config import Config, Fire, FireFunc, TickReport
-from sched_core.due import missed_windows
 from sched_core.errors import PullError
 from sched_core.guard import StartDecision, decide_start
 from sched_core.model import Cache, LocalSchedule
-from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, missed
 from sched_core.policies import policy_block
 from sched_core.pull import (
     MAX_PAYLOAD,
@@ -213,25 +212,31 @@ class Scheduler:
         return len(self.missed_run_report(now).fired)
 
     def missed_run_report(self, now: datetime | None = None) -> TickReport:
-        """Run the missed-run check and return what it fired and failed."""
+        """Run the missed-run check and return what it fired and failed.
+
+        The agent's rule (:func:`sched_core.plan.missed`): per row, the latest missed
+        window of its catch-up window is recovered once, policy permitting; ``run-all``
+        reports the older ones it drops (in ``coalesced``).
+        """
         now = now_or_clock(now)
-        truncated: dict[str, int] = {}
         with self._current(now) as cache:
-            missed = missed_windows(cache, now=now, grace=self._config.fire_grace, tz=self._tz)
-            for item in missed:
-                if item.truncated:
-                    truncated[item.schedule.id] = item.truncated
-                    log.warning(
-                        "run-all of %s truncated to the latest missed window: %d dropped",
-                        item.schedule.id, item.truncated,
-                        extra={"schedule_id": item.schedule.id, "truncated": item.truncated},
-                    )
-            held = held_missed(missed, cache, self._tz)
+            view = self._view(cache)
+            recoveries = [item for item in missed(view, planned_through={}, now=now)
+                          if item.recover is not None]
+            truncated = {item.schedule_id: item.truncated for item in recoveries
+                         if item.truncated}
+            for schedule_id, dropped in truncated.items():
+                log.warning("run-all of %s truncated to the latest missed window: %d dropped",
+                            schedule_id, dropped,
+                            extra={"schedule_id": schedule_id, "truncated": dropped})
+            held = held_missed(view, {item.schedule_id for item in recoveries}, now=now)
             for schedule_id, reason in held.items():
                 log.info("not firing %s: %s", schedule_id, reason,
                          extra={"schedule_id": schedule_id, "reason": reason})
+            rows = {row.id: row for row in cache.schedules}
             fired, failed = self._fire_windows(
-                [(item.schedule, item.window) for item in missed if item.schedule.id not in held],
+                [(rows[item.schedule_id], item.recover.window) for item in recoveries
+                 if item.recover is not None],
                 recovery=True,
             )
         return TickReport(fired=fired, failed=failed, coalesced=truncated, held=held)

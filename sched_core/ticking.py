@@ -14,8 +14,9 @@ Rules (one rule for every engine the kit offers: the agent's start guard decides
    row's dates or ``min_interval`` hold its window back with the guard's reason.
    A row without any is the Go kit's and fires as it always did (the guard would
    say "on time"). A late window is the miss check's, never the tick's.
-3. The miss check's windows (:func:`sched_core.due.missed_windows`) are held back by
-   the row's policies at that window (:func:`sched_core.policies.policy_block`).
+3. The miss check is the agent's (:func:`sched_core.plan.missed`: the row's zone, jitter,
+   catch-up window and policies); a row whose latest missed window its policies skip is
+   reported held, with why (:func:`held_missed`).
 4. A fire carries a copy of its row (the callback may change it) and a stable key:
    ``window_key`` of the row and window, so a crash between a fire and its stamp is
    deduplicated downstream.
@@ -25,19 +26,19 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from sched_core.config import Config, Fire
-from sched_core.due import MissedWindow, due_windows
+from sched_core.due import due_windows
 from sched_core.guard import decide_start
 from sched_core.index import DueIndex
 from sched_core.matcher import window_key
 from sched_core.misses import eligible_after
-from sched_core.model import Cache, LocalSchedule
+from sched_core.model import LocalSchedule, MissPolicy
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
-from sched_core.policies import latest_window, policy_block, row_zone
+from sched_core.policies import catchup, latest_window, policy_block, row_zone, window_starts
 from sched_core.view import NodeView
 
 log = logging.getLogger("sched_core.scheduler")
@@ -121,15 +122,32 @@ def decide_due(index: DueIndex, view: NodeView, *,
     return due, held
 
 
-def held_missed(missed: Sequence[MissedWindow], cache: Cache, tz: ZoneInfo) -> dict[str, str]:
-    """Return the missed windows the rows' policies hold back, with why (rule 3)."""
+def held_missed(view: NodeView, recovering: Collection[str], *,
+                now: datetime) -> dict[str, str]:
+    """Return the rows whose latest missed window their policies hold back, with why (rule 3).
+
+    The windows are the miss check's (older than the grace, within the row's catch-up
+    window, eligible); a row the check recovers, or whose miss policy is ``skip``, is
+    not held: it says nothing the recovery or the policy does not.
+    """
     held: dict[str, str] = {}
-    for item in missed:
-        row = item.schedule
-        block = policy_block(row, item.window, tz=row_zone(row, tz),
-                             last_fired=cache.last_fired_at.get(row.id))
+    end = now - view.grace
+    for row in view.rows:
+        if (row.id in recovering or not row.enabled or row.schedule.is_event
+                or row.miss_policy is MissPolicy.SKIP):
+            continue
+        last = view.last_fired.get(row.id)
+        start = now - catchup(row)
+        floor = eligible_after(last, view.first_seen.get(row.id))
+        if floor is not None:
+            start = max(start, floor)
+        windows = [window for window, begins in window_starts(row, start, end, node=view.node,
+                                                             tz=view.tz) if begins < end]
+        if not windows:
+            continue
+        block = policy_block(row, windows[-1], tz=row_zone(row, view.tz), last_fired=last)
         if block is not None:  # the start guard's rule 4, as on the agent
-            held[row.id] = f"missed window {item.window.isoformat()} skipped: {block}"
+            held[row.id] = f"missed window {windows[-1].isoformat()} skipped: {block}"
     return held
 
 
