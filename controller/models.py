@@ -53,11 +53,11 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
-from sched_core.matcher import zone
+from sched_core.matcher import DEFAULT_TZ, zone
 from sched_core.model import Schedule
 from sched_core.values import NAME_MAX_LENGTH, check_text, check_zone_name
 
-DEFAULT_TIMEZONE = "America/New_York"
+DEFAULT_TIMEZONE = DEFAULT_TZ.key
 """The timezone a task's cron or schedule shape is matched in unless it says otherwise."""
 
 TIMEZONE_MAX_LENGTH = 64

@@ -38,7 +38,7 @@ from pydantic_settings import (
 )
 
 from sched_core import ConfigError
-from sched_core.matcher import zone
+from sched_core.matcher import DEFAULT_TZ, zone
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class AgentSettings(BaseSettings):
         description="`cache.json`, `chain.json`, `outbox/`, `history.json`, `decided.json`, "
         "`plan.json`; created if missing, private (below)")
     timezone: str = Field(
-        "America/New_York",
+        DEFAULT_TZ.key,
         description="the zone every schedule is matched in")
     grace: Seconds = Field(
         timedelta(minutes=5),
