@@ -221,7 +221,7 @@ class Scheduler:
         now = now_or_clock(now)
         with self._current(now) as cache:
             view = self._view(cache)
-            recoveries = [item for item in missed(view, planned_through={}, now=now)
+            recoveries = [item for item in missed(view, planned_through={}, now=now, listed=False)
                           if item.recover is not None]
             truncated = {item.schedule_id: item.truncated for item in recoveries
                          if item.truncated}
@@ -233,7 +233,8 @@ class Scheduler:
             for schedule_id, reason in held.items():
                 log.info("not firing %s: %s", schedule_id, reason,
                          extra={"schedule_id": schedule_id, "reason": reason})
-            rows = {row.id: row for row in cache.schedules}
+            wanted = {item.schedule_id for item in recoveries}
+            rows = {row.id: row for row in cache.schedules if row.id in wanted} if wanted else {}
             fired, failed = self._fire_windows(
                 [(rows[item.schedule_id], item.recover.window) for item in recoveries
                  if item.recover is not None],

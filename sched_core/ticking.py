@@ -133,8 +133,8 @@ def held_missed(view: NodeView, recovering: Collection[str], *,
     held: dict[str, str] = {}
     end = now - view.grace
     for row in view.rows:
-        if (row.id in recovering or not row.enabled or row.schedule.is_event
-                or row.miss_policy is MissPolicy.SKIP):
+        if (row.id in recovering or plain(row) or not row.enabled or row.schedule.is_event
+                or row.miss_policy is MissPolicy.SKIP):  # plain: no policy holds it back
             continue
         last = view.last_fired.get(row.id)
         start = now - catchup(row)
