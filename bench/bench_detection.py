@@ -1,4 +1,4 @@
-"""How soon the controller says a node is dead, or a window passed with nothing run (issue 21).
+"""How soon the controller says a node is dead, or a window passed with nothing run.
 
 Real time, real components: a controller (the API served over loopback, on a
 SQLite file) and its fleet watch at its default interval (15 s), sending its

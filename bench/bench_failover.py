@@ -427,7 +427,7 @@ def report(result: ChaosResult) -> str:
         "",
         f"**Against the target** (p99 under 30 s, 0 lost, 0 duplicated): {met}. Before the "
         "fix (a 60 s lease taken over only after `stale_after` = 600 s) the same chaos gave "
-        "p90 603 s and p99 680 s (issue 10). Now a claim's lease is 10 s and renewed every "
+        "p90 603 s and p99 680 s. Now a claim's lease is 10 s and renewed every "
         "~3 s while its dispatch is in flight, and a dispatch record is taken over once "
         "neither its start nor its last renewal is within 10 s, so a killed instance's "
         "claims are dispatched by another about 10 s after its last renewal.",

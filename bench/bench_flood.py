@@ -307,8 +307,8 @@ def report(outcomes: list[Outcome], slow: int, seconds: float, nofile: int) -> s
         "closed and reopened connections (the column of closed ones) that competes for the "
         "two CPUs: hence the slower answers. Plain uvicorn never closes a slow connection: "
         "past its open-file limit every accept fails, nothing is answered (each normal "
-        "request timed out) and asyncio logs each failed accept (the log column: issue 10's "
-        "76 MB). `serve` writes at most one line per kind a minute.",
+        "request timed out) and asyncio logs each failed accept (the log column: "
+        "76 MB once). `serve` writes at most one line per kind a minute.",
         "",
         f"Measured {datetime.now(UTC):%Y-%m-%d} on this machine ({platform.machine()}, "
         f"{os.cpu_count()} CPUs shared with other work), Python {platform.python_version()}; "

@@ -833,7 +833,7 @@ def test_pull_cache_serves_only_the_matching_etag_and_evicts_by_size() -> None:
 
 
 WIRE_ROWS = [
-    # U+2028 (escaped by Go's encoder) in params: a name may not hold it (issue 20).
+    # U+2028 (escaped by Go's encoder) in params: a name may not hold it.
     row("b-params", name="a <b> & c é", params={"z": 1, "a": [True, None, 1.5],
                                               "nested": {"k": "<&>"}, "sep": "a\u2028b"}),
     row("a-interval", storage="", params=None,

@@ -1,4 +1,4 @@
-"""The controller and the row's policy fields (issue 12), over real HTTP on loopback.
+"""The controller and the row's policy fields, over real HTTP on loopback.
 
 A bad policy value is a 422 naming the field (bodies are validated with
 ``LocalSchedule``); a stored row keeps every policy it was given (the

@@ -1,4 +1,4 @@
-"""The fleet API (issue 11) over real HTTP on loopback, on SQLite and on Postgres.
+"""The fleet API over real HTTP on loopback, on SQLite and on Postgres.
 
 Reports, recorded pulls, fleet and node status, upcoming windows with DST
 notes, PATCH (pause with a note, resume), ``_propagation`` in a write's

@@ -1,6 +1,6 @@
 """Property-based: no pull and no cache file makes the kit crash, lose state or diverge.
 
-For every generated pull answer (issue 14's cases as explicit examples, then
+For every generated pull answer (the known hostile cases as explicit examples, then
 hostile values injected at random places of random schedule lists, truncations
 and byte flips):
 

@@ -116,7 +116,7 @@ def test_fast_cache_dump_equals_the_model_dump() -> None:
     assert Cache.model_validate_json(dump_cache(cache)) == cache
 
 
-# -- policy fields (issue 12) -------------------------------------------------------------
+# -- policy fields ----------------------------------------------------------------------
 
 POLICY_ROW = SPEC_ROW[:-1] + (
     ',"timezone":"Asia/Kolkata","overlap":"buffer-one","jitter":600,"catchup_window":3600,'

@@ -1,4 +1,4 @@
-"""The operator's morning over real HTTP (issue 21): job records, liveness, ``GET /api/report``.
+"""The operator's morning over real HTTP: job records, liveness, ``GET /api/report``.
 
 A real controller (``create_app`` served by uvicorn on loopback) on SQLite and on
 Postgres; nodes post their reports with their own tokens as an agent does, and

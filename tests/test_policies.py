@@ -1,4 +1,4 @@
-"""Row policies (issue 12), pure: planner, start guard and missed check, with times passed in.
+"""Row policies, pure: planner, start guard and missed check, with times passed in.
 
 New York, 2026: the spring-forward day 2026-03-08 jumps from 02:00 EST (07:00Z)
 to 03:00 EDT; the fall-back day 2026-11-01 repeats 01:00-01:59 (05:00Z-05:59Z as
