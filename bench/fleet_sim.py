@@ -177,9 +177,10 @@ def fleet_rows(now: datetime) -> list[dict[str, Any]]:
                      "action": "stamp", "schedule": {"days": ["*"], "hours": [str(1 + n % 4)],
                                                      "minute": str((n * 17) % 60)},
                      "jitter": 3600, "miss_policy": "skip", "enabled": True, "version": 1})
+    # The copy at the minute half an hour away: nothing fires while the node is recorded
+    # but the job phase's own row.
     rows.append({"id": "copy", "name": "hourly copy", "repo_id": "repo-copy", "action": "stamp",
-                 "schedule": {"days": ["*"], "hours": ["*"], "minute": "7",
-                              "interval_minutes": 60},
+                 "schedule": {"days": ["*"], "hours": ["*"], "minute": str((now.minute + 30) % 60)},
                  "miss_policy": "skip", "enabled": True, "version": 1})
     for n, name in enumerate(("prune", "check")):
         rows.append({"id": name, "name": name, "repo_id": "repo-0", "action": "stamp",
@@ -330,10 +331,14 @@ def build_templates(found: dict[str, Any]) -> Templates:
     pulls = [i for i, c in enumerate(idle) if c["path"] == "/api/schedules"]
     if not pulls:
         raise SystemExit("the recorded node made no periodic reconcile")
-    # One reconcile: from the call before its pull (the control check's timer) to the report.
-    first = max(pulls[0] - 1, 0)
-    end = pulls[1] - 1 if len(pulls) > 1 else len(idle)
-    reconcile = [_tcall(c) for c in idle[first:end]]
+    # One reconcile: its pull, what follows up to its report to the controller, and any call
+    # of the 3 s before the pull (a timer of the node's that runs beside it).
+    pull = pulls[0]
+    first = pull
+    while first > 0 and idle[pull]["t"] - idle[first - 1]["t"] < 3:
+        first -= 1
+    end = next(i for i in range(pull, len(idle)) if idle[i]["path"].endswith("/report"))
+    reconcile = [_tcall(c) for c in idle[first:end + 1]]
     jobs = [c for c in phase("jobs") if _kept(c)]
     begin = next(i for i, c in enumerate(jobs) if c["path"].endswith("/create_flow_run"))
     stop = next(i for i, c in enumerate(jobs) if i > begin and c["path"].endswith("/report"))
