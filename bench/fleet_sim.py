@@ -1342,17 +1342,20 @@ def main() -> int:
                                "templates": {k: templates.counts(k) for k in
                                              ("start", "restart", "reconcile", "job")},
                                "sizes": {}}
-    try:
-        for size in args.sizes:
-            results["sizes"][str(size)] = asyncio.run(run_size(templates, layout, size, args))
-            print(json.dumps(results["sizes"][str(size)], default=str)[:3000], flush=True)
-    finally:
-        if layout.stop is not None:
-            layout.stop()
+    def save() -> None:
         existing = json.loads(args.out.read_text()) if args.out.exists() else {}
         existing[args.layout] = {**results, "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
                                  "load_at_end": os.getloadavg()}
         args.out.write_text(json.dumps(existing, indent=1, default=str) + "\n")
+
+    try:
+        for size in args.sizes:
+            results["sizes"][str(size)] = asyncio.run(run_size(templates, layout, size, args))
+            print(json.dumps(results["sizes"][str(size)], default=str)[:3000], flush=True)
+            save()  # each size as soon as it is measured
+    finally:
+        if layout.stop is not None:
+            layout.stop()
     if not args.no_write:
         write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
     return 0
