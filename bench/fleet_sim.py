@@ -1262,7 +1262,7 @@ def report(found: dict[str, Any]) -> str:
                 f"{st['http_5xx']} answered 5xx (each asked again); "
                 f"{st.get('full_starts', int(size)):,} made a first start's calls (30 planned "
                 "runs each), the others a restart's. Idle cores by part: "
-                f"{idle_parts}. Wave: {parts}. Pattern check against the real node: "
+                f"{idle_parts}. Wave cores by part: {parts}. Pattern check against the real node: "
                 f"{'passed' if r['check']['ok'] else 'FAILED'} ("
                 + "; ".join(f"{k.split(' ', 1)[1]} real {v['real']:.1f}, sim {v['sim']:.1f}"
                             for k, v in r["check"]["rows"].items()) + " per node-hour).")
@@ -1271,7 +1271,11 @@ def report(found: dict[str, Any]) -> str:
                 samples = ", ".join(f"+{s['t_s']:.0f} s {s['cores']:.2f}" for s in rs["samples"])
                 lines.append(
                     f"- **Fleet-wide restart, {layout}, {int(size):,} nodes**: every node "
-                    f"stopped, back within {rs['back_in_s']:.0f} s (a restart's calls each); "
+                    f"stopped for 20 s, then back, spread over "
+                    f"{item.get('args', {}).get('restart_spread_s', 60):.0f} s with at most "
+                    f"{item.get('args', {}).get('start_concurrency', '?')} starting at once "
+                    f"(the simulator's gate): the last was back {rs['back_in_s']:.0f} s after the first "
+                    "(a restart's calls each); "
                     f"center cores per 30 s after the stop: {samples} (idle "
                     f"{rs['idle_cores']:.3f}); back at idle after "
                     + (f"{rs['idle_again_after_s']:.0f} s" if rs["idle_again_after_s"]
