@@ -464,6 +464,8 @@ class Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.closed = False
+        """The server said ``Connection: close`` (a busy SQLite server's 503 does)."""
 
     async def exchange(self, head: bytes, body: bytes, timeout: float
                        ) -> tuple[int, dict[str, str], bytes]:
@@ -488,9 +490,11 @@ class Conn:
                 if size == 0:
                     break
                 data += chunk[:-2]
+        self.closed = headers.get("connection", "").lower() == "close"
         return status, headers, data
 
     def close(self) -> None:
+        self.closed = True
         self.writer.close()
 
 
@@ -526,14 +530,21 @@ class Side:
         if body is not None:
             headers = {**headers, "Content-Type": "application/json"}
         head = self.head(method, self.prefix + path, headers, raw)
+        extra: Conn | None = None
         for delay in (0.1, 0.3, 1.0, None):
             t0 = time.perf_counter()
+            if conn is not None and conn.closed:  # asked again on a new connection
+                conn = extra = await self.connect()
             status, answer_headers, data = await self._send(head, raw, timeout, conn)
             self.stats.add(key, status, time.perf_counter() - t0)
             if status not in (429, 503) or delay is None:
                 break
             self.stats.busy += 1
+            if conn is not None:  # a busy server may close the connection after its answer
+                conn.close()
             await asyncio.sleep(delay)
+        if extra is not None:
+            extra.close()
         try:
             parsed = json.loads(data) if data else None
         except ValueError:
@@ -598,7 +609,8 @@ class Burst:
 
     async def conn(self, side: str) -> Conn:
         now = time.monotonic()
-        if side in self.conns and now - self.used.get(side, now) > self.KEEP_S:
+        if side in self.conns and (now - self.used.get(side, now) > self.KEEP_S
+                                   or self.conns[side].closed):
             self.conns.pop(side).close()
         if side not in self.conns:
             self.conns[side] = await self.sim.sides[side].connect()
@@ -1203,8 +1215,10 @@ def report(found: dict[str, Any]) -> str:
     """The docs section: one table row per layout and size, the check, the restart."""
     lines = [
         "`.venv/bin/python bench/fleet_sim.py --layout scaled --nodes 100,1000 --restart` (and "
-        "`--layout sqlite`). One run per layout: a real node (`python -m flows.node`) is "
-        "recorded through logging proxies in front of Prefect and the controller (start-up, "
+        "`--layout sqlite`). A real node (`python -m flows.node`) is recorded (by default at "
+        "the start of each run; the figures below replay one recording made minutes before "
+        "them by the same code, `--recording`) through logging proxies in front of Prefect "
+        "and the controller (start-up, "
         "idle reconciles, a restart, a schedule change, jobs), its calls are cut into templates "
         "(start, restart, one reconcile, one job's record, the plan's bulk entry, the long "
         "poll), and N simulated nodes in one asyncio process replay them with their own names, "
@@ -1285,7 +1299,8 @@ def report(found: dict[str, Any]) -> str:
                     f"{rs['completed_in_prefect']} of {rs['jobs']}.")
             elif rs:
                 lines.append(f"- Fleet-wide restart, {layout}, {size}: {rs}")
-    lines += ["", f"Machine: {machine()}.", ""]
+    lines += ["", f"Machine: {machine().split(', load average')[0]} (each run's load average "
+              "in the table: 1-minute figure before its idle minutes and after its wave).", ""]
     if FINDINGS.exists():
         lines.append(FINDINGS.read_text().strip())
     return "\n".join(lines)
