@@ -5,7 +5,8 @@ node pulls from a controller, else one websocket on Prefect's event stream; a no
 that pulls a file also watches it (a change is pulled within :data:`FILE_WATCH_S`).
 A wake asks Prefect once for the node's ad hoc runs and cancels
 (:meth:`flows.control.Control.check`); a check that finds Prefect away is tried
-again after :data:`CONTROL_RETRY_S`, and one runs every ``reconcile_interval`` anyway.
+again after :data:`CONTROL_RETRY_S`; the periodic check is the reconcile's (one per
+``reconcile_interval``, :mod:`flows.reconcile`), not a timer of this thread's.
 """
 
 from __future__ import annotations
@@ -102,14 +103,15 @@ class NodeChannel:
         self._control_wake.set()
 
     def _control_main(self) -> None:
-        interval = self.n.settings.reconcile_interval.total_seconds()
-        wait = interval
+        # Only wakes (and retries): every reconcile checks too (Reconciler.reconcile), so a
+        # timer here would ask Prefect the same question twice per reconcile_interval.
+        wait: float | None = None
         while not self._stopping.is_set():
             self._control_wake.wait(wait)
             self._control_wake.clear()
             if self._stopping.is_set():
                 return
-            wait = interval
+            wait = None
             try:
                 self.n.control.check()
             except PrefectUnavailable as exc:
