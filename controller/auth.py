@@ -3,7 +3,7 @@
 Rule: a token is never logged, never put in an error message, and never
 compared with ``==``. Each presented token is hashed (SHA-256) and its digest
 looked up in a table of the configured tokens' digests: one lookup, whatever
-the number of tokens (10,000 nodes' tokens compared one by one cost ~0.4 ms of
+the number of tokens (10,000 nodes' tokens compared one by one cost 0.4-0.6 ms of
 CPU per request, twice for a pull). The lookup's time can depend only on the
 presented token's *digest* (how much of it matched a stored one), which tells
 an attacker nothing without a SHA-256 preimage; which principal the token
