@@ -1,9 +1,13 @@
 """Bearer tokens: who is calling, and what they may touch.
 
 Rule: a token is never logged, never put in an error message, and never
-compared with ``==``. Each presented token is hashed and compared with
-:func:`hmac.compare_digest` against *every* configured token, so the time an
-answer takes reveals neither the token nor which principal it belongs to.
+compared with ``==``. Each presented token is hashed (SHA-256) and its digest
+looked up in a table of the configured tokens' digests: one lookup, whatever
+the number of tokens (10,000 nodes' tokens compared one by one cost 0.4-0.6 ms of
+CPU per request, twice for a pull). The lookup's time can depend only on the
+presented token's *digest* (how much of it matched a stored one), which tells
+an attacker nothing without a SHA-256 preimage; which principal the token
+belongs to does not change it.
 
 Two kinds of principal:
 
@@ -119,6 +123,7 @@ class Tokens:
             for token in node_tokens:
                 add(token, Principal(node=node.strip()))
         self._entries = list(entries.items())
+        self._index = entries
         self.insecure = insecure
         self.short = short
         """Each principal with a token shorter than MIN_TOKEN_LENGTH, and its shortest length."""
@@ -134,9 +139,10 @@ class Tokens:
     def replace_with(self, other: Tokens) -> None:
         """Take other's tokens in place of these, at once (a reload).
 
-        One attribute is rebound, so a request being authenticated meanwhile
-        sees either the old list or the new one, never a mix.
+        Each reader reads one attribute, which is rebound whole, so a request being
+        authenticated meanwhile sees either the old tokens or the new ones, never a mix.
         """
+        self._index = other._index
         self._entries = other._entries
 
     @property
@@ -158,14 +164,9 @@ class Tokens:
             return ADMIN
         if not token:
             return None
-        presented = _digest(token)
-        found: Principal | None = None
-        # No early exit: every configured digest is compared, whatever matches.
-        # self._entries is read once: a reload rebinds it, never changes it.
-        for digest, principal in self._entries:
-            if hmac.compare_digest(presented, digest):
-                found = principal
-        return found
+        # One lookup by the token's SHA-256 digest (the module's rule): self._index is
+        # read once, and a reload rebinds it, never changes it.
+        return self._index.get(_digest(token))
 
     def signer(self, message: bytes, signature: bytes) -> Principal | None:
         """Return the principal whose token signed message, or None (see :func:`sign`).

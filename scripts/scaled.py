@@ -63,6 +63,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "SCALED_PG_MAX_CONNECTIONS": ("", "Postgres max_connections (default: computed)"),
     "SCALED_REDIS_MAXMEMORY": ("512mb", "Redis maxmemory (noeviction past it)"),
     "SCALED_LB_MAXCONN": ("10000", "HAProxy maxconn per frontend"),
+    "SCALED_CONTROLLER_MAX_CONNECTIONS": (
+        "1000", "each controller's --max-connections (a node's long poll holds one)"),
 }
 # Port offsets from SCALED_PORT_BASE, and the variable that sets each port alone.
 PORTS: dict[str, tuple[int, str]] = {
@@ -288,6 +290,8 @@ def config_from_env(env: dict[str, str]) -> dict[str, Any]:
         "pool_size": pool, "max_overflow": overflow, "pg_max_connections": max_conn,
         "redis_maxmemory": values["SCALED_REDIS_MAXMEMORY"],
         "lb_maxconn": _int("SCALED_LB_MAXCONN", values["SCALED_LB_MAXCONN"], 100),
+        "controller_max_connections": _int("SCALED_CONTROLLER_MAX_CONNECTIONS",
+                                           values["SCALED_CONTROLLER_MAX_CONNECTIONS"], 1),
         "ports": ports,
     }
 
@@ -782,8 +786,10 @@ def parts(layout: Layout) -> tuple[list[Part], list[Part]]:
     controller_parts = []
     for name, port in zip(layout.controller_names(), layout.ports["controller"], strict=True):
         def start_controller(name: str = name, port: int = port) -> dict[str, int]:
+            # A layout made before the setting existed has no value: the controller's default.
+            ceiling = layout.config.get("controller_max_connections", 1000)
             return spawn([str(BIN / "sched"), "controller", "serve", "--host", "127.0.0.1",
-                          "--port", str(port)],
+                          "--port", str(port), "--max-connections", str(ceiling)],
                          controller_env(layout), layout.log(name), layout.dir / "controller")
         controller_parts.append(Part(
             name, start_controller, partial(http_ok, f"http://127.0.0.1:{port}/healthz"),

@@ -26,6 +26,31 @@ def test_tokens_authenticate_each_principal() -> None:
     assert Tokens(insecure=True).authenticate(None) == Principal(node=None)
 
 
+def test_a_token_is_found_in_one_lookup_whatever_the_number_of_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 10,000 nodes' tokens compared one by one cost ~0.4 ms of CPU per request (twice
+    # per pull): the presented token is hashed once and its digest looked up instead.
+    import controller.auth as auth
+
+    tokens = Tokens(admin=["adm-0123456789abcdef"],
+                    nodes={f"n{i:05d}": [f"tok-{i:05d}-0123456789"] for i in range(10_000)})
+    hashed: list[str] = []
+    real_digest = auth._digest
+    monkeypatch.setattr(auth, "_digest", lambda token: hashed.append(token) or real_digest(token))
+    monkeypatch.setattr(auth.hmac, "compare_digest",
+                        lambda *_: pytest.fail("no token is compared one by one"))
+    assert tokens.authenticate("tok-09999-0123456789") == Principal(node="n09999")
+    assert tokens.authenticate("adm-0123456789abcdef") == Principal(node=None)
+    assert tokens.authenticate("tok-10000-0123456789") is None
+    assert hashed == ["tok-09999-0123456789", "adm-0123456789abcdef", "tok-10000-0123456789"]
+    # A reload puts the new table in force at once: a removed token is refused.
+    tokens.replace_with(Tokens(admin=["adm-0123456789abcdef"]))
+    assert tokens.authenticate("tok-09999-0123456789") is None
+    assert tokens.authenticate("adm-0123456789abcdef") == Principal(node=None)
+    assert tokens.nodes == []
+
+
 def test_one_token_for_two_principals_is_refused_without_echoing_it() -> None:
     with pytest.raises(ConfigError) as info:
         Tokens(admin=["shared-secret"], nodes={"node-a": ["shared-secret"]})
