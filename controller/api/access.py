@@ -24,7 +24,14 @@ class Auth:
         self.tokens = tokens
 
     def authenticate(self, request: Request) -> Principal:
-        """Return the caller's principal; 401 when the token is missing or unknown."""
+        """Return the caller's principal; 401 when the token is missing or unknown.
+
+        Once per request: a route's dependency and its handler's own check (a pull's
+        node check) share the principal found first.
+        """
+        known: Principal | None = getattr(request.state, "principal", None)
+        if known is not None:
+            return known
         token = bearer_token(request.headers.get("authorization"))
         principal = self.tokens.authenticate(token)
         if principal is None:
