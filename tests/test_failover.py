@@ -10,12 +10,12 @@ idempotency key), and nothing may be lost. The harness is
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.scripts import load_script
 
 pytestmark = [pytest.mark.postgres, pytest.mark.prefect]
 
@@ -23,14 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_failover", ROOT / "bench" / "bench_failover.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/bench_failover.py", "bench_failover")
 
 
 def test_killed_instances_lose_and_double_nothing_in_prefect(

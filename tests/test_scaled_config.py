@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "scaled.py"
+from tests.scripts import load_script
 
-
-def _load_scaled() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scaled_layout_config", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-scaled = _load_scaled()
+scaled = load_script("scripts/scaled.py", "scaled_layout")
 
 
 def test_the_controllers_connection_ceiling_is_a_setting() -> None:

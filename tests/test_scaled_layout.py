@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -43,11 +42,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.scripts import load_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.prefect]
 
@@ -57,16 +57,7 @@ STATES = ["PENDING", "RUNNING", "COMPLETED"]
 DEADLINE_S = 180.0  # generous: the machine may be loaded; nothing asserts on a duration
 
 
-def _load_scaled() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scaled_layout", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-scaled = _load_scaled()
+scaled = load_script("scripts/scaled.py", "scaled_layout")
 
 
 def _free_ports(count: int) -> list[int]:

@@ -7,26 +7,17 @@ meaning fails here until the doc is made again: ``python scripts/settings_docs.p
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "settings_docs", ROOT / "scripts" / "settings_docs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DOCS = _generator()
+DOCS = load_script("scripts/settings_docs.py", "settings_docs")
 
 
 @pytest.mark.parametrize("doc", sorted(DOCS.TABLES))
