@@ -156,6 +156,16 @@ def _free_port() -> int:
         return port
 
 
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a server process, wait up to 30 s, then SIGKILL it (one process, no group)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextmanager
 def serve(url: str, *flags: str) -> Iterator[str]:
     """Run ``serve --api-only`` as a subprocess (its own GIL) and yield its base URL."""
@@ -183,12 +193,7 @@ def serve(url: str, *flags: str) -> Iterator[str]:
                 time.sleep(0.05)  # polling for the server to come up
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         if proc.stderr is not None:
             proc.stderr.close()
 

@@ -93,7 +93,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_controller_api import make_row, temporary_postgres  # noqa: E402
+from bench_controller_api import make_row, stop_server, temporary_postgres  # noqa: E402
 from prefect_bench import write_section  # noqa: E402
 
 CEILING = ("<!-- fleet-ceiling:begin -->", "<!-- fleet-ceiling:end -->")
@@ -257,12 +257,7 @@ def serve(tree: Path, url: str, tokens_file: Path, *flags: str) -> Iterator[tupl
         time.sleep(1.0)
         yield port, proc.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
 
 
