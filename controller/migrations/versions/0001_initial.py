@@ -1,13 +1,9 @@
 """Agent schedules, node revisions, scheduled tasks and their dispatch records.
 
-Revision ID: 0001
-Revises:
-Create Date: 2026-12-02
+Revision 0001, 2026-12-02.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -16,8 +12,6 @@ from controller.models import UtcDateTime
 
 revision: str = "0001"
 down_revision: str | None = None
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

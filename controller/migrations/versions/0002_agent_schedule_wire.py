@@ -6,14 +6,10 @@ Every row is validated before the column is added: a row that no longer
 validates stops the upgrade with its node and id named and nothing changed, so
 the same upgrade succeeds once that row is fixed.
 
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-12-02
+Revision 0002 after 0001, 2026-12-02.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -23,8 +19,6 @@ from sched_core.model import LocalSchedule
 
 revision: str = "0002"
 down_revision: str | None = "0001"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 _WIRE_FIELDS = (
     "id", "name", "repo_id", "action", "storage", "schedule", "miss_policy", "enabled",

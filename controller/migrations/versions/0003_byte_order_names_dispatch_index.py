@@ -11,21 +11,15 @@
 
 Downgrade drops the index and gives the columns the database's default collation.
 
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-12-02
+Revision 0003 after 0002, 2026-12-02.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from alembic import op
 
 revision: str = "0003"
 down_revision: str | None = "0002"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 NAME_COLUMNS = (
     ("agent_schedule", "node"),

@@ -10,14 +10,10 @@
 
 Downgrade drops both columns.
 
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-12-03
+Revision 0004 after 0003, 2026-12-03.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -26,8 +22,6 @@ from controller.models import UtcDateTime
 
 revision: str = "0004"
 down_revision: str | None = "0003"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -11,14 +11,10 @@ Downgrade drops the column, and first rewrites the wire JSON of each row that
 has policies to the row without them: what revision 0004's code serves and
 stores for it. That code cannot keep policies, so a downgrade loses them.
 
-Revision ID: 0005
-Revises: 0004
-Create Date: 2026-12-03
+Revision 0005 after 0004, 2026-12-03.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -28,9 +24,9 @@ from sched_core.values import STORED_BEFORE_RULES
 
 revision: str = "0005"
 down_revision: str | None = "0004"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
+# The fields and the frozen view below repeat 0002's on purpose (a pair `duplicates` lists):
+# a revision never imports another's code, which a later edit could change.
 _GO_FIELDS = (
     "id", "name", "repo_id", "action", "storage", "schedule", "miss_policy", "enabled",
     "params", "version",

@@ -9,14 +9,10 @@
 
 Downgrade drops the three tables.
 
-Revision ID: 0006
-Revises: 0005
-Create Date: 2026-12-03
+Revision 0006 after 0005, 2026-12-03.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -25,8 +21,6 @@ from controller.models import NAME_TYPE, UtcDateTime
 
 revision: str = "0006"
 down_revision: str | None = "0005"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -6,14 +6,10 @@
 
 Downgrade drops the table (logged-out cookies then work again until they expire).
 
-Revision ID: 0007
-Revises: 0006
-Create Date: 2026-12-04
+Revision 0007 after 0006, 2026-12-04.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -22,8 +18,6 @@ from controller.models import UtcDateTime
 
 revision: str = "0007"
 down_revision: str | None = "0006"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:

@@ -11,14 +11,10 @@
 
 Downgrade drops the four tables.
 
-Revision ID: 0008
-Revises: 0007
-Create Date: 2026-12-04
+Revision 0008 after 0007, 2026-12-04.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
@@ -27,8 +23,6 @@ from controller.models import KEY_TYPE, NAME_TYPE, UtcDateTime
 
 revision: str = "0008"
 down_revision: str | None = "0007"
-branch_labels: str | Sequence[str] | None = None
-depends_on: str | Sequence[str] | None = None
 
 # A frozen view of the rows as this revision knows them (never the live model).
 _rows = sa.table(
