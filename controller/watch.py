@@ -54,7 +54,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -292,6 +292,7 @@ def prefect_event(alert: Mapping[str, Any], *, occurred: datetime) -> dict[str, 
     return data
 
 
+@dataclass(eq=False)
 class FleetWatch:
     """Raise the fleet's alerts every ``interval`` seconds in a thread (see the module).
 
@@ -299,24 +300,20 @@ class FleetWatch:
     fleet's now (the API's). :meth:`check` runs one pass in the calling thread.
     """
 
-    def __init__(
-        self, engine: Engine, settings: FleetSettings, *, emit: Emitter | None,
-        interval: float = DEFAULT_INTERVAL, clock: Callable[[], datetime] = utc_now,
-        lookback: timedelta = LOOKBACK,
-    ) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.emit = emit
-        self.interval = interval
-        self.clock = clock
-        self.lookback = lookback
-        self.raised = 0
-        """Alerts this instance inserted (won step 1)."""
-        self.sent = 0
-        """Alerts this instance sent (won step 2 and sent)."""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._last: datetime | None = None
+    engine: Engine
+    settings: FleetSettings
+    _: KW_ONLY
+    emit: Emitter | None
+    interval: float = DEFAULT_INTERVAL
+    clock: Callable[[], datetime] = utc_now
+    lookback: timedelta = LOOKBACK
+    raised: int = field(default=0, init=False)
+    """Alerts this instance inserted (won step 1)."""
+    sent: int = field(default=0, init=False)
+    """Alerts this instance sent (won step 2 and sent)."""
+    _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _last: datetime | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------ one pass
 

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,8 +40,9 @@ import httpx
 
 from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
 from flows.registration import RECONCILE, RUN_JOB, Deployments
-from sched_core.reconnect import Reconnecting
+from sched_core.reconnect import Follower, Reconnecting
 from sched_core.values import format_go_time
+from sched_core.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -52,31 +54,21 @@ TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-
 """Tags of the runs the node itself made: their events never wake it."""
 
 
+@dataclass(eq=False)
 class Control:
     """Carry ad hoc runs, on-demand reconciles and cancels from Prefect to the node (1-3)."""
 
-    def __init__(
-        self,
-        api: PrefectApi,
-        deployments: Deployments,
-        *,
-        node: str,
-        clock: Callable[[], datetime],
-        run_job: Callable[[dict[str, Any]], None],
-        reconcile: Callable[[str], None],
-        cancel: Callable[[str, str], bool],
-        claimed: Callable[[str], bool],
-    ) -> None:
-        self.api = api
-        self.deployments = deployments
-        self.node = node
-        self._clock = clock
-        self._run_job = run_job
-        self._reconcile = reconcile
-        self._cancel = cancel
-        self._claimed = claimed
-        self._lock = threading.Lock()
-        self.checks = 0
+    api: PrefectApi
+    deployments: Deployments
+    _: KW_ONLY
+    node: str
+    clock: Callable[[], datetime]
+    run_job: Callable[[dict[str, Any]], None]
+    reconcile: Callable[[str], None]
+    cancel: Callable[[str, str], bool]
+    claimed: Callable[[str], bool]
+    checks: int = field(default=0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def check(self) -> int:
         """Ask Prefect once for the node's due and cancelling runs, and act on each; return count.
@@ -87,7 +79,7 @@ class Control:
             self.checks += 1
             ids = self.deployments.get()
             by_id = {value: key for key, value in ids.items()}
-            now = self._clock()
+            now = self.clock()
             runs = self.api.filter_runs({
                 "flow_runs": {
                     "deployment_id": {"any_": list(ids.values())},
@@ -101,12 +93,12 @@ class Control:
                 kind = (run.get("state") or {}).get("type")
                 if kind == "CANCELLING":
                     acted += self._cancelling(run)
-                elif self._ours(run) or self._claimed(str(run["id"])):
+                elif self._ours(run) or self.claimed(str(run["id"])):
                     continue  # a run the node made (its plan, its records) or took already
                 elif flow == RECONCILE:
-                    acted += self._take(run, lambda item: self._reconcile(str(item["id"])))
+                    acted += self._take(run, lambda item: self.reconcile(str(item["id"])))
                 elif flow == RUN_JOB:
-                    acted += self._take(run, self._run_job)
+                    acted += self._take(run, self.run_job)
             return acted
 
     def _ours(self, run: dict[str, Any]) -> bool:
@@ -116,7 +108,7 @@ class Control:
     def _take(self, run: dict[str, Any], act: Callable[[dict[str, Any]], None]) -> int:
         """Claim a Scheduled run for this node (Pending), then act on it."""
         status = self.api.set_state(str(run["id"]), state_body(
-            "PENDING", message=f"taken by node {self.node} at {format_go_time(self._clock())}"),
+            "PENDING", message=f"taken by node {self.node} at {format_go_time(self.clock())}"),
             force=False)
         if status != "ACCEPT":
             return 0  # someone else moved it meanwhile (an operator's cancel)
@@ -128,7 +120,7 @@ class Control:
     def _cancelling(self, run: dict[str, Any]) -> int:
         run_id = str(run["id"])
         message = (run.get("state") or {}).get("message") or "cancelled from Prefect"
-        if self._cancel(run_id, f"cancelled from Prefect: {message}"):
+        if self.cancel(run_id, f"cancelled from Prefect: {message}"):
             return 1
         try:  # no job of this node runs it: end it so it does not stay Cancelling
             self.api.set_state(run_id, state_body(
@@ -161,8 +153,7 @@ class ControllerWait:
         self._on_prefect = on_prefect
         self._on_unsupported = on_unsupported
         self._verify = verify
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("controller-wait", self._main)
         self.supported = True
         self._told = False
         self.relay = False
@@ -172,22 +163,19 @@ class ControllerWait:
 
     def start(self) -> ControllerWait:
         """Start the thread (once); return self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="controller-wait",
-                                            daemon=True)
-            self._thread.start()
+        self._worker.start()
         return self
 
     def stop(self) -> None:
         """Stop polling (an open poll ends at its timeout; the thread is a daemon)."""
-        self._stop.set()
+        self._worker.stop(None)
 
     def _main(self) -> None:
         seen = ""
         backoff = BACKOFF_MIN_S
         wait_s = self.heartbeat.total_seconds()
         with httpx.Client(timeout=wait_s + 15, verify=self._verify) as client:
-            while not self._stop.is_set():
+            while not self._worker.stopping.is_set():
                 token = self._token()
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
                 params = {"etag": self._etag() or "", "seen": seen, "timeout": f"{wait_s:g}"}
@@ -196,7 +184,7 @@ class ControllerWait:
                 except httpx.HTTPError as exc:
                     self.connected.clear()
                     log.debug("controller wait failed: %r", exc)
-                    self._stop.wait(backoff)
+                    self._worker.stopping.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
                     continue
                 if response.status_code in (404, 405):
@@ -211,7 +199,7 @@ class ControllerWait:
                     self.connected.clear()
                     log.warning("the controller refused the wait (%d): %s",
                                 response.status_code, response.text[:300])
-                    self._stop.wait(backoff)
+                    self._worker.stopping.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
                     continue
                 self.connected.set()
@@ -233,7 +221,7 @@ class ControllerWait:
                     seen = prefect
 
 
-class PrefectStream:
+class PrefectStream(Follower):
     """One websocket on Prefect's event stream, filtered to the node (the module's second way)."""
 
     def __init__(self, *, node: str, api_url: str, deployment_ids: Callable[[], list[str]],
@@ -246,15 +234,6 @@ class PrefectStream:
         self._thread = Reconnecting("prefect-stream", self._connect, self._lost)
         self.connected = threading.Event()
         self.events = 0
-
-    def start(self) -> PrefectStream:
-        """Start following (once); return self."""
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop following (the stream is closed)."""
-        self._thread.stop(timeout)
 
     def _lost(self, exc: BaseException, wait_s: float) -> None:
         self.connected.clear()

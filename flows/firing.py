@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class Decided:
             write_atomic(self.path, json.dumps(body, separators=(",", ":")).encode())
 
 
+@dataclass(eq=False, kw_only=True)
 class FiringLoop:
     """The loop of the module (steps 1-4); what it does with a window is the node's.
 
@@ -92,26 +94,15 @@ class FiringLoop:
     run; ``on_missed(items)`` reports windows the miss policy does not run.
     """
 
-    def __init__(
-        self,
-        *,
-        view: Callable[[datetime], NodeView],
-        decided: Decided,
-        clock: Callable[[], datetime],
-        guard: Callable[[str, datetime, datetime, bool], StartDecision],
-        fire: Callable[[Due, StartDecision, bool], None],
-        skip: Callable[[Due, datetime, str], None],
-        on_missed: Callable[[list[Missed], NodeView], None],
-    ) -> None:
-        self._view = view
-        self.decided = decided
-        self._clock = clock
-        self._guard = guard
-        self._fire = fire
-        self._skip = skip
-        self._on_missed = on_missed
-        self._wake = threading.Event()
-        self.turns = 0
+    view: Callable[[datetime], NodeView]
+    decided: Decided
+    clock: Callable[[], datetime]
+    guard: Callable[[str, datetime, datetime, bool], StartDecision]
+    fire: Callable[[Due, StartDecision, bool], None]
+    skip: Callable[[Due, datetime, str], None]
+    on_missed: Callable[[list[Missed], NodeView], None]
+    turns: int = field(default=0, init=False)
+    _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def wake(self) -> None:
         """Look again now (the schedules changed)."""
@@ -119,28 +110,28 @@ class FiringLoop:
 
     def turn(self, now: datetime) -> datetime | None:
         """Decide everything due at now (steps 1-3); return the next start (or None)."""
-        view = self._view(now)
+        view = self.view(now)
         decided = self.decided.values()
         items = missed(view, planned_through=decided, now=now)
         for item in items:
             self.decided.note(item.schedule_id, item.latest or item.windows[-1])
         recoveries = [item for item in items if item.recover is not None]
         if items:
-            self._on_missed(items, view)
+            self.on_missed(items, view)
         rows = {row.id: row for row in view.rows}
         for item in recoveries:
             assert item.recover is not None
             row = rows[item.schedule_id]
             window = item.recover.window
-            decision = self._guard(row.id, window, now, True)
+            decision = self.guard(row.id, window, now, True)
             due = Due(row=row, window=window, start=item.recover.start)
             self._act(due, decision, recovery=True)
         for due in due_now(view, now=now, decided=self.decided.values()):
             for older in due.coalesced:
-                self._skip(due, older, f"coalesced into {format_go_time(due.window)}: the node "
+                self.skip(due, older, f"coalesced into {format_go_time(due.window)}: the node "
                                        "was not running at its start; only the latest due "
                                        "window of a schedule runs")
-            decision = self._guard(due.row.id, due.window, now, False)
+            decision = self.guard(due.row.id, due.window, now, False)
             self._act(due, decision, recovery=False)
             self.decided.note(due.row.id, due.window)
         self.decided.save({row.id for row in view.rows})
@@ -149,16 +140,16 @@ class FiringLoop:
 
     def _act(self, due: Due, decision: StartDecision, *, recovery: bool) -> None:
         if decision.runs:
-            self._fire(due, decision, recovery)
+            self.fire(due, decision, recovery)
         else:
-            self._skip(due, due.window, decision.reason)
+            self.skip(due, due.window, decision.reason)
 
     def run(self, stop: threading.Event) -> None:
         """Turn until stop is set (step 4); whoever sets stop calls :meth:`wake` too."""
         while not stop.is_set():
             self._wake.clear()
             try:
-                upcoming = self.turn(self._clock())
+                upcoming = self.turn(self.clock())
             except Exception:  # a bug must not stop the node's firing: look again soon
                 log.exception("the firing loop failed a turn; trying again in 5 s")
                 stop.wait(5.0)
@@ -167,7 +158,7 @@ class FiringLoop:
 
     def _sleep_until(self, upcoming: datetime | None, stop: threading.Event) -> None:
         while not stop.is_set() and not self._wake.is_set():
-            now = self._clock()
+            now = self.clock()
             if upcoming is not None and now >= upcoming:
                 return
             left = MAX_SLEEP_S if upcoming is None else (upcoming - now).total_seconds()

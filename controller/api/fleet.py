@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -111,25 +112,17 @@ def is_node_name(node: str) -> bool:
     return True
 
 
+@dataclass(eq=False)
 class FleetApi:
     """The fleet's state the routes share: settings, events, the pull recorder, the clock."""
 
-    def __init__(
-        self,
-        in_session: InSession,
-        *,
-        settings: FleetSettings,
-        events: ScheduleEvents,
-        recorder: nodes.PullRecorder | None,
-        clock: Callable[[], datetime],
-        waits: NodeWaits | None = None,
-    ) -> None:
-        self.in_session = in_session
-        self.settings = settings
-        self.events = events
-        self.recorder = recorder
-        self.clock = clock
-        self.waits = waits
+    in_session: InSession
+    _: KW_ONLY
+    settings: FleetSettings
+    events: ScheduleEvents
+    recorder: nodes.PullRecorder | None
+    clock: Callable[[], datetime]
+    waits: NodeWaits | None = None
 
     def record_pull(self, node: str, status: int, etag: str, *, own: bool = True) -> None:
         """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
