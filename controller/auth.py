@@ -45,10 +45,10 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from controller.settings import ControllerSettings
 from sched_core.errors import ConfigError
+from sched_core.worker import Running
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip() or None
 
 
-class TokensReloader:
+class TokensReloader(Running):
     """Reload the tokens file into the live :class:`Tokens` when it changes, or on request.
 
     Rule: one mechanism for both. A thread wakes every ``interval`` seconds
@@ -413,13 +413,3 @@ class TokensReloader:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def __enter__(self) -> TokensReloader:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

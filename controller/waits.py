@@ -31,7 +31,7 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from sched_core.reconnect import Reconnecting
+from sched_core.reconnect import Follower, Reconnecting
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def node_of(event: Any) -> tuple[str, str] | None:
     return str(deployment), "prefect"
 
 
-class PrefectRelay:
+class PrefectRelay(Follower):
     """Follow Prefect's event stream for the whole fleet and poke the nodes' waits (rule 2)."""
 
     def __init__(self, waits: NodeWaits, api_url: str) -> None:
@@ -144,15 +144,6 @@ class PrefectRelay:
         self.api_url = api_url
         self._thread = Reconnecting("prefect-relay", self._follow, self._lost)
         self.events = 0
-
-    def start(self) -> PrefectRelay:
-        """Start following (once); return self."""
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop following (the stream is closed)."""
-        self._thread.stop(timeout)
 
     def _lost(self, exc: BaseException, wait_s: float) -> None:
         self.waits.relay = False

@@ -40,6 +40,7 @@ from flows.settings import AgentSettings
 from sched_core.model import Cache
 from sched_core.plan import upcoming
 from sched_core.values import format_go_time
+from sched_core.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,7 @@ class Reporter:
         self.heartbeat = heartbeat
         self._done = done
         self._covered = covered
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("reporter", self._main)
         self._sending = threading.Lock()  # one report at a time (the thread, the last one)
         self._seq_path = settings.state_dir / "report-seq"
         self.sent = 0
@@ -186,31 +185,27 @@ class Reporter:
 
     def start(self) -> Reporter:
         """Start the thread (once) when there is a controller; return self."""
-        if self.enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="reporter", daemon=True)
-            self._thread.start()
+        if self.enabled:
+            self._worker.start()
         return self
 
     def poke(self) -> None:
         """Send a report soon (a job started or ended, a reconcile ran)."""
-        self._wake.set()
+        self._worker.woken.set()
 
     def stop(self) -> None:
         """Stop the thread; what is not reported yet is sent by the next start."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        self._worker.stop(5.0)
 
     def _main(self) -> None:
         wait = 0.0
-        while not self._stop.is_set():
-            self._wake.wait(wait)
-            if self._stop.is_set():
+        while not self._worker.stopping.is_set():
+            self._worker.woken.wait(wait)
+            if self._worker.stopping.is_set():
                 return
-            if self._wake.is_set():
-                self._stop.wait(DEBOUNCE_S)
-            self._wake.clear()
+            if self._worker.woken.is_set():
+                self._worker.stopping.wait(DEBOUNCE_S)
+            self._worker.woken.clear()
             ok = self.send_now()
             every = self.heartbeat.total_seconds()
             if self._covered():

@@ -46,6 +46,7 @@ from flows.outbox import (
 from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
 from flows.record_steps import Steps
 from flows.registration import Deployments
+from sched_core.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,7 @@ class Recorder:
         self.node = node
         self._clock = clock
         self._done = done
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("recorder", self._main)
         self._draining = threading.Lock()
         """One drain at a time: the node's last drain at stop and the thread's would
         otherwise record one job twice at once (each with its own progress)."""
@@ -88,26 +87,21 @@ class Recorder:
 
     def start(self) -> Recorder:
         """Start the thread (once); return self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="recorder", daemon=True)
-            self._thread.start()
+        self._worker.start()
         return self
 
     def wake(self, folder: JobFolder | None = None) -> None:
         """Tell the recorder there is something new to send."""
-        self._wake.set()
+        self._worker.woken.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread (what is not sent stays in the outbox for the next start)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._worker.stop(timeout)
 
     def _main(self) -> None:
         backoff = BACKOFF_MIN_S
-        while not self._stop.is_set():
-            self._wake.clear()
+        while not self._worker.stopping.is_set():
+            self._worker.woken.clear()
             try:
                 pending = self.drain()
             except PrefectUnavailable as exc:
@@ -116,19 +110,19 @@ class Recorder:
                                 "wait in the outbox: %s", exc, extra={"node": self.node})
                 self.reachable = False
                 self._trim()
-                self._wake.wait(backoff)
+                self._worker.woken.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             except Exception:  # a bug must not end the thread: the outbox keeps everything
                 log.exception("the recorder failed; trying again", extra={"node": self.node})
-                self._wake.wait(BACKOFF_MAX_S)
+                self._worker.woken.wait(BACKOFF_MAX_S)
                 continue
             if not self.reachable:
                 log.info("the Prefect server answers again; the outbox drains",
                          extra={"node": self.node})
             self.reachable = True
             backoff = BACKOFF_MIN_S
-            self._wake.wait(1.0 if pending else IDLE_WAIT_S)
+            self._worker.woken.wait(1.0 if pending else IDLE_WAIT_S)
 
     def _trim(self) -> None:
         """Keep the outbox within its size while the server is away (at most once a minute)."""
@@ -158,7 +152,7 @@ class Recorder:
         pending = False
         folders = list(self.outbox.jobs())
         for index, folder in enumerate(folders):
-            if self._stop.is_set():
+            if self._worker.stopping.is_set():
                 return True
             try:
                 complete = self.record(folder)

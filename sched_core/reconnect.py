@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +84,18 @@ class Reconnecting:
                 self._on_lost(exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+class Follower:
+    """A stream follower run by one :class:`Reconnecting` thread, ``self._thread``."""
+
+    _thread: Reconnecting
+
+    def start(self) -> Self:
+        """Start following (once); return self."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop following (the stream is closed, the thread ends)."""
+        self._thread.stop(timeout)
