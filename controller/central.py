@@ -49,7 +49,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from types import TracebackType
 from typing import Any
 
 import psycopg
@@ -69,6 +68,8 @@ from controller.claims import Claim
 from controller.db import database_url, db_now
 from controller.dispatch import EVENT_GAVE_UP, PrefectDispatcher, TaskDispatcher, emit_gave_up
 from controller.listener import Listener, backoff
+from sched_core.facade import Forward
+from sched_core.worker import Running
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 
-class CentralScheduler:
+class CentralScheduler(Running):
     """Claim and dispatch due tasks until stopped; see the module docstring.
 
     ``database`` is an engine (only its URL is used: the scheduler opens and
@@ -130,9 +131,25 @@ class CentralScheduler:
 
     # ------------------------------------------------------------ what it shows
 
-    @property
-    def is_postgres(self) -> bool:
-        return self.db.is_postgres
+    is_postgres: Forward[bool] = Forward("db.is_postgres")
+    on_give_up: Forward[Callable[[Claim, str, int], None] | None] = Forward(
+        "passes.on_give_up",
+        "Called with (claim, message, attempts) after giving up (default: the Prefect event).")
+    dispatched: Forward[int] = Forward(
+        "passes.dispatched", "How many dispatches this instance made.")
+    gave_up: Forward[int] = Forward(
+        "passes.gave_up", "How many (task, scheduled time) this instance gave up on.")
+    skipped: Forward[int] = Forward(
+        "passes.skipped", "How many claims this instance skipped under the catch-up rule.")
+    renewals: Forward[int] = Forward(
+        "passes.in_flight.renewals",
+        "How many lease renewals this instance wrote (tests wait on it).")
+    listening: Forward[threading.Event] = Forward(
+        "listener.listening", "Set while a LISTEN connection is up (tests wait on it).")
+    listen_connects: Forward[int] = Forward(
+        "listener.connects", "How many times the listener connected (1 + reconnects).")
+    application_name: Forward[str] = Forward("db.application_name")
+    listen_application_name: Forward[str] = Forward("db.listen_application_name")
 
     @property
     def dispatcher(self) -> TaskDispatcher:
@@ -141,49 +158,6 @@ class CentralScheduler:
     @dispatcher.setter
     def dispatcher(self, value: TaskDispatcher) -> None:
         self.passes.dispatcher = value
-
-    @property
-    def on_give_up(self) -> Callable[[Claim, str, int], None] | None:
-        """Called with (claim, message, attempts) after giving up (default: the Prefect event)."""
-        return self.passes.on_give_up
-
-    @property
-    def dispatched(self) -> int:
-        """How many dispatches this instance made."""
-        return self.passes.dispatched
-
-    @property
-    def gave_up(self) -> int:
-        """How many (task, scheduled time) this instance gave up on."""
-        return self.passes.gave_up
-
-    @property
-    def skipped(self) -> int:
-        """How many claims this instance skipped under the catch-up rule."""
-        return self.passes.skipped
-
-    @property
-    def renewals(self) -> int:
-        """How many lease renewals this instance wrote (tests wait on it)."""
-        return self.passes.in_flight.renewals
-
-    @property
-    def listening(self) -> threading.Event:
-        """Set while a LISTEN connection is up (tests wait on it)."""
-        return self.listener.listening
-
-    @property
-    def listen_connects(self) -> int:
-        """How many times the listener connected (1 + reconnects)."""
-        return self.listener.connects
-
-    @property
-    def application_name(self) -> str:
-        return self.db.application_name
-
-    @property
-    def listen_application_name(self) -> str:
-        return self.db.listen_application_name
 
     def _log_extra(self, **more: Any) -> dict[str, Any]:
         return {"worker_id": self.worker_id, **more}
@@ -226,18 +200,6 @@ class CentralScheduler:
         self.listener.close()
         self.db.close()
         log.info("central scheduler stopped", extra=self._log_extra())
-
-    def __enter__(self) -> CentralScheduler:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # ------------------------------------------------------------ the loop
 

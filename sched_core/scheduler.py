@@ -38,6 +38,7 @@ from sched_core.cache import validate_rows
 from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
 from sched_core.config import Config, Fire, FireFunc, TickReport
 from sched_core.errors import PullError
+from sched_core.facade import Forward
 from sched_core.guard import StartDecision, decide_start
 from sched_core.model import Cache, LocalSchedule
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, missed
@@ -111,15 +112,9 @@ class Scheduler:
         """The timezone schedules are matched in."""
         return self._tz
 
-    @property
-    def node_name(self) -> str:
-        """The node this scheduler runs for."""
-        return self._config.node_name
-
-    @property
-    def fire_grace(self) -> timedelta:
-        """How late a tick may still fire a window."""
-        return self._config.fire_grace
+    node_name: Forward[str] = Forward("_config.node_name", "The node this scheduler runs for.")
+    fire_grace: Forward[timedelta] = Forward(
+        "_config.fire_grace", "How late a tick may still fire a window.")
 
     def schedules(self) -> list[LocalSchedule]:
         """Return deep copies of the cached schedules, sorted by name."""
