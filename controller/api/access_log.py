@@ -6,27 +6,22 @@ import logging
 import time
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from controller.api.headers import HttpMiddleware
 from controller.auth import Principal
 from controller.logtext import printable as _printable
 
 access_log = logging.getLogger("controller.access")
 
 
-class AccessLogMiddleware:
+class AccessLogMiddleware(HttpMiddleware):
     """Log one line per request: method, path, node, principal, status, duration.
 
     Headers are never logged, so neither is the ``Authorization`` header.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         status = 500
         state: dict[str, Any] = scope.setdefault("state", {})

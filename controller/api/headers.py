@@ -18,8 +18,8 @@ HSTS_MAX_AGE = 31_536_000
 SECURITY_HEADERS = {"x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
-class SecurityHeadersMiddleware:
-    """Add SECURITY_HEADERS to every HTTP answer, and HSTS to those over HTTPS."""
+class HttpMiddleware:
+    """A pure ASGI middleware for HTTP requests: any other scope (lifespan) passes through."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -28,6 +28,17 @@ class SecurityHeadersMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Handle one HTTP request (``self.app`` is the next layer)."""
+        raise NotImplementedError
+
+
+class SecurityHeadersMiddleware(HttpMiddleware):
+    """Add SECURITY_HEADERS to every HTTP answer, and HSTS to those over HTTPS."""
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         https = scope.get("scheme") == "https"
 
         async def with_headers(message: Message) -> None:
