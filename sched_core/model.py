@@ -40,6 +40,19 @@ from sched_core.values import (
 DAY_NAMES: tuple[str, ...] = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 """Go's three-letter lowercase weekday names, indexed like ``datetime.weekday()``."""
 
+
+def omit_empty(model: BaseModel, data: Any, names: tuple[str, ...]) -> Any:
+    """Return a model's dumped ``data`` without the named fields the model leaves empty.
+
+    The wire leaves out what Go's ``omitempty`` leaves out: a field that is unset,
+    ``None``, ``""`` or empty.
+    """
+    if isinstance(data, dict):
+        for name in names:
+            if not getattr(model, name):
+                data.pop(name, None)
+    return data
+
 class _WireModel(BaseModel):
     """A model whose JSON escapes HTML characters as Go's encoder does."""
 
@@ -111,13 +124,7 @@ class Paused(_WireModel):
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        data = handler(self)
-        if isinstance(data, dict):
-            if not self.note:
-                data.pop("note", None)
-            if self.until is None:
-                data.pop("until", None)
-        return data
+        return omit_empty(self, handler(self), ("note", "until"))
 
 
 class Blackout(_WireModel):
@@ -321,13 +328,7 @@ class LocalSchedule(_WireModel):
 
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        data = handler(self)
-        if isinstance(data, dict):
-            if not self.storage:
-                data.pop("storage", None)
-            if not self.params:
-                data.pop("params", None)
-        return data
+        return omit_empty(self, handler(self), ("storage", "params"))
 
 
 class Cache(_WireModel):
