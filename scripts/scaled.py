@@ -541,29 +541,34 @@ def redis_ping(port: int) -> bool:
         return False
 
 
+def _balanced(name: str, bind: str, maxconn: object, health: str,
+              servers: list[tuple[str, int]]) -> str:
+    """One HAProxy frontend and its backend: least connections, servers checked on health."""
+    lines = "\n".join(f"    server {server} 127.0.0.1:{port} check" for server, port in servers)
+    return f"""
+frontend {name}
+    bind {bind}
+    maxconn {maxconn}
+    default_backend {name}_api
+
+backend {name}_api
+    balance leastconn
+    option httpchk GET {health}
+    http-check expect status 200
+    default-server inter 2s fall 2 rise 2
+{lines}
+"""
+
+
 def haproxy_conf(layout: Layout) -> Path:
     folder = layout.dir / "haproxy"
     folder.mkdir(parents=True, exist_ok=True)
-    ports, bind = layout.ports, layout.config["bind"]
-    apis = "\n".join(
-        f"    server {name} 127.0.0.1:{port} check"
-        for name, port in zip(layout.api_names(), ports["api"], strict=True))
-    controllers = "\n".join(
-        f"    server {name} 127.0.0.1:{port} check"
-        for name, port in zip(layout.controller_names(), ports["controller"], strict=True))
-    controller_part = f"""
-frontend controller
-    bind {bind}:{ports['controller_lb']}
-    maxconn {layout.config['lb_maxconn']}
-    default_backend controller_api
-
-backend controller_api
-    balance leastconn
-    option httpchk GET /healthz
-    http-check expect status 200
-    default-server inter 2s fall 2 rise 2
-{controllers}
-""" if controllers else ""
+    ports, bind, maxconn = layout.ports, layout.config["bind"], layout.config["lb_maxconn"]
+    prefect_part = _balanced("prefect", f"{bind}:{ports['prefect_lb']}", maxconn, "/api/health",
+                             list(zip(layout.api_names(), ports["api"], strict=True)))
+    controllers = list(zip(layout.controller_names(), ports["controller"], strict=True))
+    controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
+                                "/healthz", controllers) if controllers else ""
     conf = folder / "haproxy.cfg"
     conf.write_text(f"""# the scaled layout (scripts/scaled.py); see docs/scaled.md
 global
@@ -587,19 +592,7 @@ defaults
     retries 3
     option redispatch 1
     retry-on conn-failure
-
-frontend prefect
-    bind {bind}:{ports['prefect_lb']}
-    maxconn {layout.config['lb_maxconn']}
-    default_backend prefect_api
-
-backend prefect_api
-    balance leastconn
-    option httpchk GET /api/health
-    http-check expect status 200
-    default-server inter 2s fall 2 rise 2
-{apis}
-{controller_part}
+{prefect_part}{controller_part}
 frontend stats
     bind 127.0.0.1:{ports['lb_stats']}
     stats enable
