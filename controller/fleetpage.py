@@ -32,6 +32,7 @@ from zoneinfo import ZoneInfo
 from jinja2 import Environment, PackageLoader, StrictUndefined
 from jinja2.ext import Extension
 
+from sched_core.policies import ago_text
 from sched_core.values import local_text, zone_or_utc
 from sched_core.values import parse_api_time as _time
 
@@ -96,15 +97,9 @@ def _text(value: object) -> str:
 
 
 def _ago(instant: datetime | None, now: datetime) -> str:
-    if instant is None:
-        return "-"
-    seconds = int((now - instant).total_seconds())
-    if seconds < 0:
-        return "in the future"
-    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
-        if seconds >= size:
-            return f"{seconds // size} {unit} ago"
-    return f"{seconds} s ago"
+    """The page's "how long ago": the largest unit only (``2 min ago``), ``in 5 min`` ahead."""
+    text = ago_text(instant, now, parts=1)
+    return text if text == "-" or text.startswith("in ") else f"{text} ago"
 
 
 def run_href(prefect_ui: str | None, job: object) -> str | None:

@@ -130,16 +130,33 @@ def local_text(instant: datetime, tz: ZoneInfo) -> str:
     return model_local_text(instant, tz, "%Y-%m-%d %H:%M %Z")
 
 
-def duration_text(delta: timedelta) -> str:
-    """Return a duration for people: ``7 d``, ``2 d 3 h``, ``1 h 30 min``, ``45 s``."""
+def duration_text(delta: timedelta, parts: int = 2) -> str:
+    """Return a duration for people: ``7 d``, ``2 d 3 h``, ``1 h 30 min``, ``45 s``.
+
+    At most ``parts`` units, the largest first (``parts=1``: ``2 d``).
+    """
     seconds = int(delta.total_seconds())
     sign = "-" if seconds < 0 else ""
     days, rest = divmod(abs(seconds), 86_400)
     hours, rest = divmod(rest, 3600)
     minutes, seconds = divmod(rest, 60)
-    parts = [f"{value} {unit}" for value, unit in ((days, "d"), (hours, "h"), (minutes, "min"),
+    units = [f"{value} {unit}" for value, unit in ((days, "d"), (hours, "h"), (minutes, "min"),
                                                   (seconds, "s")) if value]
-    return sign + " ".join(parts[:2]) if parts else "0 s"
+    return sign + " ".join(units[:parts]) if units else "0 s"
+
+
+def ago_text(instant: datetime | None, now: datetime, parts: int = 2) -> str:
+    """Return how long ago instant was (``3 min``, ``2 d 3 h``), ``in 5 min`` when ahead.
+
+    ``-`` when there is no instant. The CLI's tables show it as is; the fleet page
+    with one unit and `` ago`` after it.
+    """
+    if instant is None:
+        return "-"
+    delta = now - instant
+    if delta < timedelta(0):
+        return f"in {duration_text(-delta, parts)}"
+    return duration_text(delta, parts)
 
 
 def blackout_text(blackout: Blackout) -> str:

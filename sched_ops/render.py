@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta
+from datetime import timedelta
 
-from sched_core.policies import duration_text
+from sched_core.policies import ago_text, duration_text
 
 NONE = "-"
 """What an empty cell shows."""
@@ -51,14 +51,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 
-def ago(instant: datetime | None, now: datetime) -> str:
-    """Return how long ago instant was (``3 min``, ``2 d 3 h``), ``in 5 min`` when ahead."""
-    if instant is None:
-        return NONE
-    delta = now - instant
-    if delta < timedelta(0):
-        return f"in {duration_text(-delta)}"
-    return duration_text(delta)
+ago = ago_text
 
 
 def outcome(job: object) -> str:

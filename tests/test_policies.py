@@ -502,3 +502,19 @@ def test_on_demand_fires_honour_pause_dates_blackouts_and_min_interval(tmp_path:
     assert scheduler.fire_matching("chain-after", lambda r: True, now=week - SECOND) == 0
     assert scheduler.fire_matching("chain-after", lambda r: True, now=week) == 1
     assert fired == ["k", "n", "k"]  # k exactly 6 days after its last fire
+
+
+def test_ago_is_one_rule_for_the_cli_and_the_fleet_page() -> None:
+    from controller.fleetpage import _ago
+    from sched_core.policies import ago_text
+    from sched_ops.render import ago
+
+    now = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
+    then = now - timedelta(days=2, hours=3, minutes=4)
+    assert ago(then, now) == ago_text(then, now) == "2 d 3 h"  # the CLI: two units
+    assert _ago(then, now) == "2 d ago"  # the page: the largest unit
+    assert _ago(now - timedelta(seconds=125), now) == "2 min ago"
+    assert _ago(now - timedelta(seconds=45), now) == "45 s ago"
+    assert ago(now + timedelta(minutes=5), now) == _ago(now + timedelta(minutes=5), now) \
+        == "in 5 min"
+    assert ago(None, now) == _ago(None, now) == "-"
