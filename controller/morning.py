@@ -56,6 +56,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
+from sched_core.values import TICK
 
 REPORT_SLACK_S = 60.0
 """Seconds a node has, past a window's grace, for the report of its job's start to arrive."""
@@ -71,7 +72,6 @@ SEVERITY = {"missed": 5, "failed": 4, "cancelled": 2, "unreported": 1, "running"
             "skipped": 1, "completed": 0}
 """How bad a window's status is (worst first)."""
 BAD = frozenset({"missed", "failed"})
-_TICK = timedelta(microseconds=1)
 
 
 def default_since(now: datetime, tz: ZoneInfo) -> datetime:
@@ -135,7 +135,7 @@ def _new_window(versions: Sequence[RowVersion], index: int, window: datetime,
     if not row.enabled or row.schedule.is_event:
         return True
     z = row_zone(row, tz)
-    had = any(True for _ in fire_times(row.schedule, window, window + _TICK, z))
+    had = any(True for _ in fire_times(row.schedule, window, window + TICK, z))
     return not had or window_block(row, window, tz=tz) is not None
 
 
@@ -216,7 +216,7 @@ def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
                  now: datetime) -> dict[str, Any]:
     """Return one node's report for ``[since, until)`` as of now (rules 1 to 4)."""
     node, tz = facts.node, facts.tz
-    upto = now + _TICK if until >= now else until  # a window starting now is due
+    upto = now + TICK if until >= now else until  # a window starting now is due
     by_key = {record.key: record for record in facts.records}
     used: set[str] = set()
     entries: list[dict[str, Any]] = []

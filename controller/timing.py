@@ -15,7 +15,7 @@ same DST rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
@@ -24,6 +24,7 @@ from cronsim import CronSim, CronSimError
 from controller.models import TaskStatus
 from sched_core.matcher import next_fire
 from sched_core.model import Schedule
+from sched_core.values import TICK
 
 if TYPE_CHECKING:
     from controller.claims import Claim
@@ -115,7 +116,6 @@ def next_run(
     return None
 
 
-_TICK = timedelta(microseconds=1)
 
 MAX_ERROR_LENGTH = 2000
 """The longest ``last_error`` (and dispatch record error) the controller stores."""
@@ -182,7 +182,7 @@ def plan_catch_up(claim: Claim, now: datetime) -> Completion | None:
         before_latest = claim.scheduled_at
         if later > 1:
             # The window just before the latest: step from the one before it.
-            _, before_latest = _windows_through(claim, first, latest - _TICK)
+            _, before_latest = _windows_through(claim, first, latest - TICK)
     except Exception:
         return None
     return Completion(

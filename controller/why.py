@@ -45,9 +45,9 @@ from sched_core.policies import (
     run_start,
     window_block,
 )
+from sched_core.values import TICK
 
 _SCAN = timedelta(hours=3)
-_TICK = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def resolve(row: LocalSchedule, z: ZoneInfo, *, instant: datetime | None,
     """Return the row's window the text names (rule 1) and what to say about finding it."""
     said: list[str] = []
     if instant is not None:
-        if instant in _windows(row, instant, instant + _TICK, z):
+        if instant in _windows(row, instant, instant + TICK, z):
             return instant, said
         return None, said
     assert wall is not None
@@ -225,7 +225,7 @@ def _not_a_window(row: LocalSchedule, schedule_id: str, probe: datetime, z: Zone
         return (f"the row {schedule_id} is fired by the chain "
                 f"({schedule_words(row.schedule)}), never on the clock")
     before = [w for w in _windows(row, probe - timedelta(days=8), probe, z)][-1:]
-    after = _windows(row, probe + _TICK, probe + timedelta(days=8), z)[:1]
+    after = _windows(row, probe + TICK, probe + timedelta(days=8), z)[:1]
     near = "; ".join(f"{what} {local_text(w, z)}" for what, ws in
                      (("the window before is", before), ("the one after is", after))
                      for w in ws)

@@ -33,6 +33,7 @@ from datetime import datetime, timedelta
 from sched_core.misses import eligible_after
 from sched_core.model import LocalSchedule
 from sched_core.policies import policy_block, window_starts
+from sched_core.values import TICK
 from sched_core.view import NodeView
 
 __all__ = ["LOOK_AHEAD", "Due", "NodeView", "due_now", "next_start"]
@@ -40,7 +41,6 @@ __all__ = ["LOOK_AHEAD", "Due", "NodeView", "due_now", "next_start"]
 LOOK_AHEAD = timedelta(days=8)
 """How far ahead :func:`next_start` looks (the matcher's horizon)."""
 
-_TICK = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _floor(view: NodeView, row: LocalSchedule, decided: Mapping[str, datetime]) 
     bound = eligible_after(view.last_fired.get(row.id), view.first_seen.get(row.id))
     done = decided.get(row.id)
     if done is not None:
-        bound = done + _TICK if bound is None else max(bound, done + _TICK)
+        bound = done + TICK if bound is None else max(bound, done + TICK)
     return bound
 
 
@@ -87,7 +87,7 @@ def due_now(view: NodeView, *, now: datetime, decided: Mapping[str, datetime]) -
         last = view.last_fired.get(row.id)
         windows = [
             (window, start)
-            for window, start in window_starts(row, scan, now + _TICK, node=view.node, tz=view.tz)
+            for window, start in window_starts(row, scan, now + TICK, node=view.node, tz=view.tz)
             if low <= start <= now and (floor is None or window >= floor)
             and policy_block(row, window, last_fired=last, tz=view.tz) is None
         ]

@@ -26,9 +26,8 @@ from sched_core.misses import LOOKBACK
 from sched_core.model import LocalSchedule, MissPolicy
 from sched_core.plan import gone_reason
 from sched_core.policies import catchup, latest_window, policy_block, row_zone, run_start
+from sched_core.values import TICK
 from sched_core.view import NodeView
-
-_TICK = timedelta(microseconds=1)
 
 
 class Verdict(StrEnum):
@@ -167,7 +166,7 @@ def _late_start(row: LocalSchedule, window: datetime, shown: str, lateness: time
         late = f"interrupted and {_minutes(lateness)} after its window (grace {_minutes(grace)})"
     if policy is MissPolicy.SKIP:
         return StartDecision(Verdict.SKIP, f"window {shown} missed: {late}; miss policy skip")
-    found = latest_window(row, now, since=now - lookback + _TICK, node=node, tz=tz)
+    found = latest_window(row, now, since=now - lookback + TICK, node=node, tz=tz)
     if found is None or found[0] < window:
         return StartDecision(
             Verdict.SKIP,

@@ -14,20 +14,20 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sched_core.clock import floor_minute  # re-exported: flows import it from here
+from sched_core.values import TICK
 
 __all__ = ["LOOKBACK", "eligible_after", "floor_minute"]
 
 LOOKBACK = timedelta(hours=24)
 """How far back the miss policy looks for a missed window."""
 
-_TICK = timedelta(microseconds=1)
 
 
 def eligible_after(last_fired: datetime | None, first_seen: datetime | None) -> datetime | None:
     """Return the earliest instant a window may have to be eligible (inclusive), or None."""
     bounds = []
     if last_fired is not None:
-        bounds.append(last_fired + _TICK)
+        bounds.append(last_fired + TICK)
     if first_seen is not None:
         bounds.append(floor_minute(first_seen))
     return max(bounds) if bounds else None

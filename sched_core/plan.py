@@ -58,6 +58,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
+from sched_core.values import TICK
 from sched_core.view import NodeView
 
 PLAN_AHEAD_LIMIT = timedelta(days=8)
@@ -68,7 +69,6 @@ TRIGGER_RECOVERY = "schedule-recovery"
 WINDOW_TRIGGERS = frozenset({TRIGGER_SCHEDULE, TRIGGER_RECOVERY})
 """Triggers whose runs belong to one window of a clock schedule (and pass the guard)."""
 
-_TICK = timedelta(microseconds=1)
 
 
 @dataclass(frozen=True, order=True)
@@ -99,7 +99,7 @@ def has_window(row: LocalSchedule, window: datetime, tz: ZoneInfo) -> bool:
     """Return whether window is one of the row's fire instants (enabled clock rows only)."""
     if not row.enabled or row.schedule.is_event:
         return False
-    return any(True for _ in fire_times(row.schedule, window, window + _TICK, row_zone(row, tz)))
+    return any(True for _ in fire_times(row.schedule, window, window + TICK, row_zone(row, tz)))
 
 
 def _row_plan(
@@ -368,7 +368,7 @@ def _recovery_only(view: NodeView, row: LocalSchedule, *, now: datetime,
     """
     if row.miss_policy is MissPolicy.SKIP:
         return None
-    start = now - catchup(row, lookback) + _TICK
+    start = now - catchup(row, lookback) + TICK
     floor = eligible_after(view.last_fired.get(row.id), view.first_seen.get(row.id))
     if floor is not None:
         start = max(start, floor)
@@ -388,13 +388,13 @@ def _unrun_windows(view: NodeView, row: LocalSchedule, done: datetime | None, *,
                    now: datetime, have: Collection[tuple[str, datetime]],
                    lookback: timedelta) -> list[datetime]:
     """Return row's windows older than the grace that never had a run (rule 4's windows)."""
-    bounds = [now - catchup(row, lookback) + _TICK]
+    bounds = [now - catchup(row, lookback) + TICK]
     last = view.last_fired.get(row.id)
     eligible = eligible_after(last, view.first_seen.get(row.id))
     if eligible is not None:
         bounds.append(eligible)
     if done is not None:
-        bounds.append(done + _TICK)
+        bounds.append(done + TICK)
     start, end = max(bounds), now - view.grace
     if start >= end:
         return []
@@ -412,7 +412,7 @@ def _missed_of(view: NodeView, row: LocalSchedule, windows: list[datetime], *, n
     truncated = 0
     if row.miss_policy is not MissPolicy.SKIP:
         latest = windows[-1]
-        newest = latest_window(row, now, since=now - catchup(row, lookback) + _TICK,
+        newest = latest_window(row, now, since=now - catchup(row, lookback) + TICK,
                                node=view.node, tz=view.tz)
         # The latest window's own run (if it had one) or a later window's
         # inside the grace runs under the guard: recovering an older one

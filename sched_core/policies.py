@@ -40,6 +40,7 @@ from zoneinfo import ZoneInfo
 from sched_core.matcher import fire_times, zone
 from sched_core.misses import LOOKBACK
 from sched_core.model import DAY_NAMES, Blackout, LocalSchedule
+from sched_core.values import TICK
 from sched_core.values import local_text as model_local_text
 
 __all__ = [
@@ -118,7 +119,7 @@ def run_start(row: LocalSchedule, window: datetime, *, node: str, tz: ZoneInfo) 
     """Return when the run of the row's window starts: the window plus its jitter (rule 4)."""
     if row.jitter <= 0 or row.schedule.is_event:
         return window
-    for found, start in window_starts(row, window, window + timedelta(microseconds=1),
+    for found, start in window_starts(row, window, window + TICK,
                                       node=node, tz=tz):
         if found == window:
             return start
@@ -263,7 +264,7 @@ def latest_window(
     later window is never coalesced into one that will not run.
     """
     found: tuple[datetime, datetime] | None = None
-    for window, start in window_starts(row, since, now + timedelta(microseconds=1),
+    for window, start in window_starts(row, since, now + TICK,
                                        node=node, tz=tz):
         if start <= now and window_block(row, window, tz=tz) is None:
             found = (window, start)

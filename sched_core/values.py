@@ -17,13 +17,17 @@ controller's paths and bodies, a node's report, the operator's tables):
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from sched_core.errors import ScheduleError
 
 GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+
+TICK = timedelta(microseconds=1)
+"""The smallest step of a datetime: ``until + TICK`` makes a search's end inclusive, and
+``at - TICK`` starts one just before an instant."""
 """How Go writes a ``time.Time`` that was never set."""
 
 IDENTIFIER_MAX_LENGTH = 128
