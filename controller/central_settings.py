@@ -119,6 +119,7 @@ class CentralSettings(BaseModel):
             raise ValueError(f"stale_after={value!r} must be 0 or more seconds")
         return value
 
+    # The validators below are alike in shape (one bound each, its own message naming it).
     @field_validator("heartbeat_interval", mode="before")
     @classmethod
     def _check_heartbeat(cls, value: object) -> object:

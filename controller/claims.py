@@ -165,6 +165,8 @@ def claim_for_dispatch(
     return pairs
 
 
+# The same keyword options as claim_for_dispatch on purpose (a pair `duplicates` lists):
+# one claim, on a session or on the listener's raw connection; both go to _claim_params.
 def claim_for_dispatch_on(
     conn: psycopg.Connection[Any],
     *,

@@ -175,6 +175,8 @@ PullIntervalOpt = Annotated[float, typer.Option(
     min=1,
     help="Seconds between a node's periodic pulls (the agents' reconcile_interval): "
     "what a write's answer counts on without an event.")]
+# The serve flags are Annotated aliases alike in shape (a type, a typer.Option, its help):
+# one per flag, read by the generated flag table (scripts/settings_docs.py).
 StaleAfterOpt = Annotated[float | None, typer.Option(
     min=1,
     help="Seconds without a request of its own before a node that announced "

@@ -51,6 +51,7 @@ class Listener:
     ``run()`` is the thread's body and returns once ``stop()`` was called.
     """
 
+    # Alike in shape to Jobs.__init__ and other constructors (`self.x = x`): a plain init.
     def __init__(
         self,
         connect: Callable[[], psycopg.Connection[Any]],

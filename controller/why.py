@@ -50,6 +50,9 @@ from sched_core.values import TICK
 _SCAN = timedelta(hours=3)
 
 
+# `duplicates` pairs the frozen records here, in flows/history.py, flows/planner.py,
+# sched_core/due.py and sched_core/firing.py by shape (a decorator, a docstring, typed
+# fields): different records with nothing to share.
 @dataclass(frozen=True)
 class AlertFact:
     """An alert the controller raised about the node (``fleet_alert``)."""
@@ -289,6 +292,8 @@ def _outcome(*, window: datetime, start: datetime, deadline: datetime, z: ZoneIn
     return "MISSED", why
 
 
+# Alike in shape to sched_core.policies.describe_policies (a list of parts, one per set field):
+# other fields, other words.
 def _record_text(record: JobRecord) -> str:
     parts = [f"state {record.state} ({record.trigger_key})"]
     if record.started_at:

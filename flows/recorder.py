@@ -64,6 +64,8 @@ class Recorder:
     deletes the folder when its report is through as well).
     """
 
+    # Alike in shape to Reporter's and ControllerWait's constructors (`self.x = x`, then the
+    # worker): each keeps its own collaborators.
     def __init__(self, api: PrefectApi, outbox: Outbox, deployments: Deployments, *,
                  node: str, clock: Callable[[], datetime],
                  done: Callable[[JobFolder], None] = lambda folder: None) -> None:

@@ -425,6 +425,8 @@ class AgentSettings(BaseSettings):
         zone(value)  # an unknown name is a ValueError naming it
         return value
 
+    # Alike in shape to sched_core.model's validators and to the path properties below
+    # (one file each in the state folder): pydantic's validator form, one rule each.
     @field_validator("node_name")
     @classmethod
     def _check_node(cls, value: str) -> str:

@@ -279,6 +279,7 @@ class Scheduler:
                 self.store.save()
         return decision, None if row is None else copy_row(row)
 
+    # Alike in signature to fire_matching, which calls it and keeps the Go kit's int answer.
     def fire_matching_report(
         self,
         trigger_key: str,

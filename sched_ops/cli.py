@@ -43,6 +43,9 @@ from sched_ops.cli_schedules import (  # noqa: F401  (the tests' and old import 
 )
 from sched_ops.render import NONE, ago, cell, table
 
+# cli_schedules imports most of the options from cli_common too (a pair `duplicates` lists): each
+# command module names what it uses.
+
 app = typer.Typer(no_args_is_help=True)
 alerts_app = typer.Typer(help="Prefect automations that alert on the fleet.",
                          no_args_is_help=True)

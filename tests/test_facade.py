@@ -28,7 +28,7 @@ def test_reads_the_part_each_time() -> None:
 
 def test_is_read_only_and_documented() -> None:
     facade = _Facade()
-    with pytest.raises(AttributeError, match="part.count"):
+    with pytest.raises(AttributeError, match=r"part\.count"):
         facade.count = 5
     assert facade.part.count == 0
     assert _Facade.count.__doc__ == "How many."

@@ -20,6 +20,8 @@ revision: str = "0007"
 down_revision: str | None = "0006"
 
 
+# Alike in shape to 0006's create_table calls: a revision is a frozen record and never
+# shares code with another.
 def upgrade() -> None:
     op.create_table(
         "revoked_session",

@@ -36,6 +36,8 @@ _rows = sa.table(
 
 
 # Over 60 lines, and left so: a migration is a frozen record of what this revision did.
+# Alike in shape to the other revisions' create_table calls: a revision is a frozen
+# record and never shares code with another.
 def upgrade() -> None:
     op.create_table(
         "node_seen",
