@@ -587,10 +587,13 @@ class Node:
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         backoff = 1.0
         while True:
-            target = (f"/api/nodes/{self.name}/wait?etag={self.etag}&seen={self.seen}"
+            # As flows.control.ControllerWait: told of a version its pull has not brought
+            # yet, the node waits on that version.
+            target = (f"/api/nodes/{self.name}/wait?etag={self.told or self.etag}"
+                      f"&seen={self.seen}"
                       f"&timeout={HEARTBEAT_S:g}").replace('"', "%22")
             raw = request_bytes("GET", target, self.target.host, self.auth())
-            sent_with = self.etag
+            sent_with = self.told or self.etag
             try:
                 if conn is None:
                     conn = await asyncio.open_connection(self.target.host, self.target.port)
@@ -626,6 +629,7 @@ class Node:
                 self.poked.set()
             else:
                 m.waits["answered: unchanged"] += 1
+                self.told = ""
             prefect = str(data.get("prefect") or "")
             if prefect:
                 self.seen = prefect

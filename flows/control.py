@@ -171,14 +171,18 @@ class ControllerWait:
         self._worker.stop(None)
 
     def _main(self) -> None:
-        seen = ""
+        seen = told = ""
         backoff = BACKOFF_MIN_S
         wait_s = self.heartbeat.total_seconds()
         with httpx.Client(timeout=wait_s + 15, verify=self._verify) as client:
             while not self._worker.stopping.is_set():
                 token = self._token()
                 headers = {"Authorization": f"Bearer {token}"} if token else {}
-                params = {"etag": self._etag() or "", "seen": seen, "timeout": f"{wait_s:g}"}
+                # Told of a version its cache has not reached yet (the pull is under way, or
+                # failed and is retried at the next answer), the node waits on that version:
+                # its old one would be answered "changed" at once, again and again.
+                params = {"etag": told or self._etag() or "", "seen": seen,
+                          "timeout": f"{wait_s:g}"}
                 try:
                     response = client.get(self.url, params=params, headers=headers)
                 except httpx.HTTPError as exc:
@@ -212,7 +216,9 @@ class ControllerWait:
                     log.info("the controller follows no Prefect events; following them from "
                              "the node", extra={"url": self.url})
                     self._on_unsupported()
-                if str(data.get("etag") or "") not in ("", self._etag() or ""):
+                etag = str(data.get("etag") or "")
+                told = etag if etag not in ("", self._etag() or "") else ""
+                if told:
                     self._on_schedules()
                 prefect = str(data.get("prefect") or "")
                 if prefect and prefect != seen:

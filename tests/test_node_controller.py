@@ -155,3 +155,32 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
         prefect.close()
     assert took < 15, f"the ad hoc run took {took:.1f} s"
     assert done is not None and done["state"]["type"] == "COMPLETED", done["state"]
+
+
+def test_a_node_told_of_a_change_waits_again_on_the_new_version_not_its_old_one(
+    center: Center,
+) -> None:
+    """Told of a change, the node's pull is under way; until its cache has the new list
+    its next wait carries the version it was told of, so the controller holds it instead of
+    answering "changed" at once again and again (a busy loop while the pull runs)."""
+    from datetime import timedelta
+
+    from flows.control import ControllerWait
+
+    first, _ = center.wait(timeout=1)
+    told: list[str] = []
+    wait = ControllerWait(
+        f"{center.base}/api/nodes/{center.node}/wait", token=lambda: center.token,
+        etag=lambda: first["etag"],  # the cache never catches up: a pull that is slow
+        heartbeat=timedelta(seconds=10), on_schedules=lambda: told.append("changed"),
+        on_prefect=lambda: None, on_unsupported=lambda: None).start()
+    try:
+        wait_for("the first wait", lambda: wait.connected.is_set(), 30)
+        center.put(row("s-1"))
+        wait_for("the change told", lambda: bool(told), 30)
+        answers = wait.answers
+        time.sleep(2)  # a busy loop answers dozens of times here; a held wait none
+        assert wait.answers - answers <= 1, f"{wait.answers - answers} answers in 2 s"
+        assert told == ["changed"]
+    finally:
+        wait.stop()
