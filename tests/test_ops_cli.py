@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from controller.testing import serve_in_thread
 from sched_cli import app as sched
 from sched_ops import cli as ops
 from tests.fixtures_pg import sqlite_engine
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN, NODE_TOKEN = "admin-secret-1", "node-a-secret"
@@ -60,12 +60,6 @@ def run(*args: str, token: str | None = ADMIN, base: str | None = None,
         stdin: str | None = None) -> Any:
     env = {"SCHED_TOKEN": token or "", "SCHED_CONTROLLER_URL": base or ""}
     return CliRunner().invoke(sched, list(args), env=env, input=stdin)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------ writes and exit codes
