@@ -332,6 +332,9 @@ def test_demo_params_are_data(
         _render(settings, row)
 
 
+# Alike in shape to test_demo_params_are_data above: the same attack on the restic example,
+# whose values reach a command through a param, the storage or the node name (_with), and whose
+# refusals are matched by their words alone; other rows, other rules.
 @pytest.mark.parametrize(("action", "target", "value", "rule"), [
     ("backup", "param:path", "/root/.ssh", "is not under /home or /srv/data"),
     ("backup", "param:path", "/etc/sched-agent/restic-password", "is not under"),
