@@ -49,7 +49,7 @@ pytestmark = pytest.mark.filterwarnings(
     ":hypothesis.errors.HypothesisDeprecationWarning"
 )
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Callable[..., Any])
 
 FUZZ = settings(
     max_examples=EXAMPLES,
