@@ -48,12 +48,12 @@ import psycopg  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
+from bench.prefect_bench import write_section  # noqa: E402
 from controller import claims, db, tasks  # noqa: E402
 from controller.central import CentralScheduler, CentralSettings  # noqa: E402
 from controller.models import TaskIn  # noqa: E402
 from controller.testing import RecordingDispatcher  # noqa: E402
 
-DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- controller:begin -->", "<!-- controller:end -->"
 
 RAW_CLAIM = """
@@ -459,19 +459,6 @@ def report(
     return "\n".join(lines)
 
 
-def write_docs(section: str) -> None:
-    """Replace the controller section of docs/benchmarks.md (appending it if missing)."""
-    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS.write_text(text, encoding="utf-8")
-
-
 def run_api_benchmark(args: list[str]) -> None:
     """Run ``bench.bench_controller_api.main(args)`` when that module exists."""
     try:
@@ -534,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         section = report(server, runs, wakes, args.tasks, args.batch, args.trials)
     print(section)
     if args.write_docs:
-        write_docs(section)
+        write_section(BEGIN, END, "", section)
     if not args.no_api:
         run_api_benchmark(shlex.split(args.api_args))
 

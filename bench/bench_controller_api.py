@@ -27,7 +27,6 @@ import argparse
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,11 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.prefect_bench import DOCS, answers, free_port, wait_until, write_section  # noqa: E402
 from controller.db import make_engine, migrate  # noqa: E402
 from controller.schedules import put_schedule, stored_values  # noqa: E402
 from sched_core.model import LocalSchedule  # noqa: E402
 
-DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- api:begin -->", "<!-- api:end -->"
 NODE = "bench-node"
 ADMIN_TOKEN = "bench-admin-token"
@@ -149,13 +148,6 @@ def time_body_paths(url: str, *, repeats: int = 5) -> tuple[float, float]:
     return statistics.median(models), statistics.median(wires)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM a server process, wait up to 30 s, then SIGKILL it (one process, no group)."""
     proc.send_signal(signal.SIGTERM)
@@ -169,7 +161,7 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def serve(url: str, *flags: str) -> Iterator[str]:
     """Run ``serve --api-only`` as a subprocess (its own GIL) and yield its base URL."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SCHED_")}
     env.update(SCHED_DATABASE_URL=url, SCHED_ADMIN_TOKEN=ADMIN_TOKEN,
                SCHED_NODE_TOKENS=f"{NODE}={NODE_TOKEN}")
@@ -180,17 +172,12 @@ def serve(url: str, *flags: str) -> Iterator[str]:
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not come up within 60 s")
-            try:
-                if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)  # polling for the server to come up
+        up = wait_until(lambda: proc.poll() is not None or answers(f"{base}/healthz", timeout=5),
+                        60, every=0.05)
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        if not up:
+            raise RuntimeError("server did not come up within 60 s")
         yield base
     finally:
         stop_server(proc)
@@ -359,20 +346,6 @@ def temporary_postgres() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def write_docs(section: str, path: Path = DOCS) -> None:
-    """Replace the text between the api markers in path (appending them when absent)."""
-    block = f"{BEGIN}\n{section}\n{END}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> list[Run]:
     """Run the benchmark, print the table and ratios; argv defaults to no flags (not sys.argv)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -414,8 +387,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
     section = render(runs, count=args.schedules)
     print(section)
     if args.write_docs:
-        write_docs(section)
-        print(f"\nwrote {DOCS.relative_to(ROOT)}")
+        write_section(BEGIN, END, "", section)
     return runs
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -29,9 +27,12 @@ from zoneinfo import ZoneInfo
 from croniter import croniter
 from cronsim import CronSim
 
+# Alike in shape to the opening of bench_node.py and fleet_sim.py: each benchmark runs as a
+# script, so each puts this checkout first on sys.path, then imports from it.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.prefect_bench import machine, write_section  # noqa: E402
 from sched_core.index import DueIndex  # noqa: E402
 from sched_core.matcher import last_fire, matches, next_fire  # noqa: E402
 from sched_core.model import (  # noqa: E402
@@ -336,20 +337,14 @@ def main() -> None:
         print("-", note)
     print(f"total {time.perf_counter() - started:.0f} s")
     if not args.no_write:
-        write_section(lines, notes)
+        write_docs(lines, notes)
 
 
-def write_section(table: list[str], notes: list[str]) -> None:
+def write_docs(table: list[str], notes: list[str]) -> None:
     """Rewrite only the core section of docs/benchmarks.md, between its markers."""
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-    machine = (
-        f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores "
-        f"shared with other work, load average {load} at the end"
-    )
     body = "\n".join(
         [
-            BEGIN,
-            f"Measured by `bench/bench_core.py` on {datetime.now(UTC):%Y-%m-%d} ({machine}); "
+            f"Measured by `bench/bench_core.py` on {datetime.now(UTC):%Y-%m-%d} ({machine()}); "
             f"{FLEET:,} random schedules (seed {SEED}) in America/New_York, tick at "
             f"{TICK:%Y-%m-%dT%H:%MZ}. Best of 1-7 repeats; baselines measured in the same run; "
             "ratios use CPU time, which the other work on the machine disturbs less than "
@@ -358,19 +353,9 @@ def write_section(table: list[str], notes: list[str]) -> None:
             *table,
             "",
             *[f"- {note}" for note in notes],
-            END,
         ]
     )
-    path = ROOT / "docs" / "benchmarks.md"
-    path.parent.mkdir(exist_ok=True)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + body + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## Core (sched_core)\n\n" + body + "\n"
-    path.write_text(text)
-    print(f"wrote {path.relative_to(ROOT)}")
+    write_section(BEGIN, END, "## Core (sched_core)", body)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import argparse
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,24 +56,16 @@ import psycopg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
+from bench.prefect_bench import answers, free_port, wait_until, write_section  # noqa: E402
 from controller import claims, db, tasks  # noqa: E402
 from controller.models import ScheduledTask, TaskIn  # noqa: E402
 from deployments.run_local import stop_group  # noqa: E402
 
-DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- failover:begin -->", "<!-- failover:end -->"
 SCHED = str(Path(sys.executable).parent / "sched")
 PREFECT = str(Path(sys.executable).parent / "prefect")
 FLOW_NAME = "sched-chaos-target"
 DEPLOYMENT = "chaos"
-
-
-def free_port() -> int:
-    """Return a free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -91,18 +82,12 @@ def prefect_server(folder: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}/api"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"prefect server exited; see {folder / 'prefect-server.log'}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("prefect server did not become healthy in 120 s")
-            time.sleep(0.5)
+        up = wait_until(lambda: proc.poll() is not None or answers(f"{url}/health"), 120,
+                        every=0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited; see {folder / 'prefect-server.log'}")
+        if not up:
+            raise RuntimeError("prefect server did not become healthy in 120 s")
         yield url
     finally:
         stop_group(proc, 30, kill_wait_s=10.0)
@@ -435,17 +420,6 @@ def report(result: ChaosResult) -> str:
     return "\n".join(lines)
 
 
-def write_docs(section: str) -> None:
-    text = DOCS.read_text("utf-8")
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text:
-        start, stop = text.index(BEGIN), text.index(END) + len(END)
-        text = text[:start] + block + text[stop:]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOCS.write_text(text, "utf-8")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=180.0)
@@ -477,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         print("duplicated:", list(result.duplicated.items())[:20])
     print(f"delays: median {statistics.median(result.delays) if result.delays else 0:.3f} s")
     if args.write_docs:
-        write_docs(section)
+        write_section(BEGIN, END, "", section)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,11 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "benchmarks.md"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.prefect_bench import answers, free_port, percentile, wait_until, write_section  # noqa: E402
+
 BEGIN, END = "<!-- flood:begin -->", "<!-- flood:end -->"
 TOKEN = "bench-flood-admin-token"
 
@@ -56,13 +60,6 @@ from controller.db import make_engine
 app = create_app(make_engine(sys.argv[1]), Tokens(admin=[sys.argv[3]]))
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), access_log=False, lifespan="off")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -94,15 +91,10 @@ def controller(
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start: {log_path.read_text()}")
-            try:
-                if httpx.get(f"{base}/healthz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)  # polling for the server to come up
+        up = wait_until(lambda: proc.poll() is not None or answers(f"{base}/healthz", timeout=5),
+                        60, every=0.05)
+        if not up or proc.poll() is not None:
+            raise RuntimeError(f"{name} did not start: {log_path.read_text()}")
         yield base, log_path
     finally:
         proc.terminate()
@@ -255,13 +247,6 @@ def measure(
     return outcome
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _ms(seconds: float) -> str:
     return "-" if seconds != seconds else f"{seconds * 1000:.1f} ms"  # NaN: nothing answered
 
@@ -317,19 +302,9 @@ def report(outcomes: list[Outcome], slow: int, seconds: float, nofile: int) -> s
     return "\n".join(lines)
 
 
-def write_docs(section: str) -> None:
-    text = DOCS.read_text("utf-8")
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text:
-        start, stop = text.index(BEGIN), text.index(END) + len(END)
-        text = text[:start] + block + text[stop:]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOCS.write_text(text, "utf-8")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    # Alike in shape to bench_failover.py's main: argparse options, other names and defaults.
     parser.add_argument("--slow", type=int, default=1100)
     parser.add_argument("--under", type=int, default=800,
                         help="a flood under the ceiling, for the second run")
@@ -353,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     section = report(outcomes, args.slow, args.seconds, args.nofile)
     print(section)
     if args.write_docs:
-        write_docs(section)
+        write_section(BEGIN, END, "", section)
 
 
 if __name__ == "__main__":

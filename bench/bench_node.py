@@ -57,15 +57,20 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+# Alike in shape to the opening of fleet_sim.py (and bench_core.py): each benchmark runs as a
+# script, so each puts this checkout first on sys.path, then imports from it.
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.prefect_bench import (  # noqa: E402
+    answers,
     free_port,
     machine,
+    percentile,
     start_server,
     stop_group,
     tree_cpu,
+    wait_until,
     write_section,
 )
 from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body  # noqa: E402
@@ -115,16 +120,11 @@ def _config(folder: Path, name: str, pull: str, *, extra: str = "") -> Path:
     return config
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _stats(values: list[float]) -> str:
     if not values:
         return "no samples"
     ms = [v * 1000 for v in values]
-    return (f"p50 {statistics.median(ms):.0f} ms, p99 {_pct(ms, 0.99):.0f} ms, "
+    return (f"p50 {statistics.median(ms):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms, "
             f"max {max(ms):.0f} ms ({len(ms)} jobs, {sum(1 for v in values if v < 0)} early)")
 
 
@@ -349,14 +349,7 @@ class Controller:
                 start_new_session=True)
         import httpx
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.base}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_until(lambda: answers(f"{self.base}/healthz"), 60)
         self.http = httpx.Client(base_url=self.base, timeout=30,
                                  headers={"Authorization": f"Bearer {self.ADMIN}"})
 
@@ -608,7 +601,7 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
                 "requests_per_node_hour": (requests1 - requests0) / hours / count,
                 "busy_at_start": busy_at_start, "busy_measured": busy1 - busy_at_start,
                 "health_p50_ms": statistics.median(probe) * 1000,
-                "health_p99_ms": _pct(probe, 0.99) * 1000, "health_max_ms": max(probe) * 1000}
+                "health_p99_ms": percentile(probe, 0.99) * 1000, "health_max_ms": max(probe) * 1000}
     finally:
         stop.set()
         for node in nodes:

@@ -1,4 +1,5 @@
-"""What the Prefect benchmarks share: a throwaway server, CPU of process trees, the docs section.
+"""What the benchmarks share: a throwaway Prefect server, a free port, a wait for a server to
+answer, CPU of process trees, a percentile, and the docs section each writes.
 
 Rule: every figure a benchmark reports is CPU time read from ``/proc`` (user +
 system, of a process and all its descendants, reaped or alive) or wall time
@@ -13,7 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 from deployments.run_local import stop_group as _stop_group
 from deployments.run_local import wait_healthy
@@ -29,6 +34,34 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def answers(url: str, *, timeout: float = 2.0) -> bool:
+    """Return whether GET url answers 200 now (False when nothing answers in time)."""
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, *, every: float = 0.3) -> bool:
+    """Call done every so many seconds until it holds (True) or timeout_s passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(every)
+    return False
+
+
+# bench/fleet_sim.py still has its own copy (_pct), and its own wait for /healthz: that file
+# is being changed on another branch; it should import these once that work is in.
+def percentile(values: list[float], q: float) -> float:
+    """Return the q-quantile of values by nearest rank (NaN when there are none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, str]:
@@ -126,14 +159,16 @@ def machine() -> str:
             f"shared with other work, load average {load} at the end")
 
 
-def write_section(begin: str, end: str, heading: str, body: str) -> None:
-    """Replace the text between begin and end in docs/benchmarks.md (append it under heading)."""
-    text = DOCS.read_text(encoding="utf-8") if DOCS.exists() else "# Benchmarks\n"
+def write_section(begin: str, end: str, heading: str, body: str, *, path: Path = DOCS) -> None:
+    """Replace the text between begin and end in path, docs/benchmarks.md by default; where
+    the markers are missing, append them with body between (under heading, unless empty)."""
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
     block = f"{begin}\n{body.strip()}\n{end}"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
     else:
-        text = text.rstrip("\n") + f"\n\n{heading}\n\n{block}\n"
-    DOCS.write_text(text, encoding="utf-8")
-    print(f"wrote {DOCS.relative_to(ROOT)}")
+        text = text.rstrip("\n") + (f"\n\n{heading}" if heading else "") + f"\n\n{block}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")

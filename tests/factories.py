@@ -1,4 +1,4 @@
-"""Builders of the controller's test data, shared by its test modules.
+"""Builders of the tests' data (schedule rows, tasks, claims) and a clock they set by hand.
 
 T0 = 2026-12-02 12:00 UTC (no DST nearby). The step helpers go through the
 store's batch API, as the scheduler does: a single claim is a batch of one.
@@ -20,9 +20,19 @@ from sched_core.model import LocalSchedule
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
 
-def schedule_row(schedule_id: str, **changes: object) -> LocalSchedule:
-    """Return an agent schedule row (a nightly backup) with changes applied."""
-    data: dict[str, object] = {
+class Clock:
+    """A now that the test sets (``clock.now = ...``) and the code under test calls."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def nightly(schedule_id: str, **changes: Any) -> dict[str, Any]:
+    """Return a nightly backup row (Mon and Tue 02:30) as a JSON object, with changes applied."""
+    data: dict[str, Any] = {
         "id": schedule_id,
         "name": f"nightly {schedule_id}",
         "repo_id": "r-9",
@@ -31,10 +41,42 @@ def schedule_row(schedule_id: str, **changes: object) -> LocalSchedule:
         "miss_policy": "run-once-within-24h",
         "enabled": True,
         "params": {"threads": 4},
-        "version": 99,
     }
     data.update(changes)
-    return LocalSchedule.model_validate(data)
+    return data
+
+
+def schedule_row(schedule_id: str, **changes: object) -> LocalSchedule:
+    """Return an agent schedule row (a nightly backup, version 99) with changes applied."""
+    return LocalSchedule.model_validate(nightly(schedule_id, **{"version": 99, **changes}))
+
+
+def job(sid: str, schedule: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+    """Return a backup row at version 1 as a JSON object (by default hourly at :00)."""
+    if schedule is None:
+        schedule = {"days": ["*"], "hours": ["*"], "minute": "0"}
+    base: dict[str, Any] = {
+        "id": sid,
+        "name": f"job {sid}",
+        "repo_id": "r-1",
+        "action": "backup",
+        "schedule": schedule,
+        "miss_policy": "run-once-within-24h",
+        "enabled": True,
+        "version": 1,
+    }
+    base.update(overrides)
+    return base
+
+
+def at(hours: list[str], minute: str, days: list[str] | None = None) -> dict[str, Any]:
+    """Return a clock schedule: hours at minute, on days (default every day)."""
+    return {"days": days or ["*"], "hours": hours, "minute": minute}
+
+
+def every(minutes: int) -> dict[str, Any]:
+    """Return an interval schedule: every so many wall minutes since local midnight."""
+    return {"days": None, "hours": None, "minute": "", "interval_minutes": minutes}
 
 
 def one_shot(name: str, at: datetime = T0, **kw: object) -> TaskIn:

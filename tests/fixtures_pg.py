@@ -9,6 +9,8 @@
 - ``postgres_empty_url``: per test, a fresh database with no tables.
 - ``sqlite_url``: per test, a fresh SQLite file migrated to head.
 - ``database_url``: ``sqlite_url`` and ``postgres_url``, parametrized.
+
+And, for fixtures of any scope (a context manager, not a fixture): ``sqlite_engine``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +122,18 @@ def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'controller.db'}"
     db.migrate(url)
     return url
+
+
+@contextmanager
+def sqlite_engine(folder: Path) -> Iterator[Engine]:
+    """Yield an engine on folder/controller.db, migrated to head; dispose of it after."""
+    url = db.database_url(f"sqlite:///{folder}/controller.db")
+    db.migrate(url, "head")
+    engine = db.make_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

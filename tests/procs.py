@@ -13,9 +13,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
+
+from deployments import run_local
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,24 +45,17 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float, *,
 
 
 def stop_group(proc: subprocess.Popen[bytes] | None, *, grace: float = 20.0) -> None:
-    """Stop a process started in its own session: SIGTERM its group, then SIGKILL."""
+    """Stop a process started in its own session: SIGTERM its group, wait up to grace s, then
+    SIGKILL it (deployments.run_local's stop); grace 0: SIGKILL at once, as a crash would."""
     if proc is None:
         return
-    steps = [(signal.SIGTERM, grace)] if grace > 0 else []
-    for sig, wait in [*steps, (signal.SIGKILL, 10.0)]:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
+    if grace > 0:
+        run_local.stop_group(proc, grace, kill_wait_s=10.0)
+    else:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
 
 
 def start(argv: list[str], *, env: Mapping[str, str], log: Path,
@@ -71,15 +67,20 @@ def start(argv: list[str], *, env: Mapping[str, str], log: Path,
 
 
 class PrefectServer:
-    """A real ``prefect server start`` on SQLite under a folder, stopped and started at will."""
+    """A real ``prefect server start`` on SQLite under a folder, stopped and started at will.
 
-    def __init__(self, home: Path, *, port: int | None = None) -> None:
+    Its environment is this process's with PREFECT_HOME=home, its API URL, and no UI and no
+    analytics, unless env is given (its whole environment then).
+    """
+
+    def __init__(self, home: Path, *, port: int | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
         self.log = home / "server.log"
-        self.env = {
+        self.env = dict(env) if env is not None else {
             **os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": self.url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_UI_ENABLED": "false", "PREFECT_UI_ENABLED": "false",

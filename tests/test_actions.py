@@ -146,6 +146,8 @@ def test_strict_params_refuses_a_row_param_the_action_does_not_declare() -> None
     assert "\x1b" not in str(caught.value)
 
 
+# Alike in shape row to row (duplicates lists its runs): a table of a template, a declaration,
+# a value and the rule it breaks; each row is another rule.
 @pytest.mark.parametrize(
     ("template", "decl", "value", "rule"),
     [

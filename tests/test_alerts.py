@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from controller.watch import FleetWatch
 from sched_cli import app as sched
+from tests.factories import Clock
 
 pytestmark = pytest.mark.prefect
 
@@ -194,14 +195,6 @@ def test_a_central_task_that_gave_up_fires(alerts: dict[str, str]) -> None:
 
 T0 = datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
 ADMIN = {"Authorization": "Bearer alerts-admin-token"}
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @contextmanager

@@ -37,6 +37,7 @@ import pytest
 from flows.actions import ValueRefused, job_environment, render_argv, run_command
 from flows.settings import AgentSettings, load_settings, template_fields
 from sched_core import ConfigError, LocalSchedule
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -331,6 +332,9 @@ def test_demo_params_are_data(
         _render(settings, row)
 
 
+# Alike in shape to test_demo_params_are_data above: the same attack on the restic example,
+# whose values reach a command through a param, the storage or the node name (_with), and whose
+# refusals are matched by their words alone; other rows, other rules.
 @pytest.mark.parametrize(("action", "target", "value", "rule"), [
     ("backup", "param:path", "/root/.ssh", "is not under /home or /srv/data"),
     ("backup", "param:path", "/etc/sched-agent/restic-password", "is not under"),
@@ -1172,8 +1176,6 @@ def test_every_answer_carries_nosniff_and_no_referrer(controller: Controller) ->
 
 def test_an_unreachable_database_is_a_503_with_a_reason(tmp_path: Path) -> None:
     """Point 9: with the database unreachable the API answered a bare 500."""
-    import socket
-
     import httpx
     from sqlalchemy.exc import OperationalError
 
@@ -1182,9 +1184,7 @@ def test_an_unreachable_database_is_a_503_with_a_reason(tmp_path: Path) -> None:
     from controller.db import make_engine
     from controller.testing import serve_in_thread
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again: nothing listens there
+    port = free_port()  # nothing listens there
     engine = make_engine(f"postgresql://sched:db-pw-secret@127.0.0.1:{port}/sched")
     try:
         # Live: every query raises, and FastAPI's default for an exception is a bare 500.

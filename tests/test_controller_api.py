@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from sqlalchemy.engine import Engine
 
 from controller import schedules as schedule_store
 from controller import tasks
@@ -29,6 +30,7 @@ from sched_core.errors import PullError
 from sched_core.model import LocalSchedule
 from sched_core.scheduler import Config, Fire, Scheduler
 from sched_core.values import STORED_BEFORE_RULES
+from tests.factories import nightly
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
 NODE_A_TOKEN = "node-a-secret-token-abcdef"
@@ -38,20 +40,8 @@ ALL_TOKENS = (ADMIN_TOKEN, NODE_A_TOKEN, NODE_B_TOKEN, AGENT_TOKEN)
 
 
 def row(schedule_id: str, **changes: Any) -> dict[str, Any]:
-    """Return a valid wire-format row as a JSON object, with changes applied."""
-    data: dict[str, Any] = {
-        "id": schedule_id,
-        "name": f"nightly {schedule_id}",
-        "repo_id": "r-9",
-        "action": "backup",
-        "storage": "b2",
-        "schedule": {"days": ["mon", "tue"], "hours": ["2"], "minute": "30"},
-        "miss_policy": "run-once-within-24h",
-        "enabled": True,
-        "params": {"threads": 4},
-    }
-    data.update(changes)
-    return data
+    """Return a valid wire-format row (tests.factories.nightly, on storage b2) with changes."""
+    return nightly(schedule_id, **{"storage": "b2", **changes})
 
 
 def bearer(token: str) -> dict[str, str]:
@@ -207,6 +197,15 @@ def test_healthz_needs_no_token_and_checks_the_database(client: httpx.Client) ->
     assert response.json() == {"status": "ok", "database": "ok"}
 
 
+def healthz_of(engine: Engine) -> httpx.Response:
+    """GET /healthz of an app of its own on engine, which is disposed of after."""
+    try:
+        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as url:
+            return httpx.get(f"{url}/healthz", timeout=30)
+    finally:
+        engine.dispose()
+
+
 def test_healthz_reports_an_unreachable_database(tmp_path: Path) -> None:
     # A SQLite file inside a folder that is really a file cannot be opened.
     blocker = tmp_path / "blocker"
@@ -214,11 +213,7 @@ def test_healthz_reports_an_unreachable_database(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path}/missing/controller.db")
     (tmp_path / "missing").rmdir()
     (tmp_path / "missing").symlink_to(blocker)
-    try:
-        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as url:
-            response = httpx.get(f"{url}/healthz", timeout=30)
-    finally:
-        engine.dispose()
+    response = healthz_of(engine)
     assert response.status_code == 503
     assert response.json()["status"] == "unavailable"
 
@@ -533,12 +528,7 @@ def test_oversized_body_is_413(client: httpx.Client) -> None:
 
 
 def test_healthz_fails_on_an_unmigrated_database(tmp_path: Path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
-    try:
-        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN]))) as url:
-            response = httpx.get(f"{url}/healthz", timeout=30)
-    finally:
-        engine.dispose()
+    response = healthz_of(make_engine(f"sqlite:///{tmp_path / 'empty.db'}"))
     assert response.status_code == 503
 
 
@@ -627,6 +617,8 @@ def test_body_nested_too_deep_is_422(client: httpx.Client) -> None:
     assert client.get(path, headers=ADMIN).json()["version"] == 1
 
 
+# Alike in shape to test_attacks.py's tables of refused values (rows of four strings): these
+# are text values the wire format refuses, with other fields and other checks.
 @pytest.mark.parametrize(
     ("key", "raw", "field", "words"),
     [

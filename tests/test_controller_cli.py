@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from controller.db import migrate
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-c", "from controller.cli import app; app()"]
@@ -46,13 +47,6 @@ def tables(path: Path) -> set[str]:
         rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
     conn.close()
     return {name for (name,) in rows}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def test_migrate_goes_up_and_down(tmp_path: Path) -> None:

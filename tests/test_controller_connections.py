@@ -13,6 +13,7 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,8 +22,8 @@ import pytest
 from controller.api import create_app
 from controller.auth import Tokens
 from controller.connections import ConnectionLimits, Notices, QuietRepeats
-from controller.db import make_engine, migrate
 from controller.testing import serve_in_thread
+from tests.fixtures_pg import sqlite_engine
 
 ADMIN_TOKEN = "conn-admin-token-2718"
 LIVENESS = 30.0
@@ -32,17 +33,18 @@ LIMITS = ConnectionLimits(max_connections=40, header_timeout=1.0, body_timeout=1
                           write_timeout=2.0, notice_interval=3600)
 
 
+@contextmanager
+def serving(folder: Path, limits: ConnectionLimits) -> Iterator[str]:
+    """Serve a controller on a migrated SQLite file in folder, with limits; yield its URL."""
+    with sqlite_engine(folder) as engine, serve_in_thread(
+            create_app(engine, Tokens(admin=[ADMIN_TOKEN])), limits=limits) as base_url:
+        yield base_url
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path_factory.mktemp('conn') / 'controller.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    try:
-        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
-                             limits=LIMITS) as base_url:
-            yield base_url
-    finally:
-        engine.dispose()
+    with serving(tmp_path_factory.mktemp("conn"), LIMITS) as base_url:
+        yield base_url
 
 
 def connect(base_url: str) -> socket.socket:
@@ -165,17 +167,10 @@ def test_a_keep_alive_connection_gets_a_header_deadline_for_its_next_request(bas
 @pytest.fixture()
 def small(tmp_path: Path) -> Iterator[str]:
     """A server of its own with a ceiling of 30 (no other test's connections in its count)."""
-    url = f"sqlite:///{tmp_path / 'small.db'}"
-    migrate(url)
-    engine = make_engine(url)
     limits = ConnectionLimits(max_connections=30, header_timeout=6.0, body_timeout=6.0,
                               write_timeout=6.0, notice_interval=3600)
-    try:
-        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
-                             limits=limits) as base_url:
-            yield base_url
-    finally:
-        engine.dispose()
+    with serving(tmp_path, limits) as base_url:
+        yield base_url
 
 
 def test_past_the_ceiling_the_oldest_slow_connections_make_room_logged_once(
@@ -297,10 +292,7 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(tmp_path: Path) -> No
     from sched_core.model import LocalSchedule
 
     ROWS, PAD = 16, 1 << 20  # a 16 MiB answer: more than every socket buffer holds
-    url = f"sqlite:///{tmp_path / 'big.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    try:
+    with sqlite_engine(tmp_path) as engine:
         with Session(engine) as session:
             for index in range(ROWS):
                 schedules.put_schedule(session, "big", LocalSchedule.model_validate({
@@ -328,8 +320,6 @@ def test_a_client_that_stops_reading_its_answer_is_cut_off(tmp_path: Path) -> No
             sock.close()
             assert received < ROWS * PAD  # cut off before the whole answer
             assert httpx.get(f"{base_url}/healthz", timeout=LIVENESS).status_code == 200
-    finally:
-        engine.dispose()
 
 
 def test_slowloris_the_controller_answers_a_normal_client_while_many_slow_ones_hang(
@@ -345,9 +335,6 @@ def test_slowloris_the_controller_answers_a_normal_client_while_many_slow_ones_h
     # A header deadline long enough for the normal client's rounds on a loaded machine.
     limits = ConnectionLimits(max_connections=SLOW + 50, header_timeout=8.0,
                               body_timeout=8.0, write_timeout=8.0, notice_interval=3600)
-    url = f"sqlite:///{tmp_path / 'slowloris.db'}"
-    migrate(url)
-    engine = make_engine(url)
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -358,8 +345,7 @@ def test_slowloris_the_controller_answers_a_normal_client_while_many_slow_ones_h
     logging.getLogger().addHandler(keep)
     slow: list[socket.socket] = []
     try:
-        with serve_in_thread(create_app(engine, Tokens(admin=[ADMIN_TOKEN])),
-                             limits=limits) as base_url:
+        with serving(tmp_path, limits) as base_url:
             for index in range(SLOW):
                 sock = connect(base_url)
                 sock.sendall(b"GET /api/nodes HTTP/1.1\r\nHost: x\r\nX-Slow-" +
@@ -388,7 +374,6 @@ def test_slowloris_the_controller_answers_a_normal_client_while_many_slow_ones_h
         for sock in slow:
             sock.close()
         logging.getLogger().removeHandler(keep)
-        engine.dispose()
     ours = [r for r in records if r.name == "controller.connections"]
     assert len(ours) <= 2 and sum(r.__dict__["count"] for r in ours) <= SLOW
     assert [r.__dict__["kind"] for r in ours][:1] == ["header_timeout"]

@@ -20,7 +20,6 @@ earlier run left behind.
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from controller.claims import Claim
 from controller.dispatch import PrefectDispatcher, event_id
 from controller.errors import DispatchError
 from controller.models import DispatchStatus, TaskIn
+from tests.procs import free_port
 
 DEADLINE = 60.0  # seconds; only ever reached when something is broken
 
@@ -192,13 +192,6 @@ def test_a_missing_deployment_fails_the_dispatch_naming_it(prefect_server: str) 
     assert prefect_server in message
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port  # nothing listens there once the socket is closed
-
-
 FAILED_AT = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
 
@@ -227,7 +220,7 @@ def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
     """No server needed: an event that cannot be delivered must not count as dispatched."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    url = f"http://127.0.0.1:{_closed_port()}/api"
+    url = f"http://127.0.0.1:{free_port()}/api"
     with temporary_settings({PREFECT_API_URL: url}):
         claim = Claim(task_id=0, name="lost", scheduled_at=FAILED_AT, worker_id="test",
                       locked_until=FAILED_AT, event="sched.task.probe.lost", deployment=None)
@@ -247,7 +240,7 @@ def test_an_unreachable_server_fails_the_dispatch_and_the_task_is_retried(
 def test_an_unreachable_server_fails_a_deployment_run_naming_the_url(engine: Engine) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    port = _closed_port()
+    port = free_port()
     with temporary_settings({PREFECT_API_URL: f"http://user:pw-secret@127.0.0.1:{port}/api"}):
         claim = Claim(task_id=0, name="lost-run", scheduled_at=FAILED_AT, worker_id="test",
                       locked_until=FAILED_AT, event=None, deployment="flow/dep")
@@ -265,7 +258,7 @@ def test_the_prefect_api_check_names_the_url_and_the_problem(prefect_server: str
     from controller.dispatch import check_prefect_api
 
     assert check_prefect_api() is None  # the session's server answers
-    url = f"http://127.0.0.1:{_closed_port()}/api"
+    url = f"http://127.0.0.1:{free_port()}/api"
     with temporary_settings({PREFECT_API_URL: url}):
         problem = check_prefect_api(timeout=5)
     assert problem is not None and problem.startswith(f"the Prefect API at {url} does not answer")

@@ -16,6 +16,7 @@ from flows.firing import Decided, FiringLoop
 from sched_core.firing import Due, NodeView, due_now, next_start
 from sched_core.guard import StartDecision, Verdict
 from sched_core.model import LocalSchedule
+from tests.factories import Clock
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)
@@ -105,14 +106,6 @@ def test_a_paused_row_has_no_next_start_and_nothing_due() -> None:
     assert next_start(_view(row), now=now, decided={}) is None
 
 
-class _Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
     tmp_path: Path,
 ) -> None:
@@ -120,7 +113,7 @@ def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
     # jobs' to run in its turn, never coalesced into the next (issue: W skipped for W+1).
     row = _row(interval_minutes=1)
     start = datetime(2026, 12, 4, 15, 0, 0, tzinfo=UTC)
-    clock = _Clock(start - timedelta(seconds=1))
+    clock = Clock(start - timedelta(seconds=1))
     fired: list[datetime] = []
     skipped: list[tuple[datetime, str]] = []
 

@@ -22,6 +22,7 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.events import EVENT_SCHEDULES_UPDATED, NO_PREFECT_API, PrefectEvents
 from controller.fleet import FleetSettings
+from tests.factories import Clock
 from tests.fixtures_prefect import agent_events
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
@@ -30,16 +31,6 @@ NODE_B_TOKEN = "node-b-secret-token-fedcba"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 NODE_A = {"Authorization": f"Bearer {NODE_A_TOKEN}"}
 NODE_B = {"Authorization": f"Bearer {NODE_B_TOKEN}"}
-
-
-class Clock:
-    """The app's now, set by the test."""
-
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @dataclass

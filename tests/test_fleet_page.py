@@ -25,12 +25,12 @@ from typing import Any
 import httpx
 import pytest
 
-from controller import db
 from controller.api.app import create_app
 from controller.api.page import COOKIE
 from controller.auth import Tokens
 from controller.fleetpage import FleetView, render_page
 from controller.testing import serve_in_thread
+from tests.fixtures_pg import sqlite_engine
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -118,33 +118,29 @@ def _chromium_or_skip() -> None:
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real controller, its clock pinned to NOW: rows put, nodes a and b pull and report."""
-    folder = tmp_path_factory.mktemp("page-controller")
-    url = db.database_url(f"sqlite:///{folder}/controller.db")
-    db.migrate(url, "head")
-    engine = db.make_engine(url)
-    clock = {"now": WRITTEN}
-    app = create_app(engine, Tokens([ADMIN], {**TOKENS, "node-a": [NODE, *TOKENS["node-a"]]}),
-                     clock=lambda: clock["now"])
-    with serve_in_thread(app) as base:
-        auth = {"authorization": f"Bearer {ADMIN}"}
-        for node, rows in FLEET.items():
-            for item in rows:
-                answer = httpx.put(f"{base}/api/nodes/{node}/schedules/{item['id']}",
-                                   json=item, headers=auth)
-                assert answer.status_code == 200, answer.text
-        clock["now"] = NOW - timedelta(minutes=2)
-        for node, body in REPORTS.items():
-            mine = {"authorization": f"Bearer {TOKENS[node][0]}"}
-            pull = httpx.get(f"{base}/api/schedules", params={"node": node}, headers=mine)
-            assert pull.status_code == 200, pull.text
-            answer = httpx.post(f"{base}/api/nodes/{node}/report", json=body, headers=mine)
-            assert answer.status_code == 204, answer.text
-        app.state.pull_recorder.flush()
-        clock["now"] = NOW
-        app.state.prefect_ui = PREFECT_UI
-        yield base
-        app.state.pull_recorder.close()
-    engine.dispose()
+    with sqlite_engine(tmp_path_factory.mktemp("page-controller")) as engine:
+        clock = {"now": WRITTEN}
+        app = create_app(engine, Tokens([ADMIN], {**TOKENS, "node-a": [NODE, *TOKENS["node-a"]]}),
+                         clock=lambda: clock["now"])
+        with serve_in_thread(app) as base:
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            for node, rows in FLEET.items():
+                for item in rows:
+                    answer = httpx.put(f"{base}/api/nodes/{node}/schedules/{item['id']}",
+                                       json=item, headers=auth)
+                    assert answer.status_code == 200, answer.text
+            clock["now"] = NOW - timedelta(minutes=2)
+            for node, body in REPORTS.items():
+                mine = {"authorization": f"Bearer {TOKENS[node][0]}"}
+                pull = httpx.get(f"{base}/api/schedules", params={"node": node}, headers=mine)
+                assert pull.status_code == 200, pull.text
+                answer = httpx.post(f"{base}/api/nodes/{node}/report", json=body, headers=mine)
+                assert answer.status_code == 204, answer.text
+            app.state.pull_recorder.flush()
+            clock["now"] = NOW
+            app.state.prefect_ui = PREFECT_UI
+            yield base
+            app.state.pull_recorder.close()
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
@@ -34,7 +35,8 @@ from hypothesis import strategies as st
 from sched_core import PullError
 from sched_core.cache import load_cache_file
 from sched_core.scheduler import Config, Fire, Scheduler
-from tests.test_scheduler import T0, row
+from tests.factories import job as row
+from tests.test_scheduler import T0
 
 EXAMPLES = int(os.environ.get("SCHED_FUZZ_EXAMPLES", "120"))
 
@@ -46,6 +48,8 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Do not use the `random` module inside strategies"
     ":hypothesis.errors.HypothesisDeprecationWarning"
 )
+
+T = TypeVar("T", bound=Callable[..., Any])
 
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -224,6 +228,15 @@ ISSUE_14 = [
 ]
 
 
+def examples(name: str, values: list[bytes]) -> Callable[[T], T]:
+    """@example(name=value) for each of values, in their order (as if stacked one by one)."""
+    def add(test: T) -> T:
+        for value in reversed(values):
+            test = example(**{name: value})(test)
+        return test
+    return add
+
+
 def _config(folder: Path, fired: list[Fire]) -> Config:
     return Config(pull_url=(folder / "list.json").as_uri(), node_name="fuzz",
                   cache_path=folder / "cache.json", fire=fired.append)
@@ -247,18 +260,7 @@ def _fresh(workdir: Path) -> Path:
 
 @FUZZ
 @given(payload=documents(_pull_wrap))
-@example(payload=ISSUE_14[0])
-@example(payload=ISSUE_14[1])
-@example(payload=ISSUE_14[2])
-@example(payload=ISSUE_14[3])
-@example(payload=ISSUE_14[4])
-@example(payload=ISSUE_14[5])
-@example(payload=ISSUE_14[6])
-@example(payload=ISSUE_14[7])
-@example(payload=ISSUE_14[8])
-@example(payload=ISSUE_14[9])
-@example(payload=ISSUE_14[10])
-@example(payload=ISSUE_14[11])
+@examples("payload", ISSUE_14)
 def test_no_pull_crashes_or_leaves_file_and_memory_apart(workdir: Path, payload: bytes) -> None:
     folder = _fresh(workdir)
     fired: list[Fire] = []

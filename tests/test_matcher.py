@@ -240,6 +240,8 @@ def test_naive_datetimes_are_rejected(call: object) -> None:
 
 # --- fire_times across DST ---------------------------------------------------------
 
+# Alike in shape row to row (duplicates lists its runs): a table of cases, each a zone, a
+# schedule, a range and the fire times found in it; the values are what each case proves.
 DST_CASES = [
     # New York spring-forward: 02:xx does not exist.
     pytest.param(

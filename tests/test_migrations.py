@@ -439,6 +439,8 @@ def test_0008_gives_each_existing_row_its_version_from_its_last_write(empty_url:
             assert (first.valid_until, second.valid_from, second.row.version) == (later, later, 2)
         db.downgrade(empty_url, "0007")
         assert _tables(empty_url) == TABLES - MORNING_TABLES
+        # Alike in shape to the end of test_policies_column_... and the start of the test after
+        # it: each migration test goes back up to head and checks it, the next starts lower.
         db.migrate(empty_url)
         assert _schema(empty_url)["alembic_version"] == [HEAD]
     finally:

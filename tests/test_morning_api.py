@@ -26,6 +26,7 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.fleet import FleetSettings
 from controller.testing import serve_in_thread
+from tests.factories import Clock
 
 ADMIN = {"Authorization": "Bearer morning-admin-token"}
 NODES = ("node-a", "node-b", "node-c")
@@ -34,14 +35,6 @@ WRITTEN = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
 MORNING = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 BK_WINDOW = "2026-12-04T07:30:00Z"
 BK_KEY = "bk@2026-12-04T02:30-05:00"
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @contextmanager

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from sched_cli import app as sched
 from sched_ops.cli import silent_warning
+from tests.factories import Clock
 from tests.test_morning_api import (
     BK_KEY,
     MORNING,
-    Clock,
     controller,
     morning_fleet,
 )

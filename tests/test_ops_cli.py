@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,12 +23,13 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from controller import db
 from controller.api.app import create_app
 from controller.auth import Tokens
 from controller.testing import serve_in_thread
 from sched_cli import app as sched
 from sched_ops import cli as ops
+from tests.fixtures_pg import sqlite_engine
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN, NODE_TOKEN = "admin-secret-1", "node-a-secret"
@@ -45,14 +45,10 @@ ROW: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     """A real controller on a free loopback port: (base URL, the app)."""
-    folder = tmp_path_factory.mktemp("ops-controller")
-    url = db.database_url(f"sqlite:///{folder}/controller.db")
-    db.migrate(url, "head")
-    engine = db.make_engine(url)
-    app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE_TOKEN]}))
-    with serve_in_thread(app) as base:
-        yield base, app
-    engine.dispose()
+    with sqlite_engine(tmp_path_factory.mktemp("ops-controller")) as engine:
+        app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE_TOKEN]}))
+        with serve_in_thread(app) as base:
+            yield base, app
 
 
 @pytest.fixture
@@ -64,12 +60,6 @@ def run(*args: str, token: str | None = ADMIN, base: str | None = None,
         stdin: str | None = None) -> Any:
     env = {"SCHED_TOKEN": token or "", "SCHED_CONTROLLER_URL": base or ""}
     return CliRunner().invoke(sched, list(args), env=env, input=stdin)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # ------------------------------------------------------------ writes and exit codes
@@ -322,36 +312,33 @@ FALL_BACK = datetime(2026, 11, 1, 4, 0, tzinfo=UTC)  # 00:00 EDT; New York falls
 @pytest.fixture(scope="module")
 def reported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real controller, its clock at FALL_BACK: node-a pulled and reported a failed job."""
-    folder = tmp_path_factory.mktemp("ops-fleet")
-    url = db.database_url(f"sqlite:///{folder}/controller.db")
-    db.migrate(url, "head")
-    engine = db.make_engine(url)
-    app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE_TOKEN]}), clock=lambda: FALL_BACK)
-    with serve_in_thread(app) as base:
-        nightly = {**ROW, "schedule": {"days": ["*"], "hours": ["1"], "minute": "30"}}
-        assert run("schedules", "put", "--node", "node-a", "--file", "-", base=base,
-                   stdin=json.dumps(nightly)).exit_code == 0
-        assert run("schedules", "put", "s-2", "--node", "node-b", "--name", "copy", "--action",
-                   "copy", "--repo-id", "r-1", "--storage", "b2", "--interval", "240",
-                   "--miss-policy", "skip", base=base).exit_code == 0
-        node = {"authorization": f"Bearer {NODE_TOKEN}"}
-        assert httpx.get(f"{base}/api/schedules", params={"node": "node-a"},
-                         headers=node).status_code == 200
-        job = {"state": "Failed", "window": "2026-10-31T05:30:00Z",
-               "ended_at": "2026-10-31T05:41:00Z",
-               "flow_run_id": "2b0c1c1e-1111-4a4a-8b8b-000000000001",
-               "flow_run_name": "backup-s-1-20261031T0530Z"}
-        answer = httpx.post(f"{base}/api/nodes/node-a/report", headers=node, json={
-            "node": "node-a", "agent_version": "0.1.0", "timezone": "America/New_York",
-            "grace_s": 300, "reported_at": "2026-11-01T03:59:00Z",
-            "last_pull": {"at": "2026-11-01T03:59:00Z", "ok": True, "error": None,
-                          "status": "200"},
-            "schedules": [{"id": "s-1", "last_fired": job["window"], "latest_job": job}],
-            "counts": {"skipped": 0, "missed": 0}})
-        assert answer.status_code == 204, answer.text
-        yield base
-        app.state.pull_recorder.close()
-    engine.dispose()
+    with sqlite_engine(tmp_path_factory.mktemp("ops-fleet")) as engine:
+        app = create_app(engine, Tokens([ADMIN], {"node-a": [NODE_TOKEN]}),
+                         clock=lambda: FALL_BACK)
+        with serve_in_thread(app) as base:
+            nightly = {**ROW, "schedule": {"days": ["*"], "hours": ["1"], "minute": "30"}}
+            assert run("schedules", "put", "--node", "node-a", "--file", "-", base=base,
+                       stdin=json.dumps(nightly)).exit_code == 0
+            assert run("schedules", "put", "s-2", "--node", "node-b", "--name", "copy", "--action",
+                       "copy", "--repo-id", "r-1", "--storage", "b2", "--interval", "240",
+                       "--miss-policy", "skip", base=base).exit_code == 0
+            node = {"authorization": f"Bearer {NODE_TOKEN}"}
+            assert httpx.get(f"{base}/api/schedules", params={"node": "node-a"},
+                             headers=node).status_code == 200
+            job = {"state": "Failed", "window": "2026-10-31T05:30:00Z",
+                   "ended_at": "2026-10-31T05:41:00Z",
+                   "flow_run_id": "2b0c1c1e-1111-4a4a-8b8b-000000000001",
+                   "flow_run_name": "backup-s-1-20261031T0530Z"}
+            answer = httpx.post(f"{base}/api/nodes/node-a/report", headers=node, json={
+                "node": "node-a", "agent_version": "0.1.0", "timezone": "America/New_York",
+                "grace_s": 300, "reported_at": "2026-11-01T03:59:00Z",
+                "last_pull": {"at": "2026-11-01T03:59:00Z", "ok": True, "error": None,
+                              "status": "200"},
+                "schedules": [{"id": "s-1", "last_fired": job["window"], "latest_job": job}],
+                "counts": {"skipped": 0, "missed": 0}})
+            assert answer.status_code == 204, answer.text
+            yield base
+            app.state.pull_recorder.close()
 
 
 def test_nodes_shows_each_nodes_pull_status_zone_and_version(reported: str) -> None:

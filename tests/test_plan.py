@@ -8,7 +8,7 @@ EDT, 06:00Z-06:59Z as EST). Asia/Kolkata (+05:30, no DST) is the half-hour zone.
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -18,38 +18,11 @@ from sched_core.guard import Verdict, decide_start, retry_allowed, stage_retry_a
 from sched_core.matcher import fire_times, window_key
 from sched_core.model import LocalSchedule
 from sched_core.plan import MISSED_SHOWN, Fate, missed, plan_windows, planned_fate
-from tests.views import guard_view, view_of
+from tests.factories import at, every
+from tests.views import GRACE, NY, guard_view, row, utc, view_of
 
-NY = ZoneInfo("America/New_York")
-GRACE = timedelta(minutes=5)
 HOUR = timedelta(hours=1)
 
-
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)
-
-
-def row(sid: str, schedule: dict[str, Any], **overrides: Any) -> LocalSchedule:
-    base: dict[str, Any] = {
-        "id": sid,
-        "name": f"job {sid}",
-        "repo_id": "r-1",
-        "action": "backup",
-        "schedule": schedule,
-        "miss_policy": "run-once-within-24h",
-        "enabled": True,
-        "version": 1,
-    }
-    base.update(overrides)
-    return LocalSchedule.model_validate(base)
-
-
-def at(hours: list[str], minute: str, days: list[str] | None = None) -> dict[str, Any]:
-    return {"days": days or ["*"], "hours": hours, "minute": minute}
-
-
-def every(minutes: int) -> dict[str, Any]:
-    return {"days": None, "hours": None, "minute": "", "interval_minutes": minutes}
 
 
 def plan(rows: list[LocalSchedule], now: datetime, **kw: Any) -> list[tuple[str, datetime]]:

@@ -29,38 +29,15 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
-from tests.views import guard_view, view_of
+from tests.factories import at, every
+from tests.views import GRACE, NY, guard_view, row, utc, view_of
 
-NY = ZoneInfo("America/New_York")
 ADELAIDE = ZoneInfo("Australia/Adelaide")
 KOLKATA = ZoneInfo("Asia/Kolkata")
-GRACE = timedelta(minutes=5)
 HOUR = timedelta(hours=1)
 MINUTE = timedelta(minutes=1)
 SECOND = timedelta(seconds=1)
 DAY = timedelta(days=1)
-
-
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)
-
-
-def row(sid: str, schedule: dict[str, Any], **overrides: Any) -> LocalSchedule:
-    base: dict[str, Any] = {
-        "id": sid, "name": f"job {sid}", "repo_id": "r-1", "action": "backup",
-        "schedule": schedule, "miss_policy": "run-once-within-24h", "enabled": True,
-        "version": 1,
-    }
-    base.update(overrides)
-    return LocalSchedule.model_validate(base)
-
-
-def at(hours: list[str], minute: str, days: list[str] | None = None) -> dict[str, Any]:
-    return {"days": days or ["*"], "hours": hours, "minute": minute}
-
-
-def every(minutes: int) -> dict[str, Any]:
-    return {"days": None, "hours": None, "minute": "", "interval_minutes": minutes}
 
 
 NIGHTLY = at(["2"], "30")

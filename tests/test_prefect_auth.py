@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,18 +29,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.procs import PrefectServer, free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
 ROOT = Path(__file__).resolve().parent.parent
-PREFECT = str(Path(sys.executable).parent / "prefect")
 AT = "2026-12-02T07:30:00+00:00"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _marked(marker: str) -> list[int]:
@@ -64,9 +57,8 @@ class AuthServer:
         self.node = f"auth-{uuid.uuid4().hex[:6]}"
         self.secret = f"sched:{uuid.uuid4().hex}"
         self.marker = uuid.uuid4().hex
-        port = _free_port()
+        port = free_port()
         self.api = f"http://127.0.0.1:{port}/api"
-        self.port = port
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith(("PREFECT_", "SCHED_"))}
         self.base = {
@@ -103,40 +95,14 @@ class AuthServer:
             "SCHED_CONFIG": str(config),
             "SCHED_NODE_NAME": self.node,
         }
-        self.log = tmp / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        # Its log is tmp/server.log; it runs in tmp, in a session of its own.
+        self.prefect = PrefectServer(tmp, port=port, env=self.server_env)
 
     def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                env=self.server_env, cwd=self.tmp, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"server did not become healthy:\n{self.log.read_text()}")
+        self.prefect.start(timeout=120)
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        self.prefect.stop()
 
     def python(self, code: str, *, auth: str | None = "same") -> subprocess.CompletedProcess[str]:
         """Run code in a fresh interpreter as a client (with the auth string, another, or none)."""

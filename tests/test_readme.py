@@ -25,7 +25,8 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 
-from tests.test_controller_cli import free_port, serving
+from tests.procs import free_port
+from tests.test_controller_cli import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = "\n".join(path.read_text(encoding="utf-8")

@@ -20,6 +20,7 @@ from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_
 from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
 from flows.recorder import Recorder
 from flows.registration import Deployments
+from tests.factories import Clock
 from tests.nodekit import Prefect
 from tests.procs import free_port
 
@@ -35,14 +36,10 @@ def api(prefect_server: str) -> Iterator[PrefectApi]:
     client.close()
 
 
-
-
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
+@pytest.fixture
+def outbox(tmp_path: Path) -> Outbox:
+    """The node's outbox under tmp_path, too large to refuse a job."""
+    return Outbox(tmp_path / "outbox", max_bytes=1 << 30)
 
 
 def _job(outbox: Outbox, node: str, *, started: datetime, ended: datetime,
@@ -79,10 +76,9 @@ def _recorder(api: PrefectApi, outbox: Outbox, node: str, clock: Clock) -> Recor
 
 
 def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
-    tmp_path: Path, api: PrefectApi, prefect: Prefect,
+    api: PrefectApi, prefect: Prefect, outbox: Outbox,
 ) -> None:
     node = f"rec-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
     started = WINDOW + timedelta(seconds=0.01)
     ended = started + timedelta(seconds=3)
     clock = Clock(ended + timedelta(minutes=40))  # the server came back 40 minutes later
@@ -114,10 +110,9 @@ def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
 
 @pytest.mark.parametrize("step", ["running", "logs", "artifact", "final", "event"])
 def test_a_record_cut_off_after_a_step_reached_the_server_is_not_sent_twice(
-    tmp_path: Path, api: PrefectApi, prefect: Prefect, step: str,
+    api: PrefectApi, prefect: Prefect, outbox: Outbox, step: str,
 ) -> None:
     node = f"cut-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
     started = WINDOW
     ended = started + timedelta(seconds=2)
     clock = Clock(ended + timedelta(seconds=1))
@@ -165,9 +160,8 @@ def test_a_deleted_deployment_is_registered_again_and_the_job_recorded(
     assert run["deployment_id"] != ids["run-job"]
 
 
-
 def test_two_drains_at_once_record_a_job_once(
-    tmp_path: Path, api: PrefectApi, prefect: Prefect,
+    api: PrefectApi, prefect: Prefect, outbox: Outbox,
 ) -> None:
     # The node's last drain at stop runs beside the recorder thread's: one at a time, or
     # both record the job with their own progress (two RUNNING states, two events) and
@@ -175,7 +169,6 @@ def test_two_drains_at_once_record_a_job_once(
     import threading
 
     node = f"two-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
     ended = WINDOW + timedelta(seconds=2)
     folder = _job(outbox, node, started=WINDOW, ended=ended, lines=["a", "b", "c"])
     recorder = _recorder(api, outbox, node, Clock(ended + timedelta(seconds=1)))

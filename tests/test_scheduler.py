@@ -22,27 +22,10 @@ import pytest
 
 from sched_core import Cache, ConfigError, PullError
 from sched_core.scheduler import MAX_PAYLOAD, Config, Fire, Scheduler
+from tests.factories import every
+from tests.factories import job as row
 
 T0 = datetime(2026, 11, 30, 15, 0, tzinfo=UTC)  # Monday 10:00 EST
-
-
-def row(sid: str, **overrides: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "id": sid,
-        "name": f"job {sid}",
-        "repo_id": "r-1",
-        "action": "backup",
-        "schedule": {"days": ["*"], "hours": ["*"], "minute": "0"},
-        "miss_policy": "run-once-within-24h",
-        "enabled": True,
-        "version": 1,
-    }
-    base.update(overrides)
-    return base
-
-
-def every(minutes: int) -> dict[str, Any]:
-    return {"days": None, "hours": None, "minute": "", "interval_minutes": minutes}
 
 
 def clock(days: list[str], hours: list[str], minute: str) -> dict[str, Any]:

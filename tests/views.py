@@ -1,19 +1,29 @@
-"""The node view the planner's and the guard's tests build (test_plan, test_policies).
+"""The rows and node view the planner's and the guard's tests build (test_plan, test_policies).
 
 Both read a New York node with a 5-minute grace unless a test says otherwise.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
 from sched_core.model import LocalSchedule
 from sched_core.view import NodeView
+from tests.factories import job
 
 NY = ZoneInfo("America/New_York")
 GRACE = timedelta(minutes=5)
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)
+
+
+def row(sid: str, schedule: dict[str, Any], **overrides: Any) -> LocalSchedule:
+    """Return a backup row at version 1 with that schedule (tests.factories.at or every)."""
+    return LocalSchedule.model_validate(job(sid, schedule, **overrides))
 
 
 def view_of(rows: list[LocalSchedule], options: dict[str, Any]) -> NodeView:
