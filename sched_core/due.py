@@ -7,7 +7,6 @@ fires what these return and stamps what fired.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sched_core.clock import floor_minute
@@ -19,16 +18,11 @@ from sched_core.view import NodeView
 _MINUTE = timedelta(minutes=1)
 
 
-@dataclass(frozen=True)
-class DueWindow:
-    """A schedule's window a tick fires, and how many older pending ones it coalesces."""
-
-    schedule: LocalSchedule
-    window: datetime
-    coalesced: int
+DueRow = tuple[LocalSchedule, datetime, int]
+"""A schedule's window a tick fires, and how many older pending ones it coalesces."""
 
 
-def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueWindow]:
+def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueRow]:
     """Return each enabled clock schedule's latest eligible window in ``[now - grace, now]``.
 
     Sorted by window, then id. Minutes are walked newest first, so the first
@@ -37,7 +31,7 @@ def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueWi
     """
     last_fired, first_seen, grace = view.last_fired, view.first_seen, view.grace
     floors: dict[str, datetime | None] = {}
-    latest: dict[str, DueWindow] = {}
+    latest: dict[str, DueRow] = {}
     minute = floor_minute(now)
     while minute >= now - grace:
         for row in index.due_at(minute):
@@ -49,9 +43,6 @@ def due_windows(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueWi
             if floor is not None and minute < floor:
                 continue
             found = latest.get(rid)
-            latest[rid] = (
-                DueWindow(row, minute, 0) if found is None
-                else DueWindow(found.schedule, found.window, found.coalesced + 1)
-            )
+            latest[rid] = (row, minute, 0) if found is None else (*found[:2], found[2] + 1)
         minute -= _MINUTE
-    return sorted(latest.values(), key=lambda due: (due.window, due.schedule.id))
+    return sorted(latest.values(), key=lambda due: (due[1], due[0].id))

@@ -37,6 +37,7 @@ from zoneinfo import ZoneInfo
 from sched_core.cache import validate_rows
 from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
 from sched_core.config import Config, Fire, FireFunc, TickReport
+from sched_core.due import DueRow
 from sched_core.errors import PullError
 from sched_core.facade import Forward
 from sched_core.guard import StartDecision, decide_start
@@ -55,7 +56,6 @@ from sched_core.pull import (
 from sched_core.runner import Runner
 from sched_core.store import CacheStore
 from sched_core.ticking import (
-    DueRow,
     call_fire,
     copy_row,
     decide_due,

@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from sched_core.config import Config, Fire
-from sched_core.due import due_windows
+from sched_core.due import DueRow, due_windows
 from sched_core.guard import decide_start
 from sched_core.index import DueIndex
 from sched_core.matcher import window_key
@@ -42,9 +42,6 @@ from sched_core.policies import catchup, latest_window, policy_block, row_zone, 
 from sched_core.view import NodeView
 
 log = logging.getLogger("sched_core.scheduler")
-
-DueRow = tuple[LocalSchedule, datetime, int]
-"""A row, its window due now, and how many older windows were coalesced into it."""
 
 
 def own_clock(row: LocalSchedule) -> bool:
@@ -85,11 +82,7 @@ def window_fire(row: LocalSchedule, window: datetime, tz: ZoneInfo, *, recovery:
 def _candidates(index: DueIndex, view: NodeView, *, now: datetime) -> list[DueRow]:
     """Return rule 1's candidates, in no particular order."""
     grace = view.grace
-    found = [
-        (due.schedule, due.window, due.coalesced)
-        for due in due_windows(index, view, now=now)
-        if not own_clock(due.schedule)
-    ]
+    found = [due for due in due_windows(index, view, now=now) if not own_clock(due[0])]
     for row in view.rows:
         if not own_clock(row) or not row.enabled or row.schedule.is_event:
             continue
