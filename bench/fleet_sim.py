@@ -1403,7 +1403,8 @@ def report(found: dict[str, Any]) -> str:
             if "ended" in r:
                 st = r["start"]
                 lines.append(
-                    f"| {layout} | {int(size):,} | {item.get('measured', '')} | - | - | - | - | "
+                    f"| {layout} | {int(size):,} | {r.get('measured', item.get('measured', ''))} | "
+                    "- | - | - | - | "
                     f"- | - | {st['http_5xx']:,} (start) | **not carried**: {r['ended']} | - | "
                     "- |")
                 continue
@@ -1411,7 +1412,7 @@ def report(found: dict[str, Any]) -> str:
             req = idle["requests_per_node_hour"]
             conns = idle["connections_opened_per_node_hour"]
             lines.append(
-                f"| {layout} | {int(size):,} | {item.get('measured', '')} | "
+                f"| {layout} | {int(size):,} | {r.get('measured', item.get('measured', ''))} | "
                 f"{_f(idle['load_before'][0], '{:.1f}')}-{_f(wave['load_after'][0], '{:.1f}')} | "
                 f"{_f(idle['center_cores'], '{:.3f}')} | "
                 f"{_f(req['prefect'], '{:.1f}')} + {_f(req['controller'], '{:.1f}')} | "
@@ -1437,7 +1438,8 @@ def report(found: dict[str, Any]) -> str:
                 errors = ", ".join(f"{k} {v:,}" for k, v in st.get("errors", {}).items())
                 lines.append(
                     f"- **{layout}, {int(size):,} nodes: where the layout ends.** "
-                    f"{r['ended']}; {st['center_cpu_s']:.0f} s of center CPU "
+                    f"{r['ended'][:1].upper()}{r['ended'][1:]}; "
+                    f"{st['center_cpu_s']:.0f} s of center CPU "
                     f"({st.get('center_cores', float('nan')):.2f} cores), {st['requests']:,} "
                     f"requests, answers by status: {statuses} (599: no answer, the simulator's "
                     f"own mark), connection errors: {errors or 'none'}.{logged}")
@@ -1544,14 +1546,23 @@ def main() -> int:
                                              ("start", "restart", "reconcile", "job")},
                                "sizes": {}}
     def save() -> None:
+        """This run's sizes into the layout's entry: a size measured again is replaced, the
+        layout's other sizes are kept (each with the time it was measured)."""
         existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-        existing[args.layout] = {**results, "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-                                 "load_at_end": os.getloadavg()}
+        old = existing.get(args.layout, {})
+        sizes = {size: {"measured": old.get("measured", ""), **r}
+                 for size, r in old.get("sizes", {}).items() if size not in results["sizes"]}
+        sizes.update(results["sizes"])
+        existing[args.layout] = {**results, "sizes": dict(sorted(
+            sizes.items(), key=lambda kv: int(kv[0]))),
+            "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "load_at_end": os.getloadavg()}
         args.out.write_text(json.dumps(existing, indent=1, default=str) + "\n")
 
     try:
         for size in args.sizes:
-            results["sizes"][str(size)] = asyncio.run(run_size(templates, layout, size, args))
+            results["sizes"][str(size)] = {
+                **asyncio.run(run_size(templates, layout, size, args)),
+                "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"}
             print(json.dumps(results["sizes"][str(size)], default=str)[:3000], flush=True)
             save()  # each size as soon as it is measured
     finally:
