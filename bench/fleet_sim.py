@@ -1451,7 +1451,7 @@ def report(found: dict[str, Any]) -> str:
             lines.append(
                 f"- **{layout}, {int(size):,} nodes.** Start: {st['seconds']:.0f} s, "
                 f"{st['center_cpu_s']:.0f} s of center CPU, {st['requests']:,} requests, "
-                f"{st['http_5xx']} answered 5xx (each asked again); "
+                f"{st['http_5xx']:,} answered 5xx (each asked again); "
                 f"{st.get('full_starts', int(size)):,} made a first start's calls (30 planned "
                 "runs each), the others a restart's. Idle cores by part: "
                 f"{idle_parts}. Wave cores by part: {parts}. Pattern check against the real node: "
