@@ -23,13 +23,19 @@
 
     .venv/bin/python bench/fleet_sim.py --layout scaled --nodes 100,1000 --restart
     .venv/bin/python bench/fleet_sim.py --layout sqlite --nodes 100,1000
+    .venv/bin/python bench/fleet_sim.py --layout postgres --nodes 100,1000
     .venv/bin/python bench/fleet_sim.py --record-only rec.json   # the recording alone
 
 ``--layout scaled`` starts the worktree's scaled layout (``scripts/scaled.py up``; left
 running), writes the simulated nodes' tokens into its tokens file and their rows into its
 controller database. ``--layout sqlite`` starts ``prefect server start`` on SQLite (as
-``make run``) and one controller. Raw figures go to ``bench/fleet_sim.json`` (one entry
-per layout), the docs section to docs/benchmarks.md between ``fleet:begin`` and
+``make run``) and one controller. ``--layout postgres`` starts a throwaway PostgreSQL cluster
+(scripts/scaled.py's) and ``prefect server start`` on it with Prefect's default pool, and one
+controller as the sqlite layout; both are stopped at the end. A size whose start does not
+finish within ``--start-timeout-s`` ends there and is recorded so (where the layout ends),
+with the answers and the servers' log errors seen. Raw figures go to
+``bench/fleet_sim.json`` (one entry per layout, replaced by a run of that layout; the
+others kept), the docs section to docs/benchmarks.md between ``fleet:begin`` and
 ``fleet:end``, with ``bench/fleet_sim_findings.md`` (what the runs found) appended.
 """
 
@@ -60,11 +66,13 @@ from bench.bench_node import Controller, _config, _spawn_node  # noqa: E402
 from bench.prefect_bench import (  # noqa: E402
     free_port,
     machine,
+    server_env,
     start_server,
     stop_group,
     tree_cpu,
     write_section,
 )
+from deployments.run_local import wait_healthy  # noqa: E402
 
 NY = "America/New_York"
 REPLAYED_HEADERS = frozenset({"if-none-match", "content-type", "accept"})
@@ -806,6 +814,7 @@ class Fleet:
         self.wave_rate = WAVE_JOBS_PER_NODE_HOUR
         self.reconciles = 0
         self.planned = 0
+        self.started = 0
         self.jobs: list[Job] = []
 
     def plan_due(self, node: SimNode) -> list[tuple[str, datetime]]:
@@ -828,6 +837,7 @@ class Fleet:
             await asyncio.sleep(at)
             async with gate:
                 await node.start(again=warm)
+            self.started += 1
 
         await asyncio.gather(*(one(node, random.uniform(0, spread_s), again or i >= full)
                                for i, node in enumerate(self.nodes)))
@@ -974,6 +984,8 @@ class Layout:
     parts: dict[str, int]
     tokens: dict[str, str]
     stop: Any = None
+    logs: dict[str, Path] = field(default_factory=dict)
+    """The servers' logs, whose errors each size counts (``server_errors``)."""
 
 
 def _rows() -> list[Any]:
@@ -1036,20 +1048,20 @@ def scaled_layout(names: list[str]) -> Layout:
                   f"http://127.0.0.1:{ports['controller_lb']}", parts, tokens)
 
 
-def sqlite_layout(work: Path, names: list[str]) -> Layout:
-    """One ``prefect server start`` on SQLite (as ``make run``) and one controller (SQLite)."""
+def _controller(folder: Path, prefect_url: str, names: list[str]
+                ) -> tuple[subprocess.Popen[bytes], int, dict[str, str]]:
+    """One controller on SQLite (``sched controller serve --api-only``) with the nodes' tokens
+    and rows, as ``make run`` gives one; return it, its port and the tokens."""
     import httpx
 
-    proc, url = start_server(work / "sqlite-prefect")
     tokens = node_tokens(names)
-    folder = work / "sqlite-controller"
     folder.mkdir(parents=True, exist_ok=True)
     tokens_file = folder / "tokens.json"
     tokens_file.write_text(json.dumps({"admin": [Controller.ADMIN], "nodes": {
         name: [token] for name, token in tokens.items()}}))
     tokens_file.chmod(0o600)
     db = f"sqlite:///{folder / 'controller.db'}"
-    env = {**os.environ, "PREFECT_API_URL": url, "SCHED_TOKENS_FILE": str(tokens_file)}
+    env = {**os.environ, "PREFECT_API_URL": prefect_url, "SCHED_TOKENS_FILE": str(tokens_file)}
     sched = str(Path(sys.executable).parent / "sched")
     subprocess.run([sched, "controller", "migrate", "--database-url", db], env=env, check=True,
                    capture_output=True)
@@ -1069,13 +1081,84 @@ def sqlite_layout(work: Path, names: list[str]) -> Layout:
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
+    return ctl, port, tokens
+
+
+def sqlite_layout(work: Path, names: list[str]) -> Layout:
+    """One ``prefect server start`` on SQLite (as ``make run``) and one controller (SQLite)."""
+    proc, url = start_server(work / "sqlite-prefect")
+    ctl, port, tokens = _controller(work / "sqlite-controller", url, names)
 
     def stop() -> None:
         stop_group(ctl)
         stop_group(proc)
 
     return Layout("sqlite", url.removesuffix("/api"), f"http://127.0.0.1:{port}",
-                  {"prefect-server": proc.pid, "controller": ctl.pid}, tokens, stop)
+                  {"prefect-server": proc.pid, "controller": ctl.pid}, tokens, stop,
+                  logs={"prefect-server": work / "sqlite-prefect" / "server.log"})
+
+
+def _scaled_script() -> Any:
+    """scripts/scaled.py as a module (its PostgreSQL cluster: Debian's, with pg_trgm)."""
+    import importlib.util
+
+    if "scaled_script" in sys.modules:
+        return sys.modules["scaled_script"]
+    spec = importlib.util.spec_from_file_location("scaled_script", ROOT / "scripts" / "scaled.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scaled_script"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def postgres_layout(work: Path, names: list[str]) -> Layout:
+    """One ``prefect server start`` (one API process, its services in it) on a throwaway
+    PostgreSQL cluster (scripts/scaled.py's, under work), Prefect's default pool (5 + 10
+    overflow), and one controller as in the sqlite layout (SQLite)."""
+    scaled = _scaled_script()
+    work.chmod(0o711)  # the postgres user reaches its cluster under work
+    folder = work / "postgres"
+    layout = scaled.Layout(folder)
+    # Only the cluster's part of the layout's settings is used: its port, max_connections
+    # (100, PostgreSQL's default, for one Prefect process of 5 + 10), the databases' secrets.
+    layout.create(scaled.config_from_env({
+        "SCALED_PG_PORT": str(free_port()), "SCALED_API_COUNT": "1",
+        "SCALED_CONTROLLER_COUNT": "0", "SCALED_DB_POOL_SIZE": "5",
+        "SCALED_DB_MAX_OVERFLOW": "10", "SCALED_PORT_BASE": str(free_port())}))
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    pg = scaled.Postgres(layout, scaled.Tools.find())
+    pg.init()
+    pg.start()
+    pg.ensure_databases()
+    home = work / "postgres-prefect"
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = server_env(home, port)
+    env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = layout.pg_url("prefect", "postgresql+asyncpg")
+    with (home / "server.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+             "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    url = env["PREFECT_API_URL"]
+    if not wait_healthy(url, proc, timeout_s=240):
+        stop_group(proc, grace_s=0)
+        pg.stop()
+        raise SystemExit(f"the Prefect server did not start; see {home / 'server.log'}")
+    ctl, ctl_port, tokens = _controller(work / "postgres-controller", url, names)
+    pid = pg.pid()
+    assert pid is not None
+
+    def stop() -> None:
+        stop_group(ctl)
+        stop_group(proc)
+        pg.stop()
+
+    return Layout("postgres", url.removesuffix("/api"), f"http://127.0.0.1:{ctl_port}",
+                  {"prefect-server": proc.pid, "controller": ctl.pid, "postgres": pid}, tokens,
+                  stop, logs={"prefect-server": home / "server.log",
+                              "postgres": layout.log("postgres")})
 
 
 # -- one size -----------------------------------------------------------------------------
@@ -1099,14 +1182,27 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
                 plan_ahead_s=args.plan_ahead_s)
     sim.wave_rate = args.jobs_per_node_hour
     result: dict[str, Any] = {"nodes": count, "layout": layout.name}
-    cpu0, _t0 = _cpu(layout.parts), time.monotonic()
-    start_s = await sim.start_all(again=False, spread_s=min(60.0, count / 20),
-                                  concurrency=args.start_concurrency, full=args.full_start)
+    marks = log_marks(layout)
+    cpu0, t0 = _cpu(layout.parts), time.monotonic()
+    try:
+        start_s = await asyncio.wait_for(
+            sim.start_all(again=False, spread_s=min(60.0, count / 20),
+                          concurrency=args.start_concurrency, full=args.full_start),
+            args.start_timeout_s)
+    except TimeoutError:
+        start_s = float("nan")
     cpu1 = _cpu(layout.parts)
     result["start"] = {"seconds": start_s, "full_starts": min(count, args.full_start),
                        "center_cpu_s": sum(_diff(cpu0, cpu1).values()),
+                       "center_cores": sum(_diff(cpu0, cpu1).values()) / (time.monotonic() - t0),
+                       "nodes_started": sim.started,
                        "requests": sum(sim.stats.count.values()),
-                       "http_5xx": sum(v for k, v in sim.stats.status.items() if 500 <= k < 599)}
+                       "http_5xx": sum(v for k, v in sim.stats.status.items() if 500 <= k < 599),
+                       "status": dict(sim.stats.status), "errors": dict(sim.stats.errors)}
+    if start_s != start_s:  # NaN: the start did not finish
+        return await _ended(sim, layout, result, marks,
+                            f"the start did not finish in {args.start_timeout_s:.0f} s: "
+                            f"{sim.started:,} of {count:,} nodes started")
     print(f"[{layout.name} {count}] started in {start_s:.0f} s", flush=True)
     # The wave's windows, planned ahead (as the node's plan holds them), then idle minutes.
     wave_begin = (datetime.now(UTC) + timedelta(minutes=args.idle_minutes + 1.5)).replace(
@@ -1122,7 +1218,12 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
             async with gate:
                 await node.plan([(j.schedule, j.window) for j in by_node[node.name]])
 
-    await asyncio.gather(*(preplan(node) for node in sim.nodes))
+    try:
+        await asyncio.wait_for(asyncio.gather(*(preplan(node) for node in sim.nodes)),
+                               args.start_timeout_s)
+    except TimeoutError:
+        return await _ended(sim, layout, result, marks,
+                            f"the wave's plan did not finish in {args.start_timeout_s:.0f} s")
     await asyncio.sleep(20)
     result["idle"] = await measure(sim, layout.parts, args.idle_minutes * 60, "idle")
     print(f"[{layout.name} {count}] idle: {json.dumps(result['idle']['center_cores'])} cores",
@@ -1155,10 +1256,51 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
         except Exception as exc:  # keep the size's other figures
             result["restart"] = {"error": repr(exc)}
     result["stats_total"] = sim.stats.snapshot()
+    result["server_log"] = server_errors(layout, marks)
     for task in tasks:
         task.cancel()
     await sim.stop_all()
     return result
+
+
+async def _ended(sim: Fleet, layout: Layout, result: dict[str, Any], marks: dict[str, int],
+                 why: str) -> dict[str, Any]:
+    """A size the layout did not carry: what was measured until then, and why it ended."""
+    print(f"[{layout.name} {result['nodes']}] ended: {why}", flush=True)
+    result["ended"] = why
+    result["stats_total"] = sim.stats.snapshot()
+    result["server_log"] = server_errors(layout, marks)
+    await sim.stop_all()
+    return result
+
+
+SERVER_ERRORS = {
+    "QueuePool limit": "QueuePool limit of size",
+    "database is locked": "database is locked",
+    "TimeoutError": "TimeoutError",
+    "too many clients": "too many clients",
+}
+"""What a server's log says when it cannot keep up (the key counts lines holding the text)."""
+
+
+def log_marks(layout: Layout) -> dict[str, int]:
+    return {name: path.stat().st_size if path.exists() else 0
+            for name, path in layout.logs.items()}
+
+
+def server_errors(layout: Layout, marks: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The lines of each server's log since marks that say it could not keep up."""
+    found: dict[str, dict[str, int]] = {}
+    for name, path in layout.logs.items():
+        if not path.exists():
+            continue
+        with path.open("rb") as log:
+            log.seek(marks.get(name, 0))
+            text = log.read().decode("utf-8", "replace")
+        counts = {key: sum(1 for line in text.splitlines() if needle in line)
+                  for key, needle in SERVER_ERRORS.items()}
+        found[name] = {k: v for k, v in counts.items() if v}
+    return found
 
 
 async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.Namespace
@@ -1211,11 +1353,28 @@ def _f(value: Any, fmt: str = "{:.2f}") -> str:
         return "-"
 
 
+LAYOUT_ORDER = ("sqlite", "postgres", "scaled")
+"""The table's order: the smallest layout first."""
+
+
+def _layouts(found: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    items = [(k, v) for k, v in found.items() if isinstance(v, dict) and "sizes" in v]
+    return sorted(items, key=lambda kv: (LAYOUT_ORDER.index(kv[0])
+                                         if kv[0] in LAYOUT_ORDER else len(LAYOUT_ORDER)))
+
+
 def report(found: dict[str, Any]) -> str:
     """The docs section: one table row per layout and size, the check, the restart."""
     lines = [
         "`.venv/bin/python bench/fleet_sim.py --layout scaled --nodes 100,1000 --restart` (and "
-        "`--layout sqlite`). A real node (`python -m flows.node`) is recorded (by default at "
+        "`--layout postgres`, `--layout sqlite`). Three layouts: **sqlite**, one `prefect "
+        "server start` on SQLite (as `make run`); **postgres**, one `prefect server start` (one "
+        "API process, its services in it) on PostgreSQL with Prefect's default pool (5 + 10 "
+        "overflow); **scaled**, `scripts/scaled.py up` (PostgreSQL, Redis, 2 Prefect API "
+        "processes of 20 + 20, the services process, HAProxy, 2 controllers). The sqlite and "
+        "postgres layouts have one controller on SQLite. A size the layout does not carry (its "
+        "start does not finish within `--start-timeout-s`) is a row of its own: where that "
+        "layout ends. A real node (`python -m flows.node`) is recorded (by default at "
         "the start of each run; the figures below replay one recording made minutes before "
         "them by the same code, `--recording`) through logging proxies in front of Prefect "
         "and the controller (start-up, "
@@ -1239,15 +1398,21 @@ def report(found: dict[str, Any]) -> str:
               "cores | wave: Prefect p50 / p99 ms | 5xx | windows recorded | record lag p50 / "
               "p99 / max s | sim's own cores (idle, wave) |",
               "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for layout, item in found.items():
-        if not isinstance(item, dict) or "sizes" not in item:
-            continue
+    for layout, item in _layouts(found):
         for size, r in item["sizes"].items():
+            if "ended" in r:
+                st = r["start"]
+                lines.append(
+                    f"| {layout} | {int(size):,} | {r.get('measured', item.get('measured', ''))} | "
+                    "- | - | - | - | "
+                    f"- | - | {st['http_5xx']:,} (start) | **not carried**: {r['ended']} | - | "
+                    "- |")
+                continue
             idle, wave = r["idle"], r["wave"]
             req = idle["requests_per_node_hour"]
             conns = idle["connections_opened_per_node_hour"]
             lines.append(
-                f"| {layout} | {int(size):,} | {item.get('measured', '')} | "
+                f"| {layout} | {int(size):,} | {r.get('measured', item.get('measured', ''))} | "
                 f"{_f(idle['load_before'][0], '{:.1f}')}-{_f(wave['load_after'][0], '{:.1f}')} | "
                 f"{_f(idle['center_cores'], '{:.3f}')} | "
                 f"{_f(req['prefect'], '{:.1f}')} + {_f(req['controller'], '{:.1f}')} | "
@@ -1261,11 +1426,24 @@ def report(found: dict[str, Any]) -> str:
                 f"{_f(wave['lag_max_s'], '{:.1f}')} | "
                 f"{_f(idle['sim_cores'], '{:.2f}')}, {_f(wave['sim_cores'], '{:.2f}')} |")
     lines.append("")
-    for layout, item in found.items():
-        if not isinstance(item, dict) or "sizes" not in item:
-            continue
+    for layout, item in _layouts(found):
         for size, r in item["sizes"].items():
             st = r["start"]
+            logged = "; ".join(f"{name}: " + ", ".join(f"{k} {v:,}" for k, v in c.items())
+                               for name, c in r.get("server_log", {}).items() if c)
+            logged = f" The servers' logs: {logged}." if logged else ""
+            if "ended" in r:
+                statuses = ", ".join(f"{k}: {v:,}" for k, v in sorted(
+                    st.get("status", {}).items(), key=lambda kv: int(kv[0])))
+                errors = ", ".join(f"{k} {v:,}" for k, v in st.get("errors", {}).items())
+                lines.append(
+                    f"- **{layout}, {int(size):,} nodes: where the layout ends.** "
+                    f"{r['ended'][:1].upper()}{r['ended'][1:]}; "
+                    f"{st['center_cpu_s']:.0f} s of center CPU "
+                    f"({st.get('center_cores', float('nan')):.2f} cores), {st['requests']:,} "
+                    f"requests, answers by status: {statuses} (599: no answer, the simulator's "
+                    f"own mark), connection errors: {errors or 'none'}.{logged}")
+                continue
             parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
                 r["wave"]["parts_cores"].items()))
             idle_parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
@@ -1273,13 +1451,14 @@ def report(found: dict[str, Any]) -> str:
             lines.append(
                 f"- **{layout}, {int(size):,} nodes.** Start: {st['seconds']:.0f} s, "
                 f"{st['center_cpu_s']:.0f} s of center CPU, {st['requests']:,} requests, "
-                f"{st['http_5xx']} answered 5xx (each asked again); "
+                f"{st['http_5xx']:,} answered 5xx (each asked again); "
                 f"{st.get('full_starts', int(size)):,} made a first start's calls (30 planned "
                 "runs each), the others a restart's. Idle cores by part: "
                 f"{idle_parts}. Wave cores by part: {parts}. Pattern check against the real node: "
                 f"{'passed' if r['check']['ok'] else 'FAILED'} ("
                 + "; ".join(f"{k.split(' ', 1)[1]} real {v['real']:.1f}, sim {v['sim']:.1f}"
-                            for k, v in r["check"]["rows"].items()) + " per node-hour).")
+                            for k, v in r["check"]["rows"].items()) + " per node-hour)."
+                + logged)
             rs = r.get("restart")
             if rs and "samples" in rs:
                 samples = ", ".join(f"+{s['t_s']:.0f} s {s['cores']:.2f}" for s in rs["samples"])
@@ -1308,7 +1487,7 @@ def report(found: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--layout", choices=["scaled", "sqlite"], default="scaled")
+    parser.add_argument("--layout", choices=["scaled", "postgres", "sqlite"], default="scaled")
     parser.add_argument("--nodes", default="100")
     parser.add_argument("--idle-minutes", type=float, default=3)
     parser.add_argument("--wave-minutes", type=float, default=5)
@@ -1319,6 +1498,8 @@ def main() -> int:
     parser.add_argument("--jobs-per-node-hour", type=float, default=WAVE_JOBS_PER_NODE_HOUR)
     parser.add_argument("--full-start", type=int, default=10 ** 9,
                         help="nodes making a first start's calls (the rest a restart's)")
+    parser.add_argument("--start-timeout-s", type=float, default=900,
+                        help="a size whose start (or plan) takes longer ends there, recorded")
     parser.add_argument("--restart", action="store_true")
     parser.add_argument("--restart-spread-s", type=float, default=60)
     parser.add_argument("--restart-minutes", type=float, default=3)
@@ -1353,7 +1534,9 @@ def main() -> int:
         args.save_recording.write_text(json.dumps(found, default=str))
     templates = build_templates(found)
     names = [f"fleet-{n:05d}" for n in range(max(args.sizes))]
-    layout = scaled_layout(names) if args.layout == "scaled" else sqlite_layout(work, names)
+    layout = (scaled_layout(names) if args.layout == "scaled" else
+              postgres_layout(work, names) if args.layout == "postgres" else
+              sqlite_layout(work, names))
     results: dict[str, Any] = {"layout": args.layout, "reconcile_s": args.reconcile_s,
                                "recording": str(args.recording or "made in this run"),
                                "args": {k: v for k, v in vars(args).items()
@@ -1363,14 +1546,23 @@ def main() -> int:
                                              ("start", "restart", "reconcile", "job")},
                                "sizes": {}}
     def save() -> None:
+        """This run's sizes into the layout's entry: a size measured again is replaced, the
+        layout's other sizes are kept (each with the time it was measured)."""
         existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-        existing[args.layout] = {**results, "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-                                 "load_at_end": os.getloadavg()}
+        old = existing.get(args.layout, {})
+        sizes = {size: {"measured": old.get("measured", ""), **r}
+                 for size, r in old.get("sizes", {}).items() if size not in results["sizes"]}
+        sizes.update(results["sizes"])
+        existing[args.layout] = {**results, "sizes": dict(sorted(
+            sizes.items(), key=lambda kv: int(kv[0]))),
+            "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "load_at_end": os.getloadavg()}
         args.out.write_text(json.dumps(existing, indent=1, default=str) + "\n")
 
     try:
         for size in args.sizes:
-            results["sizes"][str(size)] = asyncio.run(run_size(templates, layout, size, args))
+            results["sizes"][str(size)] = {
+                **asyncio.run(run_size(templates, layout, size, args)),
+                "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"}
             print(json.dumps(results["sizes"][str(size)], default=str)[:3000], flush=True)
             save()  # each size as soon as it is measured
     finally:
