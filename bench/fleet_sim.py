@@ -64,12 +64,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_node import Controller, _config, _spawn_node  # noqa: E402
 from bench.prefect_bench import (  # noqa: E402
+    answers,
     free_port,
     machine,
+    percentile,
     server_env,
     start_server,
     stop_group,
     tree_cpu,
+    wait_until,
     write_section,
 )
 from deployments.run_local import wait_healthy  # noqa: E402
@@ -865,13 +868,6 @@ class Fleet:
         return jobs
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def _cpu(parts: dict[str, int]) -> dict[str, float]:
     return {name: tree_cpu(pid) for name, pid in parts.items()}
 
@@ -914,8 +910,8 @@ async def measure(sim: Fleet, parts: dict[str, int], seconds: float, label: str
     for side in ("prefect", "controller"):
         values = [x for k, v in stats.latency.items() if k.startswith(side)
                   and "/wait" not in k for x in v[lat0.get(k, 0):]]
-        latency[side] = {"p50_ms": _pct(values, 0.5) * 1000, "p99_ms": _pct(values, 0.99) * 1000,
-                         "n": len(values)}
+        latency[side] = {"p50_ms": percentile(values, 0.5) * 1000,
+                         "p99_ms": percentile(values, 0.99) * 1000, "n": len(values)}
     opened = {k: (after["opened"][k] - before["opened"][k]) / hours / n for k in after["opened"]}
     return {
         "label": label, "seconds": elapsed, "nodes": n,
@@ -1052,7 +1048,6 @@ def _controller(folder: Path, prefect_url: str, names: list[str]
                 ) -> tuple[subprocess.Popen[bytes], int, dict[str, str]]:
     """One controller on SQLite (``sched controller serve --api-only``) with the nodes' tokens
     and rows, as ``make run`` gives one; return it, its port and the tokens."""
-    import httpx
 
     tokens = node_tokens(names)
     folder.mkdir(parents=True, exist_ok=True)
@@ -1073,14 +1068,7 @@ def _controller(folder: Path, prefect_url: str, names: list[str]
                                 str(len(names) + 1000)], env=env, stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/healthz"), 60)
     return ctl, port, tokens
 
 
@@ -1242,7 +1230,7 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
                                      wave_begin + timedelta(minutes=args.wave_minutes))
     result["wave"].update({
         "jobs": len(jobs), "jobs_recorded_by_sim": len(lags), "completed_in_prefect": recorded,
-        "lag_p50_s": _pct(lags, 0.5), "lag_p99_s": _pct(lags, 0.99),
+        "lag_p50_s": percentile(lags, 0.5), "lag_p99_s": percentile(lags, 0.99),
         "lag_max_s": max(lags) if lags else float("nan"),
         "jobs_per_node_hour": sim.wave_rate})
     print(f"[{layout.name} {count}] wave: {result['wave']['center_cores']:.2f} cores, "

@@ -54,8 +54,6 @@ def wait_until(done: Callable[[], bool], timeout_s: float, *, every: float = 0.3
     return False
 
 
-# bench/fleet_sim.py still has its own copy (_pct), and its own wait for /healthz: that file
-# is being changed on another branch; it should import these once that work is in.
 def percentile(values: list[float], q: float) -> float:
     """Return the q-quantile of values by nearest rank (NaN when there are none)."""
     if not values:
