@@ -13,13 +13,15 @@ change, in the same run:
   --api-only`` with logging at ``info`` (one access-log line per request, as
   deployed) and the fleet watch off (its passes would count in the waits' CPU);
 - ``--clients`` nodes (asyncio, one kept-alive connection each, as a node's
-  ``ControllerWait``) each pull once (their ETag), then loop for ``--seconds``:
+  ``ControllerWait``; a comma-separated list measures each load, e.g. ``100,17``:
+  ~100 cycles/s is an instance with 6,000 nodes at a 60 s heartbeat, ~17/s one
+  with 1,000) each pull once (their ETag), then loop for ``--seconds``:
   ``GET /api/nodes/<node>/wait?etag=<its ETag>&seen=<the last answer's>&timeout=1``,
   each answered after 1 s (the shortest timeout, so many cycles fit in a run;
   an idle cycle's work does not depend on how long it waited);
 - the server's CPU (``/proc/<pid>/stat``) over the loop, less its idle CPU over
-  ``--idle-seconds`` with the clients' connections open and no request (its timers:
-  the tokens file, the pull recorder), divided by the cycles answered: **ms of CPU
+  ``--idle-seconds`` with no request (its timers: the tokens file, the pull
+  recorder), divided by the cycles answered: **ms of CPU
   per idle wait cycle**; rounds alternate the servers.
 
 From the per-cycle CPU it prints the ratio after/before and the idle cores per 1,000
@@ -78,6 +80,7 @@ HEARTBEATS = (60.0, 300.0, 600.0)
 @dataclass
 class Round:
     server: str
+    clients: int
     cycles: int
     seconds: float
     cpu_s: float
@@ -120,7 +123,7 @@ def measure(name: str, port: int, pid: int, *, clients: int, seconds: float,
         return cycles, elapsed, proc_cpu(pid) - cpu_before, idle
 
     cycles, elapsed, cpu, idle = asyncio.run(go())
-    row = Round(name, cycles, elapsed, cpu, idle, counts)
+    row = Round(name, clients, cycles, elapsed, cpu, idle, counts)
     print(f"  {name}: {cycles:,} cycles in {elapsed:.1f} s, server {cpu / elapsed:.3f} core "
           f"(idle {idle:.3f}), {ms_per_cycle([row]):.2f} ms of CPU per cycle", flush=True)
     return row
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="nodes (2 rows and a token each) in the database")
-    parser.add_argument("--clients", type=int, default=100, help="nodes waiting at once")
+    parser.add_argument("--clients", default="100,17",
+                        help="nodes waiting at once (a comma-separated list: each a load)")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds of waits per round")
     parser.add_argument("--idle-seconds", type=float, default=5.0,
                         help="seconds of the server's idle CPU measured before each round")
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="keep py-spy's raw stacks in this path (.0, .1 per server)")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
+    loads_asked = [int(item) for item in str(args.clients).split(",") if item.strip()]
 
     loads = [os.getloadavg()]
     rounds: list[Round] = []
@@ -248,11 +253,13 @@ def main(argv: list[str] | None = None) -> None:
         for rnd in range(args.rounds):
             for name, tree in servers:
                 with serve(tree, url, tokens, "--watch-interval", "0") as (port, pid):
-                    rounds.append(measure(name, port, pid, clients=args.clients,
-                                          seconds=args.seconds, idle_seconds=args.idle_seconds))
+                    for clients in loads_asked:
+                        rounds.append(measure(name, port, pid, clients=clients,
+                                              seconds=args.seconds,
+                                              idle_seconds=args.idle_seconds))
                     if args.profile and rnd == args.rounds - 1:
                         raw = f"{args.profile_raw}.{len(profiles)}" if args.profile_raw else ""
-                        profiles[name] = profile(pid, args.profile, port, args.clients, raw)
+                        profiles[name] = profile(pid, args.profile, port, loads_asked[0], raw)
                 loads.append(os.getloadavg())
     for name, text in profiles.items():
         print(f"--- py-spy, {name}\n{text}")
@@ -265,33 +272,34 @@ def main(argv: list[str] | None = None) -> None:
 def render(rounds: list[Round], args: argparse.Namespace,
            loads: list[tuple[float, float, float]]) -> str:
     names = list(dict.fromkeys(r.server for r in rounds))
-    per = {name: ms_per_cycle([r for r in rounds if r.server == name]) for name in names}
-    base = per[names[0]]
+    levels = list(dict.fromkeys(r.clients for r in rounds))
     lines = [
         f"`bench/bench_controller_wait.py`: one `sched controller serve --api-only` process on "
         f"PostgreSQL (pgserver, Unix socket) with {args.nodes:,} nodes (2 rows each) and one "
-        f"token per node; {args.clients} nodes each hold a wait on a kept-alive connection "
-        f"(`timeout=1`, answered \"nothing changed\" after 1 s) and ask again at once, for "
-        f"{args.seconds:g} s per round, {args.rounds} round(s) alternating the servers. Server "
-        "CPU from `/proc/<pid>/stat` less its idle CPU (measured before each round with no "
+        "token per node; N nodes each hold a wait on a kept-alive connection (`timeout=1`, "
+        "answered \"nothing changed\" after 1 s) and ask again at once: N cycles a second, "
+        "as an instance holding N x 60 nodes at a 60 s heartbeat. "
+        f"{args.seconds:g} s per load, {args.rounds} round(s) alternating the servers. Server "
+        "CPU from `/proc/<pid>/stat` less its idle CPU (measured before each load with no "
         "request), per cycle answered; logging at `info`, the fleet watch off. Idle cores per "
         "1,000 nodes = 1,000 / heartbeat x CPU per cycle (the pulls and reports, 8 per "
         "node-hour, come on top).",
         "",
-        "| server | cycles | server cores | idle cores | CPU ms per wait cycle | vs first "
+        "| server | N (cycles/s) | cycles | server cores | CPU ms per wait cycle | vs before "
         + "".join(f"| cores per 1,000 nodes, heartbeat {h:g} s " for h in HEARTBEATS) + "|",
         "|---|---:|---:|---:|---:|---:" + "|---:" * len(HEARTBEATS) + "|",
     ]
-    for name in names:
-        group = [r for r in rounds if r.server == name]
-        seconds = sum(r.seconds for r in group)
-        cycles = sum(r.cycles for r in group)
-        cores = sum(r.cpu_s for r in group) / seconds
-        idle = sum(r.idle_cpu_per_s * r.seconds for r in group) / seconds
-        ms = per[name]
-        lines.append(
-            f"| {name} | {cycles:,} | {cores:.3f} | {idle:.3f} | {ms:.2f} | {ms / base:.2f} "
-            + "".join(f"| {1000 / h * ms / 1000:.3f} " for h in HEARTBEATS) + "|")
+    for level in levels:
+        base = ms_per_cycle([r for r in rounds if r.server == names[0] and r.clients == level])
+        for name in names:
+            group = [r for r in rounds if r.server == name and r.clients == level]
+            seconds = sum(r.seconds for r in group)
+            cycles = sum(r.cycles for r in group)
+            cores = sum(r.cpu_s for r in group) / seconds
+            ms = ms_per_cycle(group)
+            lines.append(
+                f"| {name} | {level} | {cycles:,} | {cores:.3f} | {ms:.2f} | {ms / base:.2f} "
+                + "".join(f"| {1000 / h * ms / 1000:.3f} " for h in HEARTBEATS) + "|")
     statuses: Counter[str] = Counter()
     for r in rounds:
         statuses.update(r.statuses)
