@@ -182,9 +182,14 @@ class EtagReads:
                         future.set_exception(exc)
             return
         for node, futures in batch.items():
+            value = found.get(node)
             for future in futures:
-                if not future.done():  # a wait whose client went away is cancelled
-                    future.set_result(found[node])
+                if future.done():  # a wait whose client went away is cancelled
+                    continue
+                if value is None:
+                    future.set_exception(LookupError(f"no ETag read for node {node!r}"))
+                else:
+                    future.set_result(value)
 
 
 def node_of(event: Any) -> tuple[str, str] | None:
