@@ -26,7 +26,7 @@ Rules:
    statement on one connection, in one worker thread, so a fleet's heartbeats
    cost a read per batch, not a session and a thread hop per wait. Each read
    is of the database as it is then (never a remembered ETag): a wait answers
-   what it did, at most that window later.
+   what it did, each of its two reads at most that window later.
 """
 
 from __future__ import annotations
