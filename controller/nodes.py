@@ -87,15 +87,22 @@ def mark_seen(
     """
     values: dict[str, Any] = {"node": node, "seen_at": at, "via": via, "first_seen_at": at,
                               "heartbeat_s": heartbeat_s}
-    stmt = _insert(session, _SEEN).values(**values)
+    session.execute(_seen_upsert(session, heartbeat=via == "report" and announced), values)
+
+
+def _seen_upsert(session: Session, *, heartbeat: bool) -> Any:
+    """Return node_seen's upsert (parameters given when executed, so one statement serves
+    one node or a batch, compiled once): the stored time only moves forward; ``heartbeat``
+    also sets the heartbeat."""
+    stmt = _insert(session, _SEEN)
     later = _SEEN.c.seen_at < stmt.excluded.seen_at
     update: dict[str, Any] = {
         "seen_at": case((later, stmt.excluded.seen_at), else_=_SEEN.c.seen_at),
         "via": case((later, stmt.excluded.via), else_=_SEEN.c.via),
     }
-    if via == "report" and announced:
+    if heartbeat:
         update["heartbeat_s"] = stmt.excluded.heartbeat_s
-    session.execute(stmt.on_conflict_do_update(index_elements=[_SEEN.c.node], set_=update))
+    return stmt.on_conflict_do_update(index_elements=[_SEEN.c.node], set_=update)
 
 
 @dataclass(frozen=True)
@@ -224,17 +231,20 @@ def record_pulls(session: Session, pulls: Iterable[Pull]) -> None:
              "list_version": p.list_version} for p in pulls]
     if not rows:
         return
-    stmt = _insert(session, _PULL).values(rows)
+    # Each statement is compiled once and run for the whole batch (its rows as parameters):
+    # a batch of the fleet's heartbeats is two statements, whatever its size.
+    stmt = _insert(session, _PULL)
     stmt = stmt.on_conflict_do_update(
         index_elements=[_PULL.c.node],
         set_={"pulled_at": stmt.excluded.pulled_at, "status": stmt.excluded.status,
               "list_version": stmt.excluded.list_version},
         where=_PULL.c.pulled_at < stmt.excluded.pulled_at,
     )
+    seen = [{"node": p.node, "seen_at": p.at, "via": "pull", "first_seen_at": p.at,
+             "heartbeat_s": None} for p in pulls]
     with transaction(session):
-        session.execute(stmt)
-        for pull in pulls:
-            mark_seen(session, pull.node, at=pull.at, via="pull")
+        session.execute(stmt, rows)
+        session.execute(_seen_upsert(session, heartbeat=False), seen)
 
 
 def latest_pulls(session: Session, node: str | None = None) -> dict[str, Pull]:

@@ -20,6 +20,13 @@ Rules:
    new value and looks once, and a node never misses a poke made while it was
    between two waits.
 4. The waits live in this process's event loop; pokes come from any thread.
+5. A wait reads its node's ETag when it starts and when it answers, and the
+   waits of all nodes read theirs together (:class:`EtagReads`): the reads
+   asked for within :data:`ETAG_READ_WINDOW_S` of each other are one
+   statement on one connection, in one worker thread, so a fleet's heartbeats
+   cost a read per batch, not a session and a thread hop per wait. Each read
+   is of the database as it is then (never a remembered ETag): a wait answers
+   what it did, each of its two reads at most that window later.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import logging
 import threading
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 
 from sched_core.reconnect import Follower, Reconnecting
 
@@ -110,6 +120,76 @@ class NodeWaits:
             self.waiting -= 1
             if self._events.get(node) is event and not event.is_set() and self.waiting == 0:
                 self._events.pop(node, None)
+
+
+ETAG_READ_WINDOW_S = 0.02
+"""How long a wait's ETag read waits for others to read with (rule 5)."""
+ETAG_READ_MAX = 500
+"""The most nodes one ETag read asks for; a batch this full is read at once."""
+
+
+class EtagReads:
+    """The nodes' waits' ETag reads, many nodes in one statement (the module's rule 5).
+
+    ``read_many(nodes)`` returns each node's ETag (every node asked for) and
+    runs in a worker thread; :meth:`etag` is awaited in the event loop. A
+    failed read fails every wait of its batch with its error (the API answers
+    each one as it would its own failed read).
+    """
+
+    def __init__(self, read_many: Callable[[list[str]], dict[str, str]], *,
+                 window: float = ETAG_READ_WINDOW_S, max_batch: int = ETAG_READ_MAX) -> None:
+        self.read_many = read_many
+        self.window = window
+        self.max_batch = max_batch
+        self._pending: dict[str, list[asyncio.Future[str]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._reads: set[asyncio.Task[None]] = set()
+        self.reads = 0
+        """Statements run (a batch each); with ``nodes_read``, what the batching saves."""
+        self.nodes_read = 0
+
+    async def etag(self, node: str) -> str:
+        """Return node's list ETag as the database has it now (at most ``window`` s from now)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        self._pending.setdefault(node, []).append(future)
+        if len(self._pending) >= self.max_batch:
+            self._start()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.window, self._start)
+        return await future
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, {}
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._read(batch))
+            self._reads.add(task)
+            task.add_done_callback(self._reads.discard)
+
+    async def _read(self, batch: dict[str, list[asyncio.Future[str]]]) -> None:
+        self.reads += 1
+        self.nodes_read += len(batch)
+        try:
+            found = await run_in_threadpool(self.read_many, list(batch))
+        except Exception as exc:  # every wait of the batch answers the error
+            for futures in batch.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+            return
+        for node, futures in batch.items():
+            value = found.get(node)
+            for future in futures:
+                if future.done():  # a wait whose client went away is cancelled
+                    continue
+                if value is None:
+                    future.set_exception(LookupError(f"no ETag read for node {node!r}"))
+                else:
+                    future.set_result(value)
 
 
 def node_of(event: Any) -> tuple[str, str] | None:

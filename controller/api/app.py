@@ -28,7 +28,7 @@ from sqlmodel import Session, select
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller import claims, tasks
+from controller import claims, schedules, tasks
 from controller.api.access import Auth
 from controller.api.access_log import AccessLogMiddleware
 from controller.api.fleet import FleetApi, fleet_router
@@ -51,7 +51,7 @@ from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
 from controller.nodes import PullRecorder
 from controller.report_in import NodeReportIn
-from controller.waits import NodeWaits
+from controller.waits import EtagReads, NodeWaits
 from sched_core.model import LocalSchedule
 
 log = logging.getLogger("controller.api")
@@ -282,7 +282,12 @@ def create_app(
     )
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
-    app.include_router(wait_router(in_session, auth.require_node, waits,
+    def read_etags(nodes: list[str]) -> dict[str, str]:
+        with engine.connect() as connection:
+            return schedules.node_etags(connection, nodes)
+
+    app.state.etag_reads = etag_reads = EtagReads(read_etags)
+    app.include_router(wait_router(etag_reads, auth.require_node, waits,
                                    lambda node, etag: fleet_api.record_pull(node, 304, etag)))
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,

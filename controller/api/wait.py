@@ -16,25 +16,27 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
-from sqlmodel import Session
-from starlette.concurrency import run_in_threadpool
 
-from controller import schedules
 from controller.api.jsonbody import check_name
 from controller.api.pull import etag_matches
-from controller.waits import NodeWaits
+from controller.waits import EtagReads, NodeWaits
 
 MAX_WAIT_S = 300.0
 DEFAULT_WAIT_S = 60.0
 
 
 def wait_router(
-    in_session: Callable[[Callable[[Session], Any]], Any],
+    etags: EtagReads,
     require_node: Callable[..., Any],
     waits: NodeWaits,
     seen_by_node: Callable[[str, str], None],
 ) -> APIRouter:
-    """Return the wait route; ``seen_by_node(node, etag)`` records a node's own wait."""
+    """Return the wait route; ``seen_by_node(node, etag)`` records a node's own wait.
+
+    ``etags`` reads the node's ETag, batched with the other waits' reads
+    (:class:`controller.waits.EtagReads`): an idle wait costs no session and no
+    worker thread of its own.
+    """
     router = APIRouter()
 
     @router.get("/api/nodes/{node}/wait", dependencies=[Depends(require_node)])
@@ -43,12 +45,7 @@ def wait_router(
         timeout: float = Query(DEFAULT_WAIT_S, ge=1, le=MAX_WAIT_S),
     ) -> JSONResponse:
         check_name(("path", "node"), node)
-
-        def current() -> str:
-            value: str = in_session(lambda session: schedules.node_etag(session, node))
-            return value
-
-        now = await run_in_threadpool(current)
+        now = await etags.etag(node)
         principal = getattr(request.state, "principal", None)
         stale = bool(etag) and not etag_matches(etag, now)
         if principal is not None and not principal.is_admin and not stale:
@@ -56,7 +53,7 @@ def wait_router(
         changed = stale or (seen and seen != waits.token(node))
         if not changed:
             await waits.wait(node, timeout)
-            now = await run_in_threadpool(current)
+            now = await etags.etag(node)
         return JSONResponse({"etag": now, "prefect": waits.token(node), "relay": waits.relay},
                             headers={"Cache-Control": "no-store"})
 

@@ -1,0 +1,259 @@
+"""A node's long poll (``GET /api/nodes/<node>/wait``): what it answers, what it records,
+and how the waits read their ETags together (:class:`controller.waits.EtagReads`).
+
+Over real HTTP on loopback, on SQLite and on Postgres; the batching itself in one
+event loop, with a read function that records what it was asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.exc import OperationalError
+from sqlmodel import Session
+
+from controller import nodes
+from controller.api import create_app
+from controller.auth import Tokens
+from controller.db import make_engine, migrate
+from controller.fleet import FleetSettings
+from controller.testing import serve_in_thread
+from controller.waits import EtagReads
+from tests.procs import wait_for
+
+ADMIN_TOKEN = "admin-secret-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+NODES = [f"node-{i}" for i in range(6)]
+T0 = datetime(2026, 12, 3, 7, 0, tzinfo=UTC)
+
+
+def token(node: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {node}-secret-token-0123456789"}
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Center:
+    def __init__(self, client: httpx.Client, clock: Clock, app: Any) -> None:
+        self.client = client
+        self.clock = clock
+        self.app = app
+
+    def put(self, node: str, schedule_id: str) -> None:
+        data = {"id": schedule_id, "name": f"nightly {schedule_id}", "repo_id": "r-9",
+                "action": "backup", "storage": "b2",
+                "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
+                "miss_policy": "run-once-within-24h", "enabled": True, "params": None}
+        answer = self.client.put(f"/api/nodes/{node}/schedules/{schedule_id}", json=data,
+                                 headers=ADMIN)
+        assert answer.status_code == 200, answer.text
+
+    def etag(self, node: str) -> str:
+        answer = self.client.get(f"/api/schedules?node={node}", headers=ADMIN)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["etag"]
+
+    def wait(self, node: str, headers: dict[str, str] | None = None,
+             **params: Any) -> dict[str, Any]:
+        answer = self.client.get(f"/api/nodes/{node}/wait", params=params,
+                                 headers=token(node) if headers is None else headers)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["cache-control"] == "no-store"
+        data: dict[str, Any] = answer.json()
+        return data
+
+    def row(self, node: str) -> dict[str, Any]:
+        found = self.client.get("/api/status", headers=ADMIN).json()["nodes"]
+        return next(item for item in found if item["node"] == node)
+
+
+@pytest.fixture
+def center(database_url: str) -> Iterator[Center]:
+    migrate(database_url)
+    engine = make_engine(database_url)
+    clock = Clock(T0)
+    tokens = Tokens(admin=[ADMIN_TOKEN],
+                    nodes={node: [token(node)["Authorization"].removeprefix("Bearer ")]
+                           for node in NODES})
+    app = create_app(engine, tokens, clock=clock,
+                     fleet_settings=FleetSettings(pull_interval=300))
+    try:
+        with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=30) as client:
+            yield Center(client, clock, app)
+    finally:
+        engine.dispose()
+
+
+def test_a_stale_wait_answers_at_once_with_its_own_nodes_etag(center: Center) -> None:
+    """Many nodes' waits at once, each with an ETag it no longer holds: each is answered
+    its own node's ETag (read together, never another node's)."""
+    for index, node in enumerate(NODES[:4]):
+        for n in range(index + 1):  # each list its own ETag
+            center.put(node, f"s-{n}")
+    expected = {node: center.etag(node) for node in NODES}
+    assert expected[NODES[5]] == '"empty"'
+    answers: dict[str, dict[str, Any]] = {}
+
+    def ask(node: str) -> None:
+        answers[node] = center.wait(node, etag='"gone-1"', timeout=30)
+
+    threads = [threading.Thread(target=ask, args=(node,)) for node in NODES]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert {node: answer["etag"] for node, answer in answers.items()} == expected
+    reads = center.app.state.etag_reads
+    assert reads.nodes_read >= len(NODES) and reads.reads >= 1
+
+
+def test_a_nodes_own_wait_is_its_heartbeat_and_an_admins_is_nothing(center: Center) -> None:
+    node = NODES[0]
+    center.put(node, "s-1")
+    etag = center.etag(node)
+    assert center.row(node)["status"] == "never-seen"
+    center.wait(node, headers=ADMIN, etag='"gone-1"', timeout=1)
+    center.wait(node, headers=ADMIN, etag=etag, timeout=1)
+    assert center.row(node)["last_seen_at"] is None, "an admin's wait is not the node's"
+    center.wait(node, etag='"gone-1"', timeout=1)
+    assert center.row(node)["last_seen_at"] is None, "a stale wait: the node pulls next"
+
+    answer = center.wait(node, etag=etag, timeout=1)  # nothing changed: answered at 1 s
+    assert answer["etag"] == etag and answer["relay"] is False
+    got = center.row(node)
+    assert got["last_seen_at"] == got["last_pull_at"] == "2026-12-03T07:00:00Z"
+    assert got["last_seen_via"] == "pull" and got["last_pull_status"] == "304"
+    assert got["list_version_served"] == etag.strip('"') and got["status"] == "ok"
+
+    # Silent after 3 pull intervals (no heartbeat announced), alive again at its next wait.
+    center.clock.now = T0 + timedelta(seconds=900)
+    assert center.row(node)["status"] == "ok"
+    center.clock.now = T0 + timedelta(seconds=901)
+    assert center.row(node)["status"] == "silent"
+    center.wait(node, etag=etag, seen=answer["prefect"], timeout=1)
+    got = center.row(node)
+    assert got["status"] == "ok" and got["last_seen_at"] == "2026-12-03T07:15:01Z"
+
+
+def test_a_write_wakes_the_wait_with_the_new_etag(center: Center) -> None:
+    node = NODES[1]
+    center.put(node, "s-1")
+    etag = center.etag(node)
+    found: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: found.append(
+        center.wait(node, etag=etag, timeout=60)))
+    thread.start()
+    waits = center.app.state.waits
+    wait_for("the wait registered", lambda: waits.waiting == 1, 30)
+    center.put(node, "s-2")
+    thread.join(60)
+    assert found and found[0]["etag"] == center.etag(node) != etag
+
+
+# -- EtagReads: the batching, in one event loop --------------------------------------------
+
+
+class Reads:
+    def __init__(self, etags: dict[str, str], fail: Exception | None = None) -> None:
+        self.etags = etags
+        self.fail = fail
+        self.asked: list[list[str]] = []
+
+    def __call__(self, wanted: list[str]) -> dict[str, str]:
+        self.asked.append(list(wanted))
+        if self.fail is not None:
+            raise self.fail
+        return {node: self.etags.get(node, '"empty"') for node in wanted}
+
+
+def test_waits_asking_together_are_one_read() -> None:
+    reads = Reads({"a": '"e-1"', "b": '"e-2"'})
+    etags = EtagReads(reads)
+
+    async def go() -> list[str]:
+        return list(await asyncio.gather(*(etags.etag(node) for node in ["a", "b", "a", "c"])))
+
+    assert asyncio.run(go()) == ['"e-1"', '"e-2"', '"e-1"', '"empty"']
+    assert reads.asked == [["a", "b", "c"]], "one statement for the batch, each node once"
+    assert (etags.reads, etags.nodes_read) == (1, 3)
+
+
+def test_a_full_batch_is_read_at_once_and_the_rest_after() -> None:
+    reads = Reads({})
+    etags = EtagReads(reads, window=0.01, max_batch=2)
+
+    async def go() -> None:
+        await asyncio.gather(*(etags.etag(node) for node in ["a", "b", "c"]))
+
+    asyncio.run(go())
+    assert reads.asked == [["a", "b"], ["c"]]
+
+
+def test_a_failed_read_fails_every_wait_of_its_batch_and_not_the_next() -> None:
+    error = OperationalError("SELECT", {}, Exception("the database is down"))
+    reads = Reads({"a": '"e-1"'}, fail=error)
+    etags = EtagReads(reads)
+
+    async def go() -> tuple[list[Any], str]:
+        failed = await asyncio.gather(etags.etag("a"), etags.etag("b"), return_exceptions=True)
+        reads.fail = None
+        return list(failed), await etags.etag("a")
+
+    failed, later = asyncio.run(go())
+    assert failed == [error, error] and later == '"e-1"'
+
+
+def test_a_wait_that_went_away_does_not_stop_the_others() -> None:
+    reads = Reads({"a": '"e-1"', "b": '"e-2"'})
+    etags = EtagReads(reads)
+
+    async def go() -> str:
+        gone = asyncio.ensure_future(etags.etag("a"))
+        kept = asyncio.ensure_future(etags.etag("b"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await kept
+
+    assert asyncio.run(go()) == '"e-2"'
+
+
+# -- the recorder's batch: two statements, every node's own values -------------------------
+
+
+def test_a_batch_of_pulls_records_each_node_and_never_moves_back(database_url: str) -> None:
+    migrate(database_url)
+    engine = make_engine(database_url)
+    try:
+        with Session(engine) as session:
+            nodes.record_pulls(session, [nodes.Pull("n-1", T0, "200", "v-1")])
+            nodes.mark_seen(session, "n-3", at=T0, via="report", heartbeat_s=30)
+            session.commit()
+            later = T0 + timedelta(seconds=60)
+            nodes.record_pulls(session, [
+                nodes.Pull("n-1", later, "304", "v-1"),
+                nodes.Pull("n-2", later + timedelta(seconds=1), "200", "v-2"),
+                nodes.Pull("n-3", T0 - timedelta(seconds=5), "304", "v-3"),  # older: kept out
+            ])
+            pulls = nodes.latest_pulls(session)
+            seen = nodes.latest_seen(session)
+        assert {n: (p.at, p.status, p.list_version) for n, p in pulls.items()} == {
+            "n-1": (later, "304", "v-1"), "n-2": (later + timedelta(seconds=1), "200", "v-2"),
+            "n-3": (T0 - timedelta(seconds=5), "304", "v-3")}
+        assert {n: (s.at, s.via, s.heartbeat_s, s.first_at) for n, s in seen.items()} == {
+            "n-1": (later, "pull", None, T0),
+            "n-2": (later + timedelta(seconds=1), "pull", None, later + timedelta(seconds=1)),
+            "n-3": (T0, "report", 30, T0)}, "a pull keeps the heartbeat; time never goes back"
+    finally:
+        engine.dispose()
