@@ -141,7 +141,7 @@ class Reconciler:
         elif any(reason == "start" for reason, _ in reasons):
             # A restart that changed nothing records nothing (module text): 6 requests and 3
             # state changes per node, 10,000 of them in a fleet-wide restart, for a run that
-            # said "nothing changed". The restart shows in the node's log and its reports.
+            # said "nothing changed". The restart shows in the node's log (this line).
             log.info("the start's reconcile changed nothing (list as cached, plan as "
                      "recorded): no reconcile run recorded", extra={"node": n.node})
         self.finished += 1
