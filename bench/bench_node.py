@@ -30,8 +30,15 @@ reaped children included).
 4. ``outage``: a node with two every-minute rows; the server killed for 10
    minutes (20 windows): each window's command start, and how long after the
    server's return each run reached its final state.
+5. ``restart``: what one node's restart with nothing changed costs the center, before
+   and after the restart stopped registering again and recording a ``reconcile`` run
+   (the node of commit ``RESTART_BEFORE``, from a git worktree, and this checkout's, on
+   one server, their restarts taken in turns): each restart's requests to Prefect (read
+   off a logging proxy) and the CPU of the Prefect server and of the controller from the
+   node's spawn to its exit, less their idle CPU for as long (measured around them).
 
-    .venv/bin/python bench/bench_node.py [--parts latency,idle,fleet,outage] [--no-write]
+    .venv/bin/python bench/bench_node.py [--parts latency,idle,fleet,outage,restart]
+        [--no-write]
 
 All parts take about 110 minutes (with a fill of 200,000 planned runs to make; `--filled`
 keeps it for the next run). Writes the figures into docs/benchmarks.md
@@ -83,6 +90,9 @@ RESULTS = ROOT / "bench" / "bench_node.json"
 """The last figures of each part (a run of some parts keeps the others')."""
 OLD_COMMIT = "0025202"
 """The last commit of the runner-driven agent (serve, run-job flow runs, automations)."""
+RESTART_BEFORE = "0d6642b"
+"""The last commit whose node registered its deployments and recorded a ``reconcile`` run at
+every restart (part 5's "before")."""
 NY = "America/New_York"
 
 ACTIONS = """
@@ -667,6 +677,100 @@ def _restart(home: Path, port: int) -> subprocess.Popen[bytes]:
 # -- the report ---------------------------------------------------------------------------
 
 
+# -- 5. one node's restart: its cost on the center, before and after --------------------
+
+
+def _idle_rate(pids: list[int], seconds: float) -> float:
+    """Return the CPU seconds per second the processes (trees) use while nothing happens."""
+    cpu0 = sum(tree_cpu(pid) for pid in pids)
+    time.sleep(seconds)
+    return (sum(tree_cpu(pid) for pid in pids) - cpu0) / seconds
+
+
+def restart(work: Path, rounds: int) -> dict[str, Any]:
+    """Restart a node of RESTART_BEFORE and one of this checkout in turns, rounds times each;
+    return each restart's requests to Prefect and the center's CPU beyond its idle."""
+    from bench.fleet_sim import LoggingProxy, endpoint_class
+
+    tree = work / "restart-before-tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
+                    RESTART_BEFORE], check=True, capture_output=True)
+    proc, url = start_server(work / "prefect-restart", late_runs=False)
+    names = {"before": f"rb-{uuid.uuid4().hex[:6]}", "after": f"ra-{uuid.uuid4().hex[:6]}"}
+    controller = Controller(work / "restart-ctl", url, list(names.values()))
+    proxy = LoggingProxy("prefect", url.removesuffix("/api"))
+    trees = {"before": tree, "after": ROOT}
+    found: dict[str, Any] = {"rounds": rounds, "before_commit": RESTART_BEFORE,
+                             "restarts": {"before": [], "after": []}, "first": {}}
+    try:
+        for name in names.values():
+            for row in _idle_rows():
+                controller.put(name, row)
+        pids = [proc.pid, controller.proc.pid]
+        idle = [_idle_rate(pids, 30)]
+
+        def once(variant: str) -> dict[str, Any]:
+            name = names[variant]
+            config = _config(work / f"restart-{variant}", name, controller.pull_url(name),
+                             extra=f'token = "{controller.tokens[name]}"\n')
+            log = work / f"restart-{variant}.log"
+            mark = log.stat().st_size if log.exists() else 0
+            calls0 = len(proxy.calls)
+            cpu0 = [tree_cpu(pid) for pid in pids]
+            t0 = time.monotonic()
+            node = _spawn_node(config, f"{proxy.base}/api", log, cwd=trees[variant])
+            try:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and "planned " not in log.read_bytes()[
+                        mark:].decode(errors="replace"):
+                    time.sleep(0.2)
+                # Its record (the code before sent it after the plan): until 3 s pass quietly.
+                seen, quiet_since = len(proxy.calls), time.monotonic()
+                while time.monotonic() - quiet_since < 3 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    if len(proxy.calls) != seen:
+                        seen, quiet_since = len(proxy.calls), time.monotonic()
+            finally:
+                stop_group(node)
+            seconds = time.monotonic() - t0
+            cpu = [tree_cpu(pid) - before for pid, before in zip(pids, cpu0, strict=True)]
+            calls: dict[str, int] = {}
+            for call in proxy.calls[calls0:]:
+                key = endpoint_class(call.side, call.method, call.path, name)
+                calls[key] = calls.get(key, 0) + 1
+            return {"seconds": seconds, "prefect_cpu_s": cpu[0], "controller_cpu_s": cpu[1],
+                    "requests": sum(calls.values()), "calls": calls}
+
+        for variant in names:  # each node's first start: it registers and plans
+            found["first"][variant] = once(variant)
+        for _ in range(rounds):
+            for variant in names:
+                found["restarts"][variant].append(once(variant))
+        idle.append(_idle_rate(pids, 30))
+        found["idle_cores"] = idle
+        rate = sum(idle) / len(idle)
+        for variant, items in found["restarts"].items():
+            center = [item["prefect_cpu_s"] + item["controller_cpu_s"] - rate * item["seconds"]
+                      for item in items]
+            found[variant] = {
+                "requests": statistics.median(item["requests"] for item in items),
+                "calls": items[-1]["calls"],
+                "prefect_cpu_s": statistics.median(item["prefect_cpu_s"] for item in items),
+                "controller_cpu_s": statistics.median(item["controller_cpu_s"]
+                                                      for item in items),
+                "seconds": statistics.median(item["seconds"] for item in items),
+                "center_cpu_s_beyond_idle": statistics.median(center),
+                "center_cpu_s_beyond_idle_mean": statistics.mean(center),
+            }
+        return found
+    finally:
+        proxy.close()
+        controller.stop()
+        stop_group(proc)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                       check=False, capture_output=True)
+
+
 def _busy_text(fleet_found: dict[str, Any]) -> str:
     """What the server's busy answers (429/503: too busy to do anything) say of the fleet."""
     if "busy_measured" not in fleet_found:
@@ -679,8 +783,8 @@ def _busy_text(fleet_found: dict[str, Any]) -> str:
 
 def report(found: dict[str, Any]) -> str:
     lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 110 "
-             "minutes; `--parts latency,idle,fleet,outage` runs some, keeping the others' last "
-             "figures, each with the time it was measured).", ""]
+             "minutes; `--parts latency,idle,fleet,outage,restart` runs some, keeping the "
+             "others' last figures, each with the time it was measured).", ""]
     lat = found.get("latency")
     if lat:
         lines += [
@@ -750,6 +854,24 @@ def report(found: dict[str, Any]) -> str:
                   f"{_stats(late)}; recorded after the server's return in "
                   f"{min(out['recorded_after_return_s'] or [0]):.0f}-"
                   f"{max(out['recorded_after_return_s'] or [0]):.0f} s.", ""]
+    rs = found.get("restart")
+    if rs and "before" in rs and "after" in rs:
+        b, a = rs["before"], rs["after"]
+        lines += [f"**One node's restart, nothing changed** ({rs.get('measured', '')}; "
+                  f"{rs['rounds']} restarts each of the node of commit {rs['before_commit']} "
+                  "and of this checkout, in turns, on one SQLite server and one controller; "
+                  "medians): requests to Prefect "
+                  f"{b['requests']:.0f} before, {a['requests']:.0f} after; the center's CPU "
+                  "beyond its idle from the node's spawn to its exit "
+                  f"{b['center_cpu_s_beyond_idle']:.3f} s before, "
+                  f"{a['center_cpu_s_beyond_idle']:.3f} s after (the Prefect server "
+                  f"{b['prefect_cpu_s']:.3f} s and {a['prefect_cpu_s']:.3f} s, idle included; "
+                  f"the controller {b['controller_cpu_s']:.3f} s and "
+                  f"{a['controller_cpu_s']:.3f} s). Before: "
+                  + ", ".join(f"{k.removeprefix('prefect ')} {v}" for k, v in b["calls"].items())
+                  + "; after: "
+                  + ", ".join(f"{k.removeprefix('prefect ')} {v}" for k, v in a["calls"].items())
+                  + ".", ""]
     return "\n".join(lines)
 
 
@@ -760,6 +882,8 @@ def main() -> int:
     parser.add_argument("--idle-minutes", type=int, default=16)
     parser.add_argument("--fleet", type=int, default=200)
     parser.add_argument("--fleet-minutes", type=int, default=10)
+    parser.add_argument("--restart-rounds", type=int, default=10,
+                        help="restarts of each node (before, after) in the restart part")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--filled", type=Path, default=None,
                         help="keep the Prefect server with 200,000 planned runs in this folder "
@@ -773,6 +897,7 @@ def main() -> int:
         "idle": lambda: idle(work, args.idle_minutes, args.filled),
         "fleet": lambda: fleet(work, args.fleet, args.fleet_minutes),
         "outage": lambda: outage(work),
+        "restart": lambda: restart(work, args.restart_rounds),
     }
     try:
         for part in args.parts.split(","):

@@ -21,8 +21,9 @@ part                   what it does
 Assembly, in :class:`Node`'s constructor, and the start, in :meth:`Node.run`:
 
 1. state on disk: outbox, history, cache, decided windows;
-2. Prefect: the deployments (registered when the server first answers), the
-   recorder, the planner;
+2. Prefect: the deployments (registered when the server first answers, or
+   their ids from ``deployments.json`` when they still answer as registered),
+   the recorder, the planner;
 3. jobs and the chain;
 4. the firing loop;
 5. reconcile, control, report;
@@ -125,7 +126,8 @@ class Node:
         self._claimed: set[str] = set()
         self._last_pull: dict[str, Any] | None = None
         # Step 2: Prefect, the record.
-        self.deployments = Deployments(api, self.node, tags=[AGENT_TAG])
+        self.deployments = Deployments(api, self.node, tags=[AGENT_TAG],
+                                       cache_path=state / "deployments.json")
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
                                  clock=clock, done=self._recorded)
         self.planner = Planner(api, self.deployments, settings.plan_path,

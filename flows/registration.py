@@ -1,21 +1,40 @@
 """The node's two deployments in Prefect: ``run-job/<node>`` and ``reconcile/<node>``.
 
-Registered through the REST API the first time the server answers (and again when one
-was deleted): no work pool, no schedule, tags ``sched-agent``; nothing but the node
-starts their runs. A Run of either from the UI reaches the node as an ad hoc job or an
-on-demand reconcile (:mod:`flows.control`). The old agent's heartbeat automations,
-which would crash the runs the node records (they send no heartbeats), are deleted.
+Registered through the REST API the first time the server answers: no work pool, no
+schedule, tags ``sched-agent``; nothing but the node starts their runs. A Run of either
+from the UI reaches the node as an ad hoc job or an on-demand reconcile
+(:mod:`flows.control`). The old agent's heartbeat automations, which would crash the runs
+the node records (they send no heartbeats), are deleted when the node registers.
+
+**A restart does not register again** when nothing would change. The ids of the last
+registration are kept in ``<state_dir>/deployments.json`` beside the registration's
+version (:func:`registration_version`: a hash of everything the registration sends, so a
+new agent whose registration differs, or another node name, changes it). At the next
+start one read of both deployments by id (``POST /deployments/filter``) checks that they
+still answer and still hold what the registration would set (:func:`differences`); then
+the ids are used as they are: 1 request instead of 5 (two flow upserts, two deployment
+upserts, the automations' read). The node registers again, and says why in its log, on a
+first start (no file), when the version differs, when a deployment no longer answers (it
+was deleted, or the server or its database is another one), when the server's copy was
+changed (paused, other tags, another schema) and when a run's creation finds its
+deployment gone (:meth:`Deployments.forget`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from flows.prefect_api import PrefectApi
+from flows.prefect_api import PrefectApi, PrefectRefused
 from sched_core import SchedError
+from sched_core.jsonwire import MAX_DEPTH
+from sched_core.statefile import locked, read_json_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +57,68 @@ LEGACY_AUTOMATIONS = frozenset({
 """What the runner-driven agent (before the node fired its windows itself) installed."""
 RECONCILE_PARAMETERS: dict[str, Any] = {"type": "object", "title": "Parameters",
                                         "properties": {}}
+REGISTRATION_FORMAT = 1
+"""Part of the registration's version: raise it when registering starts to do something its
+payload does not show (another clean-up), so every node registers once more."""
+DESCRIPTIONS = {
+    RUN_JOB: "One job of one schedule, fired by the node at its window (the node records it "
+             "here; a Run here runs the schedule now).",
+    RECONCILE: "The node's pull of its schedule list and its plan (recorded when something "
+               "changed; a Run here reconciles now).",
+}
+
+
+def deployment_bodies(node: str, tags: list[str]) -> dict[str, dict[str, Any]]:
+    """Return what the registration sends for each flow (the deployment's body but its
+    ``flow_id``, which is the flow upsert's answer)."""
+    schemas = {RUN_JOB: JOB_PARAMETERS, RECONCILE: RECONCILE_PARAMETERS}
+    return {flow: {"name": node, "tags": list(tags), "description": DESCRIPTIONS[flow],
+                   "parameter_openapi_schema": schemas[flow],
+                   "enforce_parameter_schema": False,
+                   "entrypoint": f"flows/node.py:{flow.replace('-', '_')}", "paused": False,
+                   "schedules": []}
+            for flow in (RUN_JOB, RECONCILE)}
+
+
+def registration_version(bodies: dict[str, dict[str, Any]]) -> str:
+    """Return the hash of everything the registration would send (and its format)."""
+    text = json.dumps({"format": REGISTRATION_FORMAT, "bodies": bodies}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def differences(body: dict[str, Any], flow_id: str, found: dict[str, Any]) -> list[str]:
+    """Return the fields the server's deployment ``found`` holds otherwise than the
+    registration would set them (``body`` and ``flow_id``); empty when it is as registered."""
+    wanted = {**body, "flow_id": flow_id}
+    out = []
+    for key, value in wanted.items():
+        have = found.get(key)
+        if key == "tags":
+            same = isinstance(have, list) and sorted(have) == sorted(value)
+        else:
+            same = have == value
+        if not same:
+            out.append(key)
+    return out
 
 
 @dataclass
 class Deployments:
-    """The node's two deployments in Prefect, registered once per process (lazily)."""
+    """The node's two deployments in Prefect, registered once per process (lazily), or
+    taken from ``cache_path`` when they still answer as registered (the module's text)."""
 
     api: PrefectApi
     node: str
     tags: list[str]
     ids: dict[str, str] | None = None
+    cache_path: Path | None = None
+    """``<state_dir>/deployments.json``; None: register at each process's first use."""
+    how: str = ""
+    """How the ids in use were found: ``""`` (not yet), ``"registered"`` or ``"cached"``."""
+    why: str = ""
+    """Why the last resolution registered, or why it did not (the log line says it too)."""
+    _forced: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get(self) -> dict[str, str]:
@@ -57,26 +128,81 @@ class Deployments:
 
     def _get(self) -> dict[str, str]:
         if self.ids is None:
-            ids: dict[str, str] = {}
-            for flow, description, schema in (
-                (RUN_JOB, "One job of one schedule, fired by the node at its window (the node "
-                          "records it here; a Run here runs the schedule now).", JOB_PARAMETERS),
-                (RECONCILE, "The node's pull of its schedule list and its plan (recorded when "
-                            "something changed; a Run here reconciles now).",
-                 RECONCILE_PARAMETERS),
-            ):
-                flow_id = self.api.ensure_flow(flow)
-                ids[flow] = self.api.ensure_deployment(
-                    flow_id, self.node, tags=self.tags, description=description,
-                    parameter_openapi_schema=schema, enforce_parameter_schema=False,
-                    entrypoint=f"flows/node.py:{flow.replace('-', '_')}", paused=False,
-                    schedules=[],
-                )
-            self.ids = ids
-            log.info("registered the node's deployments %s/%s and %s/%s", RUN_JOB, self.node,
-                     RECONCILE, self.node, extra={"node": self.node})
-            self._remove_legacy_automations()
+            bodies = deployment_bodies(self.node, self.tags)
+            version = registration_version(bodies)
+            reason = "asked again (a deployment was deleted)" if self._forced else None
+            if reason is None:
+                cached, reason = self._cached(bodies, version)
+                if cached is not None:
+                    self.ids, self.how, self.why = cached, "cached", reason
+                    log.info("the node's deployments %s/%s and %s/%s %s: not registered "
+                             "again", RUN_JOB, self.node, RECONCILE, self.node, reason,
+                             extra={"node": self.node})
+                    return self.ids
+            self.ids = self._register(bodies, version, reason)
         return self.ids
+
+    def _cached(self, bodies: dict[str, dict[str, Any]],
+                version: str) -> tuple[dict[str, str] | None, str]:
+        """Return (the cached ids, why) when both still answer as registered, else
+        (None, why the node registers). Raises PrefectUnavailable (tried again later)."""
+        if self.cache_path is None:
+            return None, "no state folder to keep the ids in"
+        data = read_json_file(self.cache_path, now=datetime.now(UTC), max_depth=MAX_DEPTH)
+        if data is None:
+            return None, f"first start ({self.cache_path.name} does not exist)"
+        entries = data.get("deployments") if isinstance(data, dict) else None
+        if (not isinstance(entries, dict)
+                or not all(isinstance(entries.get(flow), dict)
+                           and isinstance(entries[flow].get("id"), str)
+                           and isinstance(entries[flow].get("flow_id"), str)
+                           for flow in bodies)):
+            return None, f"{self.cache_path.name} holds no ids of both deployments"
+        if data.get("version") != version:
+            return None, (f"the registration changed (version {data.get('version')} in "
+                          f"{self.cache_path.name}, {version} now)")
+        ids = {flow: str(entries[flow]["id"]) for flow in bodies}
+        try:
+            found = self.api.call("POST", "/deployments/filter", json={
+                "deployments": {"id": {"any_": list(ids.values())}},
+                "limit": len(ids)}).json()
+        except PrefectRefused as exc:
+            return None, f"the cached ids could not be read ({exc})"
+        by_id = {str(item.get("id")): item for item in found if isinstance(item, dict)}
+        for flow, body in bodies.items():
+            item = by_id.get(ids[flow])
+            if item is None:
+                return None, (f"the cached {flow}/{self.node} ({ids[flow]}) no longer answers "
+                              "(deleted, or another server or database)")
+            changed = differences(body, str(entries[flow]["flow_id"]), item)
+            if changed:
+                return None, (f"{flow}/{self.node} was changed on the server "
+                              f"({', '.join(changed)})")
+        return ids, f"answer as registered (version {version}, ids from {self.cache_path.name})"
+
+    def _register(self, bodies: dict[str, dict[str, Any]], version: str,
+                  reason: str) -> dict[str, str]:
+        ids: dict[str, str] = {}
+        entries: dict[str, dict[str, str]] = {}
+        for flow, body in bodies.items():
+            flow_id = self.api.ensure_flow(flow)
+            ids[flow] = self.api.ensure_deployment(flow_id, **body)
+            entries[flow] = {"id": ids[flow], "flow_id": flow_id}
+        self.how, self.why, self._forced = "registered", reason, False
+        log.info("registered the node's deployments %s/%s and %s/%s: %s", RUN_JOB, self.node,
+                 RECONCILE, self.node, reason, extra={"node": self.node})
+        self._remove_legacy_automations()
+        if self.cache_path is not None:
+            text = json.dumps({"version": version, "deployments": entries}, sort_keys=True,
+                              indent=1)
+            try:
+                with locked(self.cache_path):
+                    write_atomic(self.cache_path, text.encode("utf-8") + b"\n")
+            except OSError as exc:
+                log.warning("could not keep the deployments' ids in %s (the next start "
+                            "registers again): %s", self.cache_path, exc,
+                            extra={"node": self.node})
+        return ids
 
     def _remove_legacy_automations(self) -> None:
         """Delete the automations the runner-driven agent made (they would crash the runs the
@@ -95,3 +221,4 @@ class Deployments:
     def forget(self) -> None:
         """Register again at the next use (a deployment was deleted on the server)."""
         self.ids = None
+        self._forced = True

@@ -291,7 +291,7 @@ class AgentSettings(BaseSettings):
     state_dir: Path = Field(
         Path(".state"),
         description="`cache.json`, `chain.json`, `outbox/`, `history.json`, `decided.json`, "
-        "`plan.json`; created if missing, private (below)")
+        "`plan.json`, `deployments.json`; created if missing, private (below)")
     timezone: str = Field(
         DEFAULT_TZ.key,
         description="the zone every schedule is matched in")

@@ -1,0 +1,166 @@
+"""A node's restart on a real Prefect server: what it sends when nothing changed, and when
+something did (tests/nodekit.py's node, in this process, started twice on one folder).
+
+The restart neither registers its deployments again (two flow upserts, two deployment
+upserts, the automations' read) nor records a ``reconcile`` run when its deployments still
+answer as registered and its list and plan are as before; it registers again when a
+deployment was deleted, when the registration changed (a new agent) and when the server's
+copy was changed. Every request the node sends is seen through its own HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from flows import registration
+from flows.registration import (
+    RECONCILE,
+    RUN_JOB,
+    deployment_bodies,
+    differences,
+    registration_version,
+)
+from tests.nodekit import NodeUnderTest, Prefect, row
+from tests.procs import wait_for
+
+pytestmark = [pytest.mark.prefect]
+
+UPSERTS = {("POST", "/api/flows/"), ("POST", "/api/deployments/")}
+
+
+def _rows() -> list[dict[str, Any]]:
+    # Daily at 03:00 in the node's zone: planned ahead, never fired while the test runs.
+    return [row("r-1", every=None, minute="0", hours=["3"])]
+
+
+def _start_once(folder: Path, url: str, name: str) -> tuple[NodeUnderTest, list[tuple[str, str]]]:
+    """Start a node on folder until its start's reconcile ended, stop it (its recorder drains);
+    return it and the (method, path) of every request it sent to Prefect."""
+    node = NodeUnderTest(folder, url, name=name, rows=_rows())
+    built = node.build()
+    sent: list[tuple[str, str]] = []
+
+    def seen(request: httpx.Request) -> None:
+        sent.append((request.method, request.url.path))
+
+    built.api._client.event_hooks["request"].append(seen)
+    node.start()
+    try:
+        wait_for("the start's reconcile", lambda: built.reconciler.finished >= 1, 60)
+    finally:
+        node.stop()
+    return node, sent
+
+
+def _reconcile_runs(prefect: Prefect, name: str) -> list[dict[str, Any]]:
+    return [run for run in prefect.node_runs(name) if run["name"].startswith("reconcile-")]
+
+
+def _deployments(prefect: Prefect, name: str) -> dict[str, dict[str, Any]]:
+    found = {flow: prefect.api.deployment_by_name(flow, name) for flow in (RUN_JOB, RECONCILE)}
+    assert all(found.values()), found
+    return {flow: item for flow, item in found.items() if item}
+
+
+def test_a_restart_with_nothing_changed_registers_nothing_and_records_no_reconcile_run(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    name = f"rst-{uuid.uuid4().hex[:6]}"
+    first, sent = _start_once(tmp_path, prefect_server, name)
+    assert UPSERTS <= set(sent), "the first start registers"
+    assert first.build().deployments.why.startswith("first start")
+    assert len(_reconcile_runs(prefect, name)) == 1, "the first start's pull added a row"
+    before = _deployments(prefect, name)
+
+    again, sent = _start_once(tmp_path, prefect_server, name)
+    assert not UPSERTS & set(sent), f"the restart registered again: {sent}"
+    assert not [path for _, path in sent if "automations" in path or "create_flow_run" in path]
+    assert [path for _, path in sent].count("/api/deployments/filter") == 1, sent
+    after = _deployments(prefect, name)
+    assert {f: d["updated"] for f, d in after.items()} == {
+        f: d["updated"] for f, d in before.items()}, "a deployment was written again"
+    assert len(_reconcile_runs(prefect, name)) == 1, "the restart changed nothing"
+    assert again.build().deployments.ids == {f: d["id"] for f, d in before.items()}
+    assert again.build().deployments.how == "cached"
+
+
+def test_a_restart_registers_again_when_its_deployment_was_deleted(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    name = f"del-{uuid.uuid4().hex[:6]}"
+    _start_once(tmp_path, prefect_server, name)
+    old = _deployments(prefect, name)
+    prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
+
+    again, sent = _start_once(tmp_path, prefect_server, name)
+    assert UPSERTS <= set(sent), "the restart did not register the deleted deployment"
+    deployments = again.build().deployments
+    assert deployments.how == "registered" and "no longer answers" in deployments.why
+    now = _deployments(prefect, name)
+    assert now[RUN_JOB]["id"] != old[RUN_JOB]["id"]
+    assert now[RECONCILE]["id"] == old[RECONCILE]["id"]
+    kept = json.loads((again.state / "deployments.json").read_text())
+    assert kept["deployments"][RUN_JOB]["id"] == now[RUN_JOB]["id"]
+
+    _, sent = _start_once(tmp_path, prefect_server, name)  # the new ids are kept
+    assert not UPSERTS & set(sent), sent
+
+
+def test_a_restart_registers_again_when_the_registration_changed(
+    tmp_path: Path, prefect_server: str, prefect: Prefect, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name = f"ver-{uuid.uuid4().hex[:6]}"
+    _start_once(tmp_path, prefect_server, name)
+    # A new agent whose run-job takes another parameter.
+    schema = json.loads(json.dumps(registration.JOB_PARAMETERS))
+    schema["properties"]["note"] = {"type": "string", "title": "note", "position": 1}
+    monkeypatch.setattr(registration, "JOB_PARAMETERS", schema)
+
+    again, sent = _start_once(tmp_path, prefect_server, name)
+    assert UPSERTS <= set(sent), "the restart kept a registration that changed"
+    assert "the registration changed" in again.build().deployments.why
+    found = _deployments(prefect, name)[RUN_JOB]
+    assert "note" in found["parameter_openapi_schema"]["properties"]
+
+
+def test_a_restart_registers_again_when_the_servers_copy_was_changed(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    name = f"srv-{uuid.uuid4().hex[:6]}"
+    _start_once(tmp_path, prefect_server, name)
+    old = _deployments(prefect, name)
+    prefect.api.call("PATCH", f"/deployments/{old[RECONCILE]['id']}", json={"paused": True})
+    assert _deployments(prefect, name)[RECONCILE]["paused"] is True
+
+    again, sent = _start_once(tmp_path, prefect_server, name)
+    assert UPSERTS <= set(sent), "the restart kept a deployment paused on the server"
+    assert "changed on the server (paused)" in again.build().deployments.why
+    assert _deployments(prefect, name)[RECONCILE]["paused"] is False
+
+
+# -- pure -----------------------------------------------------------------------------------
+
+
+def test_the_registration_version_follows_what_is_registered() -> None:
+    base = registration_version(deployment_bodies("n-1", ["sched-agent"]))
+    assert base == registration_version(deployment_bodies("n-1", ["sched-agent"]))
+    assert base != registration_version(deployment_bodies("n-2", ["sched-agent"]))
+    assert base != registration_version(deployment_bodies("n-1", ["sched-agent", "x"]))
+
+
+def test_differences_name_the_fields_the_server_holds_otherwise() -> None:
+    body = deployment_bodies("n-1", ["a", "b"])[RUN_JOB]
+    found = {**body, "id": "d-1", "flow_id": "f-1", "tags": ["b", "a"], "updated": "later",
+             "work_pool_name": None}
+    assert differences(body, "f-1", found) == []
+    assert differences(body, "f-2", found) == ["flow_id"]
+    assert differences(body, "f-1", {**found, "paused": True, "tags": ["a"]}) == [
+        "tags", "paused"]
+    assert "parameter_openapi_schema" in differences(body, "f-1", {
+        **found, "parameter_openapi_schema": {}})
