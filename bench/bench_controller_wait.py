@@ -73,7 +73,7 @@ from prefect_bench import write_section  # noqa: E402
 
 MARKERS = ("<!-- wait-cycle:begin -->", "<!-- wait-cycle:end -->")
 BEFORE_REV = "0d6642b"
-"""The commit before the wait was made cheaper (issue 22)."""
+"""The commit before the wait was made cheaper."""
 HEARTBEATS = (60.0, 300.0, 600.0)
 
 
