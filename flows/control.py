@@ -50,6 +50,9 @@ BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
 DUE_AHEAD = timedelta(seconds=10)
 """An ad hoc run scheduled this soon is taken now (the UI's Run schedules it for now)."""
+MAX_WAIT_S = 300.0
+"""The longest a controller holds a wait (its ``timeout`` query's bound): a node whose
+heartbeat is longer waits this long each time, so its wait stays a long poll."""
 TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
 """Tags of the runs the node itself made: their events never wake it."""
 
@@ -173,7 +176,7 @@ class ControllerWait:
     def _main(self) -> None:
         seen = told = ""
         backoff = BACKOFF_MIN_S
-        wait_s = self.heartbeat.total_seconds()
+        wait_s = min(self.heartbeat.total_seconds(), MAX_WAIT_S)
         with httpx.Client(timeout=wait_s + 15, verify=self._verify) as client:
             while not self._worker.stopping.is_set():
                 token = self._token()

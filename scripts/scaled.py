@@ -542,17 +542,22 @@ def redis_ping(port: int) -> bool:
 
 
 def _balanced(name: str, bind: str, maxconn: object, health: str,
-              servers: list[tuple[str, int]]) -> str:
-    """One HAProxy frontend and its backend: least connections, servers checked on health."""
+              servers: list[tuple[str, int]], hold_s: int | None = None) -> str:
+    """One HAProxy frontend and its backend: least connections, servers checked on health.
+
+    ``hold_s``: how long an answer may take (the defaults' 120 s otherwise).
+    """
     lines = "\n".join(f"    server {server} 127.0.0.1:{port} check" for server, port in servers)
+    client = f"\n    timeout client {hold_s}s" if hold_s else ""
+    server = f"\n    timeout server {hold_s}s" if hold_s else ""
     return f"""
 frontend {name}
     bind {bind}
-    maxconn {maxconn}
+    maxconn {maxconn}{client}
     default_backend {name}_api
 
 backend {name}_api
-    balance leastconn
+    balance leastconn{server}
     option httpchk GET {health}
     http-check expect status 200
     default-server inter 2s fall 2 rise 2
@@ -567,8 +572,9 @@ def haproxy_conf(layout: Layout) -> Path:
     prefect_part = _balanced("prefect", f"{bind}:{ports['prefect_lb']}", maxconn, "/api/health",
                              list(zip(layout.api_names(), ports["api"], strict=True)))
     controllers = list(zip(layout.controller_names(), ports["controller"], strict=True))
+    # A node's long poll is held up to 300 s (a heartbeat that long): 30 s more to answer.
     controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
-                                "/healthz", controllers) if controllers else ""
+                                "/healthz", controllers, hold_s=330) if controllers else ""
     conf = folder / "haproxy.cfg"
     conf.write_text(f"""# the scaled layout (scripts/scaled.py); see docs/scaled.md
 global

@@ -184,3 +184,30 @@ def test_a_node_told_of_a_change_waits_again_on_the_new_version_not_its_old_one(
         assert told == ["changed"]
     finally:
         wait.stop()
+
+
+def test_a_node_with_a_heartbeat_over_the_controllers_longest_wait_still_long_polls(
+    center: Center,
+) -> None:
+    """A heartbeat of 10 min asks for waits of 300 s, the controller's bound: asked for 600 s
+    the controller refuses (422) and the node never held its long poll."""
+    from datetime import timedelta
+
+    from controller.api.wait import MAX_WAIT_S
+    from flows.control import MAX_WAIT_S as NODE_MAX_WAIT_S
+    from flows.control import ControllerWait
+
+    assert NODE_MAX_WAIT_S == MAX_WAIT_S
+    first, _ = center.wait(timeout=1)
+    told: list[str] = []
+    wait = ControllerWait(
+        f"{center.base}/api/nodes/{center.node}/wait", token=lambda: center.token,
+        etag=lambda: first["etag"], heartbeat=timedelta(minutes=10),
+        on_schedules=lambda: told.append("changed"), on_prefect=lambda: None,
+        on_unsupported=lambda: None).start()
+    try:
+        center.put(row("s-1"))  # a held wait (or one that comes after) answers it at once
+        wait_for("the write's answer", lambda: bool(told), 30)
+        assert wait.answers == 1 and wait.connected.is_set()
+    finally:
+        wait.stop()
