@@ -86,6 +86,8 @@ def _kill(proc: Any) -> None:
     proc.wait(10)
 
 
+# The tests below start their node alike in shape (a clock offset, rows, a window, a spawn),
+# each with its own values: `duplicates` pairs them; each opening is the test's own story.
 def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_is_back(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
