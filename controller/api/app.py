@@ -282,6 +282,7 @@ def create_app(
     )
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
+
     def read_etags(nodes: list[str]) -> dict[str, str]:
         with engine.connect() as connection:
             return schedules.node_etags(connection, nodes)
