@@ -218,19 +218,18 @@ class Recorder:
 
     def _steps(self, steps: Steps, view: JobView, progress: dict[str, Any],
                folder: JobFolder) -> bool:
-        steps.run_id()
-        if view.attempts:
-            steps.running()
-            steps.task_run()
-        elif view.spec.kind == KIND_RECONCILE:
-            steps.running()
-        steps.logs()
+        if view.attempts or view.spec.kind == KIND_RECONCILE:
+            steps.running()  # finds or creates the run as it goes Running
+        else:
+            steps.run_id()  # a job that ran nothing: its run, for its final state
         if view.phase != "ended":
+            steps.task_run()
+            steps.logs()
             return False
         steps.artifact()
         steps.final()
-        steps.event()
-        steps.logs()  # lines written after the end (the chain's note, the exit line)
+        steps.event()  # with the task run's states not sent yet
+        steps.logs()  # every line not sent yet, the ones written at the end too
         progress["complete"] = True
         folder.write_json("record.json", progress)
         return True
