@@ -221,8 +221,11 @@ class Steps:
         states: list[TaskState] = []
         program = self.spec.argv[0] if self.spec.argv else self.spec.action
         first = self.view.attempts[0]
+        started = first.started_at or first.launched_at or self.spec.accepted_at
+        # Pending when the keeper was launched, just before the command's start if that is
+        # the same instant (the command's start is the task run's start, kept exact).
         states.append(TaskState("PENDING", "Pending", "",
-                                first.launched_at or first.started_at or self.spec.accepted_at))
+                                min(first.launched_at, started - timedelta(microseconds=1))))
         for attempt in self.view.attempts:
             started = attempt.started_at or attempt.launched_at or self.spec.accepted_at
             name = "Retrying" if attempt.number > 1 else "Running"
