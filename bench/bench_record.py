@@ -46,7 +46,8 @@ from flows.recorder import Recorder
 from flows.registration import RUN_JOB, Deployments
 
 OLD_COMMIT = "9e32aaf"
-"""main before the record took fewer calls (bulk_set_state, task-run events, one logs POST)."""
+"""main before the record took fewer calls (bulk_set_state, the task run created Running, one
+logs POST per pass)."""
 JOBS = 30
 LINES = 20
 """Command output lines per job (half at the start's record, half at the end's)."""

@@ -4,9 +4,8 @@ Each step is noted in the job's ``record.json`` when it is done, and as ``inflig
 just before it is sent; a step found in flight after a restart is checked against
 the server before it is sent again. The node's lines and every try's output go
 together as the run's logs, in requests of at most :data:`LOG_BATCH` lines (each
-file read :data:`LOG_BATCH_BYTES` at a time). The command's task run and its
-states go as events (as Prefect's own engine sends them), each with its real time;
-at the job's end they go in the one request that carries the job's event.
+file read :data:`LOG_BATCH_BYTES` at a time). The command's task run is created in
+its first state (Running), one request.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from flows.outbox import (
@@ -29,13 +27,7 @@ from flows.outbox import (
     utc_text,
 )
 from flows.prefect_api import PrefectRefused, state_body
-from flows.records import (
-    TaskState,
-    job_event,
-    job_markdown,
-    task_run_events,
-    task_run_id_for,
-)
+from flows.records import job_event, job_markdown
 from flows.registration import RECONCILE, RUN_JOB
 
 if TYPE_CHECKING:
@@ -185,68 +177,50 @@ class Steps:
                         self.run, self.spec.run_name, extra={"job_id": self.spec.job_id})
 
     # 3. the task run and its tries
-    def task_run_id(self) -> str:
-        """Return the command's task run id (one made by an older node is kept)."""
-        task_run = self.p.get("task_run_id")
-        if not isinstance(task_run, str):
-            task_run = task_run_id_for(self.run)
-            self.p["task_run_id"] = task_run
-        return task_run
-
-    def task_events(self) -> tuple[list[dict[str, Any]], int]:
-        """Return the events of the task run's states not sent yet, and how many are sent then."""
-        if not self.view.attempts:
-            return [], 0
-        states = self._task_states()
-        sent = self.p.get("task_events")
-        if not isinstance(sent, int):  # an older node sent states through the API
-            old = self.p.get("task_states")
-            sent = int(old) + 1 if "task_run_id" in self.p and isinstance(old, int) else 0
-        policy = {"retries": self.spec.retries, "retry_delay": self.spec.retry_delay_s}
-        events = task_run_events(self.task_run_id(), self.run, self.spec.run_name, states,
-                                 first=min(sent, len(states)), policy=policy)
-        return events, len(states)
-
     def task_run(self) -> None:
-        """Send the task run's new states (while the job runs; at its end they go with the
-        job's event)."""
-        events, count = self.task_events()
-        if events:
-            self.api.emit_events(events)
-            self.p["task_events"] = count
+        """Create the command's task run in its first state (Running), then send the others.
+
+        Created by flow run, task key and dynamic key, so a create sent twice gives the
+        same task run.
+        """
+        wanted = self._task_states()
+        if not self.p.get("task_run_id"):
+            self.p["task_run_id"] = self.api.create_task_run({
+                "name": "run-command", "flow_run_id": self.run, "task_key": "run-command",
+                "dynamic_key": "0", "state": wanted[0],
+                "empirical_policy": {"retries": self.spec.retries,
+                                     "retry_delay": self.spec.retry_delay_s},
+            })
+            self.p["task_states"] = 1
+            self._save()
+        sent = int(self.p.get("task_states", 0))
+        for state in wanted[sent:]:
+            self.api.set_task_state(str(self.p["task_run_id"]), state)
+            sent += 1
+            self.p["task_states"] = sent
             self._save()
 
-    def _task_states(self) -> list[TaskState]:
+    def _task_states(self) -> list[dict[str, Any]]:
         """Return the task run's states as Prefect shows a task's retries (pure over the view)."""
-        states: list[TaskState] = []
+        states: list[dict[str, Any]] = []
         program = self.spec.argv[0] if self.spec.argv else self.spec.action
-        first = self.view.attempts[0]
-        started = first.started_at or first.launched_at or self.spec.accepted_at
-        # Pending when the keeper was launched, just before the command's start if that is
-        # the same instant (the command's start is the task run's start, kept exact).
-        states.append(TaskState("PENDING", "Pending", "",
-                                min(first.launched_at, started - timedelta(microseconds=1))))
         for attempt in self.view.attempts:
-            started = attempt.started_at or attempt.launched_at or self.spec.accepted_at
-            name = "Retrying" if attempt.number > 1 else "Running"
-            states.append(TaskState("RUNNING", name, f"try {attempt.number} started at "
-                                                     f"{utc_text(started)}", started))
+            started = attempt.started_at or attempt.launched_at
+            name = "Retrying" if attempt.number > 1 else None
+            states.append(state_body("RUNNING", name=name,
+                                     message=f"try {attempt.number} started at "
+                                             f"{utc_text(started)}"))
             if not attempt.ended:
                 break
-            ended_at = attempt.ended_at or started
+            failure = None if attempt.ok else attempt.failure(program, self.spec.timeout_s)
+            ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
             last = attempt is self.view.attempts[-1]
             if not last:
-                failure = None if attempt.ok else attempt.failure(program, self.spec.timeout_s)
-                ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
-                retry_at = ended_at + timedelta(seconds=self.spec.retry_delay_s)
-                states.append(TaskState("SCHEDULED", "AwaitingRetry",
-                                        f"try {attempt.number} ended at {ended}: {failure}",
-                                        ended_at, {"scheduled_time": utc_text(retry_at)}))
+                states.append(state_body("SCHEDULED", name="AwaitingRetry",
+                                         message=f"try {attempt.number} ended at {ended}: "
+                                                 f"{failure}"))
             elif self.view.phase == "ended":
-                final = self._final_body()
-                states.append(TaskState(final["type"], final.get("name") or
-                                        final["type"].capitalize(), final.get("message", ""),
-                                        self.view.end_at or ended_at))
+                states.append(self._final_body())
         return states
 
     # logs
@@ -257,10 +231,9 @@ class Steps:
         its byte ranges are noted as in flight, so a kill in mid-request is checked.
         """
         sources: list[tuple[str, str, str | None]] = [("log.jsonl", "node", None)]
-        if self.view.attempts:
-            task = self.task_run_id()
-            sources += [(f"a{item.number}.out", f"a{item.number}", task)
-                        for item in self.view.attempts]
+        task = self.p.get("task_run_id")
+        sources += [(f"a{item.number}.out", f"a{item.number}", task)
+                    for item in self.view.attempts]
         while True:
             batch: list[dict[str, Any]] = []
             ranges: list[tuple[str, int, int]] = []
@@ -329,14 +302,10 @@ class Steps:
             self._set(self._final_body())
 
     def event(self) -> None:
-        """Send the job's event with the task run's states not sent yet, in one request."""
         for _ in self._step("event"):
-            task, count = self.task_events()
-            events = [*self._job_events(), *task]
+            events = self._job_events()
             if events:
                 self.api.emit_events(events)
-            if task:
-                self.p["task_events"] = count
 
     def _job_events(self) -> list[dict[str, Any]]:
         state = self.view.end_state

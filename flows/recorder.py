@@ -11,22 +11,20 @@ were accepted and writes each into Prefect, step by step:
    ``<node>:<window key>``, finds it and puts it in Running; a window with no
    planned run gets one created Scheduled at its start, then set Running; an ad
    hoc run is the one its creator made (named and tagged, then set Running).
-2. **The command's task run** (``run-command``), its tries as Prefect shows a
-   task's retries (Pending, Running, AwaitingRetry, Retrying, ...), sent as the
-   events Prefect's own engine sends for a task run: the server's task-run
-   recorder makes the run and its states from them, each state at the time it
-   really happened. **Its output** and the node's lines go as the run's logs,
-   all new lines of the job in one request, each with the time it was written.
-3. At the job's end: **the artifact** (exit code, tries, real start and end),
-   **the final state** (Completed, Failed, Cancelled, Crashed; Completed named
-   Skipped for a job that ran nothing), then **one** request of events: the
-   ``sched.job.completed`` or ``sched.job.failed`` event whose ``occurred`` is
-   the real end, with the task run's states not sent yet (every event's id is
-   derived from the run's, so the server keeps one of each whatever happens),
-   and last the lines not sent yet.
+2. **The command's task run** (``run-command``), created in Running at once
+   (one request), its tries as Prefect shows a task's retries (Running,
+   AwaitingRetry, Retrying, ...), and **its output** and the node's lines as the
+   run's logs, all new lines of the job in one request, each with the time it
+   was written.
+3. At the job's end: the task run's final state, **the artifact** (exit code,
+   tries, real start and end), **the final state** (Completed, Failed,
+   Cancelled, Crashed; Completed named Skipped for a job that ran nothing),
+   **one** ``sched.job.completed`` or ``sched.job.failed`` event whose
+   ``occurred`` is the real end (its id is derived from the run's, so the
+   server keeps one whatever happens), and last the lines not sent yet.
 
-A job recorded live takes 7 requests (3 at its start, 4 at its end), one recorded
-after its end 5 (docs/agent.md, "The record").
+A job recorded live takes 8 requests (3 at its start, 5 at its end), one recorded
+after its end 7 (docs/agent.md, "The record").
 
 Each step is noted in the job's ``record.json`` when it is done, and as
 ``inflight`` just before it is sent; a step found in flight after a restart is
@@ -230,13 +228,14 @@ class Recorder:
             steps.running()  # finds or creates the run as it goes Running
         else:
             steps.run_id()  # a job that ran nothing: its run, for its final state
-        if view.phase != "ended":
+        if view.attempts:
             steps.task_run()
+        if view.phase != "ended":
             steps.logs()
             return False
         steps.artifact()
         steps.final()
-        steps.event()  # with the task run's states not sent yet
+        steps.event()
         steps.logs()  # every line not sent yet, the ones written at the end too
         progress["complete"] = True
         folder.write_json("record.json", progress)
