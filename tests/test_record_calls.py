@@ -239,7 +239,7 @@ def test_a_planned_window_is_recorded_live_in_eight_requests_and_reads_as_before
     assert event["payload"]["flow_run_id"] == planned
 
 
-def test_tries_show_as_retries_of_the_task_run_at_their_real_times(
+def test_tries_show_as_retries_of_the_task_run(
     tmp_path: Path, counted: Counted, prefect: Prefect,
 ) -> None:
     node = f"tries-{uuid.uuid4().hex[:6]}"
