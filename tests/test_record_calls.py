@@ -4,8 +4,8 @@ Against a real Prefect server: a job of a planned window is written into an outb
 by hand, in two parts as the node writes it (its start, then its end), and
 recorded after each part, with every request the recorder sends counted. What
 the operator sees is then read back through the API: the planned run (its name,
-tags and parameters), its state history and times, the command's task run with
-its states at the times they happened, the logs, the artifact and the event.
+tags and parameters), its state history and times, the command's task run and
+its states, the logs, the artifact and the event.
 """
 
 from __future__ import annotations
