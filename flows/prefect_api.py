@@ -302,6 +302,19 @@ class PrefectApi:
                           json={"state": dict(state), "force": force}).json()
         return str(data.get("status", ""))
 
+    def set_state_where(self, flow_runs: Mapping[str, Any], state: Mapping[str, Any], *,
+                        force: bool, limit: int = 1) -> list[dict[str, Any]]:
+        """Set the state of the flow runs a filter selects (at most limit), in one request.
+
+        Returns the server's result per run it found (``flow_run_id``, ``status``,
+        ``state``): none when the filter matches no run.
+        """
+        data = self._call("POST", "/flow_runs/bulk_set_state",
+                          json={"flow_runs": dict(flow_runs), "state": dict(state),
+                                "force": force, "limit": limit}).json()
+        results: list[dict[str, Any]] = data.get("results") or []
+        return results
+
     def delete_run(self, run_id: str) -> bool:
         """Delete a flow run; return False when it was already gone."""
         try:

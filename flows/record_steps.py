@@ -2,8 +2,10 @@
 
 Each step is noted in the job's ``record.json`` when it is done, and as ``inflight``
 just before it is sent; a step found in flight after a restart is checked against
-the server before it is sent again. The command's output goes as the run's logs in
-batches of at most :data:`LOG_BATCH` lines and :data:`LOG_BATCH_BYTES` bytes.
+the server before it is sent again. The node's lines and every try's output go
+together as the run's logs, in requests of at most :data:`LOG_BATCH` lines (each
+file read :data:`LOG_BATCH_BYTES` at a time). The command's task run is created in
+its first state (Running), one request.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("flows.recorder")
 
 LOG_BATCH = 500
-"""Log lines per request."""
+"""Log lines per request (all the job's files together)."""
 LOG_BATCH_BYTES = 1 << 20
-"""The most of a log file read at once (a batch of lines is sent per read)."""
+"""The most of a log file read at once; a request stops taking files past it."""
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
 
 def read_lines(folder: JobFolder, name: str, start: int,
                limit: int = LOG_BATCH) -> tuple[list[dict[str, Any]], int]:
@@ -103,6 +106,16 @@ class Steps:
         return self.r.deployments.get()[flow]
 
     # 1. the run
+    def _planned(self) -> bool:
+        """Return whether the job's run is most likely one the planner made (a window's)."""
+        return bool(self.spec.kind != KIND_RECONCILE and not self.spec.flow_run_id
+                    and self.spec.idempotency_key and self.spec.planned_start)
+
+    def _mine(self) -> dict[str, Any]:
+        """Return the filter of the job's run by its idempotency key."""
+        return {"deployment_id": {"any_": [self._deployment()]},
+                "idempotency_key": {"any_": [self.spec.idempotency_key]}}
+
     def run_id(self) -> None:
         if self.p.get("flow_run_id"):
             return
@@ -130,18 +143,28 @@ class Steps:
 
     # 2. Running
     def running(self) -> None:
+        """Put the run in Running, finding it first if needed, in as few requests as it can.
+
+        A window's run (planned ahead, found by its idempotency key) goes to Running
+        in one request; a run with no planned run is created Scheduled at its planned
+        start (as the planner would have), then set Running; an ad hoc run is named
+        and tagged as a planned one would be, then set Running.
+        """
         started = self.view.started_at or self.spec.accepted_at
         offline = bool(self.p.get("offline"))
         for _ in self._step("running"):
-            keeper = self.view.attempts[0].shim_pid if self.view.attempts else None
-            fields: dict[str, Any] = {"infrastructure_pid": f"{self.r.node}:{keeper or 0}"}
-            if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
-                # An ad hoc run: named and tagged as a planned one would be.
-                fields.update(name=self.spec.run_name, tags=self.spec.tags)
-            self.api.update_run(self.run, **fields)
             note = " (recorded late: the Prefect server was unreachable)" if offline else ""
-            self._set(state_body("RUNNING", message=f"started on {self.r.node} at "
-                                                    f"{utc_text(started)}{note}"))
+            state = state_body("RUNNING", message=f"started on {self.r.node} at "
+                                                  f"{utc_text(started)}{note}")
+            if not self.p.get("flow_run_id") and self._planned():
+                found = self.api.set_state_where(self._mine(), state, force=True)
+                if found:
+                    self.p["flow_run_id"] = str(found[0]["flow_run_id"])
+                    continue  # done: the step is noted with the run's id
+            self.run_id()
+            if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
+                self.api.update_run(self.run, name=self.spec.run_name, tags=self.spec.tags)
+            self._set(state)
         self.p.setdefault("offline", False)
 
     def _set(self, state: dict[str, Any]) -> None:
@@ -155,15 +178,21 @@ class Steps:
 
     # 3. the task run and its tries
     def task_run(self) -> None:
+        """Create the command's task run in its first state (Running), then send the others.
+
+        Created by flow run, task key and dynamic key, so a create sent twice gives the
+        same task run.
+        """
+        wanted = self._task_states()
         if not self.p.get("task_run_id"):
             self.p["task_run_id"] = self.api.create_task_run({
                 "name": "run-command", "flow_run_id": self.run, "task_key": "run-command",
-                "dynamic_key": "0", "state": state_body("PENDING"),
+                "dynamic_key": "0", "state": wanted[0],
                 "empirical_policy": {"retries": self.spec.retries,
                                      "retry_delay": self.spec.retry_delay_s},
             })
+            self.p["task_states"] = 1
             self._save()
-        wanted = self._task_states()
         sent = int(self.p.get("task_states", 0))
         for state in wanted[sent:]:
             self.api.set_task_state(str(self.p["task_run_id"]), state)
@@ -191,27 +220,43 @@ class Steps:
                                          message=f"try {attempt.number} ended at {ended}: "
                                                  f"{failure}"))
             elif self.view.phase == "ended":
-                states.append(self._final_body(task=True))
+                states.append(self._final_body())
         return states
 
     # logs
     def logs(self) -> None:
-        """Send the node's lines and each try's output from where the last call stopped."""
-        sources = [("log.jsonl", "node", None)]
-        sources += [(f"a{item.number}.out", f"a{item.number}", self.p.get("task_run_id"))
+        """Send the node's lines and each try's output from where the last request stopped.
+
+        One request carries new lines of every file (up to :data:`LOG_BATCH` lines);
+        its byte ranges are noted as in flight, so a kill in mid-request is checked.
+        """
+        sources: list[tuple[str, str, str | None]] = [("log.jsonl", "node", None)]
+        task = self.p.get("task_run_id")
+        sources += [(f"a{item.number}.out", f"a{item.number}", task)
                     for item in self.view.attempts]
-        for name, mark, task_run in sources:
-            while True:
-                start = int(self.p.get("bytes", {}).get(mark, 0))
-                batch, end = read_lines(self.folder, name, start)
-                if end == start:
+        while True:
+            batch: list[dict[str, Any]] = []
+            ranges: list[tuple[str, int, int]] = []
+            size = 0
+            for name, mark, task_run in sources:
+                if len(batch) >= LOG_BATCH or size >= LOG_BATCH_BYTES:
                     break
-                self.p["inflight"] = f"logs:{mark}:{start}:{end}"
-                self._save()
-                self.api.send_logs([self._log(item, task_run) for item in batch])
+                start = int(self.p.get("bytes", {}).get(mark, 0))
+                lines, end = read_lines(self.folder, name, start, LOG_BATCH - len(batch))
+                if end == start:
+                    continue
+                batch += [self._log(item, task_run) for item in lines]
+                ranges.append((mark, start, end))
+                size += end - start
+            if not ranges:
+                return
+            self.p["inflight"] = "logs:" + ";".join(f"{m}:{a}:{b}" for m, a, b in ranges)
+            self._save()
+            self.api.send_logs(batch)
+            for mark, _start, end in ranges:
                 self.p.setdefault("bytes", {})[mark] = end
-                self.p.pop("inflight", None)
-                self._save()
+            self.p.pop("inflight", None)
+            self._save()
 
     def _log(self, item: dict[str, Any], task_run: object) -> dict[str, Any]:
         stamp = item.get("t") or utc_text(self.spec.accepted_at)
@@ -233,7 +278,7 @@ class Steps:
                                       "description": f"{self.spec.run_name}: "
                                                      f"{self.view.end_state}"})
 
-    def _final_body(self, *, task: bool = False) -> dict[str, Any]:
+    def _final_body(self) -> dict[str, Any]:
         state = self.view.end_state or FAILED
         ended = utc_text(self.view.end_at) if self.view.end_at else "unknown"
         started = self.view.started_at
@@ -258,32 +303,40 @@ class Steps:
 
     def event(self) -> None:
         for _ in self._step("event"):
-            state = self.view.end_state
-            if state == SKIPPED or self.spec.kind == KIND_RECONCILE:
-                extra = self.folder.read_json("events.json") or {}
-                events = extra.get("events", [])
-                if events:
-                    self.api.emit_events(events)
-                return
-            started = self.view.started_at
-            payload = {
-                "node": self.r.node, "action": self.spec.action,
-                "schedule_id": self.spec.schedule_id, "trigger_key": self.spec.trigger_key,
-                "window": self.spec.window.isoformat() if self.spec.window else "",
-                "key": self.spec.key, "flow_run_id": self.run,
-                "flow_run_name": self.spec.run_name, "state": state or "",
-                "started_at": utc_text(started) if started else None,
-                "ended_at": utc_text(self.view.end_at) if self.view.end_at else None,
-                "error": self.view.error, "offline": bool(self.p.get("offline")),
-            }
-            occurred = self.view.end_at or self.r._clock()
-            self.api.emit_events([job_event(self.r.node, payload, completed=state == COMPLETED,
-                                            occurred=occurred)])
+            events = self._job_events()
+            if events:
+                self.api.emit_events(events)
+
+    def _job_events(self) -> list[dict[str, Any]]:
+        state = self.view.end_state
+        if state == SKIPPED or self.spec.kind == KIND_RECONCILE:
+            extra = self.folder.read_json("events.json") or {}
+            return list(extra.get("events", []))
+        started = self.view.started_at
+        payload = {
+            "node": self.r.node, "action": self.spec.action,
+            "schedule_id": self.spec.schedule_id, "trigger_key": self.spec.trigger_key,
+            "window": self.spec.window.isoformat() if self.spec.window else "",
+            "key": self.spec.key, "flow_run_id": self.run,
+            "flow_run_name": self.spec.run_name, "state": state or "",
+            "started_at": utc_text(started) if started else None,
+            "ended_at": utc_text(self.view.end_at) if self.view.end_at else None,
+            "error": self.view.error, "offline": bool(self.p.get("offline")),
+        }
+        occurred = self.view.end_at or self.r._clock()
+        return [job_event(self.r.node, payload, completed=state == COMPLETED,
+                          occurred=occurred)]
 
     # a restart in mid-step
     def check_inflight(self) -> None:
         """Settle a step a kill left in flight: done on the server already, or to send again."""
         step = self.p.get("inflight")
+        if isinstance(step, str) and step == "running" and not self.p.get("flow_run_id") \
+                and self._planned():
+            # Its planned run may have gone to Running with the request in flight.
+            found = self.api.filter_runs({"flow_runs": self._mine(), "limit": 1})
+            if found:
+                self.p["flow_run_id"] = str(found[0]["id"])
         if not isinstance(step, str) or not self.p.get("flow_run_id"):
             return
         done = False
@@ -296,25 +349,27 @@ class Steps:
         elif step in ("running", "final"):
             run = self.api.read_run(self.run) or {}
             kind = (run.get("state") or {}).get("type")
-            after = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
-            done = kind in (after | {"RUNNING", "CANCELLING"} if step == "running" else after)
+            done = kind in (TERMINAL | {"RUNNING", "CANCELLING"} if step == "running"
+                            else TERMINAL)
         elif step == "event":
-            done = False  # the event's id is the run's: sending it twice keeps one
+            done = False  # each event's id is derived from the run's: sent twice, kept once
         if done:
             if step.startswith("logs:"):
-                _, mark, _start, end = step.split(":")
-                self.p.setdefault("bytes", {})[mark] = int(end)
+                for mark, _start, end in _ranges(step):
+                    self.p.setdefault("bytes", {})[mark] = end
             else:
                 self.p[step] = True
         self.p.pop("inflight", None)
         self._save()
 
     def _logs_arrived(self, step: str) -> bool:
-        """Return whether the batch a kill left in flight (bytes start to end) reached the server.
+        """Return whether the request a kill left in flight (its files' byte ranges) reached
+        the server.
 
-        Its last line is looked for among the run's logs from that line's time on.
+        One request's lines are stored together or not at all, so its last line is
+        looked for among the run's logs from that line's time on.
         """
-        _, mark, start, end = step.split(":")
+        mark, start, end = _ranges(step)[-1]
         name = "log.jsonl" if mark == "node" else f"{mark}.out"
         try:
             with open(self.folder.path / name, "rb") as handle:
@@ -333,6 +388,18 @@ class Steps:
                                                "timestamp": {"after_": last.get("t")}},
                                       "limit": 200})
         return any(item.get("message") == last.get("m") for item in found)
+
+
+def _ranges(step: str) -> list[tuple[str, int, int]]:
+    """Return the (file mark, start, end) byte ranges of a ``logs:`` step in flight.
+
+    ``logs:a1:0:120`` (one file, as older nodes wrote it) or ``logs:node:0:80;a1:0:120``.
+    """
+    ranges = []
+    for part in step.removeprefix("logs:").split(";"):
+        mark, start, end = part.split(":")
+        ranges.append((mark, int(start), int(end)))
+    return ranges
 
 
 def _slug(text: str) -> str:

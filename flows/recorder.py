@@ -3,22 +3,28 @@
 A thread of the node (:class:`Recorder`) takes the outbox's jobs in the order they
 were accepted and writes each into Prefect, step by step:
 
-1. **The run.** A window's run is the one the planner created ahead (found by
-   its idempotency key ``<node>:<window key>``, created now if there is none);
-   an ad hoc run is the one its creator made.
-2. **Running**, at the job's first start, with the node and the real start time
-   in the state's message (Prefect stamps states with its own clock, so a
-   record written late would otherwise show the wrong time); the run's
-   ``infrastructure_pid`` names the node and the keeper, so a cancel from the
-   UI waits for the node.
-3. **The command's task run** (``run-command``), its tries as Prefect shows a
-   task's retries (Running, AwaitingRetry, Retrying, ...), and **its output**
-   as the run's logs, each line with the time the command wrote it.
-4. At the job's end: **the artifact** (exit code, tries, real start and end),
-   **the final state** (Completed, Failed, Cancelled, Crashed; Completed named
-   Skipped for a job that ran nothing), and **one** ``sched.job.completed`` or
-   ``sched.job.failed`` event whose ``occurred`` is the real end (its id is
-   derived from the run's, so the server keeps one whatever happens).
+1. **The run, Running**, at the job's first start, with the node and the real
+   start time in the state's message (Prefect stamps a flow run's states with
+   its own clock, so a record written late would otherwise show the wrong
+   time). A window's run is the one the planner created ahead: one
+   ``bulk_set_state`` request, filtered by the run's idempotency key
+   ``<node>:<window key>``, finds it and puts it in Running; a window with no
+   planned run gets one created Scheduled at its start, then set Running; an ad
+   hoc run is the one its creator made (named and tagged, then set Running).
+2. **The command's task run** (``run-command``), created in Running at once
+   (one request), its tries as Prefect shows a task's retries (Running,
+   AwaitingRetry, Retrying, ...), and **its output** and the node's lines as the
+   run's logs, all new lines of the job in one request, each with the time it
+   was written.
+3. At the job's end: the task run's final state, **the artifact** (exit code,
+   tries, real start and end), **the final state** (Completed, Failed,
+   Cancelled, Crashed; Completed named Skipped for a job that ran nothing),
+   **one** ``sched.job.completed`` or ``sched.job.failed`` event whose
+   ``occurred`` is the real end (its id is derived from the run's, so the
+   server keeps one whatever happens), and last the lines not sent yet.
+
+A job recorded live takes 8 requests (3 at its start, 5 at its end), one recorded
+after its end 7 (docs/agent.md, "The record").
 
 Each step is noted in the job's ``record.json`` when it is done, and as
 ``inflight`` just before it is sent; a step found in flight after a restart is
@@ -218,19 +224,19 @@ class Recorder:
 
     def _steps(self, steps: Steps, view: JobView, progress: dict[str, Any],
                folder: JobFolder) -> bool:
-        steps.run_id()
+        if view.attempts or view.spec.kind == KIND_RECONCILE:
+            steps.running()  # finds or creates the run as it goes Running
+        else:
+            steps.run_id()  # a job that ran nothing: its run, for its final state
         if view.attempts:
-            steps.running()
             steps.task_run()
-        elif view.spec.kind == KIND_RECONCILE:
-            steps.running()
-        steps.logs()
         if view.phase != "ended":
+            steps.logs()
             return False
         steps.artifact()
         steps.final()
         steps.event()
-        steps.logs()  # lines written after the end (the chain's note, the exit line)
+        steps.logs()  # every line not sent yet, the ones written at the end too
         progress["complete"] = True
         folder.write_json("record.json", progress)
         return True

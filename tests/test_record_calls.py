@@ -1,0 +1,393 @@
+"""How many requests a job's record takes, and that the record is the same for them.
+
+Against a real Prefect server: a job of a planned window is written into an outbox
+by hand, in two parts as the node writes it (its start, then its end), and
+recorded after each part, with every request the recorder sends counted. What
+the operator sees is then read back through the API: the planned run (its name,
+tags and parameters), its state history and times, the command's task run and
+its states, the logs, the artifact and the event.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from flows.identity import JobRef
+from flows.outbox import COMPLETED, FAILED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
+from flows.prefect_api import ApiSettings, PrefectApi, state_body
+from flows.recorder import Recorder
+from flows.registration import RUN_JOB, Deployments
+from tests.nodekit import Prefect
+
+pytestmark = [pytest.mark.prefect]
+
+START_CALLS = [("POST", "/flow_runs/bulk_set_state"), ("POST", "/task_runs/"), ("POST", "/logs/")]
+"""A window's job at its start: Running (found by its key), the task run, the lines so far."""
+END_CALLS = [("POST", "/task_runs/{id}/set_state"), ("POST", "/artifacts/"),
+             ("POST", "/flow_runs/{id}/set_state"), ("POST", "/events"), ("POST", "/logs/")]
+"""At its end: the task run's end, the artifact, the final state, the job's event, the lines
+since."""
+
+
+class Counted:
+    """A PrefectApi whose every request is noted as (method, path with ids as ``{id}``)."""
+
+    def __init__(self, url: str) -> None:
+        self.calls: list[tuple[str, str]] = []
+        base = httpx.URL(url).path.rstrip("/")
+
+        def note(request: httpx.Request) -> None:
+            path = request.url.path.removeprefix(base)
+            parts = ["{id}" if _is_uuid(part) else part for part in path.split("/")]
+            self.calls.append((request.method, "/".join(parts)))
+
+        self.client = httpx.Client(base_url=url, event_hooks={"request": [note]}, timeout=10)
+        self.api = PrefectApi(ApiSettings(url=url), client=self.client)
+
+    def take(self) -> list[tuple[str, str]]:
+        """Return the requests noted since the last take."""
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.fixture
+def counted(prefect_server: str) -> Iterator[Counted]:
+    found = Counted(prefect_server)
+    yield found
+    found.client.close()
+
+
+class Job:
+    """A job of one window, written into an outbox part by part as the node writes it."""
+
+    def __init__(self, outbox: Outbox, node: str, window: datetime, *, retries: int = 0) -> None:
+        self.ref = JobRef(node=node, action="backup", schedule_id="s-1", trigger_key="schedule",
+                          window=window, key=f"s-1@{window.isoformat()}")
+        self.window = window
+        spec = JobSpec(job_id=job_id_for(window, self.ref.idempotency_key), kind="job",
+                       node=node, schedule_id="s-1", action="backup", trigger_key="schedule",
+                       window=window, key=self.ref.key, run_name=self.ref.name(),
+                       idempotency_key=self.ref.idempotency_key, flow_run_id=None,
+                       planned_start=window, accepted_at=window,
+                       reason="window on time", argv=["tar", "-c"], timeout_s=60,
+                       retries=retries, retry_delay_s=2.0, tags=self.ref.tags(),
+                       parameters=self.ref.parameters())
+        self.folder: JobFolder = outbox.create(spec)
+        self.folder.append({"e": "accepted", "at": utc_text(window)})
+        self.folder.log(window, f"job backup of schedule s-1, window {window.isoformat()}")
+
+    def start(self, attempt: int, at: datetime, lines: list[str]) -> None:
+        """Launch try attempt at at; its command writes lines, one a second."""
+        self.folder.append({"e": "launch", "at": utc_text(at), "attempt": attempt})
+        self.folder.append({"e": "spawned", "at": utc_text(at), "attempt": attempt,
+                            "shim_pid": 4242})
+        self.folder.attempt_path(attempt, "started").write_text(
+            json.dumps({"pid": 4243, "at": utc_text(at)}))
+        self.folder.attempt_path(attempt, "out").write_text("".join(
+            json.dumps({"t": utc_text(at + timedelta(seconds=n)), "m": line}) + "\n"
+            for n, line in enumerate(lines)))
+
+    def exit(self, attempt: int, at: datetime, code: int) -> None:
+        """Write try attempt's outcome."""
+        self.folder.attempt_path(attempt, "exit").write_text(json.dumps({
+            "exit_code": code, "timed_out": False, "cancelled": False, "at": utc_text(at),
+            "lines": 2}))
+
+    def end(self, at: datetime, state: str, message: str) -> None:
+        """Journal the job's end."""
+        self.folder.append({"e": "end", "at": utc_text(at), "state": state, "message": message})
+
+    def plan(self, api: PrefectApi, deployment: str) -> str:
+        """Create the window's planned run as the planner does; return its id."""
+        (result,) = api.create_runs(deployment, [{
+            "name": self.ref.name(), "parameters": self.ref.parameters(), "tags": self.ref.tags(),
+            "idempotency_key": self.ref.idempotency_key,
+            "state": state_body("SCHEDULED", scheduled_time=self.window),
+            "enforce_parameter_schema": False}])
+        return str(result["flow_run_id"])
+
+    def progress(self) -> dict[str, Any]:
+        """Return the job's record.json."""
+        return self.folder.read_json("record.json") or {}
+
+
+def _now() -> datetime:
+    """A window a minute ago, whole seconds (the events filter looks a day around now)."""
+    return datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=1)
+
+
+def _task_run(api: PrefectApi, run_id: str,
+              done: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Return a flow run's one task run and its states (oldest first)."""
+    deadline = time.monotonic() + 5
+    while True:
+        runs = api.call("POST", "/task_runs/filter", json={
+            "flow_runs": {"id": {"any_": [run_id]}}}).json()
+        states: list[dict[str, Any]] = []
+        if len(runs) == 1:
+            found = api.call("GET", f"/task_run_states/?task_run_id={runs[0]['id']}").json()
+            states = sorted(found, key=lambda item: item["timestamp"])
+        if (len(states) >= done and runs and runs[0]["state_type"] == states[-1]["type"]) \
+                or time.monotonic() > deadline:
+            assert len(runs) == 1, runs
+            return runs[0], states
+        time.sleep(0.3)
+
+
+def _at(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _recorder(api: PrefectApi, outbox: Outbox, node: str) -> Recorder:
+    return Recorder(api, outbox, Deployments(api, node, tags=["sched-agent"]), node=node,
+                    clock=lambda: datetime.now(UTC))
+
+
+def test_a_planned_window_is_recorded_live_in_eight_requests_and_reads_as_before(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    node = f"calls-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    window = _now()
+    job = Job(outbox, node, window)
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    started = window + timedelta(seconds=0.25)
+    ended = started + timedelta(seconds=42.5)
+    job.start(1, started, ["one", "two"])
+    counted.take()
+
+    assert recorder.drain() is True, "the job is still running"
+    assert counted.take() == START_CALLS
+    assert job.progress()["flow_run_id"] == planned, "recorded into the planned run"
+    run = counted.api.read_run(planned)
+    assert run is not None and run["state"]["type"] == "RUNNING"
+    assert run["state"]["message"] == f"started on {node} at {utc_text(started)}"
+    task, states = _task_run(counted.api, planned, 1)
+    assert [(s["type"], s["name"]) for s in states] == [("RUNNING", "Running")]
+    assert task["start_time"] is not None and task["run_count"] == 1
+
+    job.exit(1, ended, 0)
+    job.end(ended, COMPLETED, "tar exited 0")
+    job.folder.log(ended, "exit line written at the end")
+    counted.take()
+    assert recorder.drain() is False
+    assert counted.take() == END_CALLS
+    assert recorder.drain() is False and counted.take() == [], "nothing is sent twice"
+
+    # What the operator sees: the planned run, as the planner made it, ...
+    run = counted.api.read_run(planned)
+    assert run is not None
+    assert (run["name"], sorted(run["tags"]), run["parameters"]) == (
+        job.ref.name(), sorted(job.ref.tags()), job.ref.parameters())
+    assert run["deployment_id"] == recorder.deployments.get()[RUN_JOB]
+    # ... its states: Scheduled at its window, Running, Completed with the real times ...
+    history = prefect.states(planned)
+    assert [s["type"] for s in history] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    assert _at(history[0]["state_details"]["scheduled_time"]) == window
+    assert history[2]["message"] == (f"tar exited 0 (ran on {node} from {utc_text(started)} "
+                                     f"to {utc_text(ended)})")
+    assert _at(run["start_time"]) == _at(history[1]["timestamp"])
+    assert _at(run["end_time"]) == _at(history[2]["timestamp"])
+    assert run["total_run_time"] == pytest.approx(
+        (_at(run["end_time"]) - _at(run["start_time"])).total_seconds(), abs=1e-6)
+    assert run["run_count"] == 1
+    # ... the command's task run: Running at the start, then the job's final state ...
+    task, states = _task_run(counted.api, planned, 2)
+    assert task["name"] == "run-command" and task["id"] == job.progress()["task_run_id"]
+    assert [(s["type"], s["name"]) for s in states] == [
+        ("RUNNING", "Running"), ("COMPLETED", "Completed")]
+    assert states[0]["message"] == f"try 1 started at {utc_text(started)}"
+    assert states[1]["message"] == history[2]["message"]
+    assert _at(task["start_time"]) == _at(states[0]["timestamp"])
+    assert _at(task["end_time"]) == _at(states[1]["timestamp"])
+    assert task["run_count"] == 1
+    # ... the logs: the node's lines and the command's, in the task run, with their times ...
+    logs = counted.api.filter_logs({"logs": {"flow_run_id": {"any_": [planned]}},
+                                    "sort": "TIMESTAMP_ASC"})
+    command = [(item["message"], _at(item["timestamp"])) for item in logs
+               if item["task_run_id"] == task["id"]]
+    assert command == [("one", started), ("two", started + timedelta(seconds=1))]
+    node_lines = [item["message"] for item in logs if item["task_run_id"] is None]
+    assert node_lines == [f"job backup of schedule s-1, window {window.isoformat()}",
+                          "exit line written at the end"]
+    # ... one artifact and one event.
+    (artifact,) = counted.api.filter_artifacts(
+        {"artifacts": {"flow_run_id": {"any_": [planned]}}})
+    assert artifact["key"] == f"job-{node}-s-1"
+    assert artifact["description"] == f"{job.ref.name()}: {COMPLETED}"
+    assert f"| 1 | {utc_text(started)} | {utc_text(ended)} | 0 |" in artifact["data"]
+    (event,) = prefect.events("sched.job.completed", node)
+    assert _at(event["occurred"]) == ended
+    assert event["payload"]["flow_run_id"] == planned
+
+
+def test_tries_show_as_retries_of_the_task_run(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    node = f"tries-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    window = _now()
+    job = Job(outbox, node, window, retries=1)
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    first, second = window + timedelta(seconds=1), window + timedelta(seconds=10)
+    job.start(1, first, ["try one"])
+    assert recorder.drain() is True
+    job.exit(1, first + timedelta(seconds=3), 2)
+    job.folder.append({"e": "retry", "at": utc_text(first + timedelta(seconds=3)),
+                       "until": utc_text(second)})
+    job.start(2, second, ["try two"])
+    assert recorder.drain() is True
+    job.exit(2, second + timedelta(seconds=5), 2)
+    job.end(second + timedelta(seconds=5), FAILED, "tar exited with code 2")
+    counted.take()
+    assert recorder.drain() is False
+    assert counted.take() == END_CALLS[:4], "no line since the last record: no logs request"
+
+    task, states = _task_run(counted.api, planned, 4)
+    assert [(s["type"], s["name"]) for s in states] == [
+        ("RUNNING", "Running"), ("SCHEDULED", "AwaitingRetry"),
+        ("RUNNING", "Retrying"), ("FAILED", "Failed")]
+    assert states[1]["message"] == (f"try 1 ended at {utc_text(first + timedelta(seconds=3))}: "
+                                    "tar exited with code 2")
+    assert states[2]["message"] == f"try 2 started at {utc_text(second)}"
+    assert task["run_count"] == 2 and task["state_type"] == "FAILED"
+    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "FAILED"]
+    logs = counted.api.filter_logs({"logs": {"flow_run_id": {"any_": [planned]},
+                                             "task_run_id": {"any_": [task["id"]]}},
+                                    "sort": "TIMESTAMP_ASC"})
+    assert [item["message"] for item in logs] == ["try one", "try two"]
+    (event,) = prefect.events("sched.job.failed", node)
+    assert event["payload"]["state"] == FAILED
+
+
+def test_a_window_with_no_planned_run_gets_one_scheduled_at_its_window_as_before(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    node = f"unpl-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    recorder.deployments.get()
+    window = _now()
+    job = Job(outbox, node, window)  # the plan never reached Prefect
+    started, ended = window + timedelta(seconds=1), window + timedelta(seconds=4)
+    job.start(1, started, ["x"])
+    job.exit(1, ended, 0)
+    job.end(ended, COMPLETED, "tar exited 0")
+    counted.take()
+    assert recorder.drain() is False
+    calls = counted.take()
+    assert calls == [("POST", "/flow_runs/bulk_set_state"),
+                     ("POST", "/deployments/{id}/create_flow_run"),
+                     ("POST", "/flow_runs/{id}/set_state"), ("POST", "/task_runs/"), *END_CALLS]
+    run_id = job.progress()["flow_run_id"]
+    run = counted.api.read_run(run_id)
+    assert run is not None and run["idempotency_key"] == job.ref.idempotency_key
+    history = prefect.states(run_id)
+    assert [s["type"] for s in history] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    assert _at(history[0]["state_details"]["scheduled_time"]) == window
+    _task, states = _task_run(counted.api, run_id, 2)
+    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+
+
+def test_a_kill_with_the_running_request_in_flight_finds_the_run_and_sends_nothing_twice(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    # The request that puts the planned run in Running reached the server, and the node
+    # was killed before it noted the answer (the run's id with it).
+    node = f"kill-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    window = _now()
+    job = Job(outbox, node, window)
+    deployment = recorder.deployments.get()[RUN_JOB]
+    planned = job.plan(counted.api, deployment)
+    job.start(1, window + timedelta(seconds=1), ["a"])
+    job.folder.write_json("record.json", {"inflight": "running"})
+    counted.api.set_state_where(
+        {"deployment_id": {"any_": [deployment]},
+         "idempotency_key": {"any_": [job.ref.idempotency_key]}},
+        state_body("RUNNING", message="started"), force=True)
+    job.exit(1, window + timedelta(seconds=2), 0)
+    job.end(window + timedelta(seconds=2), COMPLETED, "tar exited 0")
+    again = _recorder(counted.api, outbox, node)  # a new process checks what was in flight
+    assert again.drain() is False
+    assert job.progress()["flow_run_id"] == planned
+    kinds = [s["type"] for s in prefect.states(planned)]
+    assert kinds == ["SCHEDULED", "RUNNING", "COMPLETED"], kinds
+    _task, states = _task_run(counted.api, planned, 2)
+    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+    command = [item["message"] for item in counted.api.filter_logs(
+        {"logs": {"flow_run_id": {"any_": [planned]}}}) if item["task_run_id"] is not None]
+    assert command == ["a"]
+
+
+def test_a_job_an_older_node_began_recording_is_finished_on_the_same_task_run(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    # An older node created the task run through the API (Pending, then Running, noted as
+    # one state sent) and was upgraded before the job ended.
+    node = f"old-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    window = _now()
+    job = Job(outbox, node, window)
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    started = window + timedelta(seconds=1)
+    job.start(1, started, ["a"])
+    counted.api.set_state(planned, state_body("RUNNING", message="old"), force=True)
+    task_id = counted.api.create_task_run({
+        "name": "run-command", "flow_run_id": planned, "task_key": "run-command",
+        "dynamic_key": "0", "state": state_body("PENDING"),
+        "empirical_policy": {"retries": 0, "retry_delay": 2.0}})
+    counted.api.set_task_state(task_id, state_body("RUNNING", message="try 1 (old node)"))
+    job.folder.write_json("record.json", {"flow_run_id": planned, "running": True,
+                                          "offline": False, "task_run_id": task_id,
+                                          "task_states": 1})
+    ended = datetime.now(UTC) + timedelta(seconds=1)  # after the old node's server-stamped states
+    job.exit(1, ended, 0)
+    job.end(ended, COMPLETED, "tar exited 0")
+    assert recorder.drain() is False
+    task, states = _task_run(counted.api, planned, 3)
+    assert task["id"] == task_id
+    assert [s["type"] for s in states] == ["PENDING", "RUNNING", "COMPLETED"]
+
+
+def test_a_job_that_ended_before_its_first_record_takes_seven_requests(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    # A job that ended before its first record (the server was away) is recorded at once.
+    node = f"once-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = _recorder(counted.api, outbox, node)
+    window = _now()
+    job = Job(outbox, node, window)
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    started, ended = window + timedelta(seconds=2), window + timedelta(seconds=30)
+    job.start(1, started, ["a", "b"])
+    job.exit(1, ended, 0)
+    job.end(ended, COMPLETED, "tar exited 0")
+    counted.take()
+    assert recorder.drain() is False
+    assert counted.take() == [*START_CALLS[:2], *END_CALLS]
+    _task, states = _task_run(counted.api, planned, 2)
+    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
