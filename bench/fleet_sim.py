@@ -34,8 +34,8 @@ controller database. ``--layout sqlite`` starts ``prefect server start`` on SQLi
 controller as the sqlite layout; both are stopped at the end. A size whose start does not
 finish within ``--start-timeout-s`` ends there and is recorded so (where the layout ends),
 with the answers and the servers' log errors seen. Raw figures go to
-``bench/fleet_sim.json`` (one entry per layout, replaced by a run of that layout; the
-others kept), the docs section to docs/benchmarks.md between ``fleet:begin`` and
+``bench/fleet_sim.json`` (one entry per layout; a run replaces the sizes it measured and
+keeps the others), the docs section to docs/benchmarks.md between ``fleet:begin`` and
 ``fleet:end``, with ``bench/fleet_sim_findings.md`` (what the runs found) appended.
 """
 
