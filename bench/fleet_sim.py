@@ -351,10 +351,18 @@ def build_templates(found: dict[str, Any]) -> Templates:
     end = next(i for i in range(pull, len(idle)) if idle[i]["path"].endswith("/report"))
     reconcile = [_tcall(c) for c in idle[first:end + 1]]
     jobs = [c for c in phase("jobs") if _kept(c)]
-    begin = next(i for i, c in enumerate(jobs) if c["path"].endswith("/create_flow_run"))
+    # A job's record begins by putting its planned run in Running (found by its idempotency
+    # key, ``<node>:<schedule>@<window>``), or, for a window with none, by creating its run.
+    begin = next(i for i, c in enumerate(jobs)
+                 if c["path"].endswith(("/create_flow_run", "/flow_runs/bulk_set_state")))
     stop = next(i for i, c in enumerate(jobs) if i > begin and c["path"].endswith("/report"))
     job = [_tcall(c) for c in jobs[begin:stop + 1]]
-    params = job[0].request["parameters"]
+    if "parameters" in job[0].request:
+        params = job[0].request["parameters"]
+    else:
+        key = job[0].request["flow_runs"]["idempotency_key"]["any_"][0]
+        schedule, window = key.split(":", 1)[1].rsplit("@", 1)
+        params = {"schedule_id": schedule, "window": window}
     bulk = next(c for c in start if c.path.endswith("/create_flow_run/bulk"))
     entry = bulk.request[0]
     waits = [c for c in calls if c["path"].endswith("/wait") and c["status"] == 200]

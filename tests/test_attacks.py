@@ -509,8 +509,10 @@ def _run_attack(node: Node, rows: list[dict[str, Any]], expect: dict[str, str]) 
 
 
 NODE_RECORDS = ("node/state/cache.json", "node/state/outbox", "node/state/history.json",
-                "node/state/chain.json.lock", "node/state/decided.json")
-"""The node's own bookkeeping: its cache, and its records of the jobs it refused."""
+                "node/state/chain.json.lock", "node/state/decided.json",
+                "node/state/deployments.json")
+"""The node's own bookkeeping: its cache, its records of the jobs it refused, and its
+deployments' ids (written when it registers)."""
 
 
 def _outside_the_cache(snapshot: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
