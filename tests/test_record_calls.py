@@ -160,14 +160,20 @@ def _recorder(api: PrefectApi, outbox: Outbox, node: str) -> Recorder:
                     clock=lambda: datetime.now(UTC))
 
 
+def _recorder_and_job(tmp_path: Path, counted: Counted, prefix: str,
+                      retries: int = 0) -> tuple[str, Outbox, Recorder, Job]:
+    """A new node named after prefix: its name, outbox, recorder, and a job at a window now."""
+    node = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    return (node, outbox, _recorder(counted.api, outbox, node),
+            Job(outbox, node, _now(), retries=retries))
+
+
 def test_a_planned_window_is_recorded_live_in_eight_requests_and_reads_as_before(
     tmp_path: Path, counted: Counted, prefect: Prefect,
 ) -> None:
-    node = f"calls-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
-    window = _now()
-    job = Job(outbox, node, window)
+    node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "calls")
+    window = job.window
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     started = window + timedelta(seconds=0.25)
     ended = started + timedelta(seconds=42.5)
@@ -242,11 +248,8 @@ def test_a_planned_window_is_recorded_live_in_eight_requests_and_reads_as_before
 def test_tries_show_as_retries_of_the_task_run(
     tmp_path: Path, counted: Counted, prefect: Prefect,
 ) -> None:
-    node = f"tries-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
-    window = _now()
-    job = Job(outbox, node, window, retries=1)
+    node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "tries", retries=1)
+    window = job.window
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     first, second = window + timedelta(seconds=1), window + timedelta(seconds=10)
     job.start(1, first, ["try one"])
@@ -282,12 +285,10 @@ def test_tries_show_as_retries_of_the_task_run(
 def test_a_window_with_no_planned_run_gets_one_scheduled_at_its_window_as_before(
     tmp_path: Path, counted: Counted, prefect: Prefect,
 ) -> None:
-    node = f"unpl-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
+    # The plan never reached Prefect.
+    _node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "unpl")
+    window = job.window
     recorder.deployments.get()
-    window = _now()
-    job = Job(outbox, node, window)  # the plan never reached Prefect
     started, ended = window + timedelta(seconds=1), window + timedelta(seconds=4)
     job.start(1, started, ["x"])
     job.exit(1, ended, 0)
@@ -313,11 +314,8 @@ def test_a_kill_with_the_running_request_in_flight_finds_the_run_and_sends_nothi
 ) -> None:
     # The request that puts the planned run in Running reached the server, and the node
     # was killed before it noted the answer (the run's id with it).
-    node = f"kill-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
-    window = _now()
-    job = Job(outbox, node, window)
+    node, outbox, recorder, job = _recorder_and_job(tmp_path, counted, "kill")
+    window = job.window
     deployment = recorder.deployments.get()[RUN_JOB]
     planned = job.plan(counted.api, deployment)
     job.start(1, window + timedelta(seconds=1), ["a"])
@@ -345,11 +343,8 @@ def test_a_job_an_older_node_began_recording_is_finished_on_the_same_task_run(
 ) -> None:
     # An older node created the task run through the API (Pending, then Running, noted as
     # one state sent) and was upgraded before the job ended.
-    node = f"old-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
-    window = _now()
-    job = Job(outbox, node, window)
+    _node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "old")
+    window = job.window
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     started = window + timedelta(seconds=1)
     job.start(1, started, ["a"])
@@ -375,11 +370,8 @@ def test_a_job_that_ended_before_its_first_record_takes_seven_requests(
     tmp_path: Path, counted: Counted, prefect: Prefect,
 ) -> None:
     # A job that ended before its first record (the server was away) is recorded at once.
-    node = f"once-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = _recorder(counted.api, outbox, node)
-    window = _now()
-    job = Job(outbox, node, window)
+    _node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "once")
+    window = job.window
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     started, ended = window + timedelta(seconds=2), window + timedelta(seconds=30)
     job.start(1, started, ["a", "b"])
