@@ -90,6 +90,8 @@ class Counting:
         self.api = PrefectApi(ApiSettings(url=url), client=self.client)
 
 
+# Alike to tests/test_record_calls.py's (a pair `duplicates` lists): a benchmark imports no
+# test module.
 def _is_uuid(text: str) -> bool:
     try:
         uuid.UUID(text)
