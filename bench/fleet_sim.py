@@ -653,6 +653,7 @@ class SimNode:
         self.wait_answer: dict[str, Any] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.up = False
+        self.registered = False
 
     def headers(self, call: TCall) -> dict[str, str]:
         out = {k: self.etags.get(v, v) for k, v in call.headers.items()
@@ -709,6 +710,13 @@ class SimNode:
         subst.delta = datetime.now(UTC) - t.start_at if not again else timedelta(0)
         self.up = True
         self.tasks = [asyncio.create_task(self._wait_loop())]
+        if again and not self.registered:
+            # A restart reads the deployments it registered before (their ids kept in its
+            # state folder): this run's fleet did not exist before it, so a node whose first
+            # start here is a restart's registers first, as its first start once did.
+            await self.replay([c for c in t.start if c.method == "POST" and c.path in (
+                "/api/flows/", "/api/deployments/")], subst)
+        self.registered = True
         await self.replay(t.restart if again else t.start, subst)
         self.tasks.append(asyncio.create_task(self._reconcile_loop()))
 
@@ -840,7 +848,8 @@ class Fleet:
     async def start_all(self, *, again: bool, spread_s: float, concurrency: int,
                         full: int = 10 ** 9) -> float:
         """Start every node (the first ``full`` with the first start's calls, the others with a
-        restart's: registered before, their plan made), at most concurrency at once."""
+        restart's after the first start's registration: their plan made), at most concurrency
+        at once."""
         gate = asyncio.Semaphore(concurrency)
         t0 = time.monotonic()
 
