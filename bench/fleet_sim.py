@@ -866,6 +866,20 @@ class Fleet:
     async def stop_all(self) -> None:
         await asyncio.gather(*(node.stop() for node in self.nodes))
 
+    async def preplan(self, jobs: list[Job], concurrency: int) -> None:
+        """Plan the jobs' windows ahead, as each node's plan holds them (at most concurrency
+        nodes' bulk creates at once)."""
+        by_node: dict[str, list[Job]] = {}
+        for job in jobs:
+            by_node.setdefault(job.node, []).append(job)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(node: SimNode) -> None:
+            async with gate:
+                await node.plan([(j.schedule, j.window) for j in by_node[node.name]])
+
+        await asyncio.gather(*(one(node) for node in self.nodes if node.name in by_node))
+
     def wave_jobs(self, begin: datetime, minutes: float) -> list[Job]:
         """Each node's windows in [begin, begin + minutes) at the wave's rate (one schedule
         fires once a minute at most)."""
@@ -1213,19 +1227,8 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
     wave_begin = (datetime.now(UTC) + timedelta(minutes=args.idle_minutes + 1.5)).replace(
         second=0, microsecond=0)
     jobs = sim.wave_jobs(wave_begin, args.wave_minutes)
-    by_node: dict[str, list[Job]] = {}
-    for job in jobs:
-        by_node.setdefault(job.node, []).append(job)
-    gate = asyncio.Semaphore(args.start_concurrency)
-
-    async def preplan(node: SimNode) -> None:
-        if node.name in by_node:
-            async with gate:
-                await node.plan([(j.schedule, j.window) for j in by_node[node.name]])
-
     try:
-        await asyncio.wait_for(asyncio.gather(*(preplan(node) for node in sim.nodes)),
-                               args.start_timeout_s)
+        await asyncio.wait_for(sim.preplan(jobs, args.start_concurrency), args.start_timeout_s)
     except TimeoutError:
         return await _ended(sim, layout, result, marks,
                             f"the wave's plan did not finish in {args.start_timeout_s:.0f} s")
@@ -1314,6 +1317,7 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
     before_jobs = len([j for j in sim.jobs if j.recorded_at is not None])
     begin = (datetime.now(UTC) + timedelta(seconds=90)).replace(second=0, microsecond=0)
     jobs = sim.wave_jobs(begin, 2)
+    await sim.preplan(jobs, args.start_concurrency)  # the nodes' plans held them before
     nodes = {node.name: node for node in sim.nodes}
     await sim.stop_all()
     tasks = [asyncio.create_task(nodes[j.node].run_job(j)) for j in jobs]
