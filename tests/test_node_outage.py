@@ -196,7 +196,9 @@ def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_on
         time.sleep(5)
         proc = node.spawn(log)
         name = job_run_name("echo", "w", window)
-        runs = _recorded(prefect, node, [name], log, timeout=90)
+        # A loaded machine (the suite beside a 1,000-node simulation) took over 90 s to start
+        # the node and record the run; how late the window ran is asserted below.
+        runs = _recorded(prefect, node, [name], log, timeout=180)
     finally:
         stop_group(proc)
     run = runs[name]
