@@ -52,6 +52,7 @@ from sched_core.policies import (
     catchup,
     interval_block,
     latest_window,
+    plain,
     policy_block,
     row_zone,
     run_start,
@@ -339,7 +340,7 @@ def missed(
     for row in view.rows:
         if not row.enabled or row.schedule.is_event:
             continue
-        if not listed and not have and row.id not in planned_through and _plain(row):
+        if not listed and not have and row.id not in planned_through and plain(row):
             quick = _recovery_only(view, row, now=now, lookback=lookback)
             if quick is not None:
                 found.append(quick)
@@ -349,12 +350,6 @@ def missed(
         if windows:
             found.append(_missed_of(view, row, windows, now=now, lookback=lookback))
     return found
-
-
-def _plain(row: LocalSchedule) -> bool:
-    """Whether no policy moves or holds back any of the row's windows (the Go kit's row)."""
-    return not (row.timezone or row.jitter or row.paused or row.not_before or row.not_after
-                or row.blackouts or row.min_interval)
 
 
 def _recovery_only(view: NodeView, row: LocalSchedule, *, now: datetime,

@@ -38,21 +38,18 @@ from sched_core.matcher import window_key
 from sched_core.misses import eligible_after
 from sched_core.model import LocalSchedule, MissPolicy
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
-from sched_core.policies import catchup, latest_window, policy_block, row_zone, window_starts
+from sched_core.policies import (
+    catchup,
+    latest_window,
+    own_clock,
+    plain,
+    policy_block,
+    row_zone,
+    window_starts,
+)
 from sched_core.view import NodeView
 
 log = logging.getLogger("sched_core.scheduler")
-
-
-def own_clock(row: LocalSchedule) -> bool:
-    """Whether the row's windows are not the node zone's minutes: its own zone, or a jitter."""
-    return bool(row.timezone) or row.jitter > 0
-
-
-def plain(row: LocalSchedule) -> bool:
-    """Whether the row has no policy that can hold a window back (the Go kit's row)."""
-    return not (own_clock(row) or row.paused or row.not_before or row.not_after
-                or row.blackouts or row.min_interval)
 
 
 def copy_row(row: LocalSchedule) -> LocalSchedule:
