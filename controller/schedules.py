@@ -117,10 +117,7 @@ def node_etag(session: Session, node: str) -> str:
     for the same state; the API's pull reads it first, to answer a 304 or a
     cached body without reading any row.
     """
-    revision = session.execute(
-        select(_REVISIONS.epoch, _REVISIONS.revision).where(_REVISIONS.node == node)
-    ).first()
-    return _etag(revision.epoch, revision.revision) if revision else '"empty"'
+    return node_etags(session, [node])[node]
 
 
 def node_etags(connection: Session | Connection, nodes: Iterable[str]) -> dict[str, str]:
