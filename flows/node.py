@@ -127,7 +127,7 @@ class Node:
         self._last_pull: dict[str, Any] | None = None
         # Step 2: Prefect, the record.
         self.deployments = Deployments(api, self.node, tags=[AGENT_TAG],
-                                       cache_path=state / "deployments.json")
+                                       cache_path=settings.deployments_path)
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
                                  clock=clock, done=self._recorded)
         self.planner = Planner(api, self.deployments, settings.plan_path,

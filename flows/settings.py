@@ -459,6 +459,11 @@ class AgentSettings(BaseSettings):
         """Return the planner's record (windows handled, interrupted runs handled)."""
         return self.state_dir / "plan.json"
 
+    @property
+    def deployments_path(self) -> Path:
+        """Return the node's deployments' ids and the registration's version they answer."""
+        return self.state_dir / "deployments.json"
+
     def stage(self, trigger_key: str) -> StageSpec | None:
         """Return the chain stage whose fires carry trigger_key, or None."""
         return next((spec for spec in self.stages if spec.key() == trigger_key), None)
