@@ -331,8 +331,7 @@ class Steps:
     def check_inflight(self) -> None:
         """Settle a step a kill left in flight: done on the server already, or to send again."""
         step = self.p.get("inflight")
-        if isinstance(step, str) and step == "running" and not self.p.get("flow_run_id") \
-                and self._planned():
+        if step == "running" and not self.p.get("flow_run_id") and self._planned():
             # Its planned run may have gone to Running with the request in flight.
             found = self.api.filter_runs({"flow_runs": self._mine(), "limit": 1})
             if found:
