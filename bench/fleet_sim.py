@@ -1183,14 +1183,34 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
 # -- one size -----------------------------------------------------------------------------
 
 
-async def count_completed(sim: Fleet, begin: datetime, end: datetime) -> int:
+async def count_completed(sim: Fleet, begin: datetime, end: datetime,
+                          state: str = "COMPLETED") -> int:
+    """The planned runs of windows in [begin, end) whose state is of type state, in Prefect."""
     body = {"flow_runs": {"tags": {"all_": ["trigger:schedule"]},
-                          "state": {"type": {"any_": ["COMPLETED"]}},
+                          "state": {"type": {"any_": [state]}},
                           "expected_start_time": {"after_": begin.isoformat(),
                                                   "before_": end.isoformat()}}}
     status, _, answer = await sim.sides["prefect"].call("check", "POST", "/api/flow_runs/count",
                                                         headers={}, body=body, timeout=120)
     return int(answer) if status == 200 and answer is not None else -1
+
+
+STATE_TYPES = ("SCHEDULED", "PENDING", "RUNNING", "COMPLETED", "FAILED", "CRASHED",
+               "CANCELLED", "CANCELLING", "PAUSED")
+
+
+async def accounted(sim: Fleet, jobs: list[Job], begin: datetime, end: datetime
+                    ) -> dict[str, Any]:
+    """Where each of jobs' windows ended: the simulated nodes' own count (a final state
+    recorded, by HTTP status) and Prefect's (its runs of [begin, end) by state type)."""
+    statuses: dict[str, int] = {}
+    for job in jobs:
+        key = "not recorded" if job.recorded_at is None else str(job.status)
+        statuses[key] = statuses.get(key, 0) + 1
+    in_prefect = {state: await count_completed(sim, begin, end, state) for state in STATE_TYPES}
+    return {"jobs_recorded_by_sim": sum(1 for j in jobs if j.recorded_at is not None),
+            "record_status_by_sim": statuses,
+            "prefect_runs_by_state": {k: v for k, v in in_prefect.items() if v}}
 
 
 async def run_size(templates: Templates, layout: Layout, count: int, args: argparse.Namespace
@@ -1248,6 +1268,9 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
     lags = [j.recorded_at - j.ended for j in jobs if j.recorded_at is not None]
     recorded = await count_completed(sim, wave_begin,
                                      wave_begin + timedelta(minutes=args.wave_minutes))
+    if recorded != len(jobs):
+        result["wave"]["accounted"] = await accounted(
+            sim, jobs, wave_begin, wave_begin + timedelta(minutes=args.wave_minutes))
     result["wave"].update({
         "jobs": len(jobs), "jobs_recorded_by_sim": len(lags), "completed_in_prefect": recorded,
         "lag_p50_s": percentile(lags, 0.5), "lag_p99_s": percentile(lags, 0.99),
@@ -1338,11 +1361,14 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         await asyncio.sleep(1)
     recorded = await count_completed(sim, begin, begin + timedelta(minutes=2))
+    where = await accounted(sim, jobs, begin, begin + timedelta(minutes=2))
+    print(f"  restart: {recorded}/{len(jobs)} completed in Prefect; {json.dumps(where)}",
+          flush=True)
     idle_again = next((s["t_s"] for s in samples if s["cores"] <= max(idle_cores * 1.25,
                                                                       idle_cores + 0.05)), None)
     return {"samples": samples, "back_in_s": back_s, "idle_cores": idle_cores,
             "idle_again_after_s": idle_again, "jobs": len(jobs),
-            "completed_in_prefect": recorded, "recorded_before": before_jobs}
+            "completed_in_prefect": recorded, "recorded_before": before_jobs, **where}
 
 
 # -- the report ---------------------------------------------------------------------------

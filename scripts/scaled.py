@@ -63,6 +63,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "SCALED_PG_MAX_CONNECTIONS": ("", "Postgres max_connections (default: computed)"),
     "SCALED_REDIS_MAXMEMORY": ("512mb", "Redis maxmemory (noeviction past it)"),
     "SCALED_LB_MAXCONN": ("10000", "HAProxy maxconn per frontend"),
+    "SCALED_LB_PROCESSES": (
+        "1", "HAProxy processes on the same ports (each has its own open-file limit)"),
     "SCALED_CONTROLLER_MAX_CONNECTIONS": (
         "1000", "each controller's --max-connections (a node's long poll holds one)"),
 }
@@ -290,6 +292,7 @@ def config_from_env(env: dict[str, str]) -> dict[str, Any]:
         "pool_size": pool, "max_overflow": overflow, "pg_max_connections": max_conn,
         "redis_maxmemory": values["SCALED_REDIS_MAXMEMORY"],
         "lb_maxconn": _int("SCALED_LB_MAXCONN", values["SCALED_LB_MAXCONN"], 100),
+        "lb_processes": _int("SCALED_LB_PROCESSES", values["SCALED_LB_PROCESSES"], 1),
         "controller_max_connections": _int("SCALED_CONTROLLER_MAX_CONNECTIONS",
                                            values["SCALED_CONTROLLER_MAX_CONNECTIONS"], 1),
         "ports": ports,
@@ -388,6 +391,16 @@ class Layout:
 
     def controller_names(self) -> list[str]:
         return [f"controller-{i + 1}" for i in range(self.config["controllers"])]
+
+    def lb_names(self) -> list[str]:
+        """The balancer's processes: ``haproxy`` (with the stats page), ``haproxy-2``, ...
+
+        Each binds both frontends' ports (SO_REUSEPORT, HAProxy's default on Linux: the
+        kernel spreads new connections over them) and has its own open-file limit; a proxied
+        connection holds two descriptors, and a node's long poll holds one connection.
+        """
+        count = int(self.config.get("lb_processes", 1))  # a layout made before the setting
+        return ["haproxy"] + [f"haproxy-{i + 1}" for i in range(1, count)]
 
 
 # --- Postgres ------------------------------------------------------------------------------
@@ -565,7 +578,9 @@ backend {name}_api
 """
 
 
-def haproxy_conf(layout: Layout) -> Path:
+def haproxy_conf(layout: Layout, name: str = "haproxy") -> Path:
+    """The configuration of the balancer's process name (``Layout.lb_names``): the same
+    frontends for each; the first also serves the stats page, and each has its own socket."""
     folder = layout.dir / "haproxy"
     folder.mkdir(parents=True, exist_ok=True)
     ports, bind, maxconn = layout.ports, layout.config["bind"], layout.config["lb_maxconn"]
@@ -575,11 +590,19 @@ def haproxy_conf(layout: Layout) -> Path:
     # A node's long poll is held up to 300 s (a heartbeat that long): 30 s more to answer.
     controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
                                 "/healthz", controllers, hold_s=330) if controllers else ""
-    conf = folder / "haproxy.cfg"
+    first = name == "haproxy"
+    stats = "" if not first else f"""
+frontend stats
+    bind 127.0.0.1:{ports['lb_stats']}
+    stats enable
+    stats uri /
+    stats refresh 5s
+"""
+    conf = folder / ("haproxy.cfg" if first else f"{name}.cfg")
     conf.write_text(f"""# the scaled layout (scripts/scaled.py); see docs/scaled.md
 global
     log stderr format raw local0 info
-    stats socket {folder / 'admin.sock'} mode 600 level admin
+    stats socket {haproxy_socket(layout, name)} mode 600 level admin
 
 defaults
     mode http
@@ -598,19 +621,18 @@ defaults
     retries 3
     option redispatch 1
     retry-on conn-failure
-{prefect_part}{controller_part}
-frontend stats
-    bind 127.0.0.1:{ports['lb_stats']}
-    stats enable
-    stats uri /
-    stats refresh 5s
-""")
+{prefect_part}{controller_part}{stats}""")
     return conf
 
 
-def haproxy_stats(layout: Layout) -> dict[str, dict[str, str]]:
-    """Return HAProxy's ``show stat`` rows for its servers, by ``backend/server`` ({} if none)."""
-    path = str(layout.dir / "haproxy" / "admin.sock")
+def haproxy_socket(layout: Layout, name: str = "haproxy") -> Path:
+    return layout.dir / "haproxy" / ("admin.sock" if name == "haproxy" else f"{name}.sock")
+
+
+def haproxy_stats(layout: Layout, name: str = "haproxy") -> dict[str, dict[str, str]]:
+    """Return the ``show stat`` rows of the balancer's process name for its servers, by
+    ``backend/server`` ({} if none)."""
+    path = str(haproxy_socket(layout, name))
     try:
         with socket.socket(socket.AF_UNIX) as sock:
             sock.settimeout(2)
@@ -633,9 +655,10 @@ def haproxy_stats(layout: Layout) -> dict[str, dict[str, str]]:
     return rows
 
 
-def haproxy_servers(layout: Layout) -> dict[str, str]:
-    """Return {backend/server: status (UP, DOWN, ...)} as HAProxy's health checks see them."""
-    return {name: row.get("status", "") for name, row in haproxy_stats(layout).items()}
+def haproxy_servers(layout: Layout, name: str = "haproxy") -> dict[str, str]:
+    """Return {backend/server: status (UP, DOWN, ...)} as the health checks of the balancer's
+    process name see them."""
+    return {server: row.get("status", "") for server, row in haproxy_stats(layout, name).items()}
 
 
 # --- Prefect and the controller ------------------------------------------------------------
@@ -855,20 +878,21 @@ def up(layout: Layout) -> None:
                               f"{tail(layout.log('redis'))}")
         time.sleep(0.1)
 
-    if not alive(layout.proc("haproxy")):
-        conf = haproxy_conf(layout)
+    for lb in layout.lb_names():
+        if alive(layout.proc(lb)):
+            continue
+        conf = haproxy_conf(layout, lb)
         check = subprocess.run([tools.haproxy, "-c", "-q", "-f", str(conf)], capture_output=True,
                                text=True, check=False)
         if check.returncode != 0:
             raise LayoutError(f"haproxy refused {conf}: {check.stdout}{check.stderr}")
-        layout.set_proc("haproxy", spawn([tools.haproxy, "-db", "-f", str(conf)],
-                                         base_env(layout, layout.dir), layout.log("haproxy"),
-                                         layout.dir))
-        started.append("haproxy")
+        layout.set_proc(lb, spawn([tools.haproxy, "-db", "-f", str(conf)],
+                                  base_env(layout, layout.dir), layout.log(lb), layout.dir))
+        started.append(lb)
         deadline = time.monotonic() + 30
-        while not haproxy_servers(layout):
-            if not alive(layout.proc("haproxy")) or time.monotonic() > deadline:
-                raise LayoutError(f"HAProxy did not start:\n{tail(layout.log('haproxy'))}")
+        while not haproxy_servers(layout, lb):
+            if not alive(layout.proc(lb)) or time.monotonic() > deadline:
+                raise LayoutError(f"HAProxy ({lb}) did not start:\n{tail(layout.log(lb))}")
             time.sleep(0.1)
 
     prefect_parts, controller_parts = parts(layout)
@@ -894,13 +918,13 @@ def up(layout: Layout) -> None:
     want = {f"prefect_api/{n}" for n in layout.api_names()} | {
         f"controller_api/{n}" for n in layout.controller_names()}
     while True:
-        servers = haproxy_servers(layout)
-        if (all(servers.get(s) == "UP" for s in want)
+        seen = {lb: haproxy_servers(layout, lb) for lb in layout.lb_names()}
+        if (all(servers.get(s) == "UP" for servers in seen.values() for s in want)
                 and http_ok(f"{layout.prefect_url}/health")):
             break
         if time.monotonic() > deadline:
-            raise LayoutError(f"HAProxy does not see every server UP: {servers}; see"
-                              f" {layout.log('haproxy')}")
+            raise LayoutError(f"HAProxy does not see every server UP: {seen}; see"
+                              f" {', '.join(str(layout.log(lb)) for lb in seen)}")
         time.sleep(0.3)
     write_client_env(layout)
     elapsed = time.monotonic() - began
@@ -936,8 +960,8 @@ def down(layout: Layout) -> None:
     tools = Tools.find()
     # The balancer first (no new requests), then the Prefect processes and controllers
     # together, then what they use.
-    groups = [["haproxy"], [*layout.controller_names(), *layout.api_names(), "prefect-services"],
-              ["redis"]]
+    groups = [layout.lb_names(),
+              [*layout.controller_names(), *layout.api_names(), "prefect-services"], ["redis"]]
     names = [n for group in groups for n in group]
     for group in groups:
         stop({name: layout.proc(name) for name in group})
@@ -968,11 +992,14 @@ def status(layout: Layout) -> bool:
     rows.append(("redis", alive(redis_rec) and redis_ping(layout.redis_port),
                  f"127.0.0.1:{layout.redis_port}", str((redis_rec or {}).get("pid", "-")),
                  str(layout.log("redis"))))
-    lb_rec = layout.proc("haproxy")
-    rows.append(("haproxy", alive(lb_rec),
-                 f"{layout.prefect_url} (Prefect), {layout.controller_url} (controller),"
-                 f" http://127.0.0.1:{layout.ports['lb_stats']}/ (stats)",
-                 str((lb_rec or {}).get("pid", "-")), str(layout.log("haproxy"))))
+    for lb_name in layout.lb_names():
+        lb_rec = layout.proc(lb_name)
+        stats_page = (f", http://127.0.0.1:{layout.ports['lb_stats']}/ (stats)"
+                      if lb_name == "haproxy" else " (same ports)")
+        rows.append((lb_name, alive(lb_rec),
+                     f"{layout.prefect_url} (Prefect), {layout.controller_url} (controller)"
+                     f"{stats_page}", str((lb_rec or {}).get("pid", "-")),
+                     str(layout.log(lb_name))))
     for part in prefect_parts + controller_parts:
         rec = layout.proc(part.name)
         backend = "prefect_api" if part in prefect_parts else "controller_api"

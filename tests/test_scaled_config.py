@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.scripts import load_script
@@ -17,3 +19,27 @@ def test_the_controllers_connection_ceiling_is_a_setting() -> None:
     for bad in ("0", "many"):
         with pytest.raises(scaled.LayoutError, match="SCALED_CONTROLLER_MAX_CONNECTIONS"):
             scaled.config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": bad})
+
+
+def test_the_balancer_may_be_several_processes_on_the_same_ports(tmp_path: Path) -> None:
+    # A proxied connection holds two descriptors; a process's open-file limit caps how many
+    # long polls one HAProxy holds. Each process binds both frontends' ports.
+    config = scaled.config_from_env({"SCALED_LB_PROCESSES": "3"})
+    layout = scaled.Layout(tmp_path)
+    layout.create(config)
+    assert layout.lb_names() == ["haproxy", "haproxy-2", "haproxy-3"]
+    texts = {name: scaled.haproxy_conf(layout, name).read_text() for name in layout.lb_names()}
+    binds = {name: sorted(line for line in text.splitlines() if line.strip().startswith("bind"))
+             for name, text in texts.items()}
+    assert len(binds["haproxy"]) == 3  # Prefect, controller, stats page
+    for name in ("haproxy-2", "haproxy-3"):
+        assert binds[name] == [b for b in binds["haproxy"] if "stats" not in b and
+                               str(config["ports"]["lb_stats"]) not in b]
+    sockets = {line.split()[2] for text in texts.values() for line in text.splitlines()
+               if line.strip().startswith("stats socket")}
+    assert len(sockets) == 3
+    with pytest.raises(scaled.LayoutError, match="SCALED_LB_PROCESSES"):
+        scaled.config_from_env({"SCALED_LB_PROCESSES": "0"})
+    # A layout made before the setting: one process.
+    del layout.state["config"]["lb_processes"]
+    assert layout.lb_names() == ["haproxy"]

@@ -125,7 +125,8 @@ def layout() -> Iterator[Layout]:
     env.update({name: str(port) for name, port in zip(names, ports, strict=False)})
     env.update({"SCALED_API_PORTS": f"{ports[-4]},{ports[-3]}",
                 "SCALED_CONTROLLER_PORTS": f"{ports[-2]},{ports[-1]}",
-                "SCALED_DB_POOL_SIZE": "5", "SCALED_DB_MAX_OVERFLOW": "10"})
+                "SCALED_DB_POOL_SIZE": "5", "SCALED_DB_MAX_OVERFLOW": "10",
+                "SCALED_LB_PROCESSES": "2"})
     handle = Layout(folder, env)
     try:
         started = handle.script("up")
@@ -301,6 +302,14 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
             for name, port in zip(state.api_names(), state.ports["api"], strict=True)}
     victim = state.api_names()[0]
     assert {layout.servers()[f"prefect_api/{n}"]["status"] for n in apis} == {"UP"}
+    # The balancer is two processes on the same ports: the kernel spreads new connections.
+    assert state.lb_names() == ["haproxy", "haproxy-2"]
+    for _ in range(20):
+        with httpx.Client(base_url=api, timeout=30) as fresh:
+            assert fresh.get("/health").status_code == 200
+    served = {lb: sum(int(row["stot"]) for name, row in scaled.haproxy_stats(state, lb).items()
+                      if name.startswith("prefect_api/")) for lb in state.lb_names()}
+    assert all(served.values()), f"a balancer process served none of 20 connections: {served}"
 
     # The controller's two instances answer behind the balancer too.
     token = state.state["secrets"]["admin_token"]
@@ -362,6 +371,10 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
                 assert released.status_code == 204
                 slots = client.get(f"/v2/concurrency_limits/{limit}").json()["active_slots"]
                 assert slots == 0, "the lease taken before Redis restarted was lost"
+
+            # 3. One of the balancer's processes killed: the other holds the ports.
+            os.kill(layout.pid("haproxy-2"), signal.SIGKILL)
+            node.wait_for(8, "after haproxy-2 was killed")
     finally:
         node.halt.set()
         node.join(timeout=DEADLINE_S)
@@ -370,7 +383,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     statuses = layout.servers()
     assert {statuses[f"prefect_api/{n}"]["status"] for n in apis} == {"UP"}, statuses
 
-    # 3. Nothing lost, nothing twice.
+    # 4. Nothing lost, nothing twice.
     with httpx.Client(base_url=api, timeout=30) as client:
         runs: list[dict[str, Any]] = []
         while True:
