@@ -353,8 +353,11 @@ def build_templates(found: dict[str, Any]) -> Templates:
     jobs = [c for c in phase("jobs") if _kept(c)]
     # A job's record begins by putting its planned run in Running (found by its idempotency
     # key, ``<node>:<schedule>@<window>``), or, for a window with none, by creating its run.
-    begin = next(i for i, c in enumerate(jobs)
-                 if c["path"].endswith(("/create_flow_run", "/flow_runs/bulk_set_state")))
+    # The simulated windows are all planned ahead: the first planned job's record is theirs
+    # (the first job after the schedule change may find no plan yet and create its run).
+    begins = [i for i, c in enumerate(jobs)
+              if c["path"].endswith(("/create_flow_run", "/flow_runs/bulk_set_state"))]
+    begin = next((i for i in begins if jobs[i]["path"].endswith("/bulk_set_state")), begins[0])
     stop = next(i for i, c in enumerate(jobs) if i > begin and c["path"].endswith("/report"))
     job = [_tcall(c) for c in jobs[begin:stop + 1]]
     if "parameters" in job[0].request:

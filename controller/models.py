@@ -363,6 +363,18 @@ class FleetAlert(SQLModel, table=True):
     """When a later success (or the node's return) resolved it."""
 
 
+class WatchTurn(SQLModel, table=True):
+    """Whose turn the fleet watch's pass is: taken by one instance per interval."""
+
+    __tablename__ = "watch_turn"
+
+    name: str = Field(primary_key=True, max_length=40)
+    taken_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+    """When an instance last took the turn (the database's clock)."""
+    holder: str = Field(max_length=200, sa_type=NAME_TYPE)
+    """The instance that took it (host, process), for the log."""
+
+
 class RevokedSession(SQLModel, table=True):
     """A fleet page session ended by Log out before its expiry: every instance refuses it."""
 

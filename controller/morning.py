@@ -312,16 +312,20 @@ def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
     range are counted apart.
     """
     nodes = list(nodes)
-    with_windows = [n for n in nodes if any(e["expected"] or e["status"] in BAD
-                                            for e in n["windows"]) or n["silent"]]
+    # Linear in the nodes: the fleet watch sums up 10,000 nodes every pass (membership in a
+    # list of the nodes' dicts made it quadratic: a third of the pass there).
+    windowed = [any(e["expected"] or e["status"] in BAD for e in n["windows"]) or n["silent"]
+                for n in nodes]
+    with_windows = [n for n, w in zip(nodes, windowed, strict=True) if w]
+    idle = [n["node"] for n, w in zip(nodes, windowed, strict=True) if not w]
     failed = [e for n in nodes for e in n["windows"] if e["status"] == "failed"]
     missed = [e for n in nodes for e in n["windows"] if e["status"] == "missed"]
     silent = [n["node"] for n in nodes if n["silent"]]
     unknown = [n["node"] for n in with_windows if not n["silent"] and any(
         e["status"] == "unreported" for e in n["windows"])]
-    ok = [n["node"] for n in with_windows if not n["silent"] and n["node"] not in unknown
+    unknown_set = set(unknown)
+    ok = [n["node"] for n in with_windows if not n["silent"] and n["node"] not in unknown_set
           and not any(e["status"] in BAD for e in n["windows"])]
-    idle = [n["node"] for n in nodes if n not in with_windows]
     parts = [f"{len(ok)} of {len(with_windows)} nodes backed up"]
     shown = "; ".join(_failed_text(e) for e in failed[:5])
     more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""

@@ -46,11 +46,25 @@ Exactly once, whatever the number of instances (the database decides):
    with each attempt, at most 10 min) has run out.
 
 Without a Prefect API the alert is only logged (and kept in ``fleet_alert``).
+
+One pass per interval, whatever the number of instances: before its pass, an
+instance takes the fleet's turn (:func:`take_turn`, a compare-and-set on the
+``watch_turn`` row with the database's clock); the turn goes to the first
+instance asking once 0.9 of an interval has passed since the last one was taken,
+and an instance that does not get it only sends what is pending (steps 2 and 3).
+The pass's cost then does not grow with the instances (each of them read every
+node's state every interval before: 1.7 s of CPU per pass at 10,000 nodes); an
+instance that stops leaves the turn to the others after one interval, and a pass
+always looks back to its own instance's previous pass (:meth:`FleetWatch.look_back`),
+so windows judged by another instance in between are judged again, never skipped
+(the alerts stay once each: step 1).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -68,13 +82,16 @@ from controller import jobs, ledger, schedules
 from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
-from controller.models import FleetAlert, utc_now
+from controller.models import FleetAlert, WatchTurn, utc_now
 from controller.nodes import utc_text
 
 log = logging.getLogger(__name__)
 
 ALERTS: Table = FleetAlert.__table__  # type: ignore[attr-defined]
 _A = ALERTS.c
+TURNS: Table = WatchTurn.__table__  # type: ignore[attr-defined]
+TURN_SHARE = 0.9
+"""A turn is free again after this share of an interval (the instances' timers drift)."""
 LOOKBACK = timedelta(hours=6)
 """How far back each pass looks for missed and failed windows (and their recoveries)."""
 MARGIN = timedelta(minutes=10)
@@ -292,6 +309,25 @@ def prefect_event(alert: Mapping[str, Any], *, occurred: datetime) -> dict[str, 
     return data
 
 
+def take_turn(session: Session, name: str, every_s: float, holder: str) -> bool:
+    """Take name's turn if no instance took it in the last ``every_s`` x :data:`TURN_SHARE`
+    seconds (the database's clock); return whether this call took it.
+
+    One statement: an insert that, on the existing row, updates it only where its turn is
+    over. Two instances asking at once: the second waits for the first's row (Postgres) or
+    the write lock (SQLite), then finds the turn just taken.
+    """
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    with transaction(session):
+        now = db_now(session)
+        taken = insert(TURNS).values(name=name, taken_at=now, holder=holder).on_conflict_do_update(
+            index_elements=[TURNS.c.name], set_={"taken_at": now, "holder": holder},
+            where=TURNS.c.taken_at <= now - timedelta(seconds=every_s * TURN_SHARE),
+        ).returning(TURNS.c.name)
+        return session.execute(taken).first() is not None
+
+
 @dataclass(eq=False)
 class FleetWatch:
     """Raise the fleet's alerts every ``interval`` seconds in a thread (see the module).
@@ -314,6 +350,23 @@ class FleetWatch:
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
     _last: datetime | None = field(default=None, init=False, repr=False)
+    holder: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}",
+                        init=False)
+    """This instance, as the turn's row names it."""
+    passes: int = field(default=0, init=False)
+    """Passes this instance ran (turns it took)."""
+
+    def tick(self) -> bool:
+        """One step of the thread: the pass if this instance takes the fleet's turn, else
+        only the sending of alerts pending (see the module). Return whether it ran the pass."""
+        with Session(self.engine) as session:
+            mine = take_turn(session, "fleet", self.interval, self.holder)
+        if mine:
+            self.passes += 1
+            self.check()
+        else:
+            self.send_pending()
+        return mine
 
     # ------------------------------------------------------------ one pass
 
@@ -437,7 +490,7 @@ class FleetWatch:
     # ------------------------------------------------------------ the thread
 
     def start(self) -> None:
-        """Run :meth:`check` every interval in a daemon thread (and prune hourly)."""
+        """Run :meth:`tick` every interval in a daemon thread (and prune hourly)."""
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="sched-fleet-watch",
                                         daemon=True)
@@ -451,7 +504,7 @@ class FleetWatch:
 
         while not self._stop.is_set():
             try:
-                self.check()
+                self.tick()
                 if time.monotonic() >= next_prune:
                     self.prune(self.clock())
                     next_prune = time.monotonic() + 3600

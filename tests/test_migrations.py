@@ -20,9 +20,9 @@ from controller import models as _models  # noqa: F401  (registers the tables)
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
           "node_report_history", "node_pull", "revoked_session", "node_seen", "node_job",
-          "schedule_version", "fleet_alert"}
-MORNING_TABLES = {"node_seen", "node_job", "schedule_version", "fleet_alert"}
-"""0008's tables."""
+          "schedule_version", "fleet_alert", "watch_turn"}
+MORNING_TABLES = {"node_seen", "node_job", "schedule_version", "fleet_alert", "watch_turn"}
+"""0008's tables, and 0009's (the fleet watch's turn)."""
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
@@ -455,3 +455,15 @@ def test_revoked_sessions_migration_up_and_down(empty_url: str) -> None:
     assert _tables(empty_url) == TABLES
     db.downgrade(empty_url, "0006")
     assert _tables(empty_url) == TABLES - {"revoked_session"} - MORNING_TABLES
+
+
+def test_the_watch_turn_migration_up_and_down(empty_url: str) -> None:
+    """0009: the fleet watch's turn comes and goes; 0008's tables stay."""
+    db.migrate(empty_url, "0008")
+    assert _tables(empty_url) == TABLES - {"watch_turn"}
+    db.migrate(empty_url)
+    assert _tables(empty_url) == TABLES
+    db.downgrade(empty_url, "0008")
+    assert _tables(empty_url) == TABLES - {"watch_turn"}
+    db.migrate(empty_url)
+    assert _schema(empty_url)["alembic_version"] == [HEAD]

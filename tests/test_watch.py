@@ -130,3 +130,49 @@ def test_a_watch_with_no_emitter_only_logs(sqlite_url: str,
         assert [r.getMessage() for r in caplog.records].count("fleet alert") == len(raised)
     finally:
         engine.dispose()
+
+
+def test_one_instance_takes_each_turn_and_another_takes_over(database_url: str) -> None:
+    """Each interval's pass is one instance's (the turn's row, the database's clock); an
+    instance that stops taking turns leaves the next one to the others."""
+    import threading
+
+    from sqlalchemy import select, text
+
+    from controller.watch import TURNS, take_turn
+
+    engine = make_engine(database_url)
+    try:
+        first = FleetWatch(engine, FleetSettings(), emit=None, interval=60)
+        second = FleetWatch(engine, FleetSettings(), emit=None, interval=60)
+        second.holder = "second"
+        assert first.tick() is True
+        assert second.tick() is False and first.tick() is False  # the turn is taken
+        with engine.begin() as conn:  # an interval passed with no pass (first stopped)
+            conn.execute(text("UPDATE watch_turn SET taken_at = :past"),
+                         {"past": datetime(2000, 1, 1)})
+        assert second.tick() is True and first.tick() is False
+        assert (first.passes, second.passes) == (1, 1)
+        with Session(engine) as session:
+            assert session.execute(select(TURNS.c.holder)).scalar_one() == "second"
+
+        # Eight instances asking at once: one takes it.
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE watch_turn SET taken_at = :past"),
+                         {"past": datetime(2000, 1, 1)})
+        gate = threading.Barrier(8)
+        taken: list[bool] = []
+
+        def ask(i: int) -> None:
+            gate.wait()
+            with Session(engine) as session:
+                taken.append(take_turn(session, "fleet", 60, f"i{i}"))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert sorted(taken) == [False] * 7 + [True]
+    finally:
+        engine.dispose()
