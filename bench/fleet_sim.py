@@ -48,6 +48,7 @@ import os
 import random
 import re
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -1210,20 +1211,24 @@ async def accounted(sim: Fleet, jobs: list[Job], begin: datetime, end: datetime
     for job in jobs:
         key = "not recorded" if job.recorded_at is None else str(job.status)
         statuses[key] = statuses.get(key, 0) + 1
-    in_prefect = {state: await count_completed(sim, begin, end, state) for state in STATE_TYPES}
+    counts = await asyncio.gather(*(count_completed(sim, begin, end, state)
+                                    for state in STATE_TYPES))
+    in_prefect = dict(zip(STATE_TYPES, counts, strict=True))
     return {"jobs_recorded_by_sim": sum(1 for j in jobs if j.recorded_at is not None),
             "record_status_by_sim": statuses,
             "prefect_runs_by_state": {k: v for k, v in in_prefect.items() if v}}
 
 
-async def run_size(templates: Templates, layout: Layout, count: int, args: argparse.Namespace
-                   ) -> dict[str, Any]:
+async def run_size(templates: Templates, layout: Layout, count: int, args: argparse.Namespace,
+                   result: dict[str, Any]) -> dict[str, Any]:
+    """Measure count nodes on layout into result (filled as each phase ends, so a run stopped
+    on the way keeps what it measured)."""
     names = list(layout.tokens)[:count]
     sim = Fleet(templates, layout.prefect_root, layout.controller_root,
                 {n: layout.tokens[n] for n in names}, reconcile_s=args.reconcile_s,
                 plan_ahead_s=args.plan_ahead_s)
     sim.wave_rate = args.jobs_per_node_hour
-    result: dict[str, Any] = {"nodes": count, "layout": layout.name}
+    result.update({"nodes": count, "layout": layout.name})
     marks = log_marks(layout)
     cpu0, t0 = _cpu(layout.parts), time.monotonic()
     try:
@@ -1257,8 +1262,9 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
                             f"the wave's plan did not finish in {args.start_timeout_s:.0f} s")
     await asyncio.sleep(20)
     result["idle"] = await measure(sim, layout.parts, args.idle_minutes * 60, "idle")
-    print(f"[{layout.name} {count}] idle: {json.dumps(result['idle']['center_cores'])} cores",
-          flush=True)
+    print(f"[{layout.name} {count}] idle: {result['idle']['center_cores']:.3f} cores "
+          f"{json.dumps(result['idle']['parts_cores'])}, simulator "
+          f"{result['idle']['sim_cores']:.2f}", flush=True)
     nodes = {node.name: node for node in sim.nodes}
     tasks = [asyncio.create_task(nodes[job.node].run_job(job)) for job in jobs]
     sim.rate = sim.wave_rate
@@ -1279,9 +1285,10 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
         "lag_p50_s": percentile(lags, 0.5), "lag_p99_s": percentile(lags, 0.99),
         "lag_max_s": max(lags) if lags else float("nan"),
         "jobs_per_node_hour": sim.wave_rate})
-    print(f"[{layout.name} {count}] wave: {result['wave']['center_cores']:.2f} cores, "
-          f"{recorded}/{len(jobs)} recorded, lag p99 {result['wave']['lag_p99_s']:.1f} s",
-          flush=True)
+    print(f"[{layout.name} {count}] wave: {result['wave']['center_cores']:.2f} cores "
+          f"{json.dumps(result['wave']['parts_cores'])}, simulator "
+          f"{result['wave']['sim_cores']:.2f}; {recorded}/{len(jobs)} recorded, lag p99 "
+          f"{result['wave']['lag_p99_s']:.1f} s, 5xx {result['wave']['http_5xx']}", flush=True)
     result["check"] = check_pattern(templates, result["idle"], sim.reconcile_s,
                                     templates.heartbeat_s)
     if args.restart and count == max(args.sizes):
@@ -1596,13 +1603,18 @@ def main() -> int:
             "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "load_at_end": os.getloadavg()}
         args.out.write_text(json.dumps(existing, indent=1, default=str) + "\n")
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run saves too
     try:
         for size in args.sizes:
-            results["sizes"][str(size)] = {
-                **asyncio.run(run_size(templates, layout, size, args)),
-                "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"}
-            print(json.dumps(results["sizes"][str(size)], default=str)[:3000], flush=True)
-            save()  # each size as soon as it is measured
+            entry: dict[str, Any] = {"stopped": "before the end (partial figures)"}
+            results["sizes"][str(size)] = entry
+            try:
+                asyncio.run(run_size(templates, layout, size, args, entry))
+                entry.pop("stopped")
+            finally:
+                entry["measured"] = f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+                print(json.dumps(entry, default=str)[:3000], flush=True)
+                save()  # each size as soon as it is measured, or as far as it got
     finally:
         if layout.stop is not None:
             layout.stop()

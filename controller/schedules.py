@@ -23,6 +23,7 @@ Every write commits its own transaction; reads do not commit.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -231,12 +232,30 @@ class RowVersion:
     valid_until: datetime | None
 
 
+VERSION_CACHE = 65_536
+"""Stored versions' rows kept parsed, by their text (:func:`stored_row`)."""
+
+
+@functools.lru_cache(maxsize=VERSION_CACHE)
+def stored_row(wire: str) -> LocalSchedule:
+    """Return a stored version's row, parsed once per text in this process.
+
+    A version's text never changes, and the fleet watch reads every node's every row at each
+    pass (10,000 nodes with ten rows: 100,000 parses, half of a pass's CPU); nodes given the
+    same row by the same template share one text. The row returned is shared by every
+    caller: read it, never change it (``model_copy`` it to change it).
+    """
+    return LocalSchedule.model_validate_json(wire, context={STORED_BEFORE_RULES: True})
+
+
 def versions_between(
     session: Session, since: datetime, until: datetime, *, node: str | None = None,
     schedule_id: str | None = None,
 ) -> dict[str, dict[str, list[RowVersion]]]:
     """Return, per node and row id, the versions in force at some instant of
-    ``[since, until)``, oldest first (only node's, or one row's, when given)."""
+    ``[since, until)``, oldest first (only node's, or one row's, when given).
+
+    The rows are shared (:func:`stored_row`): read only."""
     query = select(_VERSIONS.node, _VERSIONS.valid_from, _VERSIONS.valid_until,
                    _VERSIONS.wire).where(
         _VERSIONS.valid_from < until,
@@ -249,7 +268,7 @@ def versions_between(
                                           _VERSIONS.seq)).all()
     found: dict[str, dict[str, list[RowVersion]]] = {}
     for name, valid_from, valid_until, wire in rows:
-        row = LocalSchedule.model_validate_json(wire, context={STORED_BEFORE_RULES: True})
+        row = stored_row(wire)
         found.setdefault(name, {}).setdefault(row.id, []).append(
             RowVersion(name, row, valid_from, valid_until))
     return found

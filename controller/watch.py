@@ -90,6 +90,8 @@ log = logging.getLogger(__name__)
 ALERTS: Table = FleetAlert.__table__  # type: ignore[attr-defined]
 _A = ALERTS.c
 TURNS: Table = WatchTurn.__table__  # type: ignore[attr-defined]
+INSERT_BATCH = 500
+"""Alerts (and resolutions) a statement."""
 TURN_SHARE = 0.9
 """A turn is free again after this share of an interval (the instances' timers drift)."""
 LOOKBACK = timedelta(hours=6)
@@ -411,25 +413,29 @@ class FleetWatch:
 
     def _insert(self, session: Session, planned: list[Alert], now: datetime) -> list[Alert]:
         """Step 1: insert each alert once; resolve what it resolves; return those inserted."""
-        raised: list[Alert] = []
         dialect = session.get_bind().dialect.name
         insert = pg_insert if dialect == "postgresql" else sqlite_insert
+        unique = list({(a.node, a.kind, a.subject): a for a in reversed(planned)}.values())[::-1]
+        inserted: set[tuple[str, str, str]] = set()
+        resolves = sorted({i for alert in planned for i in alert.resolves})
+        # A batch of rows a statement: a fleet gone silent at once is 10,000 alerts in a pass.
         with transaction(session):
-            for alert in planned:
-                stmt = insert(ALERTS).values(
-                    node=alert.node, kind=alert.kind, subject=alert.subject,
-                    schedule_id=alert.schedule_id, window_at=alert.window, reason=alert.reason,
-                    payload={**alert.payload, "detected_at": utc_text(now)}, detected_at=now,
-                    attempts=0,
+            for begin in range(0, len(unique), INSERT_BATCH):
+                stmt = insert(ALERTS).values([{
+                    "node": a.node, "kind": a.kind, "subject": a.subject,
+                    "schedule_id": a.schedule_id, "window_at": a.window, "reason": a.reason,
+                    "payload": {**a.payload, "detected_at": utc_text(now)},
+                    "detected_at": now, "attempts": 0, "resolved_at": None, "sent_at": None,
+                    "lease_until": None} for a in unique[begin:begin + INSERT_BATCH]],
                 ).on_conflict_do_nothing(
-                    index_elements=[_A.node, _A.kind, _A.subject]).returning(_A.id)
-                inserted = session.execute(stmt).first() is not None
-                if alert.resolves:
-                    session.execute(update(ALERTS).where(
-                        _A.id.in_(alert.resolves), _A.resolved_at.is_(None)
-                    ).values(resolved_at=now))
-                if inserted:
-                    raised.append(alert)
+                    index_elements=[_A.node, _A.kind, _A.subject],
+                ).returning(_A.node, _A.kind, _A.subject)
+                inserted |= {(r.node, r.kind, r.subject) for r in session.execute(stmt)}
+            for begin in range(0, len(resolves), INSERT_BATCH):
+                session.execute(update(ALERTS).where(
+                    _A.id.in_(resolves[begin:begin + INSERT_BATCH]), _A.resolved_at.is_(None)
+                ).values(resolved_at=now))
+        raised = [a for a in unique if (a.node, a.kind, a.subject) in inserted]
         for alert in raised:
             self.raised += 1
             level = logging.INFO if alert.kind not in PROBLEMS else logging.WARNING

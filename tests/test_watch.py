@@ -176,3 +176,36 @@ def test_one_instance_takes_each_turn_and_another_takes_over(database_url: str) 
         assert sorted(taken) == [False] * 7 + [True]
     finally:
         engine.dispose()
+
+
+def test_a_fleet_gone_silent_at_once_is_inserted_in_batches_each_once(database_url: str) -> None:
+    """More alerts in a pass than a statement holds (a fleet silent at once): each is
+    inserted once, the ones already there are not raised again, and a recovery in the same
+    pass resolves the open alerts it names."""
+    from sqlalchemy import func, select
+
+    from controller.watch import ALERTS, INSERT_BATCH, Alert
+
+    engine = make_engine(database_url)
+    count = INSERT_BATCH * 2 + 7
+    silent = [Alert(f"n{i:04d}", "node-silent", "silent@2026-12-04T10:00:00Z", "quiet")
+              for i in range(count)]
+    try:
+        watch = FleetWatch(engine, FleetSettings(), emit=None)
+        with Session(engine) as session:
+            first = watch._insert(session, silent[:INSERT_BATCH + 3], T0)
+            assert len(first) == INSERT_BATCH + 3
+            # The same alert twice in one pass is one row and raised once.
+            again = watch._insert(session, silent + [silent[-1]], T0)
+            assert [a.node for a in again] == [a.node for a in silent[INSERT_BATCH + 3:]]
+            assert session.execute(select(func.count()).select_from(ALERTS)).scalar_one() \
+                == count
+            opened = {r.node: r.id for r in session.execute(select(ALERTS.c.node, ALERTS.c.id))}
+            back = [Alert(f"n{i:04d}", "node-recovered", "back@2026-12-04T10:05:00Z", "back",
+                          resolves=(opened[f"n{i:04d}"],)) for i in range(INSERT_BATCH + 1)]
+            assert len(watch._insert(session, back, T0 + timedelta(minutes=5))) == len(back)
+            still_open = session.execute(select(func.count()).select_from(ALERTS).where(
+                ALERTS.c.kind == "node-silent", ALERTS.c.resolved_at.is_(None))).scalar_one()
+            assert still_open == count - len(back)
+    finally:
+        engine.dispose()
