@@ -12,7 +12,9 @@ scaled layout's two controllers used ~0.12 core each on it with nothing else to 
 - for each tree (``--before REV``: a ``git archive`` of that commit; and this tree), in
   turns, a fresh process opens the database, runs one pass (its first: it looks back
   6 hours), then ``--passes`` passes, each timed by the process's CPU clock
-  (``time.process_time``): **CPU per pass** (the median);
+  (``time.process_time``): **CPU per pass** (the median); each with the fleet **healthy**
+  (every node seen just now) and **silent** (every node last seen an hour ago: a
+  fleet-wide outage, an alert per node);
 - **two instances' interval**: the CPU both instances spend in one interval. Before, each
   ran its own pass (2 x the pass); after, one takes the turn and runs the pass, the other
   finds it taken and only sends what is pending (measured: the median of ``--passes``
@@ -47,20 +49,32 @@ from bench_controller_wait import archive  # noqa: E402
 from prefect_bench import machine, write_section  # noqa: E402
 
 MARKERS = ("<!-- watch-pass:begin -->", "<!-- watch-pass:end -->")
+MODES = ("healthy", "silent")
 BEFORE_REV = "457e37b"
 """The last commit before the watch's turn and its linear summary."""
 
 MEASURE = r"""
 import json, statistics, sys, time
+from sqlalchemy import text
 from controller.db import make_engine
 from controller.fleet import FleetSettings
 from controller.watch import FleetWatch
-passes = int(sys.argv[2])
+passes, mode = int(sys.argv[2]), sys.argv[3]
 engine = make_engine(sys.argv[1])
+# healthy: every node seen just now; silent: every node last seen an hour ago (a fleet-wide
+# outage: the first pass raises an alert per node, the later ones find them raised).
+seen = "now()" if mode == "healthy" else "now() - interval '1 hour'"
+def fleet_state():
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE node_seen SET seen_at = {seen}"))
+with engine.begin() as conn:
+    conn.execute(text("DELETE FROM fleet_alert"))
+fleet_state()
 watch = FleetWatch(engine, FleetSettings(), emit=None, interval=15.0)
 t0 = time.process_time(); watch.check(); first = time.process_time() - t0
 times = []
 for _ in range(passes):
+    fleet_state()
     t0 = time.process_time(); watch.check(); times.append(time.process_time() - t0)
 out = {"first_s": first, "pass_s": statistics.median(times), "passes": times}
 if hasattr(watch, "tick"):
@@ -68,6 +82,7 @@ if hasattr(watch, "tick"):
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM watch_turn"))
     other = FleetWatch(engine, FleetSettings(), emit=None, interval=15.0)
+    fleet_state()
     assert watch.tick() is True
     skips = []
     for _ in range(passes):
@@ -107,10 +122,10 @@ def seed(url: str, nodes: int) -> float:
     return time.monotonic() - t0
 
 
-def measure(tree: Path, url: str, passes: int) -> dict[str, float]:
+def measure(tree: Path, url: str, passes: int, mode: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", MEASURE, url, str(passes)], cwd=tree, env=env,
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", MEASURE, url, str(passes), mode], cwd=tree,
+                          env=env, check=True, capture_output=True, text=True)
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -133,10 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         trees = [(f"before ({archive(args.before, before_tree)})", before_tree),
                  ("after (this tree)", ROOT)]
         for rnd in range(args.rounds):
-            for name, tree in trees:
-                got = measure(tree, url, args.passes)
-                results.setdefault(name, []).append(got)
-                print(f"round {rnd + 1} {name}: {json.dumps(got)}", flush=True)
+            for mode in MODES:
+                for name, tree in trees:
+                    got = measure(tree, url, args.passes, mode)
+                    results.setdefault(f"{mode}|{name}", []).append(got)
+                    print(f"round {rnd + 1} {mode} {name}: {json.dumps(got)}", flush=True)
         loads.append(os.getloadavg())
     section = render(results, args, loads)
     print(section)
@@ -148,17 +164,22 @@ def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
            loads: list[tuple[float, float, float]]) -> str:
     rows = []
     per: dict[str, tuple[float, float]] = {}
-    for name, runs in results.items():
+    for key, runs in results.items():
+        mode, name = key.split("|", 1)
         pass_s = statistics.median(r["pass_s"] for r in runs)
         skip = [r["skip_s"] for r in runs if "skip_s" in r]
         interval = pass_s + statistics.median(skip) if skip else 2 * pass_s
-        per[name] = (pass_s, interval)
-        rows.append(f"| {name} | {statistics.median(r['first_s'] for r in runs):.2f} | "
+        per[key] = (pass_s, interval)
+        rows.append(f"| {mode} | {name} | {statistics.median(r['first_s'] for r in runs):.2f} | "
                     f"{pass_s:.2f} | "
                     + (f"{statistics.median(skip) * 1000:.1f} ms" if skip else "- (each "
                        "instance runs its own pass)")
                     + f" | {interval:.2f} | {interval / 15:.3f} |")
-    (b_pass, b_int), (a_pass, a_int) = list(per.values())[:2]
+    ratios = []
+    for mode in MODES:
+        (b_pass, b_int), (a_pass, a_int) = [v for k, v in per.items() if k.startswith(mode)][:2]
+        ratios.append(f"{mode}: a pass x{a_pass / b_pass:.2f}, two instances' interval "
+                      f"x{a_int / b_int:.2f}")
     return "\n".join([
         f"`bench/bench_watch.py --nodes {args.nodes} --passes {args.passes} --rounds "
         f"{args.rounds}`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; {args.nodes:,} nodes with "
@@ -166,13 +187,16 @@ def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
         "median over the rounds of the process's CPU (the pass's own thread and the database "
         "driver; PostgreSQL's side not counted).",
         "",
-        "| tree | first pass (6 h back), CPU s | a pass, CPU s | the other instance's step "
-        "(turn taken) | two instances, CPU s per interval | cores at a 15 s interval |",
-        "|---|---|---|---|---|---|",
+        "The fleet **healthy** (every node seen just now) or **silent** (every node last seen an "
+        "hour ago, as in a fleet-wide outage: the first pass raises an alert per node, the "
+        "later ones propose them again and find them raised).",
+        "",
+        "| fleet | tree | first pass (6 h back), CPU s | a pass, CPU s | the other instance's "
+        "step (turn taken) | two instances, CPU s per interval | cores at a 15 s interval |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"After / before: a pass x{a_pass / b_pass:.2f}, two instances' interval "
-        f"x{a_int / b_int:.2f}.",
+        f"After / before: {'; '.join(ratios)}.",
         "",
         f"Machine: {machine().split(', load average')[0]}; load average (1, 5, 15 min) "
         f"before {', '.join(f'{x:.1f}' for x in loads[0])}, after "
