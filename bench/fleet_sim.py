@@ -1512,15 +1512,21 @@ def report(found: dict[str, Any]) -> str:
                     f"stopped for 20 s, then back, spread over "
                     f"{item.get('args', {}).get('restart_spread_s', 60):.0f} s with at most "
                     f"{item.get('args', {}).get('start_concurrency', '?')} starting at once "
-                    "(the simulator's gate): the last was back "
-                    f"{rs['back_in_s']:.0f} s after the first "
-                    "(a restart's calls each); "
+                    "(the simulator's gate): "
+                    + (f"the last was back {rs['back_in_s']:.0f} s after the first "
+                       if rs["back_in_s"] == rs["back_in_s"] else
+                       "not every node was back by the end of the minutes measured ")
+                    + "(a restart's calls each); "
                     f"center cores per 30 s after the stop: {samples} (idle "
                     f"{rs['idle_cores']:.3f}); back at idle after "
                     + (f"{rs['idle_again_after_s']:.0f} s" if rs["idle_again_after_s"]
                        else "more than the minutes measured")
                     + f"; windows in the restart's two minutes recorded: "
-                    f"{rs['completed_in_prefect']} of {rs['jobs']}.")
+                    f"{rs['completed_in_prefect']} of {rs['jobs']}"
+                    + (f" (counted 2 minutes after the last sample; the simulated nodes' own "
+                       f"count by answer: {rs['record_status_by_sim']}; Prefect's runs of "
+                       f"those windows by state: {rs['prefect_runs_by_state']})"
+                       if "record_status_by_sim" in rs else "") + ".")
             elif rs:
                 lines.append(f"- Fleet-wide restart, {layout}, {size}: {rs}")
     lines += ["", f"Machine: {machine().split(', load average')[0]} (each run's load average "

@@ -196,7 +196,7 @@ def test_a_fleet_gone_silent_at_once_is_inserted_in_batches_each_once(database_u
             first = watch._insert(session, silent[:INSERT_BATCH + 3], T0)
             assert len(first) == INSERT_BATCH + 3
             # The same alert twice in one pass is one row and raised once.
-            again = watch._insert(session, silent + [silent[-1]], T0)
+            again = watch._insert(session, [*silent, silent[-1]], T0)
             assert [a.node for a in again] == [a.node for a in silent[INSERT_BATCH + 3:]]
             assert session.execute(select(func.count()).select_from(ALERTS)).scalar_one() \
                 == count
