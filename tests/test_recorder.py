@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -26,7 +27,10 @@ from tests.procs import free_port
 
 pytestmark = [pytest.mark.prefect]
 
-WINDOW = datetime(2026, 12, 4, 7, 30, tzinfo=UTC)
+WINDOW = (datetime.now(UTC) - timedelta(hours=1)).replace(minute=30, second=0, microsecond=0)
+"""A recent window: Prefect keeps events 7 days, and the tests read them a day either side of
+now (a fixed date here made them fail the next day)."""
+NEW_YORK = ZoneInfo("America/New_York")
 
 
 @pytest.fixture
@@ -46,12 +50,14 @@ def _job(outbox: Outbox, node: str, *, started: datetime, ended: datetime,
          lines: list[str]) -> JobFolder:
     """Write a completed job of window WINDOW into the outbox, as the node would have."""
     ref = JobRef(node=node, action="backup", schedule_id="s-1", trigger_key="schedule",
-                 window=WINDOW, key="s-1@2026-12-04T02:30-05:00")
+                 window=WINDOW,
+                 key=f"s-1@{WINDOW.astimezone(NEW_YORK).isoformat(timespec='minutes')}")
     spec = JobSpec(job_id=job_id_for(started, ref.idempotency_key), kind="job", node=node,
                    schedule_id="s-1", action="backup", trigger_key="schedule", window=WINDOW,
                    key=ref.key, run_name=ref.name(), idempotency_key=ref.idempotency_key,
                    flow_run_id=None, planned_start=WINDOW, accepted_at=started,
-                   reason="window 2026-12-04 02:30 EST: on time", argv=["tar", "-c"],
+                   reason=f"window {WINDOW.astimezone(NEW_YORK):%Y-%m-%d %H:%M %Z}: on time",
+                   argv=["tar", "-c"],
                    timeout_s=60, tags=ref.tags(), parameters=ref.parameters())
     folder = outbox.create(spec)
     folder.append({"e": "accepted", "at": utc_text(started)})
