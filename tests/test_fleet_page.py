@@ -260,7 +260,9 @@ def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any
     # node-b's failed run: red, linked to its run in the Prefect UI.
     failed = browser.find_element(By.CSS_SELECTOR, "#timeline rect.run.bad")
     assert failed.value_of_css_property("fill") == "rgb(207, 34, 46)"
-    link = failed.find_element(By.XPATH, "..")
+    # Found from the document, not as the rect's parent: chromedriver answered that lookup
+    # once with "Node with given id does not belong to the document" (an SVG parent).
+    link = browser.find_element(By.CSS_SELECTOR, "#timeline a:has(> rect.run.bad)")
     assert link.get_dom_attribute("href") == f"{PREFECT_UI}/runs/flow-run/{FAILED_RUN}"
 
     tables = browser.find_elements(By.CSS_SELECTOR, "table.schedules")
