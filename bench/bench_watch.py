@@ -39,6 +39,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+# Alike in shape to the opening of bench_controller_fleet.py (and the other benchmarks'):
+# each runs as a script, so each puts this checkout and bench/ first on sys.path.
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
