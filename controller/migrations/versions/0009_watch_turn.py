@@ -19,6 +19,8 @@ revision: str = "0009"
 down_revision: str | None = "0008"
 
 
+# Alike in shape to 0006's and 0007's create_table calls: a revision is a frozen record and
+# never shares code with another.
 def upgrade() -> None:
     op.create_table(
         "watch_turn",
