@@ -7,7 +7,8 @@ scaled layout's two controllers used ~0.12 core each on it with nothing else to 
 (``bench/fleet_sim_findings.md`` item 8). This benchmark measures it alone:
 
 - a throwaway PostgreSQL (pgserver) holds ``--nodes`` nodes, each with the fleet
-  simulator's ten rows (``bench/fleet_sim.py``) and a report with a 60 s heartbeat, as a
+  simulator's ten rows (``bench/fleet_sim.py``), each row with the node's own repository (so
+  no two nodes' rows are the same text), and a report with a 60 s heartbeat, as a
   fleet's controller has them (seeded with this tree's code, migrated to its head);
 - for each tree (``--before REV``: a ``git archive`` of that commit; and this tree), in
   turns, a fresh process opens the database, runs one pass (its first: it looks back
@@ -115,8 +116,9 @@ def seed(url: str, nodes: int) -> float:
         with Session(engine) as session:
             for n in range(nodes):
                 name = f"watch-{n:05d}"
-                for row in rows:
-                    put_schedule(session, name, row, now=now)
+                for row in rows:  # each node its own repository: a text of its own
+                    put_schedule(session, name, row.model_copy(
+                        update={"repo_id": f"{row.repo_id}-{name}"}), now=now)
                 record_report(session, name, {"timezone": "UTC", "grace_s": 60},
                               received_at=now, heartbeat_s=60)
     finally:
