@@ -187,7 +187,8 @@ def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
     return "\n".join([
         f"`bench/bench_watch.py --nodes {args.nodes} --passes {args.passes} --rounds "
         f"{args.rounds}`, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; {args.nodes:,} nodes with "
-        "ten rows and a report each on a throwaway PostgreSQL (pgserver); each figure the "
+        "ten rows (no two nodes' the same text) and a report each on a throwaway PostgreSQL "
+        "(pgserver); each figure the "
         "median over the rounds of the process's CPU (the pass's own thread and the database "
         "driver; PostgreSQL's side not counted).",
         "",
