@@ -48,7 +48,7 @@ import psycopg  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
-from bench.prefect_bench import write_section  # noqa: E402
+from bench.prefect_bench import publish  # noqa: E402
 from controller import claims, db, tasks  # noqa: E402
 from controller.central import CentralScheduler, CentralSettings  # noqa: E402
 from controller.models import TaskIn  # noqa: E402
@@ -519,9 +519,7 @@ def main(argv: list[str] | None = None) -> None:
             print("wake latency, {}: median {:.2f} ms, p99 {:.2f} ms".format(
                 label, *_quantiles(samples)))
         section = report(server, runs, wakes, args.tasks, args.batch, args.trials)
-    print(section)
-    if args.write_docs:
-        write_section(BEGIN, END, "", section)
+    publish(section, BEGIN, END, "", write=args.write_docs)
     if not args.no_api:
         run_api_benchmark(shlex.split(args.api_args))
 

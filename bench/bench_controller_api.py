@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.prefect_bench import DOCS, answers, free_port, wait_until, write_section  # noqa: E402
+from bench.prefect_bench import DOCS, answers, free_port, publish, wait_until  # noqa: E402
 from controller.db import make_engine, migrate  # noqa: E402
 from controller.schedules import put_schedule, stored_values  # noqa: E402
 from sched_core.model import LocalSchedule  # noqa: E402
@@ -385,9 +385,7 @@ def main(argv: list[str] | None = None) -> list[Run]:
             label = {"sqlite": "SQLite", "postgres": "Postgres"}.get(name.lower(), name)
             runs.append(Run(label, results, populate_s, paths))
     section = render(runs, count=args.schedules)
-    print(section)
-    if args.write_docs:
-        write_section(BEGIN, END, "", section)
+    publish(section, BEGIN, END, "", write=args.write_docs)
     return runs
 
 

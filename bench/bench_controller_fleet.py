@@ -94,7 +94,7 @@ if str(ROOT) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_controller_api import make_row, stop_server, temporary_postgres  # noqa: E402
-from prefect_bench import write_section  # noqa: E402
+from prefect_bench import publish  # noqa: E402
 
 CEILING = ("<!-- fleet-ceiling:begin -->", "<!-- fleet-ceiling:end -->")
 STORM = ("<!-- fleet-storm:begin -->", "<!-- fleet-storm:end -->")
@@ -413,9 +413,8 @@ def ceiling(args: argparse.Namespace) -> None:
                               f"{rows[-1].cores:.2f} core", flush=True)
                 loads.append(os.getloadavg())
     section = render_ceiling(rows, args, loads)
-    print(section)
-    if args.write_docs:
-        write_section(*CEILING, "## The controller's pulls, a new connection each", section)
+    publish(section, *CEILING, "## The controller's pulls, a new connection each",
+            write=args.write_docs)
 
 
 def render_ceiling(rows: list[Row], args: argparse.Namespace,
@@ -830,9 +829,8 @@ def fleet_main(args: argparse.Namespace) -> None:
         logs = [Path(args.scaled) / "logs" / f"{t.name}.log" for t in targets]
     result["server_times"] = server_times([p for p in logs if p.exists()], result["storm_wall"])
     section = render_storm(result, args, targets, load0)
-    print(section)
-    if args.write_docs:
-        write_section(*STORM, "## The controller under 10,000 nodes and a change storm", section)
+    publish(section, *STORM, "## The controller under 10,000 nodes and a change storm",
+            write=args.write_docs)
 
 
 ACCESS = re.compile(r"^(\S+ \S+),\d+ INFO controller\.access: (\w+) (\S+) node=\S+ "

@@ -69,7 +69,7 @@ from bench_controller_fleet import (  # noqa: E402
     tokens_toml,
     write_private,
 )
-from prefect_bench import write_section  # noqa: E402
+from prefect_bench import publish  # noqa: E402
 
 MARKERS = ("<!-- wait-cycle:begin -->", "<!-- wait-cycle:end -->")
 BEFORE_REV = "0d6642b"
@@ -264,9 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, text in profiles.items():
         print(f"--- py-spy, {name}\n{text}")
     section = render(rounds, args, loads)
-    print(section)
-    if args.write_docs:
-        write_section(*MARKERS, "## The controller's idle long poll: CPU per wait cycle", section)
+    publish(section, *MARKERS, "## The controller's idle long poll: CPU per wait cycle",
+            write=args.write_docs)
 
 
 def render(rounds: list[Round], args: argparse.Namespace,

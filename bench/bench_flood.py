@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.prefect_bench import answers, free_port, percentile, wait_until, write_section  # noqa: E402
+from bench.prefect_bench import answers, free_port, percentile, publish, wait_until  # noqa: E402
 
 BEGIN, END = "<!-- flood:begin -->", "<!-- flood:end -->"
 TOKEN = "bench-flood-admin-token"
@@ -326,9 +326,7 @@ def main(argv: list[str] | None = None) -> None:
                     seconds=args.seconds, nofile=args.nofile),
         ]
     section = report(outcomes, args.slow, args.seconds, args.nofile)
-    print(section)
-    if args.write_docs:
-        write_section(BEGIN, END, "", section)
+    publish(section, BEGIN, END, "", write=args.write_docs)
 
 
 if __name__ == "__main__":

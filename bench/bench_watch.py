@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_controller_api import temporary_postgres  # noqa: E402
 from bench_controller_wait import archive  # noqa: E402
-from prefect_bench import machine, write_section  # noqa: E402
+from prefect_bench import machine, publish  # noqa: E402
 
 MARKERS = ("<!-- watch-pass:begin -->", "<!-- watch-pass:end -->")
 MODES = ("healthy", "silent")
@@ -159,9 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"round {rnd + 1} {mode} {name}: {json.dumps(got)}", flush=True)
         loads.append(os.getloadavg())
     section = render(results, args, loads)
-    print(section)
-    if args.write_docs:
-        write_section(*MARKERS, "## The controller's fleet watch: CPU per pass", section)
+    publish(section, *MARKERS, "## The controller's fleet watch: CPU per pass",
+            write=args.write_docs)
 
 
 def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,

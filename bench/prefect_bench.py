@@ -157,6 +157,14 @@ def machine() -> str:
             f"shared with other work, load average {load} at the end")
 
 
+def publish(section: str, begin: str, end: str, heading: str, *, write: bool) -> None:
+    """Print a benchmark's section, and put it into docs/benchmarks.md when write
+    (``--write-docs``): every benchmark's last step."""
+    print(section)
+    if write:
+        write_section(begin, end, heading, section)
+
+
 def write_section(begin: str, end: str, heading: str, body: str, *, path: Path = DOCS) -> None:
     """Replace the text between begin and end in path, docs/benchmarks.md by default; where
     the markers are missing, append them with body between (under heading, unless empty)."""
