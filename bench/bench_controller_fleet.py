@@ -226,6 +226,22 @@ def write_private(path: Path, text: str) -> None:
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 
 
+def served_in_turns(url: str, folder: Path, nodes: int, servers: list[tuple[str, Path]],
+                    rounds: int, loads: list[tuple[float, float, float]]
+                    ) -> Iterator[tuple[int, str, Path, int, int]]:
+    """Seed nodes (their rows and one token each, the token file in folder), then serve each
+    of servers' trees in turns (``serve``, the fleet watch off), rounds times: yield (round,
+    name, tree, port, pid) while each serves; append the load average after each round."""
+    populate(url, nodes)
+    tokens = folder / "tokens.toml"
+    write_private(tokens, tokens_toml([ADMIN_TOKEN], nodes))
+    for rnd in range(rounds):
+        for name, tree in servers:
+            with serve(tree, url, tokens, "--watch-interval", "0") as (port, pid):
+                yield rnd, name, tree, port, pid
+        loads.append(os.getloadavg())
+
+
 @contextmanager
 def serve(tree: Path, url: str, tokens_file: Path, *flags: str) -> Iterator[tuple[int, int]]:
     """Run ``serve --api-only`` from tree's code; yield (port, pid)."""
@@ -397,21 +413,15 @@ def ceiling(args: argparse.Namespace) -> None:
     servers.append((args.after_label, ROOT))
     rows: list[Row] = []
     with temporary_postgres() as url, tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
-        populate(url, args.nodes)
-        tokens = Path(tmp) / "tokens.toml"
-        write_private(tokens, tokens_toml([ADMIN_TOKEN], args.nodes))
-        for rnd in range(args.rounds):
-            for name, tree in servers:
-                with serve(tree, url, tokens, "--watch-interval", "0") as (port, pid):
-                    rows += measure_ceiling(name, port, pid, nodes=args.nodes,
-                                            concurrency=args.concurrency, seconds=args.seconds)
-                    if rnd == args.rounds - 1 and tree == ROOT:
-                        rows.append(httpx_client_per_pull(name, port, pid,
-                                                          seconds=args.seconds))
-                        print(f"  {rows[-1].kind}: {rows[-1].rps:,.0f}/s, client "
-                              f"{rows[-1].client_cpu_s / rows[-1].seconds:.2f} core, server "
-                              f"{rows[-1].cores:.2f} core", flush=True)
-                loads.append(os.getloadavg())
+        for rnd, name, tree, port, pid in served_in_turns(url, Path(tmp), args.nodes, servers,
+                                                          args.rounds, loads):
+            rows += measure_ceiling(name, port, pid, nodes=args.nodes,
+                                    concurrency=args.concurrency, seconds=args.seconds)
+            if rnd == args.rounds - 1 and tree == ROOT:
+                rows.append(httpx_client_per_pull(name, port, pid, seconds=args.seconds))
+                print(f"  {rows[-1].kind}: {rows[-1].rps:,.0f}/s, client "
+                      f"{rows[-1].client_cpu_s / rows[-1].seconds:.2f} core, server "
+                      f"{rows[-1].cores:.2f} core", flush=True)
     section = render_ceiling(rows, args, loads)
     publish(section, *CEILING, "## The controller's pulls, a new connection each",
             write=args.write_docs)

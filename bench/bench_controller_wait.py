@@ -57,17 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_controller_api import temporary_postgres  # noqa: E402
 from bench_controller_fleet import (  # noqa: E402
-    ADMIN_TOKEN,
     exchange,
     node_name,
     node_token,
     once,
-    populate,
     proc_cpu,
     request_bytes,
-    serve,
-    tokens_toml,
-    write_private,
+    served_in_turns,
 )
 from prefect_bench import publish  # noqa: E402
 
@@ -247,20 +243,14 @@ def main(argv: list[str] | None = None) -> None:
         dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "controller"],
                                capture_output=True, text=True).stdout.strip()
         servers.append((f"after ({head}{' + changes' if dirty else ''})", ROOT))
-        populate(url, args.nodes)
-        tokens = Path(tmp) / "tokens.toml"
-        write_private(tokens, tokens_toml([ADMIN_TOKEN], args.nodes))
-        for rnd in range(args.rounds):
-            for name, tree in servers:
-                with serve(tree, url, tokens, "--watch-interval", "0") as (port, pid):
-                    for clients in loads_asked:
-                        rounds.append(measure(name, port, pid, clients=clients,
-                                              seconds=args.seconds,
-                                              idle_seconds=args.idle_seconds))
-                    if args.profile and rnd == args.rounds - 1:
-                        raw = f"{args.profile_raw}.{len(profiles)}" if args.profile_raw else ""
-                        profiles[name] = profile(pid, args.profile, port, loads_asked[0], raw)
-                loads.append(os.getloadavg())
+        for rnd, name, _, port, pid in served_in_turns(url, Path(tmp), args.nodes, servers,
+                                                       args.rounds, loads):
+            for clients in loads_asked:
+                rounds.append(measure(name, port, pid, clients=clients, seconds=args.seconds,
+                                      idle_seconds=args.idle_seconds))
+            if args.profile and rnd == args.rounds - 1:
+                raw = f"{args.profile_raw}.{len(profiles)}" if args.profile_raw else ""
+                profiles[name] = profile(pid, args.profile, port, loads_asked[0], raw)
     for name, text in profiles.items():
         print(f"--- py-spy, {name}\n{text}")
     section = render(rounds, args, loads)
