@@ -8,6 +8,7 @@ functions. ``GET /api/report``, the fleet page and the controller's alerts
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -28,13 +29,16 @@ def node_grace(report: nodes.StoredReport | None, settings: FleetSettings) -> ti
 def fleet_report(
     session: Session, *, settings: FleetSettings, now: datetime,
     since: datetime | None = None, until: datetime | None = None, node: str | None = None,
+    reports: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Return the report of ``[since, until)`` (default: until now, since the day before
     until's at 18:00 in each node's zone) for every node (or one): worst first, with the
-    fleet's summary."""
+    fleet's summary. ``reports``: the nodes' latest reports, when the caller read them already
+    (``nodes.latest_reports`` of the same node or fleet)."""
     until = until or now
     seen = nodes.latest_seen(session, node)
-    reports = nodes.latest_reports(session, node)
+    if reports is None:  # else the caller's read of them (the fleet watch's, for every node)
+        reports = nodes.latest_reports(session, node)
     zones = {}
     earliest = since
     names = set(seen) | set(reports) | set(schedules.schedule_nodes(session, node))

@@ -78,7 +78,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session
 
-from controller import jobs, ledger, schedules
+from controller import jobs, ledger, nodes, schedules
 from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
@@ -379,24 +379,26 @@ class FleetWatch:
         """
         now = now or self.clock()
         with Session(self.engine) as session:
+            # Read once: the look-back's graces and the report's zones and graces.
+            reports = nodes.latest_reports(session)
             report = ledger.fleet_report(session, settings=self.settings, now=now,
-                                         since=now - self.look_back(session, now), until=now)
+                                         since=now - self.look_back(now, reports), until=now,
+                                         reports=reports)
             session.commit()
             planned = plan_alerts(report, self.open_alerts(session))
             raised = self._insert(session, planned, now)
         self.send_pending()
         return raised
 
-    def look_back(self, session: Session, now: datetime) -> timedelta:
-        """Return how far this pass looks back (see the module docstring)."""
+    def look_back(self, now: datetime, reports: Mapping[str, Any]) -> timedelta:
+        """Return how far this pass looks back (see the module docstring), given the nodes'
+        latest reports (their graces)."""
         last, self._last = self._last, now
         if last is None or last >= now:
             return self.lookback
-        from controller import nodes
         from controller.morning import REPORT_SLACK_S
 
-        graces = [ledger.node_grace(report, self.settings)
-                  for report in nodes.latest_reports(session).values()]
+        graces = [ledger.node_grace(report, self.settings) for report in reports.values()]
         longest = max([timedelta(seconds=self.settings.default_grace), *graces])
         wanted = (now - last) + longest + timedelta(seconds=REPORT_SLACK_S) + MARGIN
         return min(self.lookback, wanted)
