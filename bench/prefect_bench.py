@@ -77,17 +77,33 @@ def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, st
     return env
 
 
-def start_server(home: Path, *, late_runs: bool = True,
-                 port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(home: Path, *, late_runs: bool = True, port: int | None = None,
+                 uvicorn: tuple[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``prefect server start`` on port (default: a free one); return it and its API URL
-    once healthy."""
+    once healthy.
+
+    ``uvicorn=(http, loop)`` starts the same app as ``prefect server start`` starts it in
+    the background (``python -m uvicorn --factory prefect.server.api.server:create_app``),
+    with that HTTP parser and event loop instead of uvicorn's choice (``auto``: httptools
+    and uvloop when installed).
+    """
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = server_env(home, port, late_runs=late_runs)
     log = (home / "server.log").open("ab")
+    if uvicorn is None:
+        command = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+                   "127.0.0.1", "--port", str(port)]
+    else:
+        import prefect
+
+        env["PREFECT__SERVER_FINAL"] = "1"  # as prefect's own background start sets it
+        command = [sys.executable, "-m", "uvicorn", "--app-dir",
+                   str(Path(prefect.__file__).parent.parent), "--factory",
+                   "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port",
+                   str(port), "--http", uvicorn[0], "--loop", uvicorn[1]]
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
+        command,
         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
