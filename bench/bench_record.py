@@ -14,7 +14,15 @@ change), loaded from git into modules of its own; the new one is the working
 tree's. The two alternate in rounds of :data:`JOBS` jobs each, on one server, after
 a warm-up round of each that is not counted.
 
-``python bench/bench_record.py [--rounds 4] [--jobs 30] [--write-docs]``
+With ``--lean`` the two paths are the working tree's recorder as the node runs it by
+default (``full``) and with ``record_task_run`` and ``record_artifact`` off (``lean``).
+With ``--parsers`` they are the working tree's recorder against two servers of their
+own, one on uvicorn's pure-Python parser and loop (``h11``: h11 and asyncio, what
+uvicorn picks without httptools and uvloop installed) and one on the fast ones
+(``httptools``: httptools and uvloop, what it picks with them, as this project
+installs it). Each is published in a section of its own.
+
+``python bench/bench_record.py [--rounds 4] [--jobs 30] [--lean | --parsers] [--write-docs]``
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ import time
 import types
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +65,8 @@ SETTLE_S = 8.0
 """Seconds after a round's last request for the server to store what it queued (events,
 task runs: its flush interval is a few seconds); the idle CPU for as long is subtracted."""
 BEGIN, END = "<!-- record:begin -->", "<!-- record:end -->"
+LEAN_BEGIN, LEAN_END = "<!-- record-lean:begin -->", "<!-- record-lean:end -->"
+PARSERS_BEGIN, PARSERS_END = "<!-- record-parsers:begin -->", "<!-- record-parsers:end -->"
 
 
 def old_recorder() -> type[Recorder]:
@@ -139,7 +151,7 @@ def _write_end(folder: JobFolder, at: datetime, ended: datetime) -> None:
     folder.log(ended, "restic exited 0")
 
 
-def round_of(path: str, recorder_class: type[Recorder], url: str, server_pid: int,
+def round_of(path: str, recorder_class: Callable[..., Recorder], url: str, server_pid: int,
              work: Path, jobs: int, idle_rate: float) -> dict[str, Any]:
     """Record jobs planned windows' jobs with one path; return its calls and server CPU."""
     node = f"bench-{path}-{uuid.uuid4().hex[:6]}"
@@ -189,20 +201,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--jobs", type=int, default=JOBS)
+    parser.add_argument("--lean", action="store_true",
+                        help="compare the node's default record with record_task_run and "
+                        "record_artifact off")
+    parser.add_argument("--parsers", action="store_true",
+                        help="compare two servers: uvicorn on h11 and asyncio, and on "
+                        "httptools and uvloop")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    paths: dict[str, type[Recorder]] = {"old": old_recorder(), "new": Recorder}
+    paths: dict[str, Callable[..., Recorder]] = (
+        {"full": Recorder, "lean": partial(Recorder, task_run=False, artifact=False)}
+        if args.lean else {"h11": Recorder, "httptools": Recorder} if args.parsers
+        else {"old": old_recorder(), "new": Recorder})
     work = Path(tempfile.mkdtemp(prefix="bench-record-"))
-    proc, url = start_server(work / "prefect", late_runs=False)
-    results: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    results: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     idles: list[float] = []
     try:
+        if args.parsers:
+            servers["h11"] = start_server(work / "h11", late_runs=False,
+                                          uvicorn=("h11", "asyncio"))
+            servers["httptools"] = start_server(work / "httptools", late_runs=False,
+                                                uvicorn=("httptools", "uvloop"))
+        else:
+            servers = dict.fromkeys(paths, start_server(work / "prefect", late_runs=False))
         time.sleep(10)  # the server's start-up work
         for path, recorder_class in paths.items():  # warm-up (first queries, caches): dropped
+            proc, url = servers[path]
             round_of(path, recorder_class, url, proc.pid, work, 3, idle(proc.pid, 2.0))
         for number in range(args.rounds):
             for path, recorder_class in (paths.items() if number % 2 == 0
                                          else reversed(paths.items())):
+                proc, url = servers[path]
                 rate = idle(proc.pid, 2 * SETTLE_S)
                 idles.append(rate)
                 found = round_of(path, recorder_class, url, proc.pid, work, args.jobs, rate)
@@ -212,17 +242,32 @@ def main() -> int:
                       f"{1000 * found['cpu_s'] / found['jobs']:.1f} ms of server CPU per job "
                       f"(idle {1000 * rate:.1f} ms/s)", flush=True)
     finally:
-        stop_group(proc)
+        for proc, _url in set(servers.values()):
+            stop_group(proc)
         shutil.rmtree(work, ignore_errors=True)
-    text = report(results, idles, args)
+    text = report(results, idles, args, *paths)
     print(text)
-    if args.write_docs:
+    if args.write_docs and args.lean:
+        write_section(LEAN_BEGIN, LEAN_END, "## A leaner record for a large fleet (Prefect)", text)
+    elif args.write_docs and args.parsers:
+        write_section(PARSERS_BEGIN, PARSERS_END,
+                      "## uvicorn's parser and loop under Prefect's API (Prefect)", text)
+    elif args.write_docs:
         write_section(BEGIN, END, "## Recording a job: requests and server CPU (Prefect)", text)
     return 0
 
 
+HEADS = {
+    "old": f"| per job | old (commit {OLD_COMMIT}) | new | new / old |",
+    "full": "| per job | full (the default) | lean (`record_task_run` and `record_artifact` "
+            "off) | lean / full |",
+    "h11": "| per job | h11 and asyncio | httptools and uvloop (installed) | httptools / h11 |",
+}
+"""The first table's head for each comparison (by its first path)."""
+
+
 def report(results: dict[str, list[dict[str, Any]]], idles: list[float],
-           args: argparse.Namespace) -> str:
+           args: argparse.Namespace, a: str, b: str) -> str:
     """Return the docs section."""
     def totals(path: str) -> tuple[float, float, Counter[str]]:
         jobs = sum(item["jobs"] for item in results[path])
@@ -232,31 +277,33 @@ def report(results: dict[str, list[dict[str, Any]]], idles: list[float],
         cpu = sum(item["cpu_s"] for item in results[path])
         return sum(calls.values()) / jobs, 1000 * cpu / jobs, calls
 
-    old_calls, old_cpu, old_by = totals("old")
-    new_calls, new_cpu, new_by = totals("new")
-    jobs = sum(item["jobs"] for item in results["old"])
+    old_calls, old_cpu, old_by = totals(a)
+    new_calls, new_cpu, new_by = totals(b)
+    jobs = sum(item["jobs"] for item in results[a])
     rows = sorted(set(old_by) | set(new_by))
     per_round = "; ".join(
         f"{1000 * o['cpu_s'] / o['jobs']:.1f} / {1000 * n['cpu_s'] / n['jobs']:.1f}"
-        for o, n in zip(results["old"], results["new"], strict=True))
+        for o, n in zip(results[a], results[b], strict=True))
+    servers_text = "two SQLite servers, one per path" if args.parsers else "one SQLite server"
     lines = [
         f"On {machine()}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. "
-        f"`.venv/bin/python bench/bench_record.py --rounds {args.rounds} --jobs {args.jobs}`: "
-        f"one SQLite server; per path {jobs} jobs of planned windows, each recorded as the node "
+        f"`.venv/bin/python bench/bench_record.py --rounds {args.rounds} --jobs {args.jobs}"
+        f"{' --lean' if args.lean else ' --parsers' if args.parsers else ''}`: "
+        f"{servers_text}; per path {jobs} jobs of planned windows, each recorded as the node "
         f"records it live (its start, then its end; {LINES} output lines and 3 node lines), "
         f"the paths alternating in rounds. Server CPU is the server's process group from the "
         f"first request until it has stored what it queued, less its idle CPU for as long "
         f"(measured before each round: {1000 * min(idles):.1f}-{1000 * max(idles):.1f} ms/s).",
         "",
-        "| per job | old (commit " + OLD_COMMIT + ") | new | new / old |",
+        HEADS.get(a, f"| per job | {a} | {b} | {b} / {a} |"),
         "|---|---|---|---|",
         f"| requests to Prefect | {old_calls:.2f} | {new_calls:.2f} | "
         f"{new_calls / old_calls:.2f} |",
         f"| server CPU | {old_cpu:.1f} ms | {new_cpu:.1f} ms | {new_cpu / old_cpu:.2f} |",
         "",
-        f"Server CPU per job in each round, old / new (ms): {per_round}.",
+        f"Server CPU per job in each round, {a} / {b} (ms): {per_round}.",
         "",
-        "| request | old per job | new per job |",
+        f"| request | {a} per job | {b} per job |",
         "|---|---|---|",
     ]
     lines += [f"| `{row}` | {old_by[row] / jobs:g} | {new_by[row] / jobs:g} |" for row in rows]

@@ -129,7 +129,9 @@ class Node:
         self.deployments = Deployments(api, self.node, tags=[AGENT_TAG],
                                        cache_path=settings.deployments_path)
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
-                                 clock=clock, done=self._recorded)
+                                 clock=clock, done=self._recorded,
+                                 task_run=settings.record_task_run,
+                                 artifact=settings.record_artifact)
         self.planner = Planner(api, self.deployments, settings.plan_path,
                                horizon=settings.plan_horizon, min_windows=settings.plan_min_windows,
                                max_runs=settings.plan_max_runs, now=now)

@@ -232,7 +232,7 @@ class Steps:
         """
         sources: list[tuple[str, str, str | None]] = [("log.jsonl", "node", None)]
         task = self.p.get("task_run_id")
-        sources += [(f"a{item.number}.out", f"a{item.number}", task)
+        sources += [(f"a{item.number}.out", f"a{item.number}", task or "")
                     for item in self.view.attempts]
         while True:
             batch: list[dict[str, Any]] = []
@@ -258,9 +258,11 @@ class Steps:
             self.p.pop("inflight", None)
             self._save()
 
-    def _log(self, item: dict[str, Any], task_run: object) -> dict[str, Any]:
+    def _log(self, item: dict[str, Any], task_run: str | None) -> dict[str, Any]:
+        """One log record: a try's output (task_run its id, or "" with no task run) or one
+        of the node's lines (None)."""
         stamp = item.get("t") or utc_text(self.spec.accepted_at)
-        return {"name": "sched.job" if task_run else "sched.node", "level": 20,
+        return {"name": "sched.node" if task_run is None else "sched.job", "level": 20,
                 "message": str(item.get("m", ""))[:100_000], "timestamp": stamp,
                 "flow_run_id": self.run, "task_run_id": task_run or None}
 

@@ -15,7 +15,8 @@ were accepted and writes each into Prefect, step by step:
    (one request), its tries as Prefect shows a task's retries (Running,
    AwaitingRetry, Retrying, ...), and **its output** and the node's lines as the
    run's logs, all new lines of the job in one request, each with the time it
-   was written.
+   was written. With ``record_task_run`` off there is no task run: the output
+   is the flow run's logs (logger ``sched.job``).
 3. At the job's end: the task run's final state, **the artifact** (exit code,
    tries, real start and end), **the final state** (Completed, Failed,
    Cancelled, Crashed; Completed named Skipped for a job that ran nothing),
@@ -24,7 +25,8 @@ were accepted and writes each into Prefect, step by step:
    server keeps one whatever happens), and last the lines not sent yet.
 
 A job recorded live takes 8 requests (3 at its start, 5 at its end), one recorded
-after its end 7 (docs/agent.md, "The record").
+after its end 7 (docs/agent.md, "The record"); with ``record_task_run`` and
+``record_artifact`` off, 5 and 4.
 
 Each step is noted in the job's ``record.json`` when it is done, and as
 ``inflight`` just before it is sent; a step found in flight after a restart is
@@ -74,8 +76,13 @@ class Recorder:
     # worker): each keeps its own collaborators.
     def __init__(self, api: PrefectApi, outbox: Outbox, deployments: Deployments, *,
                  node: str, clock: Callable[[], datetime],
-                 done: Callable[[JobFolder], None] = lambda folder: None) -> None:
+                 done: Callable[[JobFolder], None] = lambda folder: None,
+                 task_run: bool = True, artifact: bool = True) -> None:
         self.api = api
+        self.task_runs = task_run
+        """Whether a job's command is a task run (its tries as the task's states)."""
+        self.artifacts = artifact
+        """Whether a job's end writes its artifact."""
         self.outbox = outbox
         self.deployments = deployments
         self.node = node
@@ -228,12 +235,13 @@ class Recorder:
             steps.running()  # finds or creates the run as it goes Running
         else:
             steps.run_id()  # a job that ran nothing: its run, for its final state
-        if view.attempts:
+        if view.attempts and self.task_runs:
             steps.task_run()
         if view.phase != "ended":
             steps.logs()
             return False
-        steps.artifact()
+        if self.artifacts or view.spec.kind == KIND_RECONCILE:
+            steps.artifact()
         steps.final()
         steps.event()
         steps.logs()  # every line not sent yet, the ones written at the end too

@@ -367,6 +367,16 @@ class AgentSettings(BaseSettings):
         description="the longest the node stays silent to its controller (its long poll, or a "
         "report); 10 s to 1 h. The controller calls a node silent after a few of "
         "these")
+    record_task_run: bool = Field(
+        True,
+        description="record each job's command as a task run whose states are its tries "
+        "(Running, AwaitingRetry, Retrying); `false`: the tries are in the artifact and "
+        "the output in the run's logs, 2 requests a job fewer (a large fleet: "
+        "docs/scaled.md)")
+    record_artifact: bool = Field(
+        True,
+        description="record each job's artifact (its tries' times and exit codes); `false`: "
+        "one request a job fewer, the tries only in the run's logs and task run")
     outbox_max_bytes: int = Field(
         512 << 20, ge=1 << 20,
         description="past this size the outbox cuts the oldest unsent output to its last 100 "

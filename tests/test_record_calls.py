@@ -383,3 +383,53 @@ def test_a_job_that_ended_before_its_first_record_takes_seven_requests(
     _task, states = _task_run(counted.api, planned, 2)
     assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
     assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+
+
+@pytest.mark.parametrize(("task_run", "artifact"), [(False, True), (True, False), (False, False)])
+def test_a_leaner_record_leaves_out_the_task_run_or_the_artifact_and_nothing_else(
+    tmp_path: Path, counted: Counted, prefect: Prefect, task_run: bool, artifact: bool,
+) -> None:
+    # record_task_run / record_artifact off (a large fleet): those requests go, the run, its
+    # states, every line and the event stay.
+    node = f"lean-{uuid.uuid4().hex[:6]}"
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    recorder = Recorder(counted.api, outbox, Deployments(counted.api, node, tags=["sched-agent"]),
+                        node=node, clock=lambda: datetime.now(UTC), task_run=task_run,
+                        artifact=artifact)
+    job = Job(outbox, node, _now())
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    started = job.window + timedelta(seconds=1)
+    ended = started + timedelta(seconds=20)
+    job.start(1, started, ["one", "two"])
+    counted.take()
+    assert recorder.drain() is True
+    left_out = set()
+    if not task_run:
+        left_out |= {("POST", "/task_runs/"), ("POST", "/task_runs/{id}/set_state")}
+    if not artifact:
+        left_out.add(("POST", "/artifacts/"))
+    assert counted.take() == [call for call in START_CALLS if call not in left_out]
+    job.exit(1, ended, 0)
+    job.end(ended, COMPLETED, "tar exited 0")
+    job.folder.log(ended, "exit line written at the end")
+    assert recorder.drain() is False
+    assert counted.take() == [call for call in END_CALLS if call not in left_out]
+    assert recorder.drain() is False and counted.take() == []
+
+    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    tasks = counted.api.call("POST", "/task_runs/filter", json={
+        "flow_runs": {"id": {"any_": [planned]}}}).json()
+    assert len(tasks) == (1 if task_run else 0)
+    logs = counted.api.filter_logs({"logs": {"flow_run_id": {"any_": [planned]}},
+                                    "sort": "TIMESTAMP_ASC"})
+    output = [(item["name"], item["message"], item["task_run_id"]) for item in logs
+              if item["name"] == "sched.job"]
+    task_id = tasks[0]["id"] if task_run else None
+    assert output == [("sched.job", "one", task_id), ("sched.job", "two", task_id)]
+    assert [item["message"] for item in logs if item["name"] == "sched.node"] == [
+        f"job backup of schedule s-1, window {job.window.isoformat()}",
+        "exit line written at the end"]
+    artifacts = counted.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [planned]}}})
+    assert len(artifacts) == (1 if artifact else 0)
+    (event,) = prefect.events("sched.job.completed", node)
+    assert event["payload"]["flow_run_id"] == planned
