@@ -18,7 +18,8 @@ Rules:
    :data:`DEBOUNCE_S`, so a burst is one report), after a reconcile, and at
    least every ``heartbeat`` (the interval it announces; the controller calls a
    node silent after a few of them). A report that fails is sent again later
-   (:data:`RETRY_S`); it never holds up a job.
+   (:data:`RETRY_S`); it never holds up a job. The first report of a start waits
+   for the start's reconcile (at most :data:`FIRST_WAIT_S`): one report, not two.
 """
 
 from __future__ import annotations
