@@ -433,3 +433,26 @@ def test_a_leaner_record_leaves_out_the_task_run_or_the_artifact_and_nothing_els
     assert len(artifacts) == (1 if artifact else 0)
     (event,) = prefect.events("sched.job.completed", node)
     assert event["payload"]["flow_run_id"] == planned
+
+
+def test_a_job_not_started_yet_sends_nothing_and_its_start_takes_the_planned_path(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    # The recorder is woken at a job's accept, before its first try starts (a slot, a lock,
+    # the keeper's spawn). It used to find the run then (a create answered with the key's
+    # run), and the start went Running by id: 9 requests a job instead of 7.
+    _node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "queued")
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    counted.take()
+    assert recorder.drain() is True, "the job is still open"
+    assert counted.take() == [], "nothing is sent for a job that has not started"
+    assert job.progress().get("flow_run_id") is None
+    started = job.window + timedelta(seconds=3)
+    job.start(1, started, ["one"])
+    assert recorder.drain() is True
+    assert counted.take() == START_CALLS
+    assert job.progress()["flow_run_id"] == planned
+    job.exit(1, started + timedelta(seconds=5), 0)
+    job.end(started + timedelta(seconds=5), COMPLETED, "tar exited 0")
+    assert recorder.drain() is False
+    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
