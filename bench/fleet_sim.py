@@ -201,9 +201,12 @@ def fleet_rows(now: datetime) -> list[dict[str, Any]]:
     return rows
 
 
-def record(work: Path, *, idle_s: float = 130, jobs: int = 2) -> dict[str, Any]:
+def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
+           node_config: str = "") -> dict[str, Any]:
     """Run one real node through start-up, idle reconciles, a restart, a schedule change and
-    jobs, with Prefect and the controller behind logging proxies; return the log and phases."""
+    jobs, with Prefect and the controller behind logging proxies; return the log and phases.
+
+    node_config: TOML lines added to the node's configuration (``--node-config``)."""
     proc, url = start_server(work / "rec-prefect")
     name = f"rec{uuid.uuid4().hex[:8]}"
     controller = Controller(work / "rec-ctl", url, [name])
@@ -215,7 +218,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2) -> dict[str, Any]:
         for row in fleet_rows(datetime.now(UTC)):
             controller.put(name, row)
         pull = f"{cp.base}/api/schedules?node={name}"
-        extra = f'token = "{controller.tokens[name]}"\n'
+        extra = f'token = "{controller.tokens[name]}"\n' + node_config
         config = _config(work / "rec-node", name, pull,
                          extra=extra + "reconcile_interval = 60\n")
         t = time.time()
@@ -254,7 +257,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2) -> dict[str, Any]:
         stop_group(proc)
     calls = sorted(pp.calls + cp.calls, key=lambda c: c.t)
     return {"node": name, "phases": phases, "calls": [asdict(c) for c in calls],
-            "heartbeat_s": 60, "reconcile_s": 60}
+            "heartbeat_s": 60, "reconcile_s": 60, "node_config": node_config}
 
 
 # -- templates: the recorded calls, with what varies marked -----------------------------
@@ -1565,6 +1568,10 @@ def main() -> int:
                         "nodes come back on their own, so make it large enough that the "
                         "spread, not the gate, sets when they are back")
     parser.add_argument("--recording", type=Path, help="use this recording (development)")
+    parser.add_argument("--node-config", action="append", default=[], metavar="TOML",
+                        help="a line added to the recorded node's configuration, e.g. "
+                        "'record_task_run = false' (repeatable; the simulated nodes replay "
+                        "what that node sent)")
     parser.add_argument("--record-only", type=Path)
     parser.add_argument("--save-recording", type=Path)
     parser.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md")
@@ -1587,7 +1594,7 @@ def main() -> int:
         found = json.loads(args.recording.read_text())
     else:
         print("recording a real node ...", flush=True)
-        found = record(work)
+        found = record(work, node_config="".join(line + "\n" for line in args.node_config))
     if args.record_only:
         args.record_only.write_text(json.dumps(found, indent=1, default=str))
         return 0
