@@ -43,3 +43,19 @@ def test_the_balancer_may_be_several_processes_on_the_same_ports(tmp_path: Path)
     # A layout made before the setting: one process.
     del layout.state["config"]["lb_processes"]
     assert layout.lb_names() == ["haproxy"]
+
+
+def test_a_busy_server_is_not_taken_out_but_a_dead_one_is(tmp_path: Path) -> None:
+    # Each backend's health check waits CHECK_TIMEOUT_S for its answer (a busy API process
+    # answered /api/health in over 2 s at a 10,000-node peak, both were marked down and
+    # HAProxy answered 503 itself); a refused connection still fails a check at once.
+    layout = scaled.Layout(tmp_path)
+    layout.create(scaled.config_from_env({}))
+    text = scaled.haproxy_conf(layout).read_text()
+    backends = text.split("\nbackend ")[1:]
+    assert [b.split()[0] for b in backends] == ["prefect_api", "controller_api"]
+    for backend in backends:
+        lines = [line.strip() for line in backend.split("\nfrontend ")[0].splitlines()]
+        assert f"timeout check {scaled.CHECK_TIMEOUT_S}s" in lines
+        assert "default-server inter 2s fall 2 rise 2" in lines
+    assert scaled.CHECK_TIMEOUT_S >= 10
