@@ -1502,8 +1502,10 @@ def report(found: dict[str, Any]) -> str:
                 r["wave"]["parts_cores"].items()))
             idle_parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
                 r["idle"]["parts_cores"].items()))
+            config = "; ".join(item.get("args", {}).get("node_config") or [])
+            config = f" The recorded node's configuration added `{config}`." if config else ""
             lines.append(
-                f"- **{layout}, {int(size):,} nodes.** Start: {st['seconds']:.0f} s, "
+                f"- **{layout}, {int(size):,} nodes.**{config} Start: {st['seconds']:.0f} s, "
                 f"{st['center_cpu_s']:.0f} s of center CPU, {st['requests']:,} requests, "
                 f"{st['http_5xx']:,} answered 5xx (each asked again); "
                 f"{st.get('full_starts', int(size)):,} made a first start's calls (30 planned "
@@ -1568,6 +1570,9 @@ def main() -> int:
                         "nodes come back on their own, so make it large enough that the "
                         "spread, not the gate, sets when they are back")
     parser.add_argument("--recording", type=Path, help="use this recording (development)")
+    parser.add_argument("--label", default="",
+                        help="the run's name in the results and the table (default: the "
+                        "layout's), e.g. 'scaled, lean record' beside 'scaled'")
     parser.add_argument("--node-config", action="append", default=[], metavar="TOML",
                         help="a line added to the recorded node's configuration, e.g. "
                         "'record_task_run = false' (repeatable; the simulated nodes replay "
@@ -1617,11 +1622,11 @@ def main() -> int:
         """This run's sizes into the layout's entry: a size measured again is replaced, the
         layout's other sizes are kept (each with the time it was measured)."""
         existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-        old = existing.get(args.layout, {})
+        old = existing.get(args.label or args.layout, {})
         sizes = {size: {"measured": old.get("measured", ""), **r}
                  for size, r in old.get("sizes", {}).items() if size not in results["sizes"]}
         sizes.update(results["sizes"])
-        existing[args.layout] = {**results, "sizes": dict(sorted(
+        existing[args.label or args.layout] = {**results, "sizes": dict(sorted(
             sizes.items(), key=lambda kv: int(kv[0]))),
             "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "load_at_end": os.getloadavg()}
         args.out.write_text(json.dumps(existing, indent=1, default=str) + "\n")
