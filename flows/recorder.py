@@ -241,8 +241,8 @@ class Recorder:
             return False
         else:
             steps.run_id()  # a job that ran nothing: its run, for its final state
-        if view.attempts and self.task_runs:
-            steps.task_run()
+        if view.attempts and (self.task_runs or progress.get("task_run_id")):
+            steps.task_run()  # one begun before record_task_run was turned off is ended
         if view.phase != "ended":
             steps.logs()
             return False

@@ -456,3 +456,22 @@ def test_a_job_not_started_yet_sends_nothing_and_its_start_takes_the_planned_pat
     job.end(started + timedelta(seconds=5), COMPLETED, "tar exited 0")
     assert recorder.drain() is False
     assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+
+
+def test_a_task_run_begun_before_the_setting_was_turned_off_is_still_ended(
+    tmp_path: Path, counted: Counted, prefect: Prefect,
+) -> None:
+    # The node restarted with record_task_run off while a job ran: its task run, created at
+    # the start, still gets its final state (it would stay Running for good).
+    node, outbox, recorder, job = _recorder_and_job(tmp_path, counted, "turned")
+    planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
+    started = job.window + timedelta(seconds=1)
+    job.start(1, started, ["one"])
+    assert recorder.drain() is True
+    lean = Recorder(counted.api, outbox, recorder.deployments, node=node,
+                    clock=lambda: datetime.now(UTC), task_run=False, artifact=False)
+    job.exit(1, started + timedelta(seconds=4), 0)
+    job.end(started + timedelta(seconds=4), COMPLETED, "tar exited 0")
+    assert lean.drain() is False
+    _task, states = _task_run(counted.api, planned, 2)
+    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
