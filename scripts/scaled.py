@@ -564,7 +564,7 @@ def _balanced(name: str, bind: str, maxconn: object, health: str,
 
     ``hold_s``: how long an answer may take (the defaults' 120 s otherwise). A health check
     may take :data:`CHECK_TIMEOUT_S` to be answered: a dead process (connection refused)
-    is still out after two checks (~4 s), but a busy one is not taken out. With the check's
+    is still out after two checks (~4 s), but one busy for less is not taken out. With the check's
     own 2 s, both API processes of a 10,000-node fleet's peak were marked down in turn and
     HAProxy answered 503 itself (``<NOSRV>``), ~1,600 in 3 minutes.
     """
