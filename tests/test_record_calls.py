@@ -155,17 +155,21 @@ def _at(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def _recorder(api: PrefectApi, outbox: Outbox, node: str) -> Recorder:
+def _recorder(api: PrefectApi, outbox: Outbox, node: str, *, task_run: bool = True,
+              artifact: bool = True) -> Recorder:
+    """The node's recorder (task_run and artifact: its record_task_run and record_artifact)."""
     return Recorder(api, outbox, Deployments(api, node, tags=["sched-agent"]), node=node,
-                    clock=lambda: datetime.now(UTC))
+                    clock=lambda: datetime.now(UTC), task_run=task_run, artifact=artifact)
 
 
-def _recorder_and_job(tmp_path: Path, counted: Counted, prefix: str,
-                      retries: int = 0) -> tuple[str, Outbox, Recorder, Job]:
+def _recorder_and_job(tmp_path: Path, counted: Counted, prefix: str, retries: int = 0, *,
+                      task_run: bool = True,
+                      artifact: bool = True) -> tuple[str, Outbox, Recorder, Job]:
     """A new node named after prefix: its name, outbox, recorder, and a job at a window now."""
     node = f"{prefix}-{uuid.uuid4().hex[:6]}"
     outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    return (node, outbox, _recorder(counted.api, outbox, node),
+    return (node, outbox,
+            _recorder(counted.api, outbox, node, task_run=task_run, artifact=artifact),
             Job(outbox, node, _now(), retries=retries))
 
 
@@ -391,12 +395,8 @@ def test_a_leaner_record_leaves_out_the_task_run_or_the_artifact_and_nothing_els
 ) -> None:
     # record_task_run / record_artifact off (a large fleet): those requests go, the run, its
     # states, every line and the event stay.
-    node = f"lean-{uuid.uuid4().hex[:6]}"
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    recorder = Recorder(counted.api, outbox, Deployments(counted.api, node, tags=["sched-agent"]),
-                        node=node, clock=lambda: datetime.now(UTC), task_run=task_run,
-                        artifact=artifact)
-    job = Job(outbox, node, _now())
+    node, _outbox, recorder, job = _recorder_and_job(tmp_path, counted, "lean",
+                                                     task_run=task_run, artifact=artifact)
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     started = job.window + timedelta(seconds=1)
     ended = started + timedelta(seconds=20)
@@ -468,8 +468,7 @@ def test_a_task_run_begun_before_the_setting_was_turned_off_is_still_ended(
     started = job.window + timedelta(seconds=1)
     job.start(1, started, ["one"])
     assert recorder.drain() is True
-    lean = Recorder(counted.api, outbox, recorder.deployments, node=node,
-                    clock=lambda: datetime.now(UTC), task_run=False, artifact=False)
+    lean = _recorder(counted.api, outbox, node, task_run=False, artifact=False)
     job.exit(1, started + timedelta(seconds=4), 0)
     job.end(started + timedelta(seconds=4), COMPLETED, "tar exited 0")
     assert lean.drain() is False
