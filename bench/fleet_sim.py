@@ -201,6 +201,11 @@ def fleet_rows(now: datetime) -> list[dict[str, Any]]:
     return rows
 
 
+RECORD_RECONCILE_S = 90
+"""The recorded node's reconcile interval: its first periodic reconcile comes in the second
+half of it (flows.reconcile), after the start's 40 s, and one or two fall in the idle phase."""
+
+
 def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
            node_config: str = "") -> dict[str, Any]:
     """Run one real node through start-up, idle reconciles, a restart, a schedule change and
@@ -220,7 +225,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
         pull = f"{cp.base}/api/schedules?node={name}"
         extra = f'token = "{controller.tokens[name]}"\n' + node_config
         config = _config(work / "rec-node", name, pull,
-                         extra=extra + "reconcile_interval = 60\n")
+                         extra=extra + f"reconcile_interval = {RECORD_RECONCILE_S}\n")
         t = time.time()
         node = _spawn_node(config, f"{pp.base}/api", work / "rec-node.log")
         time.sleep(40)
@@ -257,7 +262,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
         stop_group(proc)
     calls = sorted(pp.calls + cp.calls, key=lambda c: c.t)
     return {"node": name, "phases": phases, "calls": [asdict(c) for c in calls],
-            "heartbeat_s": 60, "reconcile_s": 60, "node_config": node_config}
+            "heartbeat_s": 60, "reconcile_s": RECORD_RECONCILE_S, "node_config": node_config}
 
 
 # -- templates: the recorded calls, with what varies marked -----------------------------
@@ -887,11 +892,12 @@ class Fleet:
 
         await asyncio.gather(*(one(node) for node in self.nodes if node.name in by_node))
 
-    def wave_jobs(self, begin: datetime, minutes: float) -> list[Job]:
-        """Each node's windows in [begin, begin + minutes) at the wave's rate (one schedule
-        fires once a minute at most)."""
+    def wave_jobs(self, begin: datetime, minutes: float, rate: float | None = None
+                  ) -> list[Job]:
+        """Each node's windows in [begin, begin + minutes) at rate jobs per node-hour (the
+        wave's by default; one schedule fires once a minute at most)."""
         jobs = []
-        per_node = self.wave_rate * minutes / 60
+        per_node = (self.wave_rate if rate is None else rate) * minutes / 60
         for node in self.nodes:
             count = int(per_node) + (1 if random.random() < per_node - int(per_node) else 0)
             used: set[tuple[str, int]] = set()
@@ -1352,7 +1358,7 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
     """Every node gone, then back within a minute; the center's CPU per 30 s until idle."""
     before_jobs = len([j for j in sim.jobs if j.recorded_at is not None])
     begin = (datetime.now(UTC) + timedelta(seconds=90)).replace(second=0, microsecond=0)
-    jobs = sim.wave_jobs(begin, 2)
+    jobs = sim.wave_jobs(begin, 2, args.restart_jobs_per_node_hour)
     await sim.preplan(jobs, args.start_concurrency)  # the nodes' plans held them before
     nodes = {node.name: node for node in sim.nodes}
     await sim.stop_all()
@@ -1366,11 +1372,12 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
     for _ in range(int(args.restart_minutes * 2)):
         sample = await measure(sim, layout.parts, 30, "restart")
         samples.append({"t_s": time.time() - gone, "cores": sample["center_cores"],
-                        "http_5xx": sample["http_5xx"],
+                        "parts": sample["parts_cores"], "http_5xx": sample["http_5xx"],
                         "prefect_p99_ms": sample["latency"]["prefect"]["p99_ms"]})
         print(f"  restart +{samples[-1]['t_s']:.0f} s: {sample['center_cores']:.2f} cores",
               flush=True)
     back_s = await back if back.done() else float("nan")
+    back_at = 20 + back_s  # after the stop: the nodes were gone 20 s
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         await asyncio.sleep(1)
@@ -1381,7 +1388,11 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
     idle_again = next((s["t_s"] for s in samples if s["cores"] <= max(idle_cores * 1.25,
                                                                       idle_cores + 0.05)), None)
     return {"samples": samples, "back_in_s": back_s, "idle_cores": idle_cores,
-            "idle_again_after_s": idle_again, "jobs": len(jobs),
+            "idle_again_after_s": idle_again,
+            "idle_again_after_back_s": None if idle_again is None or back_at != back_at
+            else idle_again - back_at,
+            "jobs_per_node_hour": args.restart_jobs_per_node_hour or sim.wave_rate,
+            "jobs": len(jobs),
             "completed_in_prefect": recorded, "recorded_before": before_jobs, **where}
 
 
@@ -1532,6 +1543,10 @@ def report(found: dict[str, Any]) -> str:
                     f"{rs['idle_cores']:.3f}); back at idle after "
                     + (f"{rs['idle_again_after_s']:.0f} s" if rs["idle_again_after_s"]
                        else "more than the minutes measured")
+                    + (f" ({rs['idle_again_after_back_s']:.0f} s after the last node was back)"
+                       if rs.get("idle_again_after_back_s") is not None else "")
+                    + (f"; windows at {rs['jobs_per_node_hour']:g} a node-hour"
+                       if "jobs_per_node_hour" in rs else "")
                     + f"; windows in the restart's two minutes recorded: "
                     f"{rs['completed_in_prefect']} of {rs['jobs']}"
                     + (f" (counted 2 minutes after the last sample; the simulated nodes' own "
@@ -1565,6 +1580,9 @@ def main() -> int:
     parser.add_argument("--restart", action="store_true")
     parser.add_argument("--restart-spread-s", type=float, default=60)
     parser.add_argument("--restart-minutes", type=float, default=3)
+    parser.add_argument("--restart-jobs-per-node-hour", type=float, default=None,
+                        help="the rate of the windows run through the restart (default: the "
+                        "wave's); each must be recorded")
     parser.add_argument("--restart-concurrency", type=int, default=0,
                         help="nodes restarting at once (default: --start-concurrency); real "
                         "nodes come back on their own, so make it large enough that the "

@@ -18,7 +18,9 @@ Rules:
 3. A ``prefect`` poke bumps the node's counter; a wait's answer carries it as
    ``<process epoch>:<count>``, so a node that moves to another instance sees a
    new value and looks once, and a node never misses a poke made while it was
-   between two waits.
+   between two waits. A node's first wait after its start (no counter yet) is
+   answered at once when the count is not 0, so a node back from a restart looks
+   for the runs made while it was away, and is held when there were none.
 4. The waits live in this process's event loop; pokes come from any thread.
 5. A wait reads its node's ETag when it starts and when it answers, and the
    waits of all nodes read theirs together (:class:`EtagReads`): the reads
@@ -45,7 +47,8 @@ from sched_core.reconnect import Follower, Reconnecting
 
 log = logging.getLogger(__name__)
 
-NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
+NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
+                 "trigger:reconcile")
 """Tags of the runs a node makes itself (rule 2): their events wake nobody."""
 NODE_FLOWS = frozenset({"run-job", "reconcile"})
 
@@ -83,6 +86,11 @@ class NodeWaits:
         """Return the node's Prefect counter as a wait's answer gives it (rule 3)."""
         with self._lock:
             return f"{self.epoch}:{self._seq[node]}"
+
+    def poked(self, node: str) -> bool:
+        """Return whether this process poked node for Prefect since it started (rule 3)."""
+        with self._lock:
+            return self._seq.get(node, 0) > 0
 
     def poke(self, node: str, kind: str) -> None:
         """Wake node's waits; kind ``prefect`` also bumps its counter (any thread)."""

@@ -42,6 +42,12 @@ class NodeChannel:
         self._control_wake = threading.Event()
         self._stopping = threading.Event()
 
+    def takes_start_check(self) -> bool:
+        """Return whether the controller's long poll decides the start's control check
+        (:class:`flows.control.ControllerWait`): the node pulls from a controller and
+        listens; else the start's reconcile checks."""
+        return bool(self.n.settings.listen and controller_url(self.n.settings, "wait"))
+
     def covered(self) -> bool:
         """Return whether the controller's long poll is open (it is the node's heartbeat)."""
         return bool(self.wait and self.wait.connected.is_set())

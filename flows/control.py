@@ -24,6 +24,17 @@ request, for the node's runs that are Scheduled and due, or Cancelling, and
 
 A check also runs at every reconcile, so a wake that was lost costs at most
 ``reconcile_interval``.
+
+**At the node's start** (a restart asks Prefect nothing when nothing changed,
+:mod:`flows.reconcile`), the controller's wait decides whether the node looks: the
+node's first wait carries no ``seen``, and the controller answers it at once when it has
+poked the node since it started (a run made or cancelled while the node was away),
+otherwise it holds it as any wait. The node checks when that first answer carries such a
+poke, or says the controller follows no Prefect events, or when the wait fails before any
+answer (the controller is away, or has no wait): so after a restart a run made while the
+node was down is taken at once, unless the controller instance the node reaches was
+itself started after that run was made (then at the first periodic reconcile, within one
+``reconcile_interval``).
 """
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ DUE_AHEAD = timedelta(seconds=10)
 MAX_WAIT_S = 300.0
 """The longest a controller holds a wait (its ``timeout`` query's bound): a node whose
 heartbeat is longer waits this long each time, so its wait stays a long poll."""
-TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-")
+TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
+                "trigger:reconcile")
 """Tags of the runs the node itself made: their events never wake it."""
 
 
@@ -163,6 +175,7 @@ class ControllerWait:
         """True when the controller said it follows Prefect for the node."""
         self.answers = 0
         self.connected = threading.Event()
+        self._start_owed = True
 
     def start(self) -> ControllerWait:
         """Start the thread (once); return self."""
@@ -172,6 +185,12 @@ class ControllerWait:
     def stop(self) -> None:
         """Stop polling (an open poll ends at its timeout; the thread is a daemon)."""
         self._worker.stop(None)
+
+    def _start_check(self) -> None:
+        """Ask for the start's control check once (the module's "At the node's start")."""
+        if self._start_owed:
+            self._start_owed = False
+            self._on_prefect()
 
     def _main(self) -> None:
         seen = told = ""
@@ -190,6 +209,7 @@ class ControllerWait:
                     response = client.get(self.url, params=params, headers=headers)
                 except httpx.HTTPError as exc:
                     self.connected.clear()
+                    self._start_check()
                     log.debug("controller wait failed: %r", exc)
                     self._worker.stopping.wait(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -198,12 +218,14 @@ class ControllerWait:
                     log.info("the controller has no wait endpoint; following Prefect's events "
                              "instead", extra={"url": self.url})
                     self.supported = False
+                    self._start_check()
                     if not self._told:
                         self._told = True
                         self._on_unsupported()
                     return
                 if response.status_code != 200:
                     self.connected.clear()
+                    self._start_check()
                     log.warning("the controller refused the wait (%d): %s",
                                 response.status_code, response.text[:300])
                     self._worker.stopping.wait(backoff)
@@ -224,10 +246,20 @@ class ControllerWait:
                 if told:
                     self._on_schedules()
                 prefect = str(data.get("prefect") or "")
+                if not self.relay or (not seen and pokes(prefect)):
+                    self._start_check()
+                self._start_owed = False
                 if prefect and prefect != seen:
                     if seen:
                         self._on_prefect()
                     seen = prefect
+
+
+def pokes(token: str) -> int:
+    """Return the count of a wait's ``prefect`` token (``<epoch>:<count>``); 1 for a token
+    of another form (an older or other controller: the node looks rather than miss a run)."""
+    _, sep, count = token.rpartition(":")
+    return int(count) if sep and count.isdigit() else 1
 
 
 class PrefectStream(Follower):

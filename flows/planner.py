@@ -17,7 +17,10 @@ idempotency key). Nobody starts them: the node's deployments have no worker.
    list sorts and shows by it.
 3. A record that is lost is rebuilt from the server's Scheduled runs of the
    node's deployment the next time the server answers; a window planned twice
-   is one run (its idempotency key).
+   is one run (its idempotency key). So is the record of a deployment the node
+   registered again (:meth:`Planner.rebase`: deleting a deployment deletes its
+   runs), and a bulk create answered 404 (the deployment is gone) registers it
+   again (:meth:`flows.registration.Deployments.forget`) and plans on the new one.
 """
 
 from __future__ import annotations
@@ -143,8 +146,23 @@ class Planner:
                       if item.start > now]
             missing = [(ref, item) for ref, item in wanted
                        if ref.idempotency_key not in self._entries]
-            for offset in range(0, len(missing), BULK_MAX):
-                self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+            try:
+                for offset in range(0, len(missing), BULK_MAX):
+                    self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+            except PrefectRefused as exc:
+                if exc.status != 404:
+                    raise
+                log.warning("the plan found run-job/%s gone (%s): registering it again",
+                            view.node, exc, extra={"node": view.node})
+                self.deployments.forget()
+                deployment = self.deployments.get()[RUN_JOB]
+                self._entries = {}
+                report.created = []
+                self._rebuild(deployment, view.node, now=now)
+                missing = [(ref, item) for ref, item in wanted
+                           if ref.idempotency_key not in self._entries]
+                for offset in range(0, len(missing), BULK_MAX):
+                    self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
             cutoff = now - KEEP_FOR
             self._entries = {key: item for key, item in self._entries.items()
                              if item.start >= cutoff}
@@ -152,6 +170,13 @@ class Planner:
                 self._save()
             self._loaded = True
         return report
+
+    def rebase(self) -> None:
+        """Forget the record: the node registered its deployment again, so the runs it holds
+        are another deployment's (or gone); the next plan rebuilds it from the server (rule 3)."""
+        with self._lock:
+            self._entries = {}
+            self._loaded = False
 
     @staticmethod
     def _ref(node: str, window: Window) -> JobRef:

@@ -13,11 +13,20 @@ changed: 6 requests and 3 state changes per node restart). A first start records
 when its pull adds rows. Nothing reads these runs but people (the operator's page
 and CLI read the controller's node reports); a restart shows in the node's log. A plan the
 Prefect server could not take is made again every :data:`PLAN_RETRY_S`.
+
+**A restart asks Prefect nothing** when its list, plan and deployments are as before (a
+fleet-wide restart is every node at once): the deployments' kept ids are used unread
+(:mod:`flows.registration`) and read back at the first periodic reconcile; the start's
+control check is the controller's to ask for when its long poll carries Prefect's wakes
+(:class:`flows.control.ControllerWait`), else the node's, at the start. The first periodic
+reconcile comes at a random point of the interval's second half (:data:`FIRST_SPREAD`), so
+nodes started together do not reconcile together.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import uuid
 from datetime import datetime
@@ -37,6 +46,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flows.node")
 
+FIRST_SPREAD = 0.5
+"""The first periodic reconcile comes between (1 - this) and 1 interval after the start."""
 PLAN_RETRY_S = 30.0
 """How soon a plan the Prefect server could not take is tried again."""
 
@@ -80,8 +91,13 @@ class Reconciler:
 
     def _main(self) -> None:
         interval = self.n.settings.reconcile_interval.total_seconds()
+        # The first periodic reconcile comes at a random point of the interval's second half,
+        # so a fleet started together (a fleet-wide restart) does not reconcile together
+        # every interval after.
+        first = interval * (1 - FIRST_SPREAD * random.random())
         while not self._stop.is_set():
-            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending else interval)
+            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending
+                                    else first if self.runs == 1 else interval)
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -121,9 +137,13 @@ class Reconciler:
         view = n.view(now)
         report: PlanReport | None = None
         plan_error: str | None = None
+        start = any(reason == "start" for reason, _ in reasons)
         try:
+            if not start and n.deployments.verify():
+                n.planner.rebase()
             report = n.planner.plan(view, now=now)
-            n.control.check()
+            if not (start and n.channel.takes_start_check()):
+                n.control.check()
             self.plan_pending = bool(report.failed)
         except PrefectUnavailable as exc:
             plan_error = str(exc)
@@ -138,7 +158,7 @@ class Reconciler:
         on_demand = [run_id for _, run_id in reasons if run_id]
         if changed or on_demand or error or (report and (report.deleted or report.moved)):
             self._record(now, result, error, report, plan_error, on_demand, reasons)
-        elif any(reason == "start" for reason, _ in reasons):
+        elif start:
             # A restart that changed nothing records nothing (module text): 6 requests and 3
             # state changes per node, 10,000 of them in a fleet-wide restart, for a run that
             # said "nothing changed". The restart shows in the node's log (this line).
@@ -185,7 +205,7 @@ class Reconciler:
                 window=None, key=key, run_name=f"reconcile-{now.strftime('%Y%m%dT%H%MZ')}",
                 idempotency_key=None if run_id else f"{n.node}:{key}", flow_run_id=run_id,
                 planned_start=None, accepted_at=now, reason=", ".join(r for r, _ in reasons),
-                tags=[AGENT_TAG, f"node:{n.node}"])
+                tags=[AGENT_TAG, f"node:{n.node}", "trigger:reconcile"])
             folder = n.outbox.create(spec)
             (folder.path / "artifact.md").write_text(markdown, encoding="utf-8")
             events = []

@@ -6,18 +6,22 @@ from the UI reaches the node as an ad hoc job or an on-demand reconcile
 (:mod:`flows.control`). The old agent's heartbeat automations, which would crash the runs
 the node records (they send no heartbeats), are deleted when the node registers.
 
-**A restart does not register again** when nothing would change. The ids of the last
-registration are kept in ``<state_dir>/deployments.json`` beside the registration's
+**A restart asks Prefect nothing about them** when nothing would change. The ids of the
+last registration are kept in ``<state_dir>/deployments.json`` beside the registration's
 version (:func:`registration_version`: a hash of everything the registration sends, so a
-new agent whose registration differs, or another node name, changes it). At the next
-start one read of both deployments by id (``POST /deployments/filter``) checks that they
-still answer and still hold what the registration would set (:func:`differences`); then
-the ids are used as they are: 1 request instead of 5 (two flow upserts, two deployment
-upserts, the automations' read). The node registers again, and says why in its log, on a
-first start (no file), when the version differs, when a deployment no longer answers (it
-was deleted, or the server or its database is another one), when the server's copy was
-changed (paused, other tags, another schema) and when a run's creation finds its
-deployment gone (:meth:`Deployments.forget`).
+new agent whose registration differs, or another node name, changes it). A start whose
+version matches uses the kept ids at once, with no request (a fleet-wide restart is
+10,000 of them in a minute); the node's first periodic reconcile then reads both
+deployments by id once (``POST /deployments/filter``, :meth:`Deployments.verify`) to check
+that they still answer and still hold what the registration would set
+(:func:`differences`). The node registers again (two flow upserts, two deployment upserts,
+the automations' read), and says why in its log, on a first start (no file), when the
+version differs, when that read finds a deployment gone (deleted, or the server or its
+database is another one) or changed on the server (paused, other tags, another schema),
+and when a run's creation or the plan finds its deployment gone
+(:meth:`Deployments.forget`). So a deployment deleted or changed while the node was down
+is put back within one ``reconcile_interval`` of its start, or at once when the node
+creates a run on it.
 """
 
 from __future__ import annotations
@@ -115,10 +119,12 @@ class Deployments:
     cache_path: Path | None = None
     """``<state_dir>/deployments.json``; None: register at each process's first use."""
     how: str = ""
-    """How the ids in use were found: ``""`` (not yet), ``"registered"`` or ``"cached"``."""
+    """How the ids in use were found: ``""`` (not yet), ``"registered"``, ``"kept"`` (from
+    ``cache_path``, not read yet) or ``"cached"`` (kept, and read back as registered)."""
     why: str = ""
     """Why the last resolution registered, or why it did not (the log line says it too)."""
     _forced: bool = False
+    _kept_flow_ids: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def get(self) -> dict[str, str]:
@@ -132,20 +138,41 @@ class Deployments:
             version = registration_version(bodies)
             reason = "asked again (a deployment was deleted)" if self._forced else None
             if reason is None:
-                cached, reason = self._cached(bodies, version)
-                if cached is not None:
-                    self.ids, self.how, self.why = cached, "cached", reason
+                kept, reason = self._kept(bodies, version)
+                if kept is not None:
+                    self.ids, self.how, self.why = kept, "kept", reason
                     log.info("the node's deployments %s/%s and %s/%s %s: not registered "
-                             "again", RUN_JOB, self.node, RECONCILE, self.node, reason,
-                             extra={"node": self.node})
+                             "again (read back at the first periodic reconcile)", RUN_JOB,
+                             self.node, RECONCILE, self.node, reason, extra={"node": self.node})
                     return self.ids
             self.ids = self._register(bodies, version, reason)
         return self.ids
 
-    def _cached(self, bodies: dict[str, dict[str, Any]],
-                version: str) -> tuple[dict[str, str] | None, str]:
-        """Return (the cached ids, why) when both still answer as registered, else
-        (None, why the node registers). Raises PrefectUnavailable (tried again later)."""
+    def verify(self) -> bool:
+        """Read kept ids back once (the first periodic reconcile); return whether the node
+        registered again because they no longer answer as registered.
+
+        Does nothing (and sends nothing) unless the ids in use are ``kept``. Raises
+        PrefectUnavailable when the server cannot be reached (tried at the next reconcile).
+        """
+        with self._lock:
+            if self.how != "kept" or self.ids is None:
+                return False
+            bodies = deployment_bodies(self.node, self.tags)
+            wrong = self._read(bodies, self._kept_flow_ids)
+            if wrong is None:
+                self.how = "cached"
+                self.why = f"{self.why}, read back as registered"
+                return False
+            log.warning("the node's kept deployments %s: registering again", wrong,
+                        extra={"node": self.node})
+            self.ids = self._register(bodies, registration_version(bodies), wrong)
+            return True
+
+    def _kept(self, bodies: dict[str, dict[str, Any]],
+              version: str) -> tuple[dict[str, str] | None, str]:
+        """Return (the kept ids, why) when ``cache_path`` holds both of this version, else
+        (None, why the node registers). Sends nothing."""
         if self.cache_path is None:
             return None, "no state folder to keep the ids in"
         data = read_json_file(self.cache_path, now=datetime.now(UTC), max_depth=MAX_DEPTH)
@@ -161,24 +188,31 @@ class Deployments:
         if data.get("version") != version:
             return None, (f"the registration changed (version {data.get('version')} in "
                           f"{self.cache_path.name}, {version} now)")
-        ids = {flow: str(entries[flow]["id"]) for flow in bodies}
+        self._kept_flow_ids = {flow: str(entries[flow]["flow_id"]) for flow in bodies}
+        return ({flow: str(entries[flow]["id"]) for flow in bodies},
+                f"as registered (version {version}, ids kept in {self.cache_path.name})")
+
+    def _read(self, bodies: dict[str, dict[str, Any]], flow_ids: dict[str, str]) -> str | None:
+        """Read the ids in use by id; return None when both answer as registered, else why
+        not. Raises PrefectUnavailable."""
+        assert self.ids is not None
+        ids = self.ids
         try:
             found = self.api.call("POST", "/deployments/filter", json={
                 "deployments": {"id": {"any_": list(ids.values())}},
                 "limit": len(ids)}).json()
         except PrefectRefused as exc:
-            return None, f"the cached ids could not be read ({exc})"
+            return f"could not be read ({exc})"
         by_id = {str(item.get("id")): item for item in found if isinstance(item, dict)}
         for flow, body in bodies.items():
             item = by_id.get(ids[flow])
             if item is None:
-                return None, (f"the cached {flow}/{self.node} ({ids[flow]}) no longer answers "
-                              "(deleted, or another server or database)")
-            changed = differences(body, str(entries[flow]["flow_id"]), item)
+                return (f"{flow}/{self.node} ({ids[flow]}) no longer answers (deleted, or "
+                        "another server or database)")
+            changed = differences(body, flow_ids[flow], item)
             if changed:
-                return None, (f"{flow}/{self.node} was changed on the server "
-                              f"({', '.join(changed)})")
-        return ids, f"answer as registered (version {version}, ids from {self.cache_path.name})"
+                return f"{flow}/{self.node} was changed on the server ({', '.join(changed)})"
+        return None
 
     def _register(self, bodies: dict[str, dict[str, Any]], version: str,
                   reason: str) -> dict[str, str]:

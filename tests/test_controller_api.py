@@ -31,6 +31,7 @@ from sched_core.model import LocalSchedule
 from sched_core.scheduler import Config, Fire, Scheduler
 from sched_core.values import STORED_BEFORE_RULES
 from tests.factories import nightly
+from tests.procs import wait_for
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
 NODE_A_TOKEN = "node-a-secret-token-abcdef"
@@ -1001,6 +1002,10 @@ def test_access_log_has_node_and_status_and_never_a_token(
     client.get("/api/schedules?node=node-a", headers=bearer(NODE_B_TOKEN))
     client.get("/api/schedules?node=node-a", headers=bearer("wrong-token-xyz"))
     put(client, "node-a", row("logged"))
+    # An access line is written once the answer is sent: the client may read it first.
+    wait_for("the PUT's access line", lambda: any(
+        r.getMessage().startswith("PUT ") for r in caplog.records
+        if r.name == "controller.access"), 10)
 
     access = [r for r in caplog.records if r.name == "controller.access"]
     lines = [r.getMessage() for r in access]
@@ -1011,6 +1016,8 @@ def test_access_log_has_node_and_status_and_never_a_token(
     assert any(line.startswith("PUT /api/nodes/node-a/schedules/logged") and
                "principal=admin" in line for line in lines)
     client.get("/api/schedules", params={"node": "x\nGET /forged status=200"}, headers=ADMIN)
+    wait_for("the forged request's access line", lambda: "forged" in [
+        r.getMessage() for r in caplog.records if r.name == "controller.access"][-1], 10)
     forged = [r.getMessage() for r in caplog.records if r.name == "controller.access"][-1]
     assert "\n" not in forged and "node=x\\nGET /forged" in forged
     everything = "\n".join(f"{r.getMessage()} {r.__dict__}" for r in caplog.records)

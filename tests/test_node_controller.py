@@ -132,9 +132,8 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
     prefect = Prefect(prefect_server)
     started = node.start()
     try:
-        channel = started.channel
-        wait_for("the node's wait", lambda: bool(channel.wait and channel.wait.answers
-                                                 and channel.wait.connected.is_set()), 30)
+        # Held by the controller: nothing was made for the node (its own records wake nobody).
+        wait_for("the node's wait", lambda: center.waits.waiting >= 1, 30)
         wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
             "run-job", center.node) is not None, 30)
         deployment = prefect.api.deployment_by_name("run-job", center.node)
@@ -155,6 +154,75 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
         prefect.close()
     assert took < 15, f"the ad hoc run took {took:.1f} s"
     assert done is not None and done["state"]["type"] == "COMPLETED", done["state"]
+
+
+def test_a_first_wait_is_answered_at_once_only_when_the_node_was_poked(
+    center: Center, prefect_server: str,
+) -> None:
+    """A node's first wait (no ``seen``: it just started) is held when the controller has
+    nothing for it, and answered at once once the controller was poked for it since it
+    started (a run made while the node was away)."""
+    _, took = center.wait(timeout=1)
+    assert took >= 0.9, "a first wait with nothing to say was answered at once"
+    api = PrefectApi(ApiSettings(url=prefect_server))
+    try:
+        deployment = api.ensure_deployment(api.ensure_flow("run-job"), center.node)
+        api.create_run(deployment, {"parameters": {"schedule_id": "s-1"},
+                                    "state": state_body("SCHEDULED")})
+        wait_for("the relay's poke", lambda: center.waits.poked(center.node), 30)
+    finally:
+        api.close()
+    answer, took = center.wait(timeout=30)
+    assert took < 5 and answer["prefect"].endswith(":1"), (answer, took)
+
+
+def test_a_restart_asks_prefect_nothing_and_takes_a_run_made_while_it_was_away(
+    tmp_path: Path, center: Center, prefect_server: str,
+) -> None:
+    center.put(row("q-1", every=None, minute="7", hours=["3"]))
+    prefect = Prefect(prefect_server)
+
+    def start() -> tuple[NodeUnderTest, Any, list[str]]:
+        node = NodeUnderTest(tmp_path / "node", prefect_server, name=center.node, rows=[],
+                             settings=f'token = "{center.token}"')
+        node.config.write_text(node.config.read_text().replace(
+            'pull_url = "schedules.json"',
+            f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
+        built = node.build()
+        sent: list[str] = []
+        built.api._client.event_hooks["request"].append(
+            lambda request: sent.append(request.url.path))
+        node.start()
+        wait_for("the start's reconcile", lambda: built.reconciler.finished >= 1, 60)
+        return node, built, sent
+
+    try:
+        node, _, _ = start()  # the first start registers and plans
+        node.stop()
+        node, built, sent = start()
+        time.sleep(3)  # the node's first wait is held: nothing was made for it
+        node.stop()
+        assert sent == [] and built.control.checks == 0, sent
+
+        deployment = prefect.api.deployment_by_name("run-job", center.node)
+        assert deployment is not None
+        run = prefect.api.create_run(deployment["id"], {"parameters": {"schedule_id": "q-1"},
+                                                        "state": state_body("SCHEDULED")})
+        wait_for("the relay's poke", lambda: center.waits.poked(center.node), 30)
+        asked = time.monotonic()
+        node, built, sent = start()
+        try:
+            wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(str(run["id"]))),
+                     30)
+            took = time.monotonic() - asked
+            done = prefect.api.read_run(str(run["id"]))
+        finally:
+            node.stop()
+    finally:
+        prefect.close()
+    assert took < 15, f"the run made while the node was away took {took:.1f} s"
+    assert done is not None and done["state"]["type"] == "COMPLETED", done["state"]
+    assert built.control.checks >= 1
 
 
 def test_a_node_told_of_a_change_waits_again_on_the_new_version_not_its_old_one(

@@ -2,10 +2,11 @@
 something did (tests/nodekit.py's node, in this process, started twice on one folder).
 
 The restart neither registers its deployments again (two flow upserts, two deployment
-upserts, the automations' read) nor records a ``reconcile`` run when its deployments still
-answer as registered and its list and plan are as before; it registers again when a
-deployment was deleted, when the registration changed (a new agent) and when the server's
-copy was changed. Every request the node sends is seen through its own HTTP client.
+upserts, the automations' read), nor reads them, nor records a ``reconcile`` run when its
+list and plan are as before; its first periodic reconcile reads them back once. It registers
+again when the registration changed (a new agent, at the start), and when that read finds a
+deployment deleted or changed on the server, or its plan finds the deployment gone. Every
+request the node sends is seen through its own HTTP client.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def _rows() -> list[dict[str, Any]]:
     return [row("r-1", every=None, minute="0", hours=["3"])]
 
 
-def _start_once(folder: Path, url: str, name: str) -> tuple[NodeUnderTest, list[tuple[str, str]]]:
-    """Start a node on folder until its start's reconcile ended, stop it (its recorder drains);
-    return it and the (method, path) of every request it sent to Prefect."""
+def _start_once(folder: Path, url: str, name: str, *, periodic: int = 0,
+                ) -> tuple[NodeUnderTest, list[tuple[str, str]]]:
+    """Start a node on folder until its start's reconcile ended, then run that many periodic
+    reconciles, stop it (its recorder drains); return it and the (method, path) of every
+    request it sent to Prefect, with a ``("--", "periodic")`` before each periodic one."""
     node = NodeUnderTest(folder, url, name=name, rows=_rows())
     built = node.build()
     sent: list[tuple[str, str]] = []
@@ -53,9 +56,23 @@ def _start_once(folder: Path, url: str, name: str) -> tuple[NodeUnderTest, list[
     node.start()
     try:
         wait_for("the start's reconcile", lambda: built.reconciler.finished >= 1, 60)
+        for _ in range(periodic):
+            sent.append(("--", "periodic"))
+            built.reconciler.reconcile([("interval", None)])
     finally:
         node.stop()
     return node, sent
+
+
+def _split(sent: list[tuple[str, str]]) -> list[list[str]]:
+    """Return the paths sent at the start, then at each periodic reconcile."""
+    parts: list[list[str]] = [[]]
+    for _, path in sent:
+        if path == "periodic":
+            parts.append([])
+        else:
+            parts[-1].append(path)
+    return parts
 
 
 def _reconcile_runs(prefect: Prefect, name: str) -> list[dict[str, Any]]:
@@ -78,16 +95,22 @@ def test_a_restart_with_nothing_changed_registers_nothing_and_records_no_reconci
     assert len(_reconcile_runs(prefect, name)) == 1, "the first start's pull added a row"
     before = _deployments(prefect, name)
 
-    again, sent = _start_once(tmp_path, prefect_server, name)
+    again, sent = _start_once(tmp_path, prefect_server, name, periodic=2)
     assert not UPSERTS & set(sent), f"the restart registered again: {sent}"
     assert not [path for _, path in sent if "automations" in path or "create_flow_run" in path]
-    assert [path for _, path in sent].count("/api/deployments/filter") == 1, sent
+    at_start, periodic, later = _split(sent)
+    # The node pulls a file (no controller to carry Prefect's wakes): its start checks for
+    # ad hoc runs itself, and that is all it asks Prefect.
+    assert at_start == ["/api/flow_runs/filter"], at_start
+    assert periodic.count("/api/deployments/filter") == 1, periodic
     after = _deployments(prefect, name)
     assert {f: d["updated"] for f, d in after.items()} == {
         f: d["updated"] for f, d in before.items()}, "a deployment was written again"
     assert len(_reconcile_runs(prefect, name)) == 1, "the restart changed nothing"
-    assert again.build().deployments.ids == {f: d["id"] for f, d in before.items()}
-    assert again.build().deployments.how == "cached"
+    deployments = again.build().deployments
+    assert deployments.ids == {f: d["id"] for f, d in before.items()}
+    assert deployments.how == "cached" and "read back as registered" in deployments.why
+    assert "/api/deployments/filter" not in later, "read back twice"
 
 
 def test_a_restart_registers_again_when_its_deployment_was_deleted(
@@ -98,8 +121,11 @@ def test_a_restart_registers_again_when_its_deployment_was_deleted(
     old = _deployments(prefect, name)
     prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
 
-    again, sent = _start_once(tmp_path, prefect_server, name)
-    assert UPSERTS <= set(sent), "the restart did not register the deleted deployment"
+    again, sent = _start_once(tmp_path, prefect_server, name, periodic=1)
+    at_start, periodic = _split(sent)
+    assert not UPSERTS & set(at_start), "the start asked Prefect about its deployments"
+    assert {path for _, path in UPSERTS} <= set(periodic), (
+        "the first periodic reconcile did not register the deleted deployment")
     deployments = again.build().deployments
     assert deployments.how == "registered" and "no longer answers" in deployments.why
     now = _deployments(prefect, name)
@@ -108,8 +134,32 @@ def test_a_restart_registers_again_when_its_deployment_was_deleted(
     kept = json.loads((again.state / "deployments.json").read_text())
     assert kept["deployments"][RUN_JOB]["id"] == now[RUN_JOB]["id"]
 
-    _, sent = _start_once(tmp_path, prefect_server, name)  # the new ids are kept
+    # Its runs went with it: the plan is made again on the new deployment.
+    planned = [run for run in prefect.node_runs(name)
+               if run["state_type"] == "SCHEDULED" and run["deployment_id"] == now[RUN_JOB]["id"]]
+    assert planned, "no planned run on the registered deployment"
+
+    _, sent = _start_once(tmp_path, prefect_server, name, periodic=1)  # the new ids kept
     assert not UPSERTS & set(sent), sent
+
+
+def test_a_plan_that_finds_its_deployment_gone_registers_it_again(
+    tmp_path: Path, prefect_server: str, prefect: Prefect,
+) -> None:
+    name = f"gone-{uuid.uuid4().hex[:6]}"
+    _start_once(tmp_path, prefect_server, name)
+    old = _deployments(prefect, name)
+    prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
+    (tmp_path / "state" / "plan.json").unlink()  # the plan is made again at the start
+
+    again, sent = _start_once(tmp_path, prefect_server, name)
+    assert UPSERTS <= set(sent), "the plan did not register the deleted deployment"
+    assert "a deployment was deleted" in again.build().deployments.why
+    now = _deployments(prefect, name)
+    assert now[RUN_JOB]["id"] != old[RUN_JOB]["id"]
+    planned = [run for run in prefect.node_runs(name)
+               if run["state_type"] == "SCHEDULED" and run["deployment_id"] == now[RUN_JOB]["id"]]
+    assert planned, "no planned run on the registered deployment"
 
 
 def test_a_restart_registers_again_when_the_registration_changed(
@@ -138,8 +188,9 @@ def test_a_restart_registers_again_when_the_servers_copy_was_changed(
     prefect.api.call("PATCH", f"/deployments/{old[RECONCILE]['id']}", json={"paused": True})
     assert _deployments(prefect, name)[RECONCILE]["paused"] is True
 
-    again, sent = _start_once(tmp_path, prefect_server, name)
-    assert UPSERTS <= set(sent), "the restart kept a deployment paused on the server"
+    again, sent = _start_once(tmp_path, prefect_server, name, periodic=1)
+    assert {path for _, path in UPSERTS} <= set(_split(sent)[1]), (
+        "the node kept a deployment paused on the server")
     assert "changed on the server (paused)" in again.build().deployments.why
     assert _deployments(prefect, name)[RECONCILE]["paused"] is False
 
