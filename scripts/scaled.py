@@ -14,7 +14,8 @@ scaled-down``; docs/scaled.md says what each part is for and what to size).
 - ``status`` prints each part (running or not, its address, pid and log); exit 1 unless all run.
 - ``clean`` is ``down``, then deletes DIR.
 
-Ports are chosen once, at the first ``up``, from ``SCALED_PORT_BASE`` (default 47200) or the
+Ports are chosen once, at the first ``up``, from ``SCALED_PORT_BASE`` (default 27200: below
+Linux's ephemeral range, 32768-60999, where a client's connection may hold a port) or the
 per-part variables below, and kept in DIR/layout.json; a later ``up`` with a different value
 is refused (``clean`` first). Sizes likewise (``SCALED_DB_POOL_SIZE`` ...). Only the standard
 library and what the project's venv has (Prefect, prefect-redis, redis-py) are used here; the
@@ -260,7 +261,7 @@ def _port_list(name: str, text: str, count: int) -> list[int]:
 def config_from_env(env: dict[str, str]) -> dict[str, Any]:
     """Return the layout's settings and ports as the environment gives them (checked)."""
     values = {name: env.get(name, default) for name, (default, _) in SETTINGS.items()}
-    base = _port(PORT_BASE_ENV, env.get(PORT_BASE_ENV, "47200"))
+    base = _port(PORT_BASE_ENV, env.get(PORT_BASE_ENV, "27200"))
     apis = _int("SCALED_API_COUNT", values["SCALED_API_COUNT"], 1)
     controllers = _int("SCALED_CONTROLLER_COUNT", values["SCALED_CONTROLLER_COUNT"], 0)
     pool = _int("SCALED_DB_POOL_SIZE", values["SCALED_DB_POOL_SIZE"], 1)
@@ -862,7 +863,7 @@ def up(layout: Layout) -> None:
                  if not port_free(port)]
         if taken:
             raise LayoutError(
-                f"ports in use: {', '.join(taken)}; set {PORT_BASE_ENV} (default 47200) or the"
+                f"ports in use: {', '.join(taken)}; set {PORT_BASE_ENV} (default 27200) or the"
                 " per-part variable (docs/scaled.md) to free ones")
         layout.create(config)
     (layout.dir / "logs").mkdir(parents=True, exist_ok=True)
