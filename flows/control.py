@@ -246,20 +246,30 @@ class ControllerWait:
                 if told:
                     self._on_schedules()
                 prefect = str(data.get("prefect") or "")
-                if not self.relay or (not seen and pokes(prefect)):
+                if not self.relay or (not seen and poked(prefect)):
                     self._start_check()
                 self._start_owed = False
-                if prefect and prefect != seen:
+                if prefect and newer(prefect, seen):
                     if seen:
                         self._on_prefect()
                     seen = prefect
 
 
-def pokes(token: str) -> int:
-    """Return the count of a wait's ``prefect`` token (``<epoch>:<count>``); 1 for a token
-    of another form (an older or other controller: the node looks rather than miss a run)."""
-    _, sep, count = token.rpartition(":")
-    return int(count) if sep and count.isdigit() else 1
+def poked(token: str) -> bool:
+    """Return whether a wait's ``prefect`` counter says the controller was woken for the node
+    (not ``0``); an older controller's ``<epoch>:<count>``, whether its count is not 0, and a
+    counter of another form, yes (the node looks rather than miss a run)."""
+    count = token.rpartition(":")[2]
+    return not count.isdigit() or int(count) > 0
+
+
+def newer(token: str, seen: str) -> bool:
+    """Return whether a wait's ``prefect`` counter is newer than ``seen``: the newest event's
+    time, so that an instance that missed an event does not take the node back to it; two
+    counters of another form (an older controller's) are newer when they differ."""
+    if token.isdigit() and seen.isdigit():
+        return int(token) > int(seen)
+    return token != seen
 
 
 class PrefectStream(Follower):

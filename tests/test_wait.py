@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.fleet import FleetSettings
 from controller.testing import serve_in_thread
-from controller.waits import EtagReads
+from controller.waits import EtagReads, NodeWaits
 from tests.procs import wait_for
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
@@ -257,3 +258,31 @@ def test_a_batch_of_pulls_records_each_node_and_never_moves_back(database_url: s
             "n-3": (T0, "report", 30, T0)}, "a pull keeps the heartbeat; time never goes back"
     finally:
         engine.dispose()
+
+
+def test_two_instances_give_a_node_the_same_prefect_counter(center: Center) -> None:
+    """Every instance follows the same Prefect events, so a node's counter is the newest
+    event's time in each: a node whose wait the balancer sends to the other instance is held
+    there (it used to be answered at once, and the node asked Prefect again for nothing)."""
+    node = NODES[2]
+    etag = center.etag(node)
+    here, there = center.app.state.waits, NodeWaits()
+    at = T0 + timedelta(seconds=1)
+    for waits in (here, there):
+        assert waits.token(node) == "0" and not waits.poked(node)
+        waits.poke(node, "prefect", at=at)
+    seen = there.token(node)
+    assert here.token(node) == seen != "0"
+
+    started = time.monotonic()
+    answer = center.wait(node, etag=etag, seen=seen, timeout=1)
+    assert time.monotonic() - started >= 0.9, "a wait with the other instance's counter"
+    assert answer["prefect"] == seen
+
+    here.poke(node, "prefect", at=at - timedelta(seconds=5))  # an older event, late
+    assert here.token(node) == seen, "an older event moved the counter back"
+
+    for older in (str(int(seen) - 1), "1f2e3d4c:3"):  # ... or an older controller's counter
+        started = time.monotonic()
+        answer = center.wait(node, etag=etag, seen=older, timeout=5)
+        assert time.monotonic() - started < 2 and answer["prefect"] == seen, older

@@ -2,9 +2,10 @@
 
 The node sends the ETag of the list it holds (``etag``) and the Prefect counter
 of its last answer (``seen``); the answer comes at once when either is out of
-date, else when something for the node happens, else after ``timeout`` seconds
-(1 to 300, default 60); a first wait (no ``seen``) is answered at once when the counter
-is not 0: ``{"etag": <the list's ETag now>, "prefect": <counter>,
+date (the counter: this instance saw a newer Prefect event for the node), else
+when something for the node happens, else after ``timeout`` seconds (1 to 300,
+default 60); a first wait (no ``seen``) is answered at once when the counter is
+not 0: ``{"etag": <the list's ETag now>, "prefect": <counter>,
 "relay": <whether this instance follows Prefect's events>}``. A node's wait with
 its own token is its heartbeat (it is recorded as it pull); an admin may wait
 too (to watch a node) and is recorded as nothing.
@@ -54,7 +55,7 @@ def wait_router(
         # A node's first wait (no ``seen``: it just started) is answered at once when this
         # process poked the node since it started, so a run made while the node was away is
         # looked for now (flows.control, "At the node's start"); else it is held.
-        changed = stale or (seen != waits.token(node) if seen else waits.poked(node))
+        changed = stale or (waits.newer(node, seen) if seen else waits.poked(node))
         if not changed:
             await waits.wait(node, timeout)
             now = await etags.etag(node)
