@@ -215,3 +215,37 @@ def test_differences_name_the_fields_the_server_holds_otherwise() -> None:
         "tags", "paused"]
     assert "parameter_openapi_schema" in differences(body, "f-1", {
         **found, "parameter_openapi_schema": {}})
+
+
+@pytest.mark.parametrize(("draw", "first_s"), [(1.0, 2.0), (0.0, 4.0)])
+def test_the_first_periodic_reconcile_comes_in_the_intervals_second_half(
+    monkeypatch: pytest.MonkeyPatch, draw: float, first_s: float,
+) -> None:
+    """Nodes started together (a fleet-wide restart) spread their reconciles: the first
+    periodic one comes at a random point of the interval's second half, the next ones a whole
+    interval apart (here 4 s; the draw fixed at either end)."""
+    import random
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from flows import reconcile
+
+    times: list[tuple[float, list[tuple[str, str | None]]]] = []
+
+    class Noted(reconcile.Reconciler):
+        def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
+            self.runs += 1
+            times.append((time.monotonic(), reasons))
+
+    monkeypatch.setattr(random, "random", lambda: draw)
+    node = SimpleNamespace(settings=SimpleNamespace(reconcile_interval=timedelta(seconds=4)))
+    noted = Noted(node).start()  # type: ignore[arg-type]
+    try:
+        wait_for("two periodic reconciles", lambda: len(times) >= 3, 30)
+    finally:
+        noted.stop()
+    assert times[0][1] == [("start", None)] and times[1][1] == [("interval", None)]
+    first, second = times[1][0] - times[0][0], times[2][0] - times[1][0]
+    assert first_s - 0.1 <= first < first_s + 1.5, first
+    assert 3.9 <= second < 5.5, second
