@@ -113,13 +113,26 @@ def test_a_restart_with_nothing_changed_registers_nothing_and_records_no_reconci
     assert "/api/deployments/filter" not in later, "read back twice"
 
 
+def _started_then_deleted(folder: Path, url: str, prefect: Prefect,
+                          ) -> tuple[str, dict[str, dict[str, Any]]]:
+    """Start a new node once, then delete its run-job deployment on the server; return its
+    name and its deployments as they were."""
+    name = f"del-{uuid.uuid4().hex[:6]}"
+    _start_once(folder, url, name)
+    old = _deployments(prefect, name)
+    prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
+    return name, old
+
+
+def _planned_on(prefect: Prefect, name: str, deployment_id: str) -> list[dict[str, Any]]:
+    return [run for run in prefect.node_runs(name)
+            if run["state_type"] == "SCHEDULED" and run["deployment_id"] == deployment_id]
+
+
 def test_a_restart_registers_again_when_its_deployment_was_deleted(
     tmp_path: Path, prefect_server: str, prefect: Prefect,
 ) -> None:
-    name = f"del-{uuid.uuid4().hex[:6]}"
-    _start_once(tmp_path, prefect_server, name)
-    old = _deployments(prefect, name)
-    prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
+    name, old = _started_then_deleted(tmp_path, prefect_server, prefect)
 
     again, sent = _start_once(tmp_path, prefect_server, name, periodic=1)
     at_start, periodic = _split(sent)
@@ -135,9 +148,7 @@ def test_a_restart_registers_again_when_its_deployment_was_deleted(
     assert kept["deployments"][RUN_JOB]["id"] == now[RUN_JOB]["id"]
 
     # Its runs went with it: the plan is made again on the new deployment.
-    planned = [run for run in prefect.node_runs(name)
-               if run["state_type"] == "SCHEDULED" and run["deployment_id"] == now[RUN_JOB]["id"]]
-    assert planned, "no planned run on the registered deployment"
+    assert _planned_on(prefect, name, now[RUN_JOB]["id"]), "no plan on the new deployment"
 
     _, sent = _start_once(tmp_path, prefect_server, name, periodic=1)  # the new ids kept
     assert not UPSERTS & set(sent), sent
@@ -146,10 +157,7 @@ def test_a_restart_registers_again_when_its_deployment_was_deleted(
 def test_a_plan_that_finds_its_deployment_gone_registers_it_again(
     tmp_path: Path, prefect_server: str, prefect: Prefect,
 ) -> None:
-    name = f"gone-{uuid.uuid4().hex[:6]}"
-    _start_once(tmp_path, prefect_server, name)
-    old = _deployments(prefect, name)
-    prefect.api.call("DELETE", f"/deployments/{old[RUN_JOB]['id']}")
+    name, old = _started_then_deleted(tmp_path, prefect_server, prefect)
     (tmp_path / "state" / "plan.json").unlink()  # the plan is made again at the start
 
     again, sent = _start_once(tmp_path, prefect_server, name)
@@ -157,9 +165,7 @@ def test_a_plan_that_finds_its_deployment_gone_registers_it_again(
     assert "a deployment was deleted" in again.build().deployments.why
     now = _deployments(prefect, name)
     assert now[RUN_JOB]["id"] != old[RUN_JOB]["id"]
-    planned = [run for run in prefect.node_runs(name)
-               if run["state_type"] == "SCHEDULED" and run["deployment_id"] == now[RUN_JOB]["id"]]
-    assert planned, "no planned run on the registered deployment"
+    assert _planned_on(prefect, name, now[RUN_JOB]["id"]), "no plan on the new deployment"
 
 
 def test_a_restart_registers_again_when_the_registration_changed(
