@@ -1664,6 +1664,9 @@ def main() -> int:
     finally:
         if layout.stop is not None:
             layout.stop()
+        else:  # the scaled layout stays up to be looked at; a later run must not share it
+            print("the scaled layout is still up (its logs in .scaled/logs): stop it with "
+                  "`scripts/scaled.py down` before measuring anything else", flush=True)
     if not args.no_write:
         write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
     return 0
