@@ -144,11 +144,8 @@ class Planner:
             report.planned, report.held_back = len(plan.windows), plan.held_back
             wanted = [(self._ref(view.node, item), item) for item in plan.windows
                       if item.start > now]
-            missing = [(ref, item) for ref, item in wanted
-                       if ref.idempotency_key not in self._entries]
             try:
-                for offset in range(0, len(missing), BULK_MAX):
-                    self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+                missing = self._create_missing(deployment, wanted, report, now=now)
             except PrefectRefused as exc:
                 if exc.status != 404:
                     raise
@@ -159,10 +156,7 @@ class Planner:
                 self._entries = {}
                 report.created = []
                 self._rebuild(deployment, view.node, now=now)
-                missing = [(ref, item) for ref, item in wanted
-                           if ref.idempotency_key not in self._entries]
-                for offset in range(0, len(missing), BULK_MAX):
-                    self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+                missing = self._create_missing(deployment, wanted, report, now=now)
             cutoff = now - KEEP_FOR
             self._entries = {key: item for key, item in self._entries.items()
                              if item.start >= cutoff}
@@ -170,6 +164,16 @@ class Planner:
                 self._save()
             self._loaded = True
         return report
+
+    def _create_missing(self, deployment: str, wanted: list[tuple[JobRef, Window]],
+                        report: PlanReport, *, now: datetime) -> bool:
+        """Create the runs of wanted windows the record lacks, BULK_MAX to a request; return
+        whether any was lacking."""
+        missing = [(ref, item) for ref, item in wanted
+                   if ref.idempotency_key not in self._entries]
+        for offset in range(0, len(missing), BULK_MAX):
+            self._create(deployment, missing[offset:offset + BULK_MAX], report, now=now)
+        return bool(missing)
 
     def rebase(self) -> None:
         """Forget the record: the node registered its deployment again, so the runs it holds
