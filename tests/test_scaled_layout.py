@@ -73,11 +73,12 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _wait(what: str, condition: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
+def _wait(what: str, condition: Callable[[], bool], timeout: float = DEADLINE_S,
+          explain: Callable[[], str] = lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+            raise AssertionError(f"not within {timeout:.0f} s: {what} {explain()}".rstrip())
         time.sleep(0.25)
 
 
@@ -291,6 +292,38 @@ def _in_redis_stream(port: int, event_ids: set[str]) -> bool:
     return event_ids <= seen
 
 
+def _missing_events(api: str, event_filter: dict[str, Any], node: Node, layout: Layout) -> str:
+    """Which of the node's events are not stored, and where each got to: the failed attempts of
+    its POST, whether it is in Redis's stream, whether its deduplication key is set; then what
+    the Prefect processes logged as warnings and errors (a failure's evidence: the layout's
+    folder is deleted after the test). Never raises: it only explains a failure."""
+    import redis
+
+    stored = {e["id"] for e in _events(api, event_filter)}
+    missing = {key: event_id for key, event_id in node.event_ids.items() if event_id not in stored}
+    lines = [f"{key} ({event_id}): failed attempts "
+             f"{[a for a in node.failed_attempts if a.startswith(f'event {key}:')]}"
+             for key, event_id in missing.items()]
+    try:
+        with redis.Redis(host="127.0.0.1", port=layout.state.redis_port,
+                         decode_responses=True) as client:
+            in_stream = {json.loads(fields["attributes"]).get("id")
+                         for _, fields in client.xrange("events")}
+            lines += [f"{event_id}: in the stream {event_id in in_stream}, deduplication key "
+                      f"{bool(client.exists(f'message:messaging-cache:{event_id}'))}"
+                      for event_id in missing.values()]
+            groups = [(g["name"], g["last-delivered-id"], g["pending"])
+                      for g in client.xinfo_groups("events")]
+            lines.append(f"the stream's groups (name, last delivered, pending): {groups}")
+    except redis.RedisError as exc:
+        lines.append(f"Redis not read: {exc}")
+    logged = [f"{name}: {line[:300]}" for name in ["prefect-services", *layout.state.api_names()]
+              for line in layout.state.log(name).read_text(errors="replace").splitlines()
+              if "WARNING" in line or "ERROR" in line]
+    return (f"({len(missing)} of {len(node.event_ids)} missing: {'; '.join(lines)}; the Prefect "
+            "processes' warnings and errors:\n" + "\n".join(logged[-80:]) + ")")
+
+
 @pytest.mark.timeout(900)  # ~50 s here; the deadlines inside are generous for a loaded machine
 def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_restarts(
         layout: Layout) -> None:
@@ -401,9 +434,11 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
             history = [s["type"] for s in sorted(states, key=lambda s: s["timestamp"])]
             assert history == ["SCHEDULED", *STATES], (run["idempotency_key"], history)
     expected = set(node.event_ids.values())
-    _wait("every run's event stored once", lambda: expected <= {
-        e["id"] for e in _events(api, {"event": {"name": ["sched.scaled.job"]},
-                                       "resource": {"id_prefix": [f"sched.scaled.{tag}"]}})})
+    job_events = {"event": {"name": ["sched.scaled.job"]},
+                  "resource": {"id_prefix": [f"sched.scaled.{tag}"]}}
+    _wait("every run's event stored once",
+          lambda: expected <= {e["id"] for e in _events(api, job_events)},
+          explain=lambda: _missing_events(api, job_events, node, layout))
     stored = _events(api, {"event": {"name": ["sched.scaled.job"]},
                            "resource": {"id_prefix": [f"sched.scaled.{tag}"]}})
     assert sorted(e["id"] for e in stored) == sorted(node.event_ids.values())
