@@ -696,7 +696,10 @@ def prefect_server_env(layout: Layout, home: Path) -> dict[str, str]:
         "PREFECT_SERVER_DATABASE_MIGRATE_ON_START": "false",
         "PREFECT_SERVER_DATABASE_SQLALCHEMY_POOL_SIZE": str(layout.config["pool_size"]),
         "PREFECT_SERVER_DATABASE_SQLALCHEMY_MAX_OVERFLOW": str(layout.config["max_overflow"]),
-        "PREFECT_MESSAGING_BROKER": "prefect_redis.messaging",
+        # prefect-redis's broker, but an event's deduplication key and its stream entry are
+        # written by one script: in two steps, a Redis restart or a dead API process between
+        # them made the client's retry of the event look like a duplicate, and it was lost.
+        "PREFECT_MESSAGING_BROKER": "deployments.redis_messaging",
         "PREFECT_MESSAGING_CACHE": "prefect_redis.messaging",
         "PREFECT_SERVER_EVENTS_CAUSAL_ORDERING": "prefect_redis.ordering",
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect_redis.lease_storage",

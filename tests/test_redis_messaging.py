@@ -1,0 +1,171 @@
+"""deployments.redis_messaging: an event retried after a failure is published once, not lost.
+
+On a real Redis (Debian's ``redis-server``; skipped, naming the package, where it is missing).
+Faults are injected where a Redis restart or a dead API process puts them: a call that raises
+``ConnectionError``. First prefect-redis's own publisher, shown losing the event (its
+deduplication key written, the message not, the key never forgotten because Redis is gone), then
+this module's, with the same faults, publishing it exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import redis
+
+from deployments import redis_messaging
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def redis_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    program = shutil.which("redis-server")
+    if program is None:
+        pytest.skip("Debian's redis-server is not installed (`apt-get install redis-server`)")
+    port = _free_port()
+    server = subprocess.Popen(
+        [program, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with redis.Redis(port=port) as client:
+                    client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        monkeypatch.setenv("PREFECT_REDIS_MESSAGING_HOST", "127.0.0.1")
+        monkeypatch.setenv("PREFECT_REDIS_MESSAGING_PORT", str(port))
+        monkeypatch.setenv("PREFECT_REDIS_MESSAGING_DB", "0")
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _stream_ids(port: int) -> list[str]:
+    """The event ids in the `events` stream, in order."""
+    import json
+
+    with redis.Redis(port=port, decode_responses=True) as client:
+        return [json.loads(fields["attributes"])["id"] for _, fields in client.xrange("events")]
+
+
+def _publish(publisher_class: type[Any], event_id: str,
+             faults: dict[str, Any] | None = None) -> str:
+    """Publish one event (its id in the `id` attribute) as Prefect's API does, with each method
+    named in faults replaced (by one that raises); return "ok" or the error's class name."""
+    async def publish() -> str:
+        await clear_cached_clients()
+        cache = redis_messaging.Cache()
+        try:
+            with contextlib.ExitStack() as patches:
+                for name, replacement in (faults or {}).items():
+                    patches.enter_context(mock.patch(name, replacement))
+                async with publisher_class("events", cache, deduplicate_by="id",
+                                           batch_size=1) as publisher:
+                    await publisher.publish_data(
+                        f'{{"id": "{event_id}"}}'.encode(), {"id": event_id, "event": "t"})
+            return "ok"
+        except redis.ConnectionError as exc:
+            return type(exc).__name__
+        finally:
+            await _close_clients()
+
+    return asyncio.run(publish())
+
+
+async def clear_cached_clients() -> None:
+    from prefect_redis.client import clear_cached_clients as clear
+
+    await clear()
+
+
+async def _close_clients() -> None:
+    """Close this event loop's Redis client (prefect-redis keeps one a loop) and forget it."""
+    from prefect_redis.client import get_async_redis_client
+
+    await get_async_redis_client().aclose()
+    await clear_cached_clients()
+
+
+async def _gone(*args: Any, **kwargs: Any) -> Any:
+    raise redis.ConnectionError("Connection closed by server.")
+
+
+def test_prefect_redis_loses_an_event_retried_after_redis_went_away_between_its_two_steps(
+        redis_port: int) -> None:
+    from prefect_redis.messaging import Publisher as RedisPublisher
+
+    event = str(uuid.uuid4())
+    # Its deduplication key is written, then Redis goes: the XADD fails, and so does the
+    # cleanup that would forget the key.
+    first = _publish(RedisPublisher, event, {
+        "redis.asyncio.client.Redis.xadd": _gone,
+        "prefect_redis.messaging.Cache.forget_duplicates": _gone})
+    assert first == "ConnectionError"  # the API answers 500; the client retries
+    assert _publish(RedisPublisher, event) == "ok"  # answered 204 ...
+    assert _stream_ids(redis_port) == []  # ... and never published: the event is lost
+
+
+def test_an_event_retried_after_redis_went_away_is_published_once(redis_port: int) -> None:
+    event = str(uuid.uuid4())
+    # Redis gone before the script ran: nothing written, the retry publishes it.
+    first = _publish(redis_messaging.Publisher, event,
+                     {"redis.commands.core.AsyncScript.__call__": _gone})
+    assert first == "ConnectionError"
+    assert _stream_ids(redis_port) == []
+    assert _publish(redis_messaging.Publisher, event) == "ok"
+    assert _stream_ids(redis_port) == [event]
+    # The reply lost after the script ran (or a client's retry of a 204): the retry finds both
+    # written and publishes nothing more.
+    assert _publish(redis_messaging.Publisher, event) == "ok"
+    assert _stream_ids(redis_port) == [event]
+    other = str(uuid.uuid4())
+    assert _publish(redis_messaging.Publisher, other) == "ok"
+    assert _stream_ids(redis_port) == [event, other]
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        lifetime = client.ttl(f"message:messaging-cache:{event}")
+    assert 0 < lifetime <= 300  # prefect-redis's 5 minutes of deduplication
+
+
+def test_a_message_without_the_attribute_is_published_as_prefect_redis_does(
+        redis_port: int, caplog: pytest.LogCaptureFixture) -> None:
+    async def publish() -> None:
+        await clear_cached_clients()
+        async with redis_messaging.Publisher("events", redis_messaging.Cache(),
+                                             deduplicate_by="id", batch_size=1) as publisher:
+            await publisher.publish_data(b"{}", {"event": "t"})
+        await _close_clients()
+
+    asyncio.run(publish())
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        assert client.xlen("events") == 1
+    assert "without its deduplication attribute 'id'" in caplog.text
+
+
+def test_the_broker_module_is_what_prefect_asks_of_one() -> None:
+    from prefect.server.utilities.messaging import BrokerModule, CacheModule
+
+    assert isinstance(redis_messaging, BrokerModule)
+    assert isinstance(redis_messaging, CacheModule)
