@@ -587,9 +587,13 @@ class Node:
         tasks = [asyncio.create_task(self.wait_loop()), asyncio.create_task(self.reconciler()),
                  asyncio.create_task(self.reporter())]
         await self.fleet.stop_event.wait()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        pending = set(tasks)
+        while pending:
+            # Again while any is left: Python 3.11's wait_for can swallow a cancel that lands
+            # as the wait it guards ends (a 10-minute run hung here, its result lost).
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=5)
 
     async def wait_loop(self) -> None:
         m = self.fleet.metrics
