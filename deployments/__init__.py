@@ -1,1 +1,2 @@
-"""How the agent's flows are deployed: ``serve`` (embedded) and ``make run`` (local server)."""
+"""How the project runs on Prefect: the agent's flows deployed (``serve`` embedded, ``make run``
+a local server), and the scaled layout's Redis broker for Prefect (:mod:`.redis_messaging`)."""
