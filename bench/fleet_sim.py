@@ -1513,7 +1513,8 @@ def report(found: dict[str, Any]) -> str:
                 r["wave"]["parts_cores"].items()))
             idle_parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
                 r["idle"]["parts_cores"].items()))
-            config = "; ".join(item.get("args", {}).get("node_config") or [])
+            run_args = r.get("args") or item.get("args", {})  # a kept size's own, else the run's
+            config = "; ".join(run_args.get("node_config") or [])
             config = f" The recorded node's configuration added `{config}`." if config else ""
             lines.append(
                 f"- **{layout}, {int(size):,} nodes.**{config} Start: {st['seconds']:.0f} s, "
@@ -1532,8 +1533,8 @@ def report(found: dict[str, Any]) -> str:
                 lines.append(
                     f"- **Fleet-wide restart, {layout}, {int(size):,} nodes**: every node "
                     f"stopped for 20 s, then back, spread over "
-                    f"{item.get('args', {}).get('restart_spread_s', 60):.0f} s with at most "
-                    f"{_restart_gate(item.get('args', {}))} starting at once "
+                    f"{run_args.get('restart_spread_s', 60):.0f} s with at most "
+                    f"{_restart_gate(run_args)} starting at once "
                     "(the simulator's gate): "
                     + (f"the last was back {rs['back_in_s']:.0f} s after the first "
                        if rs["back_in_s"] == rs["back_in_s"] else
@@ -1638,10 +1639,11 @@ def main() -> int:
                                "sizes": {}}
     def save() -> None:
         """This run's sizes into the layout's entry: a size measured again is replaced, the
-        layout's other sizes are kept (each with the time it was measured)."""
+        layout's other sizes are kept (each with the time and the arguments it was measured
+        with)."""
         existing = json.loads(args.out.read_text()) if args.out.exists() else {}
         old = existing.get(args.label or args.layout, {})
-        sizes = {size: {"measured": old.get("measured", ""), **r}
+        sizes = {size: {"measured": old.get("measured", ""), "args": old.get("args", {}), **r}
                  for size, r in old.get("sizes", {}).items() if size not in results["sizes"]}
         sizes.update(results["sizes"])
         existing[args.label or args.layout] = {**results, "sizes": dict(sorted(
