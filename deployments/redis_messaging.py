@@ -81,7 +81,7 @@ class Publisher(RedisPublisher):  # type: ignore[misc]  # prefect-redis ships no
                        lifetime: int) -> None:
         attributes = message.attributes or {}
         fields = {"data": message.data, "attributes": orjson.dumps(attributes)}
-        value = attributes.get(self.deduplicate_by) if self.deduplicate_by else None
+        value = attributes.get(self.deduplicate_by)  # set: the batch went through the script
         if value is None:  # prefect-redis publishes these undeduplicated, with a warning
             log.warning("message without its deduplication attribute %r; published as it is",
                         self.deduplicate_by)

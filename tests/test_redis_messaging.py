@@ -23,6 +23,8 @@ from unittest import mock
 
 import pytest
 import redis
+from prefect_redis.client import clear_cached_clients, get_async_redis_client
+from prefect_redis.messaging import _deduplication_key
 
 from deployments import redis_messaging
 
@@ -95,16 +97,8 @@ def _publish(publisher_class: type[Any], event_id: str,
     return asyncio.run(publish())
 
 
-async def clear_cached_clients() -> None:
-    from prefect_redis.client import clear_cached_clients as clear
-
-    await clear()
-
-
 async def _close_clients() -> None:
     """Close this event loop's Redis client (prefect-redis keeps one a loop) and forget it."""
-    from prefect_redis.client import get_async_redis_client
-
     await get_async_redis_client().aclose()
     await clear_cached_clients()
 
@@ -145,7 +139,7 @@ def test_an_event_retried_after_redis_went_away_is_published_once(redis_port: in
     assert _publish(redis_messaging.Publisher, other) == "ok"
     assert _stream_ids(redis_port) == [event, other]
     with redis.Redis(port=redis_port, decode_responses=True) as client:
-        lifetime = client.ttl(f"message:messaging-cache:{event}")
+        lifetime = client.ttl(_deduplication_key("messaging-cache", event))
     assert 0 < lifetime <= 300  # prefect-redis's 5 minutes of deduplication
 
 
