@@ -40,19 +40,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import psycopg
+from sqlalchemy import event
+from sqlmodel import Session
 
-import psycopg  # noqa: E402
-from sqlalchemy import event  # noqa: E402
-from sqlmodel import Session  # noqa: E402
-
-from bench.prefect_bench import publish  # noqa: E402
-from controller import claims, db, tasks  # noqa: E402
-from controller.central import CentralScheduler, CentralSettings  # noqa: E402
-from controller.models import TaskIn  # noqa: E402
-from controller.testing import RecordingDispatcher  # noqa: E402
+from bench.prefect_bench import publish
+from controller import claims, db, tasks
+from controller.central import CentralScheduler, CentralSettings
+from controller.models import TaskIn
+from controller.testing import RecordingDispatcher
 
 BEGIN, END = "<!-- controller:begin -->", "<!-- controller:end -->"
 

@@ -39,14 +39,12 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.prefect_bench import DOCS, answers, free_port, publish, wait_until
+from controller.db import make_engine, migrate
+from controller.schedules import put_schedule, stored_values
+from sched_core.model import LocalSchedule
 
-from bench.prefect_bench import DOCS, answers, free_port, publish, wait_until  # noqa: E402
-from controller.db import make_engine, migrate  # noqa: E402
-from controller.schedules import put_schedule, stored_values  # noqa: E402
-from sched_core.model import LocalSchedule  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BEGIN, END = "<!-- api:begin -->", "<!-- api:end -->"
 NODE = "bench-node"

@@ -88,13 +88,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.bench_controller_api import make_row, stop_server, temporary_postgres
+from bench.prefect_bench import publish
 
-from bench_controller_api import make_row, stop_server, temporary_postgres  # noqa: E402
-from prefect_bench import publish  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CEILING = ("<!-- fleet-ceiling:begin -->", "<!-- fleet-ceiling:end -->")
 STORM = ("<!-- fleet-storm:begin -->", "<!-- fleet-storm:end -->")

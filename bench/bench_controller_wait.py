@@ -50,13 +50,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_controller_api import temporary_postgres  # noqa: E402
-from bench_controller_fleet import (  # noqa: E402
+from bench.bench_controller_api import temporary_postgres
+from bench.bench_controller_fleet import (
     exchange,
     node_name,
     node_token,
@@ -65,7 +60,9 @@ from bench_controller_fleet import (  # noqa: E402
     request_bytes,
     served_in_turns,
 )
-from prefect_bench import publish  # noqa: E402
+from bench.prefect_bench import publish
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MARKERS = ("<!-- wait-cycle:begin -->", "<!-- wait-cycle:end -->")
 BEFORE_REV = "0d6642b"

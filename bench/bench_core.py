@@ -14,7 +14,6 @@ import argparse
 import gc
 import logging
 import random
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -27,22 +26,17 @@ from zoneinfo import ZoneInfo
 from croniter import croniter
 from cronsim import CronSim
 
-# Alike in shape to the opening of bench_node.py and fleet_sim.py: each benchmark runs as a
-# script, so each puts this checkout first on sys.path, then imports from it.
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.prefect_bench import machine, write_section  # noqa: E402
-from sched_core.index import DueIndex  # noqa: E402
-from sched_core.matcher import last_fire, matches, next_fire  # noqa: E402
-from sched_core.model import (  # noqa: E402
+from bench.prefect_bench import machine, write_section
+from sched_core.index import DueIndex
+from sched_core.matcher import last_fire, matches, next_fire
+from sched_core.model import (
     DAY_NAMES,
     Cache,
     LocalSchedule,
     MissPolicy,
     Schedule,
 )
-from sched_core.scheduler import Config, Scheduler  # noqa: E402
+from sched_core.scheduler import Config, Scheduler
 
 TZ = ZoneInfo("America/New_York")
 SEED = 20261202

@@ -47,19 +47,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import httpx
+import psycopg
+from sqlalchemy import func, select
+from sqlmodel import Session
 
-import httpx  # noqa: E402
-import psycopg  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
-from sqlmodel import Session  # noqa: E402
-
-from bench.prefect_bench import answers, free_port, wait_until, write_section  # noqa: E402
-from controller import claims, db, tasks  # noqa: E402
-from controller.models import ScheduledTask, TaskIn  # noqa: E402
-from deployments.run_local import stop_group  # noqa: E402
+from bench.prefect_bench import answers, free_port, wait_until, write_section
+from controller import claims, db, tasks
+from controller.models import ScheduledTask, TaskIn
+from deployments.run_local import stop_group
 
 BEGIN, END = "<!-- failover:begin -->", "<!-- failover:end -->"
 SCHED = str(Path(sys.executable).parent / "sched")
@@ -374,8 +370,7 @@ def _measure(
 @contextmanager
 def postgres() -> Iterator[str]:
     """Yield the URL of a migrated database on a throwaway pgserver (bench_controller's)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_controller import postgres as bench_postgres
+    from bench.bench_controller import postgres as bench_postgres
 
     with bench_postgres(None) as url:
         yield url
@@ -422,17 +417,18 @@ def report(result: ChaosResult) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=float, default=180.0)
-    parser.add_argument("--instances", type=int, default=4)
-    parser.add_argument("--crons", type=int, default=10)
-    parser.add_argument("--one-shot-every", type=float, default=0.5)
-    parser.add_argument("--blackout", type=float, default=0.0,
-                        help="seconds every instance is down at once, mid-run (0: none)")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--settle", type=float, default=120.0,
-                        help="seconds to wait after the chaos for what is due to go out")
-    parser.add_argument("--write-docs", action="store_true")
-    parser.add_argument("--keep", type=Path, help="keep the instances' logs in this folder")
+    option = parser.add_argument
+    option("--seconds", type=float, default=180.0, help="how long the chaos lasts (s)")
+    option("--instances", type=int, default=4, help="controller instances, killed at random")
+    option("--crons", type=int, default=10, help="`* * * * *` cron tasks")
+    option("--one-shot-every", type=float, default=0.5, help="seconds between one-shot tasks")
+    option("--blackout", type=float, default=0.0,
+           help="seconds every instance is down at once, mid-run (0: none)")
+    option("--seed", type=int, default=7, help="the chaos loop's random seed")
+    option("--settle", type=float, default=120.0,
+           help="seconds to wait after the chaos for what is due to go out")
+    option("--write-docs", action="store_true", help="write the result into docs/benchmarks.md")
+    option("--keep", type=Path, help="keep the instances' logs in this folder")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sched-chaos-") as tmp:
         folder = args.keep or Path(tmp)

@@ -43,11 +43,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.prefect_bench import answers, free_port, percentile, publish, wait_until
 
-from bench.prefect_bench import answers, free_port, percentile, publish, wait_until  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 BEGIN, END = "<!-- flood:begin -->", "<!-- flood:end -->"
 TOKEN = "bench-flood-admin-token"
@@ -304,14 +302,15 @@ def report(outcomes: list[Outcome], slow: int, seconds: float, nofile: int) -> s
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    # Alike in shape to bench_failover.py's main: argparse options, other names and defaults.
-    parser.add_argument("--slow", type=int, default=1100)
+    parser.add_argument("--slow", type=int, default=1100,
+                        help="slow clients that hold a connection each, past the ceiling")
     parser.add_argument("--under", type=int, default=800,
                         help="a flood under the ceiling, for the second run")
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=30.0, help="each flood's length (s)")
     parser.add_argument("--nofile", type=int, default=1024,
                         help="the servers' open-file limit (soft)")
-    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="write the result into docs/benchmarks.md")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sched-flood-") as tmp:
         folder = Path(tmp)

@@ -64,12 +64,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-# Alike in shape to the opening of fleet_sim.py (and bench_core.py): each benchmark runs as a
-# script, so each puts this checkout first on sys.path, then imports from it.
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.prefect_bench import (  # noqa: E402
+from bench.prefect_bench import (
     answers,
     free_port,
     machine,
@@ -80,9 +75,11 @@ from bench.prefect_bench import (  # noqa: E402
     wait_until,
     write_section,
 )
-from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body  # noqa: E402
-from sched_core.model import LocalSchedule  # noqa: E402
-from sched_core.policies import window_starts  # noqa: E402
+from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body
+from sched_core.model import LocalSchedule
+from sched_core.policies import window_starts
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BEGIN, END = "<!-- node:begin -->", "<!-- node:end -->"
 HEADING = "## The node fires, Prefect records (Prefect)"

@@ -46,8 +46,6 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.prefect_bench import ROOT, machine, start_server, stop_group, tree_cpu, write_section
 from flows.identity import JobRef
 from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
@@ -94,16 +92,17 @@ class Counting:
         base = httpx.URL(url).path.rstrip("/")
 
         def note(request: httpx.Request) -> None:
-            parts = ["{id}" if _is_uuid(part) else part
-                     for part in request.url.path.removeprefix(base).split("/")]
-            self.calls[f"{request.method} {'/'.join(parts)}"] += 1
+            self.calls[f"{request.method} {id_template(request.url.path.removeprefix(base))}"] += 1
 
         self.client = httpx.Client(base_url=url, event_hooks={"request": [note]}, timeout=30)
         self.api = PrefectApi(ApiSettings(url=url), client=self.client)
 
 
-# Alike to tests/test_record_calls.py's (a pair `duplicates` lists): a benchmark imports no
-# test module.
+def id_template(path: str) -> str:
+    """Return an API path with each id in it written ``{id}`` (tests/test_record_calls.py's too)."""
+    return "/".join("{id}" if _is_uuid(part) else part for part in path.split("/"))
+
+
 def _is_uuid(text: str) -> bool:
     try:
         uuid.UUID(text)

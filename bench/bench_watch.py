@@ -40,16 +40,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-# Alike in shape to the opening of bench_controller_fleet.py (and the other benchmarks'):
-# each runs as a script, so each puts this checkout and bench/ first on sys.path.
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.bench_controller_api import temporary_postgres
+from bench.bench_controller_wait import archive
+from bench.prefect_bench import machine, publish
 
-from bench_controller_api import temporary_postgres  # noqa: E402
-from bench_controller_wait import archive  # noqa: E402
-from prefect_bench import machine, publish  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MARKERS = ("<!-- watch-pass:begin -->", "<!-- watch-pass:end -->")
 MODES = ("healthy", "silent")
@@ -99,9 +94,9 @@ print(json.dumps(out))
 
 def seed(url: str, nodes: int) -> float:
     """Migrate, then give each node the fleet's ten rows and a report (this tree's code)."""
-    from fleet_sim import _rows
     from sqlmodel import Session
 
+    from bench.fleet_sim import _rows
     from controller import db
     from controller.db import make_engine
     from controller.nodes import record_report

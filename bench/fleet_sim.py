@@ -60,23 +60,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench import prefect_bench as pb
+from bench.bench_node import Controller, _config, _spawn_node
+from deployments.run_local import wait_healthy
 
-from bench.bench_node import Controller, _config, _spawn_node  # noqa: E402
-from bench.prefect_bench import (  # noqa: E402
-    answers,
-    free_port,
-    machine,
-    percentile,
-    server_env,
-    start_server,
-    stop_group,
-    tree_cpu,
-    wait_until,
-    write_section,
-)
-from deployments.run_local import wait_healthy  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NY = "America/New_York"
 REPLAYED_HEADERS = frozenset({"if-none-match", "content-type", "accept"})
@@ -114,7 +102,7 @@ class LoggingProxy:
         self.side = side
         self.target = target.rstrip("/")
         self.calls: list[Call] = []
-        self.port = free_port()
+        self.port = pb.free_port()
         self._client: httpx.AsyncClient | None = None
         config = uvicorn.Config(self._app, host="127.0.0.1", port=self.port, log_level="warning",
                                 lifespan="off", timeout_keep_alive=75, interface="asgi3")
@@ -212,7 +200,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
     jobs, with Prefect and the controller behind logging proxies; return the log and phases.
 
     node_config: TOML lines added to the node's configuration (``--node-config``)."""
-    proc, url = start_server(work / "rec-prefect")
+    proc, url = pb.start_server(work / "rec-prefect")
     name = f"rec{uuid.uuid4().hex[:8]}"
     controller = Controller(work / "rec-ctl", url, [name])
     pp = LoggingProxy("prefect", url.removesuffix("/api"))
@@ -233,7 +221,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
         t = time.time()
         time.sleep(idle_s)
         phases["idle"] = (t, time.time())
-        stop_group(node)
+        pb.stop_group(node)
         config = _config(work / "rec-node", name, pull, extra=extra)
         t = time.time()
         node = _spawn_node(config, f"{pp.base}/api", work / "rec-node.log")
@@ -255,11 +243,11 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
         time.sleep(60 * jobs)
         phases["jobs"] = (t, time.time())
     finally:
-        stop_group(node)
+        pb.stop_group(node)
         pp.close()
         cp.close()
         controller.stop()
-        stop_group(proc)
+        pb.stop_group(proc)
     calls = sorted(pp.calls + cp.calls, key=lambda c: c.t)
     return {"node": name, "phases": phases, "calls": [asdict(c) for c in calls],
             "heartbeat_s": 60, "reconcile_s": RECORD_RECONCILE_S, "node_config": node_config}
@@ -913,7 +901,7 @@ class Fleet:
 
 
 def _cpu(parts: dict[str, int]) -> dict[str, float]:
-    return {name: tree_cpu(pid) for name, pid in parts.items()}
+    return {name: pb.tree_cpu(pid) for name, pid in parts.items()}
 
 
 def _self_cpu() -> float:
@@ -954,8 +942,8 @@ async def measure(sim: Fleet, parts: dict[str, int], seconds: float, label: str
     for side in ("prefect", "controller"):
         values = [x for k, v in stats.latency.items() if k.startswith(side)
                   and "/wait" not in k for x in v[lat0.get(k, 0):]]
-        latency[side] = {"p50_ms": percentile(values, 0.5) * 1000,
-                         "p99_ms": percentile(values, 0.99) * 1000, "n": len(values)}
+        latency[side] = {"p50_ms": pb.percentile(values, 0.5) * 1000,
+                         "p99_ms": pb.percentile(values, 0.99) * 1000, "n": len(values)}
     opened = {k: (after["opened"][k] - before["opened"][k]) / hours / n for k in after["opened"]}
     return {
         "label": label, "seconds": elapsed, "nodes": n,
@@ -1105,25 +1093,25 @@ def _controller(folder: Path, prefect_url: str, names: list[str]
     subprocess.run([sched, "controller", "migrate", "--database-url", db], env=env, check=True,
                    capture_output=True)
     seed_rows(db, names)
-    port = free_port()
+    port = pb.free_port()
     with (folder / "controller.log").open("ab") as out:
         ctl = subprocess.Popen([sched, "controller", "serve", "--database-url", db, "--port",
                                 str(port), "--api-only", "--max-connections",
                                 str(len(names) + 1000)], env=env, stdout=out,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
-    wait_until(lambda: answers(f"http://127.0.0.1:{port}/healthz"), 60)
+    pb.wait_until(lambda: pb.answers(f"http://127.0.0.1:{port}/healthz"), 60)
     return ctl, port, tokens
 
 
 def sqlite_layout(work: Path, names: list[str]) -> Layout:
     """One ``prefect server start`` on SQLite (as ``make run``) and one controller (SQLite)."""
-    proc, url = start_server(work / "sqlite-prefect")
+    proc, url = pb.start_server(work / "sqlite-prefect")
     ctl, port, tokens = _controller(work / "sqlite-controller", url, names)
 
     def stop() -> None:
-        stop_group(ctl)
-        stop_group(proc)
+        pb.stop_group(ctl)
+        pb.stop_group(proc)
 
     return Layout("sqlite", url.removesuffix("/api"), f"http://127.0.0.1:{port}",
                   {"prefect-server": proc.pid, "controller": ctl.pid}, tokens, stop,
@@ -1155,9 +1143,9 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
     # Only the cluster's part of the layout's settings is used: its port, max_connections
     # (100, PostgreSQL's default, for one Prefect process of 5 + 10), the databases' secrets.
     layout.create(scaled.config_from_env({
-        "SCALED_PG_PORT": str(free_port()), "SCALED_API_COUNT": "1",
+        "SCALED_PG_PORT": str(pb.free_port()), "SCALED_API_COUNT": "1",
         "SCALED_CONTROLLER_COUNT": "0", "SCALED_DB_POOL_SIZE": "5",
-        "SCALED_DB_MAX_OVERFLOW": "10", "SCALED_PORT_BASE": str(free_port())}))
+        "SCALED_DB_MAX_OVERFLOW": "10", "SCALED_PORT_BASE": str(pb.free_port())}))
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     pg = scaled.Postgres(layout, scaled.Tools.find())
     pg.init()
@@ -1165,8 +1153,8 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
     pg.ensure_databases()
     home = work / "postgres-prefect"
     home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = server_env(home, port)
+    port = pb.free_port()
+    env = pb.server_env(home, port)
     env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = layout.pg_url("prefect", "postgresql+asyncpg")
     with (home / "server.log").open("ab") as log:
         proc = subprocess.Popen(
@@ -1175,7 +1163,7 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
             stdin=subprocess.DEVNULL, start_new_session=True)
     url = env["PREFECT_API_URL"]
     if not wait_healthy(url, proc, timeout_s=240):
-        stop_group(proc, grace_s=0)
+        pb.stop_group(proc, grace_s=0)
         pg.stop()
         raise SystemExit(f"the Prefect server did not start; see {home / 'server.log'}")
     ctl, ctl_port, tokens = _controller(work / "postgres-controller", url, names)
@@ -1183,8 +1171,8 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
     assert pid is not None
 
     def stop() -> None:
-        stop_group(ctl)
-        stop_group(proc)
+        pb.stop_group(ctl)
+        pb.stop_group(proc)
         pg.stop()
 
     return Layout("postgres", url.removesuffix("/api"), f"http://127.0.0.1:{ctl_port}",
@@ -1291,7 +1279,7 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
             sim, jobs, wave_begin, wave_begin + timedelta(minutes=args.wave_minutes))
     result["wave"].update({
         "jobs": len(jobs), "jobs_recorded_by_sim": len(lags), "completed_in_prefect": recorded,
-        "lag_p50_s": percentile(lags, 0.5), "lag_p99_s": percentile(lags, 0.99),
+        "lag_p50_s": pb.percentile(lags, 0.5), "lag_p99_s": pb.percentile(lags, 0.99),
         "lag_max_s": max(lags) if lags else float("nan"),
         "jobs_per_node_hour": sim.wave_rate})
     print(f"[{layout.name} {count}] wave: {result['wave']['center_cores']:.2f} cores "
@@ -1556,7 +1544,7 @@ def report(found: dict[str, Any]) -> str:
                        if "record_status_by_sim" in rs else "") + ".")
             elif rs:
                 lines.append(f"- Fleet-wide restart, {layout}, {size}: {rs}")
-    lines += ["", f"Machine: {machine().split(', load average')[0]} (each run's load average "
+    lines += ["", f"Machine: {pb.machine().split(', load average')[0]} (each run's load average "
               "in the table: 1-minute figure before its idle minutes and after its wave).", ""]
     if FINDINGS.exists():
         lines.append(FINDINGS.read_text().strip())
@@ -1605,7 +1593,7 @@ def main() -> int:
     args = parser.parse_args()
     args.sizes = [int(n) for n in args.nodes.split(",")]
     if args.report_only:
-        write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
+        pb.write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
         return 0
     import tempfile
 
@@ -1670,7 +1658,7 @@ def main() -> int:
             print("the scaled layout is still up (its logs in .scaled/logs): stop it with "
                   "`scripts/scaled.py down` before measuring anything else", flush=True)
     if not args.no_write:
-        write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
+        pb.write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
     return 0
 
 

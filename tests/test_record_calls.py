@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.bench_record import id_template
 from flows.identity import JobRef
 from flows.outbox import COMPLETED, FAILED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
 from flows.prefect_api import ApiSettings, PrefectApi, state_body
@@ -46,9 +47,7 @@ class Counted:
         base = httpx.URL(url).path.rstrip("/")
 
         def note(request: httpx.Request) -> None:
-            path = request.url.path.removeprefix(base)
-            parts = ["{id}" if _is_uuid(part) else part for part in path.split("/")]
-            self.calls.append((request.method, "/".join(parts)))
+            self.calls.append((request.method, id_template(request.url.path.removeprefix(base))))
 
         self.client = httpx.Client(base_url=url, event_hooks={"request": [note]}, timeout=10)
         self.api = PrefectApi(ApiSettings(url=url), client=self.client)
@@ -59,12 +58,6 @@ class Counted:
         return calls
 
 
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.fixture
