@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUseDefault
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from sched_core.errors import ConfigError
+from sched_core.settings_sources import LayeredSettings
 
 DEFAULT_RETRY_DELAY = 1.0
 
@@ -46,27 +46,7 @@ def problems(exc: ValidationError, *, show_input: bool = True) -> str:
     return "; ".join(said)
 
 
-class _GivenEnviron(PydanticBaseSettingsSource):
-    """The variables of a given mapping instead of the process's environment (same names)."""
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        super().__init__(settings_cls)
-        self.environ = environ
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        name = str(field.validation_alias)
-        return self.environ.get(name), name, False
-
-    def __call__(self) -> dict[str, Any]:
-        found = {}
-        for field_name, field in self.settings_cls.model_fields.items():
-            value, name, _ = self.get_field_value(field, field_name)
-            if value not in (None, ""):  # empty is unset, as in the process's environment
-                found[name] = value
-        return found
-
-
-class ControllerSettings(BaseSettings):
+class ControllerSettings(LayeredSettings):
     """What the controller reads from its environment: database, tokens, reconnect delay."""
 
     # Each field's variable is its alias, matched exactly (case matters), as before.
@@ -74,7 +54,6 @@ class ControllerSettings(BaseSettings):
         case_sensitive=True, env_ignore_empty=True, extra="forbid", frozen=True,
         populate_by_name=True,
     )
-    _environ: ClassVar[Mapping[str, str] | None] = None
     database_url: str = Field(
         "", validation_alias="SCHED_DATABASE_URL",
         json_schema_extra={"docs_default": "`.data/controller.db`"},
@@ -111,20 +90,6 @@ class ControllerSettings(BaseSettings):
         if not seconds > 0 or not math.isfinite(seconds):
             raise ValueError(f"{name}={text!r} must be a positive number of seconds")
         return seconds
-
-    # pydantic-settings' hook, in its own signature (the agent's settings have one too).
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        if cls._environ is not None:
-            return init_settings, _GivenEnviron(settings_cls, cls._environ)
-        return init_settings, env_settings
 
     @classmethod
     def env_name(cls, field: str) -> str:

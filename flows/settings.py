@@ -17,7 +17,7 @@ import socket
 import string
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from zoneinfo import ZoneInfo
 
 from pydantic import (
@@ -31,14 +31,12 @@ from pydantic import (
     model_validator,
 )
 from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
 )
 
 from sched_core import ConfigError
 from sched_core.matcher import DEFAULT_TZ, zone
+from sched_core.settings_sources import LayeredSettings
 
 log = logging.getLogger(__name__)
 
@@ -266,13 +264,12 @@ def _default_stages() -> list[StageSpec]:
     return [StageSpec(name="prune", action="prune"), StageSpec(name="check", action="check")]
 
 
-class AgentSettings(BaseSettings):
+class AgentSettings(LayeredSettings):
     """Everything one agent node needs: where to pull, where to keep state, what to run."""
 
     model_config = SettingsConfigDict(
         env_prefix="SCHED_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
-    _toml_file: ClassVar[Path | None] = None
 
     node_name: str = Field(
         default_factory=socket.gethostname, min_length=1,
@@ -396,20 +393,6 @@ class AgentSettings(BaseSettings):
         json_schema_extra={"docs_default": "`0o077`"},
         description="the umask of every job's command (TOML `0o077`, env `077`): what it "
         "creates is the agent user's alone; also sets the state folder's mode")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if cls._toml_file is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cls._toml_file))
-        return tuple(sources)
 
     @field_validator("heartbeat")
     @classmethod
