@@ -42,6 +42,8 @@ _POSITIVE_SECONDS = (
     "poll_interval", "lease", "retry_delay", "max_retry_delay", "dispatch_retry_delay",
     "max_dispatch_retry_delay", "listen_timeout", "health_interval", "prune_interval",
 )
+_LEAST = {"batch_size": (1, "1 or more"), "max_attempts": (0, "0 (no limit) or more")}
+"""The whole-number settings' least values, and how their error says it."""
 
 
 def _positive_seconds(value: object, name: str) -> object:
@@ -119,7 +121,6 @@ class CentralSettings(BaseModel):
             raise ValueError(f"stale_after={value!r} must be 0 or more seconds")
         return value
 
-    # The validators below are alike in shape (one bound each, its own message naming it).
     @field_validator("heartbeat_interval", mode="before")
     @classmethod
     def _check_heartbeat(cls, value: object) -> object:
@@ -130,18 +131,12 @@ class CentralSettings(BaseModel):
                              "of seconds (or None: a third of the lease)")
         return value
 
-    @field_validator("batch_size")
+    @field_validator(*_LEAST)
     @classmethod
-    def _check_batch_size(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"batch_size={value} must be 1 or more")
-        return value
-
-    @field_validator("max_attempts")
-    @classmethod
-    def _check_max_attempts(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError(f"max_attempts={value} must be 0 (no limit) or more")
+    def _check_least(cls, value: int, info: ValidationInfo) -> int:
+        least, said = _LEAST[str(info.field_name)]
+        if value < least:
+            raise ValueError(f"{info.field_name}={value} must be {said}")
         return value
 
     @field_validator("dispatch_retention", mode="before")

@@ -237,14 +237,8 @@ class Scheduler:
             )
         return TickReport(fired=fired, failed=failed, coalesced=truncated, held=held)
 
-    def fire_matching(
-        self,
-        trigger_key: str,
-        pred: Callable[[LocalSchedule], bool],
-        *,
-        now: datetime | None = None,
-        key: str | None = None,
-    ) -> int:
+    def fire_matching(self, trigger_key: str, pred: Callable[[LocalSchedule], bool], *,
+                      now: datetime | None = None, key: str | None = None) -> int:
         """Fire every enabled schedule pred selects, on demand; return how many fired."""
         fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
         return len(fired)
@@ -279,7 +273,6 @@ class Scheduler:
                 self.store.save()
         return decision, None if row is None else copy_row(row)
 
-    # Alike in signature to fire_matching, which calls it and keeps the Go kit's int answer.
     def fire_matching_report(
         self,
         trigger_key: str,

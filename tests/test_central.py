@@ -190,8 +190,11 @@ def test_settings_are_checked_naming_the_field() -> None:
 
 
 def test_the_attempt_limit_and_retention_are_checked() -> None:
-    with pytest.raises(ConfigError, match="max_attempts=-1"):
+    with pytest.raises(ConfigError, match=r"max_attempts=-1 must be 0 \(no limit\) or more"):
         CentralScheduler("sqlite://", CentralSettings(max_attempts=-1))
+    with pytest.raises(ConfigError, match="batch_size=0 must be 1 or more"):
+        CentralScheduler("sqlite://", CentralSettings(batch_size=0))
+    assert CentralSettings(max_attempts=0, batch_size=1).max_attempts == 0
     with pytest.raises(ConfigError, match="dispatch_retention=0"):
         CentralScheduler("sqlite://", CentralSettings(dispatch_retention=0))
 

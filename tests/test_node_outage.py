@@ -86,15 +86,23 @@ def _kill(proc: Any) -> None:
     proc.wait(10)
 
 
-# The tests below start their node alike in shape (a clock offset, rows, a window, a spawn),
-# each with its own values: `duplicates` pairs them; each opening is the test's own story.
+def _node_before_minute(tmp_path: Path, server: PrefectServer, kind: str,
+                        lead: float) -> NodeUnderTest:
+    """A node with no rows yet, its clock ``lead`` s before a minute boundary."""
+    return NodeUnderTest(tmp_path / "node", server.url, name=f"{kind}-{uuid.uuid4().hex[:6]}",
+                         rows=[], offset=offset_to(lead))
+
+
+def _minute_after(node: NodeUnderTest, seconds: float) -> datetime:
+    """Return the node's clock ``seconds`` from now, down to its minute (a window)."""
+    return (node.clock() + timedelta(seconds=seconds)).replace(second=0, microsecond=0)
+
+
 def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_is_back(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
-    offset = offset_to(40)
-    node = NodeUnderTest(tmp_path / "node", server.url, name=f"out-{uuid.uuid4().hex[:6]}",
-                         rows=[], offset=offset)
-    first = (node.clock() + timedelta(seconds=45)).replace(second=0, microsecond=0)
+    node = _node_before_minute(tmp_path, server, "out", 40)
+    first = _minute_after(node, 45)
     second = first + timedelta(minutes=1)
     node.write_rows([_hourly("a", first), _hourly("b", second),
                      chain_row("p", "prune"), chain_row("c", "check")])
@@ -119,7 +127,7 @@ def test_windows_fire_on_time_while_the_server_is_down_and_are_recorded_when_it_
         stop_group(proc)
     for sid, window in (("a", first), ("b", second)):
         (start,) = ran[sid]
-        late = start - (window - offset).timestamp()
+        late = start - (window - node.offset).timestamp()
         assert 0 <= late < 1.0, f"{sid} started {late:.3f} s after its window, offline"
     for name, sid in zip(names, ("a", "b"), strict=True):
         run = runs[name]
@@ -148,10 +156,8 @@ def _outputs(state: Path) -> str:
 def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records_it_once(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
-    offset = offset_to(15)
-    node = NodeUnderTest(tmp_path / "node", server.url, name=f"kill-{uuid.uuid4().hex[:6]}",
-                         rows=[], offset=offset)
-    window = (node.clock() + timedelta(seconds=20)).replace(second=0, microsecond=0)
+    node = _node_before_minute(tmp_path, server, "kill", 15)
+    window = _minute_after(node, 20)
     node.write_rows([_hourly("long", window, sleep=12)])
     log = tmp_path / "node.log"
     proc = node.spawn(log)
@@ -178,10 +184,8 @@ def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records
 def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_once(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
-    offset = offset_to(30)
-    node = NodeUnderTest(tmp_path / "node", server.url, name=f"idle-{uuid.uuid4().hex[:6]}",
-                         rows=[], offset=offset)
-    window = (node.clock() + timedelta(seconds=35)).replace(second=0, microsecond=0)
+    node = _node_before_minute(tmp_path, server, "idle", 30)
+    window = _minute_after(node, 35)
     node.write_rows([_hourly("w", window)])
     log = tmp_path / "node.log"
     proc = node.spawn(log)
@@ -204,7 +208,7 @@ def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_on
     run = runs[name]
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert len(_started_in_logs(prefect, run, "w")) == 1, "the window ran once"
-    late = _started_in_logs(prefect, run, "w")[0] - (window - offset).timestamp()
+    late = _started_in_logs(prefect, run, "w")[0] - (window - node.offset).timestamp()
     assert 20 <= late < 120, f"it ran {late:.1f} s after its window, within the grace"
     assert any("on time" in line for line in prefect.logs(run["id"]))
     everything = [item for item in prefect.node_runs(node.name) if item["name"] == name]
@@ -214,10 +218,8 @@ def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_on
 def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded_twice(
     tmp_path: Path, server: PrefectServer, prefect: Prefect,
 ) -> None:
-    offset = offset_to(30)
-    node = NodeUnderTest(tmp_path / "node", server.url, name=f"drain-{uuid.uuid4().hex[:6]}",
-                         rows=[], offset=offset)
-    window = (node.clock() + timedelta(seconds=35)).replace(second=0, microsecond=0)
+    node = _node_before_minute(tmp_path, server, "drain", 30)
+    window = _minute_after(node, 35)
     chatty = {**_hourly("chatty", window), "action": "fail"}  # fails twice: a task's retries
     del chatty["params"]
     node.write_rows([_hourly("quick", window), _hourly("long", window, sleep=25), chatty])
