@@ -52,8 +52,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from flows.action_specs import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
 from flows.identity import window_stamp
-from flows.settings import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
 from sched_core import ConfigError, LocalSchedule
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")

@@ -40,6 +40,7 @@ from flows.prefect_api import PrefectUnavailable
 from flows.reports import plan_lines, pull_lines
 from sched_core import PullError
 from sched_core.pull import NOT_MODIFIED
+from sched_core.worker import Worker
 
 if TYPE_CHECKING:
     from flows.node import Node
@@ -57,11 +58,9 @@ class Reconciler:
 
     def __init__(self, node: Node) -> None:
         self.n = node
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._worker = Worker("reconcile", self._main)
         self._reasons: list[tuple[str, str | None]] = [("start", None)]
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self.runs = 0
         """Reconciles begun."""
         self.finished = 0
@@ -71,23 +70,20 @@ class Reconciler:
         """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
 
     def start(self) -> Reconciler:
-        """Start the thread (once): it reconciles at once."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, name="reconcile", daemon=True)
-            self._thread.start()
-            self._wake.set()
+        """Start the thread (once), and reconcile at once."""
+        self._worker.start()
+        self._worker.wake()
         return self
 
     def poke(self, reason: str, run_id: str | None = None) -> None:
         """Reconcile now (a change announced, an operator's Run)."""
         with self._lock:
             self._reasons.append((reason, run_id))
-        self._wake.set()
+        self._worker.woken.set()
 
     def stop(self) -> None:
         """Stop the thread after the reconcile in progress."""
-        self._stop.set()
-        self._wake.set()
+        self._worker.stop(None)
 
     def _main(self) -> None:
         interval = self.n.settings.reconcile_interval.total_seconds()
@@ -95,11 +91,11 @@ class Reconciler:
         # so a fleet started together (a fleet-wide restart) does not reconcile together
         # every interval after.
         first = interval * (1 - FIRST_SPREAD * random.random())
-        while not self._stop.is_set():
-            woken = self._wake.wait(PLAN_RETRY_S if self.plan_pending
+        while not self._worker.stopping.is_set():
+            woken = self._worker.woken.wait(PLAN_RETRY_S if self.plan_pending
                                     else first if self.runs == 1 else interval)
-            self._wake.clear()
-            if self._stop.is_set():
+            self._worker.woken.clear()
+            if self._worker.stopping.is_set():
                 return
             with self._lock:
                 reasons, self._reasons = self._reasons, []
@@ -173,7 +169,7 @@ class Reconciler:
         error: str | None = None
         for attempt in range(settings.pull_retries + 1):
             if attempt:
-                if self._stop.wait(delay * 2 ** (attempt - 1)):
+                if self._worker.stopping.wait(delay * 2 ** (attempt - 1)):
                     break
             try:
                 return self.n.scheduler.pull(self.n._clock()), None

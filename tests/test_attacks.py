@@ -34,8 +34,9 @@ from typing import Any
 
 import pytest
 
+from flows.action_specs import template_fields
 from flows.actions import ValueRefused, job_environment, render_argv, run_command
-from flows.settings import AgentSettings, load_settings, template_fields
+from flows.settings import AgentSettings, load_settings
 from sched_core import ConfigError, LocalSchedule
 from tests.procs import free_port
 
