@@ -5,8 +5,8 @@ the last :data:`LOOKBACK` at its first pass, then of the time since its last
 pass plus the longest grace of any node plus :data:`MARGIN` (a window is
 judged once its grace is over, so that covers every window that became missed
 or completed since) (:func:`controller.ledger.fleet_report`), and decides,
-with the pure :func:`plan_alerts`, which alerts to raise and which earlier ones
-a success resolves:
+with the pure :func:`controller.alert_rules.plan_alerts`, which alerts to raise
+and which earlier ones a success resolves:
 
 - ``node-silent`` (event ``sched.node.silent``): a node silent past its
   heartbeats (:mod:`controller.fleet` rule 2), or never seen and with a missed
@@ -66,8 +66,7 @@ import logging
 import os
 import socket
 import threading
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -79,6 +78,13 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session
 
 from controller import jobs, ledger, nodes, schedules
+from controller.alert_rules import (
+    PROBLEMS,
+    Alert,
+    OpenAlert,
+    plan_alerts,
+    prefect_event,
+)
 from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
@@ -104,172 +110,6 @@ ALERT_RETENTION = timedelta(days=35)
 """Alerts raised longer ago than this are pruned."""
 LEASE_S = 30.0
 MAX_LEASE_S = 600.0
-_NAMESPACE = uuid.UUID("5d1f3a2e-8c4b-4f6a-9e21-7b0c3d9a4e11")
-
-EVENTS = {
-    "node-silent": "sched.node.silent",
-    "node-recovered": "sched.node.recovered",
-    "window-missed": "sched.node.window-missed",
-    "window-failed": "sched.node.window-failed",
-    "window-recovered": "sched.node.window-recovered",
-}
-"""The Prefect event each kind of alert sends."""
-PROBLEMS = frozenset({"node-silent", "window-missed", "window-failed"})
-
-
-@dataclass(frozen=True)
-class Alert:
-    """One alert to raise: what, about what, why; and the open alerts it resolves."""
-
-    node: str
-    kind: str
-    subject: str
-    reason: str
-    schedule_id: str | None = None
-    window: datetime | None = None
-    payload: dict[str, Any] = field(default_factory=dict)
-    resolves: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class OpenAlert:
-    """A problem alert not yet resolved."""
-
-    id: int
-    node: str
-    kind: str
-    subject: str
-    schedule_id: str | None
-    window: datetime | None
-
-
-def event_id(node: str, kind: str, subject: str) -> uuid.UUID:
-    """Return the Prefect event id of an alert: the same for every instance and every resend."""
-    return uuid.uuid5(_NAMESPACE, f"{node}\x00{kind}\x00{subject}")
-
-
-def _payload(node: str, kind: str, reason: str, entry: Mapping[str, Any] | None = None,
-             **more: Any) -> dict[str, Any]:
-    data: dict[str, Any] = {"node": node, "kind": kind, "reason": reason}
-    if entry is not None:
-        for name in ("schedule_id", "key", "window", "local", "state", "error", "flow_run_id",
-                     "started_at", "ended_at"):
-            data[name] = entry.get(name)
-    data.update(more)
-    return data
-
-
-def plan_alerts(report: Mapping[str, Any], open_alerts: Iterable[OpenAlert]) -> list[Alert]:
-    """Return the alerts a fleet report calls for (see the module docstring).
-
-    Pure: the report carries its own ``now``; alerts already raised are left
-    to the database's uniqueness (step 1), so a pass may propose them again.
-    """
-    found: list[Alert] = []
-    open_by_node: dict[str, list[OpenAlert]] = {}
-    for item in open_alerts:
-        open_by_node.setdefault(item.node, []).append(item)
-    for node in report["nodes"]:
-        name = node["node"]
-        mine = open_by_node.get(name, [])
-        found += _silence_alerts(node, mine)
-        found += _window_alerts(name, node["windows"], mine)
-        found += _recovery_alerts(name, node["windows"], mine)
-    return found
-
-
-def _silence_alerts(node: Mapping[str, Any], mine: list[OpenAlert]) -> list[Alert]:
-    """Decide node-silent (a silent node seen once, or with a missed window) and
-    node-recovered (a node back while its silence is open)."""
-    found: list[Alert] = []
-    name = node["node"]
-    missed = [e for e in node["windows"] if e["status"] == "missed"]
-    if node["silent"] and (node["last_seen_at"] is not None or missed):
-        subject = (f"silent@{node['last_seen_at']}" if node["last_seen_at"]
-                   else "never-seen")
-        found.append(Alert(name, "node-silent", subject, node["silence"] or "silent",
-                           payload=_payload(name, "node-silent", node["silence"] or "",
-                                            last_seen_at=node["last_seen_at"],
-                                            heartbeat_s=node["heartbeat_s"],
-                                            silent_after_s=node["silent_after_s"])))
-    if not node["silent"]:
-        for item in mine:
-            if item.kind == "node-silent":
-                reason = (f"node {name} is back: its last request of its own was at "
-                          f"{node['last_seen_at']}")
-                found.append(Alert(name, "node-recovered", f"recovered@{item.subject}",
-                                   reason, resolves=(item.id,),
-                                   payload=_payload(name, "node-recovered", reason,
-                                                    last_seen_at=node["last_seen_at"],
-                                                    resolves=[item.subject])))
-    return found
-
-
-def _window_alerts(name: str, windows: list[dict[str, Any]],
-                   mine: list[OpenAlert]) -> list[Alert]:
-    """Decide window-missed and window-failed: the first of each schedule and kind while
-    none of them is open."""
-    found: list[Alert] = []
-    already = {(i.schedule_id, i.kind) for i in mine}
-    for entry in windows:
-        kind = {"missed": "window-missed", "failed": "window-failed"}.get(entry["status"])
-        if kind is None or (entry["schedule_id"], kind) in already:
-            continue
-        already.add((entry["schedule_id"], kind))
-        reason = f"{entry['schedule_id']} window {entry['local']}: {entry['detail']}"
-        found.append(Alert(name, kind, entry["key"], reason,
-                           schedule_id=entry["schedule_id"],
-                           window=_time(entry["window"]),
-                           payload=_payload(name, kind, reason, entry)))
-    return found
-
-
-def _recovery_alerts(name: str, windows: list[dict[str, Any]],
-                     mine: list[OpenAlert]) -> list[Alert]:
-    """Decide window-recovered, schedule by schedule: a later window that completed resolves
-    the schedule's earlier open alerts; a missed window reported after all resolves its own."""
-    found: list[Alert] = []
-    by_key = {e["key"]: e for e in windows}
-    for schedule_id in sorted({i.schedule_id for i in mine if i.schedule_id}):
-        problems = [i for i in mine if i.schedule_id == schedule_id
-                    and i.kind in ("window-missed", "window-failed")]
-        if not problems:
-            continue
-        oldest = min((i.window for i in problems if i.window is not None), default=None)
-        done = [e for e in windows if e["schedule_id"] == schedule_id
-                and e["status"] == "completed" and e["expected"]
-                and oldest is not None and (_time(e["window"]) or oldest) > oldest]
-        # A missed window whose job was reported after all is resolved by that report.
-        late = [i for i in problems if i.kind == "window-missed"
-                and by_key.get(i.subject, {}).get("status") not in (None, "missed")]
-        if done:
-            found.append(_completed_recovery(name, schedule_id, done[0], problems))
-        for item in late:
-            entry = by_key[item.subject]
-            reason = (f"{schedule_id} window {entry['local']}: the node reported its job "
-                      f"after all ({entry['detail']})")
-            found.append(Alert(name, "window-recovered", f"reported@{item.subject}",
-                               reason, schedule_id=schedule_id,
-                               window=_time(entry["window"]), resolves=(item.id,),
-                               payload=_payload(name, "window-recovered", reason, entry,
-                                                resolves=[item.subject])))
-    return found
-
-
-def _completed_recovery(name: str, schedule_id: str, first: Mapping[str, Any],
-                        problems: list[OpenAlert]) -> Alert:
-    """Return the window-recovered alert of a completed window: it resolves the schedule's
-    open alerts about earlier windows."""
-    resolved = tuple(i.id for i in problems if i.window is None
-                     or i.window < (_time(first["window"]) or i.window))
-    reason = (f"{schedule_id} window {first['local']} completed: resolves "
-              f"{len(resolved)} earlier alert(s)")
-    return Alert(name, "window-recovered", first["key"], reason,
-                 schedule_id=schedule_id, window=_time(first["window"]),
-                 resolves=resolved,
-                 payload=_payload(name, "window-recovered", reason, first,
-                                  resolves=[i.subject for i in problems if i.id in resolved]))
-
 
 def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:
     """Return the alerts raised about node, newest first (for ``sched explain``)."""
@@ -281,34 +121,8 @@ def alert_facts(session: Session, node: str, limit: int = 500) -> list[Any]:
     return [AlertFact(r.kind, r.subject, r.detected_at, r.sent_at, r.resolved_at) for r in rows]
 
 
-def _time(value: object) -> datetime | None:
-    from sched_core.values import parse_api_time
-
-    return parse_api_time(value)
-
-
 Emitter = Callable[[dict[str, Any]], None]
 """Sends one Prefect event (JSON data); raises when it was not accepted."""
-
-
-def prefect_event(alert: Mapping[str, Any], *, occurred: datetime) -> dict[str, Any]:
-    """Return a stored alert's Prefect event as JSON data (rule 3: a stable id)."""
-    from prefect.events import Event
-
-    node, kind, subject = alert["node"], alert["kind"], alert["subject"]
-    related = []
-    if alert.get("schedule_id"):
-        related.append({"prefect.resource.id": f"sched.schedule.{node}.{alert['schedule_id']}",
-                        "prefect.resource.role": "sched-schedule",
-                        "prefect.resource.name": alert["schedule_id"]})
-    event = Event(
-        event=EVENTS[kind],
-        resource={"prefect.resource.id": f"sched.node.{node}", "prefect.resource.name": node},
-        related=related, occurred=occurred, payload=dict(alert["payload"]),
-        id=event_id(node, kind, subject),
-    )
-    data: dict[str, Any] = event.model_dump(mode="json")
-    return data
 
 
 def take_turn(session: Session, name: str, every_s: float, holder: str) -> bool:

@@ -1,6 +1,6 @@
 """The fleet watch's decisions (pure) and its exactly-once rows on a real database.
 
-:func:`controller.watch.plan_alerts` over hand-made reports in the shape of
+:func:`controller.alert_rules.plan_alerts` over hand-made reports in the shape of
 ``GET /api/report``; :class:`controller.watch.FleetWatch` over a real database
 (SQLite and Postgres) with an emitter that records, and one that fails.
 """
@@ -14,9 +14,10 @@ import pytest
 from sqlmodel import Session
 
 from controller import nodes, schedules
+from controller.alert_rules import OpenAlert, event_id, plan_alerts
 from controller.db import make_engine
 from controller.fleet import FleetSettings
-from controller.watch import FleetWatch, OpenAlert, event_id, plan_alerts
+from controller.watch import FleetWatch
 from sched_core.model import LocalSchedule
 
 T0 = datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
@@ -184,7 +185,8 @@ def test_a_fleet_gone_silent_at_once_is_inserted_in_batches_each_once(database_u
     pass resolves the open alerts it names."""
     from sqlalchemy import func, select
 
-    from controller.watch import ALERTS, INSERT_BATCH, Alert
+    from controller.alert_rules import Alert
+    from controller.watch import ALERTS, INSERT_BATCH
 
     engine = make_engine(database_url)
     count = INSERT_BATCH * 2 + 7
