@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from flows import launcher
+from flows.job_state import LiveJob, Moves
 from flows.outbox import (
     CANCELLED,
     COMPLETED,
@@ -54,38 +54,13 @@ from sched_core.policies import Peer, overlap_verdict
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
+Outcome = tuple[str, str, str | None]
+"""How a job ends: its state, its message, and its error (None when it did not fail)."""
 
 
 def longest_run_s(spec: JobSpec) -> float:
     """Return how long one job can run: every try, and the delays between."""
     return spec.timeout_s * (spec.retries + 1) + spec.retry_delay_s * spec.retries
-
-
-@dataclass
-class _Job:
-    """A job that has not ended: its folder, where it is, its keeper."""
-
-    folder: JobFolder
-    spec: JobSpec
-    state: str = "queued"  # queued | running
-    attempt: int = 0
-    keeper: launcher.Keeper | None = None
-    waiting: bool = False  # waits for a running job of its schedule (buffer-one, cancel-other)
-    wait_until: float | None = None
-    cancel: str | None = None
-    thread: threading.Thread | None = None
-    resume: JobView | None = None
-    """The job's view when the node found it at start (for :meth:`Jobs.resume`)."""
-    cancelled_peers: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Moves:
-    """What one pass over the queue decided, done once the lock is let go."""
-
-    start: list[_Job] = field(default_factory=list)
-    end: list[tuple[_Job, str, str]] = field(default_factory=list)  # (job, state, reason)
-    cancel: list[tuple[_Job, str]] = field(default_factory=list)  # (running job, message)
 
 
 class Jobs:
@@ -122,7 +97,7 @@ class Jobs:
         self._repo_lock = repo_lock or (lambda spec, folder: nullcontext())
         self._warm = warm
         self._lock = threading.RLock()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, LiveJob] = {}
         self._order: list[str] = []  # accept order of the jobs not ended
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
@@ -165,7 +140,7 @@ class Jobs:
             folder.log(now, line)
         self._journal(folder, "accepted", reason=spec.reason)
         with self._lock:
-            job = _Job(folder=folder, spec=spec)
+            job = LiveJob(folder=folder, spec=spec)
             verdict, reason = overlap_verdict(spec.overlap, spec.schedule_id, self._peers(job))
             if verdict != "skip":
                 self._jobs[spec.job_id] = job
@@ -209,7 +184,7 @@ class Jobs:
         self._wakeup.set()
         return True
 
-    def _find(self, *, job_id: str | None, flow_run_id: str | None) -> _Job | None:
+    def _find(self, *, job_id: str | None, flow_run_id: str | None) -> LiveJob | None:
         if job_id is not None:
             return self._jobs.get(job_id)
         for job in self._jobs.values():
@@ -220,7 +195,7 @@ class Jobs:
 
     # -- the queue ----------------------------------------------------------------------
 
-    def _peers(self, job: _Job) -> list[Peer]:
+    def _peers(self, job: LiveJob) -> list[Peer]:
         peers = []
         for other_id in self._order:
             other = self._jobs[other_id]
@@ -248,10 +223,10 @@ class Jobs:
         if moves.end:
             self._dispatch()
 
-    def _pass(self) -> _Moves:
+    def _pass(self) -> Moves:
         """Go through the queue in order (the lock held): decide which jobs start, which end
         skipped and which running ones to cancel; the others wait (rules 1-3)."""
-        moves = _Moves()
+        moves = Moves()
         free = self.slots - sum(1 for job in self._jobs.values() if job.state == "running")
         blocked: set[str] = set()
         for job_id in list(self._order):
@@ -284,7 +259,7 @@ class Jobs:
             moves.start.append(job)
         return moves
 
-    def _wait_for_peer(self, job: _Job, verdict: str, reason: str, moves: _Moves) -> bool:
+    def _wait_for_peer(self, job: LiveJob, verdict: str, reason: str, moves: Moves) -> bool:
         """Hold job back behind the running job of its schedule (rule 3): start its wait, or
         end it Skipped once the wait is over (True); for cancel-other, cancel the running one."""
         if not job.waiting:
@@ -305,7 +280,7 @@ class Jobs:
                                          f"cancel-other of schedule {job.spec.schedule_id}"))
         return False
 
-    def _wait_for_slot(self, job: _Job) -> None:
+    def _wait_for_slot(self, job: LiveJob) -> None:
         """Journal, once, that job waits for a free slot (rule 1)."""
         if not job.folder.read_json("queued.json"):
             job.folder.write_json("queued.json", {"at": utc_text(self._clock())})
@@ -326,7 +301,7 @@ class Jobs:
 
     # -- a job's life -------------------------------------------------------------------
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: LiveJob) -> None:
         """Run a job's attempts (rule 4) and end it; in the job's own thread."""
         try:
             state, message, error = self._attempts(job)
@@ -340,7 +315,7 @@ class Jobs:
         if not self._stopping.is_set():
             self._end(job, state, message, error=error)
 
-    def _attempts(self, job: _Job) -> tuple[str, str, str | None]:
+    def _attempts(self, job: LiveJob) -> Outcome:
         spec = job.spec
         view = job.resume
         first = 1
@@ -365,7 +340,7 @@ class Jobs:
                 job.keeper = None
                 number += 1
 
-    def _launch(self, job: _Job, number: int) -> bool:
+    def _launch(self, job: LiveJob, number: int) -> bool:
         spec = job.spec
         self._journal(job.folder, "launch", attempt=number)
         try:
@@ -385,7 +360,7 @@ class Jobs:
                       shim_start=keeper.start_ticks)
         return True
 
-    def _after_attempt(self, job: _Job, number: int) -> tuple[str, str, str | None] | None:
+    def _after_attempt(self, job: LiveJob, number: int) -> Outcome | None:
         """Read attempt number's outcome: the job's end, or None to try again (rule 4)."""
         spec = job.spec
         view = job.folder.view()
@@ -418,7 +393,7 @@ class Jobs:
             return FAILED, "the node stopped", None
         return None
 
-    def _end(self, job: _Job, state: str, message: str, *, error: str | None = None,
+    def _end(self, job: LiveJob, state: str, message: str, *, error: str | None = None,
              dispatch: bool = True) -> None:
         self._journal(job.folder, "end", state=state, message=message, error=error)
         with self._lock:
@@ -448,7 +423,7 @@ class Jobs:
                 continue
             if view.phase == "ended":
                 continue
-            job = _Job(folder=folder, spec=view.spec, cancel=view.cancel)
+            job = LiveJob(folder=folder, spec=view.spec, cancel=view.cancel)
             if view.phase == "queued":
                 found.append((view.spec.run_name, "waits for a slot again"))
             else:
@@ -466,7 +441,7 @@ class Jobs:
         self._dispatch()
         return found
 
-    def _resume_attempts(self, job: _Job, view: JobView) -> tuple[str, str, str | None] | None:
+    def _resume_attempts(self, job: LiveJob, view: JobView) -> Outcome | None:
         """Follow or read the attempt a restart found (rule 5); None to run the next one."""
         last = view.attempts[-1] if view.attempts else None
         if last is None:
@@ -498,7 +473,7 @@ class Jobs:
         job.keeper = None
         return None
 
-    def _retry_after_restart(self, job: _Job, view: JobView) -> tuple[str, str, str | None] | None:
+    def _retry_after_restart(self, job: LiveJob, view: JobView) -> Outcome | None:
         """Wait out the rest of a retry delay the restart interrupted, then go on."""
         if view.retry_at is not None:
             left = (view.retry_at - self._clock()).total_seconds()
