@@ -208,51 +208,74 @@ class ControllerWait:
                 try:
                     response = client.get(self.url, params=params, headers=headers)
                 except httpx.HTTPError as exc:
-                    self.connected.clear()
-                    self._start_check()
                     log.debug("controller wait failed: %r", exc)
-                    self._worker.stopping.wait(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    backoff = self._back_off(backoff)
                     continue
                 if response.status_code in (404, 405):
-                    log.info("the controller has no wait endpoint; following Prefect's events "
-                             "instead", extra={"url": self.url})
-                    self.supported = False
-                    self._start_check()
-                    if not self._told:
-                        self._told = True
-                        self._on_unsupported()
+                    self._no_wait_endpoint()
                     return
                 if response.status_code != 200:
-                    self.connected.clear()
-                    self._start_check()
                     log.warning("the controller refused the wait (%d): %s",
                                 response.status_code, response.text[:300])
-                    self._worker.stopping.wait(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                    backoff = self._back_off(backoff)
                     continue
-                self.connected.set()
+                data = _json_object(response)
+                if data is None:
+                    log.warning("the controller's wait answer is not a JSON object: %r",
+                                response.text[:300])
+                    backoff = self._back_off(backoff)
+                    continue
                 backoff = BACKOFF_MIN_S
-                self.answers += 1
-                data = response.json()
-                self.relay = bool(data.get("relay"))
-                if not self.relay and not self._told:
-                    self._told = True
-                    log.info("the controller follows no Prefect events; following them from "
-                             "the node", extra={"url": self.url})
-                    self._on_unsupported()
-                etag = str(data.get("etag") or "")
-                told = etag if etag not in ("", self._etag() or "") else ""
-                if told:
-                    self._on_schedules()
-                prefect = str(data.get("prefect") or "")
-                if not self.relay or (not seen and poked(prefect)):
-                    self._start_check()
-                self._start_owed = False
-                if prefect and newer(prefect, seen):
-                    if seen:
-                        self._on_prefect()
-                    seen = prefect
+                told, seen = self._answered(data, told, seen)
+
+    def _back_off(self, backoff: float) -> float:
+        """After a failed wait: not connected, the start's check owed, a pause; the next pause."""
+        self.connected.clear()
+        self._start_check()
+        self._worker.stopping.wait(backoff)
+        return min(backoff * 2, BACKOFF_MAX_S)
+
+    def _no_wait_endpoint(self) -> None:
+        log.info("the controller has no wait endpoint; following Prefect's events instead",
+                 extra={"url": self.url})
+        self.supported = False
+        self._start_check()
+        if not self._told:
+            self._told = True
+            self._on_unsupported()
+
+    def _answered(self, data: dict[str, object], told: str, seen: str) -> tuple[str, str]:
+        """Act on a wait's answer; return the version the node was told of, and ``prefect``."""
+        self.connected.set()
+        self.answers += 1
+        self.relay = bool(data.get("relay"))
+        if not self.relay and not self._told:
+            self._told = True
+            log.info("the controller follows no Prefect events; following them from "
+                     "the node", extra={"url": self.url})
+            self._on_unsupported()
+        etag = str(data.get("etag") or "")
+        told = etag if etag not in ("", self._etag() or "") else ""
+        if told:
+            self._on_schedules()
+        prefect = str(data.get("prefect") or "")
+        if not self.relay or (not seen and poked(prefect)):
+            self._start_check()
+        self._start_owed = False
+        if prefect and newer(prefect, seen):
+            if seen:
+                self._on_prefect()
+            seen = prefect
+        return told, seen
+
+
+def _json_object(response: httpx.Response) -> dict[str, object] | None:
+    """Return an answer's JSON object, or None for anything else (a proxy's page, a list)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def poked(token: str) -> bool:

@@ -8,6 +8,7 @@ then starts without any connection of its own to Prefect between its windows.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -290,3 +291,52 @@ def test_a_nodes_reading_of_its_waits_counter() -> None:
     assert newer("1000", "") and newer("a1:2", "a1:1") and newer("1000", "a1:1")
     assert not poked("0") and poked("1733389200000000")
     assert poked("a1:1") and not poked("a1:0") and poked("odd")
+
+
+def test_a_wait_answer_that_is_not_a_json_object_is_a_failed_wait_not_the_end_of_the_poll(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A proxy's HTML page or a JSON list answered 200: the node says so, backs off and polls
+    again (its thread died on the first of these before)."""
+    from datetime import timedelta
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from flows.control import ControllerWait
+
+    bodies = [b"<html>502 Bad Gateway</html>", b"[1, 2]",
+              json.dumps({"etag": "e-2", "relay": True, "prefect": "0"}).encode()]
+    asked: list[str] = []
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            body = bodies[min(len(asked), len(bodies)) - 1]
+            if len(asked) > len(bodies):
+                time.sleep(0.5)  # a held wait, after the answers under test
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    told: list[str] = []
+    wait = ControllerWait(
+        f"http://127.0.0.1:{server.server_address[1]}/api/nodes/n/wait", token=lambda: "t",
+        etag=lambda: "e-1", heartbeat=timedelta(seconds=10),
+        on_schedules=lambda: told.append("changed"), on_prefect=lambda: None,
+        on_unsupported=lambda: None)
+    try:
+        with caplog.at_level("WARNING", logger="flows.control"):
+            wait.start()
+            wait_for("the good answer after two bad ones", lambda: bool(told), 30)
+        assert told == ["changed"] and wait.connected.is_set() and wait.answers >= 1
+        bad = [r.getMessage() for r in caplog.records if "not a JSON object" in r.getMessage()]
+        assert len(bad) == 2 and "502 Bad Gateway" in bad[0] and "[1, 2]" in bad[1], bad
+    finally:
+        wait.stop()
+        server.shutdown()
+        server.server_close()

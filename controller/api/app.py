@@ -229,6 +229,31 @@ def _health_route(app: FastAPI, in_session: Callable[[Callable[[Session], Any]],
         return JSONResponse({"status": "ok", "database": "ok"})
 
 
+def _session_runner(engine: Engine) -> Callable[[Callable[[Session], T]], T]:
+    """Return ``in_session(work)``: work run in a session of its own, committed after."""
+
+    def in_session(work: Callable[[Session], T]) -> T:
+        with Session(engine) as session:
+            result = work(session)
+            session.commit()
+            return result
+
+    return in_session
+
+
+def _wait_routes(app: FastAPI, engine: Engine, auth: Auth, waits: NodeWaits,
+                 fleet_api: FleetApi) -> None:
+    """Add the nodes' long poll, its ETags read in batches (``app.state.etag_reads``)."""
+
+    def read_etags(nodes: list[str]) -> dict[str, str]:
+        with engine.connect() as connection:
+            return schedules.node_etags(connection, nodes)
+
+    app.state.etag_reads = etag_reads = EtagReads(read_etags)
+    app.include_router(wait_router(etag_reads, auth.require_node, waits,
+                                   lambda node, etag: fleet_api.record_pull(node, 304, etag)))
+
+
 def create_app(
     engine: Engine,
     tokens: Tokens,
@@ -264,13 +289,7 @@ def create_app(
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
     auth = Auth(tokens)
-
-    def in_session(work: Callable[[Session], T]) -> T:
-        with Session(engine) as session:
-            result = work(session)
-            session.commit()
-            return result
-
+    in_session = _session_runner(engine)
     _health_route(app, in_session)
     recorder = PullRecorder(engine, clock=clock) if record_pulls else None
     app.state.pull_recorder = recorder
@@ -283,13 +302,7 @@ def create_app(
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
 
-    def read_etags(nodes: list[str]) -> dict[str, str]:
-        with engine.connect() as connection:
-            return schedules.node_etags(connection, nodes)
-
-    app.state.etag_reads = etag_reads = EtagReads(read_etags)
-    app.include_router(wait_router(etag_reads, auth.require_node, waits,
-                                   lambda node, etag: fleet_api.record_pull(node, 304, etag)))
+    _wait_routes(app, engine, auth, waits, fleet_api)
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
                                    revocations=SessionRevocations(in_session)))
