@@ -35,10 +35,16 @@ _rows = sa.table(
 )
 
 
-# Over 60 lines, and left so: a migration is a frozen record of what this revision did.
-# Alike in shape to the other revisions' create_table calls: a revision is a frozen
-# record and never shares code with another.
 def upgrade() -> None:
+    _node_seen()
+    _node_job()
+    _schedule_version()
+    _fleet_alert()
+
+
+# The steps below are alike in shape to the other revisions' create_table calls: a revision
+# is a frozen record and never shares code with another.
+def _node_seen() -> None:
     op.create_table(
         "node_seen",
         sa.Column("node", NAME_TYPE, primary_key=True),
@@ -47,6 +53,9 @@ def upgrade() -> None:
         sa.Column("heartbeat_s", sa.Float(), nullable=True),
         sa.Column("first_seen_at", UtcDateTime(), nullable=False),
     )
+
+
+def _node_job() -> None:
     op.create_table(
         "node_job",
         sa.Column("node", NAME_TYPE, primary_key=True),
@@ -67,6 +76,10 @@ def upgrade() -> None:
     )
     op.create_index("ix_node_job_node_filed", "node_job", ["node", "filed_at"])
     op.create_index("ix_node_job_node_received", "node_job", ["node", "received_at"])
+
+
+def _schedule_version() -> None:
+    """The table, and each existing row's current version in force from its updated_at."""
     versions = op.create_table(
         "schedule_version",
         sa.Column("seq", sa.Integer(), primary_key=True, autoincrement=True),
@@ -79,6 +92,19 @@ def upgrade() -> None:
     )
     op.create_index("ix_schedule_version_row", "schedule_version",
                     ["node", "id", "valid_from"])
+    connection = op.get_bind()
+    existing = [
+        {"node": row.node, "id": row.id, "version": row.version, "wire": row.wire,
+         "valid_from": row.updated_at, "valid_until": None}
+        for row in connection.execute(
+            sa.select(_rows.c.node, _rows.c.id, _rows.c.version, _rows.c.wire,
+                      _rows.c.updated_at))
+    ]
+    if existing:
+        op.bulk_insert(versions, existing)
+
+
+def _fleet_alert() -> None:
     op.create_table(
         "fleet_alert",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
@@ -97,16 +123,6 @@ def upgrade() -> None:
         sa.UniqueConstraint("node", "kind", "subject", name="uq_fleet_alert_subject"),
     )
     op.create_index("ix_fleet_alert_node_open", "fleet_alert", ["node", "resolved_at"])
-    connection = op.get_bind()
-    existing = [
-        {"node": row.node, "id": row.id, "version": row.version, "wire": row.wire,
-         "valid_from": row.updated_at, "valid_until": None}
-        for row in connection.execute(
-            sa.select(_rows.c.node, _rows.c.id, _rows.c.version, _rows.c.wire,
-                      _rows.c.updated_at))
-    ]
-    if existing:
-        op.bulk_insert(versions, existing)
 
 
 def downgrade() -> None:
