@@ -24,8 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core flows deployments controller sched_ops sched_cli.py
-	$(VENV)/bin/mypy --strict scripts/scaled.py
+	$(VENV)/bin/mypy sched_core flows deployments controller sched_ops sched_cli.py scripts
 
 test: lint typecheck
 	$(VENV)/bin/pytest -n 2 --dist loadfile

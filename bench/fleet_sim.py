@@ -1118,25 +1118,13 @@ def sqlite_layout(work: Path, names: list[str]) -> Layout:
                   logs={"prefect-server": work / "sqlite-prefect" / "server.log"})
 
 
-def _scaled_script() -> Any:
-    """scripts/scaled.py as a module (its PostgreSQL cluster: Debian's, with pg_trgm)."""
-    import importlib.util
-
-    if "scaled_script" in sys.modules:
-        return sys.modules["scaled_script"]
-    spec = importlib.util.spec_from_file_location("scaled_script", ROOT / "scripts" / "scaled.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scaled_script"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def postgres_layout(work: Path, names: list[str]) -> Layout:
     """One ``prefect server start`` (one API process, its services in it) on a throwaway
     PostgreSQL cluster (scripts/scaled.py's, under work), Prefect's default pool (5 + 10
     overflow), and one controller as in the sqlite layout (SQLite)."""
-    scaled = _scaled_script()
+    from scripts.scaled_parts import config as scaled
+    from scripts.scaled_parts import postgres
+
     work.chmod(0o711)  # the postgres user reaches its cluster under work
     folder = work / "postgres"
     layout = scaled.Layout(folder)
@@ -1147,7 +1135,7 @@ def postgres_layout(work: Path, names: list[str]) -> Layout:
         "SCALED_CONTROLLER_COUNT": "0", "SCALED_DB_POOL_SIZE": "5",
         "SCALED_DB_MAX_OVERFLOW": "10", "SCALED_PORT_BASE": str(pb.free_port())}))
     (folder / "logs").mkdir(parents=True, exist_ok=True)
-    pg = scaled.Postgres(layout, scaled.Tools.find())
+    pg = postgres.Postgres(layout, scaled.Tools.find())
     pg.init()
     pg.start()
     pg.ensure_databases()

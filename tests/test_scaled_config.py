@@ -6,29 +6,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts import load_script
-
-scaled = load_script("scripts/scaled.py", "scaled_layout")
+from scripts.scaled_parts.balancer import CHECK_TIMEOUT_S, haproxy_conf
+from scripts.scaled_parts.config import Layout, config_from_env
+from scripts.scaled_parts.procs import LayoutError
 
 
 def test_the_controllers_connection_ceiling_is_a_setting() -> None:
     # A node's long poll holds a connection: 10,000 nodes need more than serve's 1,000.
-    assert scaled.config_from_env({})["controller_max_connections"] == 1000
-    config = scaled.config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": "12000"})
+    assert config_from_env({})["controller_max_connections"] == 1000
+    config = config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": "12000"})
     assert config["controller_max_connections"] == 12000
     for bad in ("0", "many"):
-        with pytest.raises(scaled.LayoutError, match="SCALED_CONTROLLER_MAX_CONNECTIONS"):
-            scaled.config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": bad})
+        with pytest.raises(LayoutError, match="SCALED_CONTROLLER_MAX_CONNECTIONS"):
+            config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": bad})
 
 
 def test_the_balancer_may_be_several_processes_on_the_same_ports(tmp_path: Path) -> None:
     # A proxied connection holds two descriptors; a process's open-file limit caps how many
     # long polls one HAProxy holds. Each process binds both frontends' ports.
-    config = scaled.config_from_env({"SCALED_LB_PROCESSES": "3"})
-    layout = scaled.Layout(tmp_path)
+    config = config_from_env({"SCALED_LB_PROCESSES": "3"})
+    layout = Layout(tmp_path)
     layout.create(config)
     assert layout.lb_names() == ["haproxy", "haproxy-2", "haproxy-3"]
-    texts = {name: scaled.haproxy_conf(layout, name).read_text() for name in layout.lb_names()}
+    texts = {name: haproxy_conf(layout, name).read_text() for name in layout.lb_names()}
     binds = {name: sorted(line for line in text.splitlines() if line.strip().startswith("bind"))
              for name, text in texts.items()}
     assert len(binds["haproxy"]) == 3  # Prefect, controller, stats page
@@ -38,8 +38,8 @@ def test_the_balancer_may_be_several_processes_on_the_same_ports(tmp_path: Path)
     sockets = {line.split()[2] for text in texts.values() for line in text.splitlines()
                if line.strip().startswith("stats socket")}
     assert len(sockets) == 3
-    with pytest.raises(scaled.LayoutError, match="SCALED_LB_PROCESSES"):
-        scaled.config_from_env({"SCALED_LB_PROCESSES": "0"})
+    with pytest.raises(LayoutError, match="SCALED_LB_PROCESSES"):
+        config_from_env({"SCALED_LB_PROCESSES": "0"})
     # A layout made before the setting: one process.
     del layout.state["config"]["lb_processes"]
     assert layout.lb_names() == ["haproxy"]
@@ -49,13 +49,13 @@ def test_a_busy_server_is_not_taken_out_but_a_dead_one_is(tmp_path: Path) -> Non
     # Each backend's health check waits CHECK_TIMEOUT_S for its answer (a busy API process
     # answered /api/health in over 2 s at a 10,000-node peak, both were marked down and
     # HAProxy answered 503 itself); a refused connection still fails a check at once.
-    layout = scaled.Layout(tmp_path)
-    layout.create(scaled.config_from_env({}))
-    text = scaled.haproxy_conf(layout).read_text()
+    layout = Layout(tmp_path)
+    layout.create(config_from_env({}))
+    text = haproxy_conf(layout).read_text()
     backends = text.split("\nbackend ")[1:]
     assert [b.split()[0] for b in backends] == ["prefect_api", "controller_api"]
     for backend in backends:
         lines = [line.strip() for line in backend.split("\nfrontend ")[0].splitlines()]
-        assert f"timeout check {scaled.CHECK_TIMEOUT_S}s" in lines
+        assert f"timeout check {CHECK_TIMEOUT_S}s" in lines
         assert "default-server inter 2s fall 2 rise 2" in lines
-    assert scaled.CHECK_TIMEOUT_S >= 10
+    assert CHECK_TIMEOUT_S >= 10

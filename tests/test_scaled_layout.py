@@ -47,7 +47,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.scripts import load_script
+from scripts.scaled_parts import config as scaled_config
+from scripts.scaled_parts.balancer import haproxy_stats
+from scripts.scaled_parts.config import Tools
+from scripts.scaled_parts.procs import MissingPrograms, alive, port_free, start_time
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.prefect]
 
@@ -55,9 +58,6 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "scaled.py"
 STATES = ["PENDING", "RUNNING", "COMPLETED"]
 DEADLINE_S = 180.0  # generous: the machine may be loaded; nothing asserts on a duration
-
-
-scaled = load_script("scripts/scaled.py", "scaled_layout")
 
 
 def _free_ports(count: int) -> list[int]:
@@ -96,22 +96,22 @@ class Layout:
 
     @property
     def state(self) -> Any:
-        return scaled.Layout(self.folder)
+        return scaled_config.Layout(self.folder)
 
     def pid(self, name: str) -> int:
         pid: int = self.state.proc(name)["pid"]
         return pid
 
     def servers(self) -> dict[str, dict[str, str]]:
-        stats: dict[str, dict[str, str]] = scaled.haproxy_stats(self.state)
+        stats: dict[str, dict[str, str]] = haproxy_stats(self.state)
         return stats
 
 
 @pytest.fixture
 def layout() -> Iterator[Layout]:
     try:
-        scaled.Tools.find()
-    except scaled.MissingPrograms as exc:
+        Tools.find()
+    except MissingPrograms as exc:
         if exc.project:
             raise
         pytest.skip(str(exc))
@@ -137,7 +137,7 @@ def layout() -> Iterator[Layout]:
         stopped = handle.script("down")
         if stopped.returncode != 0:  # never leave a server behind, whatever happened
             for record in (handle.state.state.get("processes") or {}).values():
-                if scaled.alive(record):
+                if alive(record):
                     os.kill(record["pid"], signal.SIGKILL)
             pg = folder / "pg" / "data" / "postmaster.pid"
             if pg.exists():
@@ -343,7 +343,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     for _ in range(20):
         with httpx.Client(base_url=api, timeout=30) as fresh:
             assert fresh.get("/health").status_code == 200
-    served = {lb: sum(int(row["stot"]) for name, row in scaled.haproxy_stats(state, lb).items()
+    served = {lb: sum(int(row["stot"]) for name, row in haproxy_stats(state, lb).items()
                       if name.startswith("prefect_api/")) for lb in state.lb_names()}
     assert all(served.values()), f"a balancer process served none of 20 connections: {served}"
 
@@ -379,7 +379,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
             _emit_and_kill(apis[victim], ws_names[:3], handed_to_redis, layout.pid(victim))
             node.wait_for(8, f"after {victim} was killed")
             _emit(api, ws_names[3:])  # through the balancer: lands on the survivor
-            assert not scaled.alive(state.proc(victim))
+            assert not alive(state.proc(victim))
 
             # 2. Redis restarted (SIGTERM: it writes its append-only file and exits), then `up`.
             limit = f"{tag}-slot"
@@ -393,7 +393,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
                 assert client.get(f"/v2/concurrency_limits/{limit}").json()["active_slots"] == 1
             failed = len(node.failed_attempts)
             os.kill(layout.pid("redis"), signal.SIGTERM)
-            _wait("Redis exited", lambda: not scaled.alive(layout.state.proc("redis")))
+            _wait("Redis exited", lambda: not alive(layout.state.proc("redis")))
             # Down long enough for a call to fail (a state change or an event: HTTP 500 once
             # the server's Redis client has given up retrying), which the node then retries.
             _wait("a call failed while Redis was down", lambda: len(node.failed_attempts) > failed)
@@ -478,6 +478,6 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     pg_pid = int((layout.folder / "pg" / "data" / "postmaster.pid").read_text().split()[0])
     stopped = layout.script("down")
     assert stopped.returncode == 0, stopped.stderr
-    assert not any(scaled.alive(r) for r in records.values()), records
-    assert scaled.start_time(pg_pid) is None, "postgres still runs"
-    assert all(scaled.port_free(int(p)) for p in layout.env.values() if p.isdigit())
+    assert not any(alive(r) for r in records.values()), records
+    assert start_time(pg_pid) is None, "postgres still runs"
+    assert all(port_free(int(p)) for p in layout.env.values() if p.isdigit())

@@ -1,0 +1,1 @@
+"""The project's scripts: the scaled layout (scaled.py) and the generated settings tables."""
