@@ -59,6 +59,11 @@ HAVANA_SPRING = datetime(2026, 3, 8, 5, 0, tzinfo=UTC)
 HAVANA_FALL = datetime(2026, 11, 1, 5, 0, tzinfo=UTC)
 BEIRUT_SPRING = datetime(2026, 3, 28, 22, 0, tzinfo=UTC)
 BEIRUT_FALL = datetime(2026, 10, 24, 21, 0, tzinfo=UTC)
+# 2027's changes at midnight (the module's docstring).
+HAVANA_SPRING_2027 = datetime(2027, 3, 14, 5, tzinfo=UTC)
+HAVANA_FALL_2027 = datetime(2027, 11, 7, 5, tzinfo=UTC)
+BEIRUT_SPRING_2027 = datetime(2027, 3, 27, 22, tzinfo=UTC)
+BEIRUT_FALL_2027 = datetime(2027, 10, 30, 21, tzinfo=UTC)
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
 HOUR = timedelta(hours=1)
@@ -93,30 +98,10 @@ def local_fires(schedule: Schedule, tz: ZoneInfo, start: datetime, end: datetime
         (HAVANA, HAVANA_FALL, "2026-11-01T00:59:59-04:00", "2026-11-01T00:00:00-05:00"),
         (BEIRUT, BEIRUT_SPRING, "2026-03-28T23:59:59+02:00", "2026-03-29T01:00:00+03:00"),
         (BEIRUT, BEIRUT_FALL, "2026-10-24T23:59:59+03:00", "2026-10-24T23:00:00+02:00"),
-        (
-            HAVANA,
-            datetime(2027, 3, 14, 5, tzinfo=UTC),
-            "2027-03-13T23:59:59-05:00",
-            "2027-03-14T01:00:00-04:00",
-        ),
-        (
-            HAVANA,
-            datetime(2027, 11, 7, 5, tzinfo=UTC),
-            "2027-11-07T00:59:59-04:00",
-            "2027-11-07T00:00:00-05:00",
-        ),
-        (
-            BEIRUT,
-            datetime(2027, 3, 27, 22, tzinfo=UTC),
-            "2027-03-27T23:59:59+02:00",
-            "2027-03-28T01:00:00+03:00",
-        ),
-        (
-            BEIRUT,
-            datetime(2027, 10, 30, 21, tzinfo=UTC),
-            "2027-10-30T23:59:59+03:00",
-            "2027-10-30T23:00:00+02:00",
-        ),
+        (HAVANA, HAVANA_SPRING_2027, "2027-03-13T23:59:59-05:00", "2027-03-14T01:00:00-04:00"),
+        (HAVANA, HAVANA_FALL_2027, "2027-11-07T00:59:59-04:00", "2027-11-07T00:00:00-05:00"),
+        (BEIRUT, BEIRUT_SPRING_2027, "2027-03-27T23:59:59+02:00", "2027-03-28T01:00:00+03:00"),
+        (BEIRUT, BEIRUT_FALL_2027, "2027-10-30T23:59:59+03:00", "2027-10-30T23:00:00+02:00"),
     ],
 )
 def test_pinned_transitions_are_what_zoneinfo_says(

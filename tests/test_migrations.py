@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +16,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
-from sqlmodel import SQLModel
+from sqlmodel import Session, SQLModel
 
-from controller import db
+from controller import db, nodes, schedules
 from controller import models as _models  # noqa: F401  (registers the tables)
+from controller.models import AgentSchedule
+from sched_core.model import LocalSchedule
+from sched_core.values import STORED_BEFORE_RULES
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
           "node_report_history", "node_pull", "revoked_session", "node_seen", "node_job",
@@ -96,11 +102,6 @@ def test_database_url_defaults_and_normalises(
 def test_wire_column_is_filled_for_existing_rows_and_dropped_on_downgrade(
     empty_url: str,
 ) -> None:
-    from sqlalchemy import text
-
-    from controller import schedules
-    from sched_core.model import LocalSchedule
-
     db.migrate(empty_url, "0001")
     engine = db.make_engine(empty_url)
     row = {"id": "s-1", "name": "a <b> & c", "repo_id": "r-9", "action": "backup",
@@ -162,11 +163,14 @@ def _execute(url: str, *statements: str) -> None:
         engine.dispose()
 
 
+def _back_to_head(url: str) -> None:
+    """Migrate up to head (again), and check the database says it is there."""
+    db.migrate(url)
+    assert _schema(url)["alembic_version"] == [HEAD]
+
+
 def _put_before_0008(engine: Any, node: str, row: Any) -> Any:
     """Store a row as the code of revisions 0005 to 0007 did (no version history yet)."""
-    from controller import schedules
-    from controller.models import AgentSchedule
-
     values = schedules.stored_values(node, row, version=1)
     with engine.begin() as conn:
         conn.execute(AgentSchedule.__table__.insert().values(**values))
@@ -215,8 +219,7 @@ def test_a_failed_upgrade_leaves_no_step_half_done(empty_url: str) -> None:
         db.migrate(empty_url)
     assert _schema(empty_url) == before
     _execute(empty_url, "DROP INDEX ix_task_dispatch_scheduled_at")
-    db.migrate(empty_url)
-    assert _schema(empty_url)["alembic_version"] == [HEAD]
+    _back_to_head(empty_url)
 
 
 _MIGRATOR = """
@@ -250,8 +253,6 @@ def test_concurrent_migrators_on_one_sqlite_file_all_succeed(tmp_path: Path) -> 
 
 def test_migrate_at_head_does_not_wait_for_a_running_writer(tmp_path: Path) -> None:
     """A routine migrate at deploy time only reads: it never queues behind the write lock."""
-    import threading
-
     url = f"sqlite:///{tmp_path / 'busy.db'}"
     db.migrate(url)
     engine = db.make_engine(url)
@@ -281,15 +282,6 @@ def test_migrate_at_head_does_not_wait_for_a_running_writer(tmp_path: Path) -> N
 
 def test_names_sort_by_code_point_on_every_database(empty_url: str) -> None:
     """A pull lists a node's rows in the same (byte) order on SQLite and Postgres."""
-    import json
-
-    from sqlalchemy import text
-    from sqlmodel import Session
-
-    from controller import schedules
-    from sched_core.model import LocalSchedule
-    from sched_core.values import STORED_BEFORE_RULES
-
     db.migrate(empty_url)
     # "été" and "~y" are no identifiers now (the API refuses them), but rows stored
     # before the rule still list in byte order: they are read as such rows.
@@ -328,11 +320,6 @@ def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_th
 ) -> None:
     """0005: rows stored before it keep their wire bytes; going down, rows lose their policies
     in the wire JSON too, so what 0004's code serves agrees with what it stores."""
-    from sqlmodel import Session
-
-    from controller import schedules
-    from sched_core.model import LocalSchedule
-
     db.migrate(empty_url, "0004")
     old = LocalSchedule.model_validate({
         "id": "old-1", "name": "x", "action": "backup", "miss_policy": "skip", "enabled": True,
@@ -364,21 +351,13 @@ def test_policies_column_keeps_old_rows_and_its_downgrade_serves_rows_without_th
         assert wires["old-1"] == old.model_dump_json()
         assert wires["new-1"] == with_policies.model_copy(
             update={"paused": None, "jitter": 0}).model_dump_json()
-        db.migrate(empty_url)
-        assert _schema(empty_url)["alembic_version"] == [HEAD]
+        _back_to_head(empty_url)
     finally:
         engine.dispose()
 
 
 def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
     """0006: the fleet's tables come and go; the schedules stay; history is pruned per node."""
-    from datetime import UTC, datetime
-
-    from sqlmodel import Session
-
-    from controller import nodes, schedules
-    from sched_core.model import LocalSchedule
-
     db.migrate(empty_url, "0005")
     engine = db.make_engine(empty_url)
     row = LocalSchedule.model_validate({
@@ -410,13 +389,6 @@ def test_node_reports_and_pulls_migration_up_and_down(empty_url: str) -> None:
 def test_0008_gives_each_existing_row_its_version_from_its_last_write(empty_url: str) -> None:
     """0008: a row stored before keeps its bytes and gets one version, in force from its
     ``updated_at``; later writes close it; the four tables go on downgrade."""
-    from datetime import UTC, datetime
-
-    from sqlmodel import Session
-
-    from controller import schedules
-    from sched_core.model import LocalSchedule
-
     db.migrate(empty_url, "0007")
     engine = db.make_engine(empty_url)
     row = LocalSchedule.model_validate({
@@ -439,10 +411,7 @@ def test_0008_gives_each_existing_row_its_version_from_its_last_write(empty_url:
             assert (first.valid_until, second.valid_from, second.row.version) == (later, later, 2)
         db.downgrade(empty_url, "0007")
         assert _tables(empty_url) == TABLES - MORNING_TABLES
-        # Alike in shape to the end of test_policies_column_... and the start of the test after
-        # it: each migration test goes back up to head and checks it, the next starts lower.
-        db.migrate(empty_url)
-        assert _schema(empty_url)["alembic_version"] == [HEAD]
+        _back_to_head(empty_url)
     finally:
         engine.dispose()
 
@@ -465,5 +434,4 @@ def test_the_watch_turn_migration_up_and_down(empty_url: str) -> None:
     assert _tables(empty_url) == TABLES
     db.downgrade(empty_url, "0008")
     assert _tables(empty_url) == TABLES - {"watch_turn"}
-    db.migrate(empty_url)
-    assert _schema(empty_url)["alembic_version"] == [HEAD]
+    _back_to_head(empty_url)
