@@ -67,6 +67,8 @@ BEIRUT_FALL_2027 = datetime(2027, 10, 30, 21, tzinfo=UTC)
 SECOND = timedelta(seconds=1)
 MINUTE = timedelta(minutes=1)
 HOUR = timedelta(hours=1)
+DST_DATA = tomllib.loads((Path(__file__).parent / "data" / "dst_cases.toml").read_text())
+"""tests/data/dst_cases.toml: the transitions pinned, and the cases of fire_times around them."""
 
 
 def clock(hours: list[str], minute: str, days: list[str] | None = None) -> Schedule:
@@ -87,23 +89,9 @@ def local_fires(schedule: Schedule, tz: ZoneInfo, start: datetime, end: datetime
 # --- the transition instants themselves -------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("tz", "moment", "before", "after"),
-    [
-        (NY, NY_SPRING, "2026-03-08T01:59:59-05:00", "2026-03-08T03:00:00-04:00"),
-        (NY, NY_FALL, "2026-11-01T01:59:59-04:00", "2026-11-01T01:00:00-05:00"),
-        (LORD_HOWE, LH_FALL, "2026-04-05T01:59:59+11:00", "2026-04-05T01:30:00+10:30"),
-        (LORD_HOWE, LH_SPRING, "2026-10-04T01:59:59+10:30", "2026-10-04T02:30:00+11:00"),
-        (HAVANA, HAVANA_SPRING, "2026-03-07T23:59:59-05:00", "2026-03-08T01:00:00-04:00"),
-        (HAVANA, HAVANA_FALL, "2026-11-01T00:59:59-04:00", "2026-11-01T00:00:00-05:00"),
-        (BEIRUT, BEIRUT_SPRING, "2026-03-28T23:59:59+02:00", "2026-03-29T01:00:00+03:00"),
-        (BEIRUT, BEIRUT_FALL, "2026-10-24T23:59:59+03:00", "2026-10-24T23:00:00+02:00"),
-        (HAVANA, HAVANA_SPRING_2027, "2027-03-13T23:59:59-05:00", "2027-03-14T01:00:00-04:00"),
-        (HAVANA, HAVANA_FALL_2027, "2027-11-07T00:59:59-04:00", "2027-11-07T00:00:00-05:00"),
-        (BEIRUT, BEIRUT_SPRING_2027, "2027-03-27T23:59:59+02:00", "2027-03-28T01:00:00+03:00"),
-        (BEIRUT, BEIRUT_FALL_2027, "2027-10-30T23:59:59+03:00", "2027-10-30T23:00:00+02:00"),
-    ],
-)
+@pytest.mark.parametrize(("tz", "moment", "before", "after"), [
+    pytest.param(ZoneInfo(t["zone"]), globals()[t["at"]], t["before"], t["after"], id=t["at"])
+    for t in DST_DATA["transition"]])
 def test_pinned_transitions_are_what_zoneinfo_says(
     tz: ZoneInfo, moment: datetime, before: str, after: str
 ) -> None:
@@ -230,9 +218,8 @@ def test_naive_datetimes_are_rejected(call: object) -> None:
 
 def _dst_cases() -> list[Any]:
     """The cases of tests/data/dst_cases.toml, as parameters of the test below."""
-    cases = tomllib.loads((Path(__file__).parent / "data" / "dst_cases.toml").read_text())
     params = []
-    for case in cases["case"]:
+    for case in DST_DATA["case"]:
         around: datetime = globals()[case["around"]]
         params.append(pytest.param(
             ZoneInfo(case["zone"]), Schedule.model_validate(case["schedule"]),

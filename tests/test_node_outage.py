@@ -86,6 +86,13 @@ def _kill(proc: Any) -> None:
     proc.wait(10)
 
 
+def _crash_and_restart(node: NodeUnderTest, proc: Any, log: Path) -> Any:
+    """kill -9 the node, leave it down 5 s, and start it again; return the new process."""
+    _kill(proc)
+    time.sleep(5)
+    return node.spawn(log)
+
+
 def _node_before_minute(tmp_path: Path, server: PrefectServer, kind: str,
                         lead: float) -> NodeUnderTest:
     """A node with no rows yet, its clock ``lead`` s before a minute boundary."""
@@ -163,10 +170,8 @@ def test_a_node_killed_mid_job_follows_its_command_after_the_restart_and_records
     proc = node.spawn(log)
     try:
         wait_for("the command running", lambda: bool(_starts(node.state, "long")), 60, log=log)
-        _kill(proc)
         killed = time.monotonic()
-        time.sleep(5)
-        proc = node.spawn(log)
+        proc = _crash_and_restart(node, proc, log)
         name = job_run_name("echo", "long", window)
         runs = _recorded(prefect, node, [name], log, timeout=90)
     finally:
@@ -196,9 +201,7 @@ def test_killed_idle_and_at_start_then_back_within_the_grace_each_window_runs_on
             seconds=20), 90)
         proc = node.spawn(log)
         time.sleep(0.4)
-        _kill(proc)  # during the reconcile at its start
-        time.sleep(5)
-        proc = node.spawn(log)
+        proc = _crash_and_restart(node, proc, log)  # during the reconcile at its start
         name = job_run_name("echo", "w", window)
         # A loaded machine (the suite beside a 1,000-node simulation) took over 90 s to start
         # the node and record the run; how late the window ran is asserted below.
@@ -235,9 +238,7 @@ def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded
         wait_for("the drain under way", lambda: any(
             (folder / "record.json").exists() for folder in (node.state / "outbox").iterdir()
             if folder.is_dir()), 60, log=log)
-        _kill(proc)  # in mid-drain
-        time.sleep(5)
-        proc = node.spawn(log)
+        proc = _crash_and_restart(node, proc, log)  # in mid-drain
         names = {sid: job_run_name("fail" if sid == "chatty" else "echo", sid, window)
                  for sid in ("quick", "long", "chatty")}
         runs = _recorded(prefect, node, list(names.values()), log, timeout=120)
