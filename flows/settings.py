@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, ClassVar, Self
 from zoneinfo import ZoneInfo
 
 from pydantic import (
@@ -55,6 +55,17 @@ Umask = Annotated[int, BeforeValidator(_octal), Field(ge=0, le=0o777)]
 
 def _default_stages() -> list[StageSpec]:
     return [StageSpec(name="prune", action="prune"), StageSpec(name="check", action="check")]
+
+
+class StateFile:
+    """A file in the node's state folder, read like a property: ``settings.cache_path``."""
+
+    def __init__(self, name: str, what: str) -> None:
+        self.name = name
+        self.__doc__ = f"Return {what}: ``<state_dir>/{name}``."
+
+    def __get__(self, settings: Any, owner: object = None) -> Path:
+        return Path(settings.state_dir) / self.name
 
 
 class AgentSettings(LayeredSettings):
@@ -211,8 +222,6 @@ class AgentSettings(LayeredSettings):
         zone(value)  # an unknown name is a ValueError naming it
         return value
 
-    # Alike in shape to sched_core.model's validators and to the path properties below
-    # (one file each in the state folder): pydantic's validator form, one rule each.
     @field_validator("node_name")
     @classmethod
     def _check_node(cls, value: str) -> str:
@@ -225,30 +234,15 @@ class AgentSettings(LayeredSettings):
         """Return the timezone all matching happens in."""
         return ZoneInfo(self.timezone)
 
-    @property
-    def cache_path(self) -> Path:
-        """Return the schedule cache file inside the state folder."""
-        return self.state_dir / "cache.json"
-
-    @property
-    def marker_path(self) -> Path:
-        """Return the chain's per-day marker file inside the state folder."""
-        return self.state_dir / "chain.json"
-
-    @property
-    def lock_path(self) -> Path:
-        """Return the lock file that keeps ticks and reconciles of this node apart."""
-        return self.state_dir / "agent.lock"
-
-    @property
-    def plan_path(self) -> Path:
-        """Return the planner's record (windows handled, interrupted runs handled)."""
-        return self.state_dir / "plan.json"
-
-    @property
-    def deployments_path(self) -> Path:
-        """Return the node's deployments' ids and the registration's version they answer."""
-        return self.state_dir / "deployments.json"
+    # The files the node keeps in its state folder.
+    cache_path: ClassVar[StateFile] = StateFile("cache.json", "the schedule cache")
+    marker_path: ClassVar[StateFile] = StateFile("chain.json", "the chain's per-day marker")
+    lock_path: ClassVar[StateFile] = StateFile(
+        "agent.lock", "the lock that keeps ticks and reconciles of this node apart")
+    plan_path: ClassVar[StateFile] = StateFile(
+        "plan.json", "the planner's record (windows handled, interrupted runs handled)")
+    deployments_path: ClassVar[StateFile] = StateFile(
+        "deployments.json", "the node's deployments' ids and the registration's version")
 
     def stage(self, trigger_key: str) -> StageSpec | None:
         """Return the chain stage whose fires carry trigger_key, or None."""
