@@ -166,8 +166,7 @@ class AgentSettings(LayeredSettings):
     heartbeat: Seconds = Field(
         timedelta(seconds=60),
         description="the longest the node stays silent to its controller (its long poll, or a "
-        "report); 10 s to 1 h. The controller calls a node silent after a few of "
-        "these")
+        "report); 10 s to 1 h. The controller calls a node silent after a few of these")
     record_task_run: bool = Field(
         True,
         description="record each job's command as a task run whose states are its tries "
@@ -236,13 +235,9 @@ class AgentSettings(LayeredSettings):
 
     # The files the node keeps in its state folder.
     cache_path: ClassVar[StateFile] = StateFile("cache.json", "the schedule cache")
-    marker_path: ClassVar[StateFile] = StateFile("chain.json", "the chain's per-day marker")
-    lock_path: ClassVar[StateFile] = StateFile(
-        "agent.lock", "the lock that keeps ticks and reconciles of this node apart")
-    plan_path: ClassVar[StateFile] = StateFile(
-        "plan.json", "the planner's record (windows handled, interrupted runs handled)")
-    deployments_path: ClassVar[StateFile] = StateFile(
-        "deployments.json", "the node's deployments' ids and the registration's version")
+    marker_path: ClassVar[StateFile] = StateFile("chain.json", "the chain's day marker")
+    plan_path: ClassVar[StateFile] = StateFile("plan.json", "the planner's record")
+    deployments_path: ClassVar[StateFile] = StateFile("deployments.json", "the deployments' ids")
 
     def stage(self, trigger_key: str) -> StageSpec | None:
         """Return the chain stage whose fires carry trigger_key, or None."""
