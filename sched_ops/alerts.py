@@ -59,7 +59,7 @@ WINDOW_MISSED = "sched.node.window-missed"
 WINDOW_FAILED = "sched.node.window-failed"
 WINDOW_RECOVERED = "sched.node.window-recovered"
 TASK_GAVE_UP = "sched.task.gave-up"
-"""The events (the controller's names: ``controller.alert_rules.EVENTS``, ``controller.central``)."""
+"""The events, named as the controller names them (controller.alert_rules, controller.central)."""
 
 SUBJECT = "sched alert: {{ automation.name }}"
 BODY = (

@@ -35,12 +35,7 @@ from sched_ops.cli_common import (
     failing,
 )
 from sched_ops.cli_report import explain_command, report_command
-from sched_ops.cli_schedules import (  # noqa: F401  (the tests' and old import paths)
-    describe_text,
-    parse_until,
-    schedules_app,
-    schedules_table,
-)
+from sched_ops.cli_schedules import schedules_app
 from sched_ops.render import NONE, ago, cell, table
 
 # cli_schedules imports most of the options from cli_common too (a pair `duplicates` lists): each

@@ -28,6 +28,7 @@ from controller.auth import Tokens
 from controller.testing import serve_in_thread
 from sched_cli import app as sched
 from sched_ops import cli as ops
+from sched_ops import cli_schedules
 from tests.fixtures_pg import sqlite_engine
 from tests.procs import free_port
 
@@ -235,10 +236,10 @@ def test_schedules_table_and_describe_show_when_next_last_policy_and_dst_notes()
                                     "local": "Sun 2026-11-08 01:30 EST",
                                     "note": "first copy of a repeated hour"}]}]}
     row = {**ROW, "id": "s-1", "jitter": 300, "paused": {"note": "disk swap"}}
-    text = ops.schedules_table(status, {"s-1": row})
+    text = cli_schedules.schedules_table(status, {"s-1": row})
     assert "Sun at 01:30" in text and "Sun 2026-11-08 01:30 EST (DST)" in text
     assert "01:30 EDT Failed" in text and "PAUSED: disk swap" in text and "jitter 5 min" in text
-    described = ops.describe_text(row, status["schedules"][0], status, [])
+    described = cli_schedules.describe_text(row, status["schedules"][0], status, [])
     assert "first copy of a repeated hour" in described and "until resumed" in described
     assert "latest job: Failed" in described and '"jitter": 300' in described
 
@@ -259,13 +260,13 @@ def test_upcoming_table_keeps_the_order_and_marks_paused_windows() -> None:
 def test_until_reads_durations_and_rfc3339_and_refuses_the_rest() -> None:
     from sched_ops.client import OpsError
 
-    assert ops.parse_until("90m", NOW) == "2026-11-01T06:30:00Z"
-    assert ops.parse_until("3d", NOW) == "2026-11-04T05:00:00Z"
-    assert ops.parse_until("2026-12-24T06:00:00+01:00", NOW) == "2026-12-24T05:00:00Z"
+    assert cli_schedules.parse_until("90m", NOW) == "2026-11-01T06:30:00Z"
+    assert cli_schedules.parse_until("3d", NOW) == "2026-11-04T05:00:00Z"
+    assert cli_schedules.parse_until("2026-12-24T06:00:00+01:00", NOW) == "2026-12-24T05:00:00Z"
     with pytest.raises(OpsError, match="neither an RFC 3339"):
-        ops.parse_until("tomorrow", NOW)
+        cli_schedules.parse_until("tomorrow", NOW)
     with pytest.raises(OpsError):
-        ops.parse_until("2026-12-24T06:00:00", NOW)  # no offset: whose 06:00?
+        cli_schedules.parse_until("2026-12-24T06:00:00", NOW)  # no offset: whose 06:00?
 
 
 # ------------------------------------------------------------ sched run (Prefect)
