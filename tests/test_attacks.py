@@ -1,4 +1,4 @@
-"""Issue 10's attacks, tried as an attacker would, against the shipped action tables.
+"""Attacks on the shipped action tables, tried as an attacker would.
 
 A schedule row comes from the network (the controller, its admin token, a
 pull file): it must never choose what a node executes. Three layers:
@@ -197,7 +197,7 @@ def test_every_placeholder_refuses_every_hostile_value(
 
 
 def _restic_settings(tmp: Path, password: Path) -> AgentSettings:
-    """The restic example with RESTIC_PASSWORD_COMMAND (as the issue's attack had it)."""
+    """The restic example with RESTIC_PASSWORD_COMMAND (as the attack had it)."""
     text = (EXAMPLES / "agent-restic.toml").read_text()
     text = text.replace('RESTIC_PASSWORD_FILE = "/etc/sched-agent/restic-password"',
                         f'RESTIC_PASSWORD_COMMAND = "cat {password}"')
@@ -644,7 +644,7 @@ def test_run_job_runs_the_shipped_demo_actions_and_writes_private_files(
     assert not old.exists() and archive.exists()  # only the archive older than 30 minutes
 
 
-# == Issue 20: the controller and the job's environment, attacked from outside ===========
+# == The controller and the job's environment, attacked from outside =====================
 #
 # Each test shows the attack's mechanism live first (the primitive the old code
 # hit, or the old behaviour itself), then the controller over real HTTP on
@@ -745,7 +745,7 @@ def test_a_report_time_out_of_range_in_utc_is_a_422_and_one_log_line(
             [entry] = answer.json()["detail"]
             assert entry["field"] == field
             assert entry["msg"] == (f"time {value!r} is out of range in UTC (years 1 to 9999)")
-    for _ in range(50 - sent):  # the issue's 50 requests
+    for _ in range(50 - sent):  # 50 requests in all, as the attack sent
         assert http.post("/api/nodes/node-a/report", json=_with_time("window", values[0]),
                          headers=NODE).status_code == 422
     # The server's lines but its access log (one short line per request) and the

@@ -1,4 +1,4 @@
-"""Issue 20's points 1, 2 and 4, tried as an attacker with the Prefect API would, on the node.
+"""The node, attacked as anyone with the Prefect API could: its clock, its chain, its pulls.
 
 1. The clock: a run created with a ``now`` (or a ``window``) parameter used to
    replace the node's clock in the start guard; the guard still takes a ``now``
@@ -8,7 +8,7 @@
 2. The chain: a forged ``sched.job.completed`` event used to fire the day's prune
    through ``advance-chain``; the server still takes such an event, but the chain
    runs on the node from its own jobs only: nothing fires.
-3. (Point 4) A flood of ``sched.schedules.updated``: each event used to queue one
+3. A flood of ``sched.schedules.updated``: each event used to queue one
    reconcile run; the node folds a burst into a pull or two and records no
    reconcile run for a list that did not change.
 """

@@ -596,7 +596,7 @@ def test_serve_runs_the_fleet_watch_which_logs_a_dead_nodes_missed_window(
 def test_a_prefect_api_url_password_never_reaches_the_log(
     tmp_path: Path, prefect_server: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 20, point 5: httpx's INFO request lines wrote PREFECT_API_URL whole, password too."""
+    """httpx's INFO request lines wrote PREFECT_API_URL whole, password too."""
     secret_url = prefect_server.replace("http://", "http://sched:pw-secret-99@")
     # Live: httpx logs each request's whole URL at INFO.
     caplog.set_level(logging.INFO, logger="httpx")
@@ -627,7 +627,7 @@ def test_log_lines_never_carry_a_urls_password() -> None:
 
 
 def test_serve_over_https_sends_hsts_and_warns_of_a_short_admin_token(tmp_path: Path) -> None:
-    """Issue 20, point 9: Strict-Transport-Security over HTTPS; a 1-character token warned of."""
+    """Strict-Transport-Security over HTTPS; a 1-character token warned of."""
     cert, key = make_self_signed_cert(tmp_path)
     with serving(tmp_path, "--api-only", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
                  SCHED_ADMIN_TOKEN="a") as (base, log_path):

@@ -110,7 +110,7 @@ def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
     tmp_path: Path,
 ) -> None:
     # Every window goes to the guard at its start: one waiting for a slot is the
-    # jobs' to run in its turn, never coalesced into the next (issue: W skipped for W+1).
+    # jobs' to run in its turn, never coalesced into the next (a bug once: W skipped for W+1).
     row = _row(interval_minutes=1)
     start = datetime(2026, 12, 4, 15, 0, 0, tzinfo=UTC)
     clock = Clock(start - timedelta(seconds=1))
