@@ -42,6 +42,8 @@ from sched_core import PullError
 from sched_core.pull import NOT_MODIFIED
 from sched_core.worker import Worker
 
+# Alike in shape to flows/channel.py's opening (`duplicates` pairs them): a part of the node
+# (flows.node's facade), logging as the node, its timings as constants, its class.
 if TYPE_CHECKING:
     from flows.node import Node
 

@@ -152,8 +152,7 @@ class AgentSettings(LayeredSettings):
         "the first stage follows only a wave in which a job succeeded; `any`)")
     wave_lookback: Seconds = Field(
         timedelta(hours=12),
-        description="a wave counts as finished if one of its jobs ended within this many "
-        "seconds")
+        description="a wave is finished if one of its jobs ended within this many seconds")
     job_limit: int = Field(
         8, ge=1,
         description="how many jobs the node runs at once (running, or between two tries); the "

@@ -16,7 +16,7 @@ from sched_core.jsonwire import MAX_DEPTH, decode
 from sched_core.values import local_text as local
 from sched_core.values import parse_api_time as parse_time
 from sched_core.values import zone_or_utc
-from sched_ops.cli_common import (
+from sched_ops.cli_common import (  # as sched_ops/cli.py's (alike: `duplicates` pairs them)
     RELATIVE,
     ControllerOpt,
     JsonOpt,

@@ -155,6 +155,8 @@ def _recorder(api: PrefectApi, outbox: Outbox, node: str, *, task_run: bool = Tr
                     clock=lambda: datetime.now(UTC), task_run=task_run, artifact=artifact)
 
 
+# The tests below open alike (`duplicates` pairs them by shape): a node, its outbox, a
+# recorder and one job from this helper, each test with its own prefix and story.
 def _recorder_and_job(tmp_path: Path, counted: Counted, prefix: str, retries: int = 0, *,
                       task_run: bool = True,
                       artifact: bool = True) -> tuple[str, Outbox, Recorder, Job]:
