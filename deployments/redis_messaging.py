@@ -1,7 +1,9 @@
-"""prefect-redis's message broker with one change: a deduplicated message is published once.
+"""prefect-redis's message broker with two changes: a deduplicated message is published once,
+and a stream is never trimmed past a message a consumer group has not read.
 
 The scaled layout (``scripts/scaled.py``, docs/scaled.md) names this module as Prefect's
-``PREFECT_MESSAGING_BROKER``; everything but the publisher is prefect-redis's own.
+``PREFECT_MESSAGING_BROKER``; everything but the publisher and the consumer's trim is
+prefect-redis's own.
 
 Why. prefect-redis (0.3.0) publishes an event in two steps: ``SET NX`` of the event id's
 deduplication key (kept 5 minutes), then ``XADD`` to the stream. When Redis goes away between
@@ -18,24 +20,38 @@ duplicate, never a loss; Prefect's event store keeps one row per event id.
 
 On a Redis Cluster the stream and the key live in different slots, which one script cannot
 write: the publisher then does what prefect-redis does, and says so once.
+
+The trim. A consumer trims its stream now and then to the lowest id its consumer groups have
+read (``XTRIM MINID``). prefect-redis (0.3.0) takes that lowest id with ``min()`` of the ids
+as text, so ``1000-12`` comes before ``1000-3``: with ten or more messages in one millisecond
+and one group behind another, it trims messages the slower group has not read yet, and that
+group never sees them (``tests/test_redis_messaging.py`` shows it). :class:`Consumer` trims
+to the lowest id as Redis orders them (milliseconds, then sequence); the rest is as before:
+groups that read nothing yet, and groups whose consumers are all idle past
+``trim_idle_threshold``, do not hold the trim back.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import orjson
+from prefect_redis.client import get_async_redis_client
 from prefect_redis.messaging import (
     MESSAGE_DEDUPLICATION_LOOKBACK,
     Cache,
-    Consumer,
+    RedisMessagingConsumerSettings,
     RedisStreamsMessage,
+    _cleanup_empty_consumer_groups,
     _deduplication_key,
     break_topic,
     ephemeral_subscription,
 )
+from prefect_redis.messaging import Consumer as RedisConsumer
 from prefect_redis.messaging import Publisher as RedisPublisher
+from redis.exceptions import ResponseError
 
 __all__ = ["PUBLISH_ONCE", "Cache", "Consumer", "Publisher", "break_topic",
            "ephemeral_subscription"]
@@ -97,3 +113,55 @@ def _say_cluster() -> None:
         _said_cluster = True
         log.warning("Redis Cluster: events are deduplicated as prefect-redis does (two steps; "
                     "an event retried after a failure between them can be lost)")
+
+
+def stream_id(text: str) -> tuple[int, int]:
+    """Return a stream entry id (``<milliseconds>-<sequence>``) as Redis orders it."""
+    milliseconds, _, sequence = text.partition("-")
+    return int(milliseconds), int(sequence or 0)
+
+
+class Consumer(RedisConsumer):  # type: ignore[misc]  # prefect-redis ships no types
+    """prefect-redis's consumer whose trim keeps what a consumer group has not read."""
+
+    _last_trimmed: float | None  # set by prefect-redis's constructor
+
+    async def _trim_stream_if_necessary(self, latest_delivered_id: str | None = None) -> None:
+        now = time.monotonic()
+        if self._last_trimmed is None:
+            self._last_trimmed = now
+        if now - self._last_trimmed > self.trim_every.total_seconds():
+            await trim_to_lowest_read(self.stream, latest_delivered_id)
+            await _cleanup_empty_consumer_groups(self.stream)
+            self._last_trimmed = now
+
+
+async def trim_to_lowest_read(stream: str, latest_read: str | None = None) -> None:
+    """Trim stream to the lowest id its active consumer groups (and a reader outside a group,
+    ``latest_read``) have read: every message before it was read by all of them."""
+    client = get_async_redis_client()
+    idle_ms = RedisMessagingConsumerSettings().trim_idle_threshold.total_seconds() * 1000
+    read = [latest_read] if latest_read and latest_read != "0-0" else []
+    try:
+        groups = await client.xinfo_groups(stream)
+    except ResponseError as exc:
+        if "no such key" in str(exc).lower():
+            return  # nothing published to it yet
+        raise
+    for group in groups:
+        last = group["last-delivered-id"]
+        if last != "0-0" and not await _all_idle(stream, group["name"], idle_ms):
+            read.append(last)
+    if read:
+        await client.xtrim(stream, minid=min(read, key=stream_id), approximate=False)
+
+
+async def _all_idle(stream: str, group: str, idle_ms: float) -> bool:
+    """Whether every consumer of group has been idle past idle_ms (it then holds nothing
+    back); False when that cannot be read, so the group counts."""
+    try:
+        consumers = await get_async_redis_client().xinfo_consumers(stream, group)
+    except Exception as exc:
+        log.debug("the consumers of %s on %s could not be read: %r", group, stream, exc)
+        return False
+    return bool(consumers) and all(consumer["idle"] > idle_ms for consumer in consumers)

@@ -1,10 +1,12 @@
-"""deployments.redis_messaging: an event retried after a failure is published once, not lost.
+"""deployments.redis_messaging: an event retried after a failure is published once; no trim
+removes what a consumer group has not read.
 
 On a real Redis (Debian's ``redis-server``; skipped, naming the package, where it is missing).
 Faults are injected where a Redis restart or a dead API process puts them: a call that raises
 ``ConnectionError``. First prefect-redis's own publisher, shown losing the event (its
 deduplication key written, the message not, the key never forgotten because Redis is gone), then
-this module's, with the same faults, publishing it exactly once.
+this module's, with the same faults, publishing it exactly once. Then the trim: prefect-redis's
+shown removing messages a slower consumer group has not read, this module's keeping them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -163,3 +166,70 @@ def test_the_broker_module_is_what_prefect_asks_of_one() -> None:
 
     assert isinstance(redis_messaging, BrokerModule)
     assert isinstance(redis_messaging, CacheModule)
+
+
+def _two_groups_apart(port: int, stream: str) -> None:
+    """A stream of 16 messages in one millisecond (ids 1000-0 to 1000-15), its group `slow`
+    having read up to 1000-3 and `fast` up to 1000-12, each with a consumer that is not idle."""
+    with redis.Redis(port=port, decode_responses=True) as client:
+        client.delete(stream)
+        for sequence in range(16):
+            client.xadd(stream, {"n": str(sequence)}, id=f"1000-{sequence}")
+        for group, last in (("slow", "1000-3"), ("fast", "1000-12")):
+            client.xgroup_create(stream, group, id=last)
+            client.xgroup_createconsumer(stream, group, f"{group}-1")
+
+
+def _unread_by_slow(port: int, stream: str) -> list[str]:
+    with redis.Redis(port=port, decode_responses=True) as client:
+        answer = client.xreadgroup("slow", "slow-1", {stream: ">"}, count=100)
+    return [entry_id for _, entries in answer for entry_id, _ in entries]
+
+
+def _trim(trim: Any, *args: Any) -> None:
+    async def run() -> None:
+        await clear_cached_clients()
+        try:
+            await trim(*args)
+        finally:
+            await _close_clients()
+
+    asyncio.run(run())
+
+
+def test_prefect_redis_trims_messages_a_slower_group_has_not_read(redis_port: int) -> None:
+    from prefect_redis.messaging import _trim_stream_to_lowest_delivered_id
+
+    _two_groups_apart(redis_port, "s")
+    _trim(_trim_stream_to_lowest_delivered_id, "s")  # min() of the ids as text: "1000-12"
+    # 1000-4 to 1000-11 are gone: the slow group never gets them.
+    assert _unread_by_slow(redis_port, "s") == [f"1000-{n}" for n in range(12, 16)]
+
+
+def test_the_trim_keeps_every_message_a_consumer_group_has_not_read(redis_port: int) -> None:
+    _two_groups_apart(redis_port, "s")
+    _trim(redis_messaging.trim_to_lowest_read, "s")
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        assert client.xrange("s")[0][0] == "1000-3"  # what both groups read before it is gone
+    assert _unread_by_slow(redis_port, "s") == [f"1000-{n}" for n in range(4, 16)]
+    # The consumer trims through it (once its trim_every has passed), and a stream nothing
+    # was published to is no error.
+    _two_groups_apart(redis_port, "c")
+
+    async def consume() -> None:
+        await clear_cached_clients()
+        consumer = redis_messaging.Consumer("c", trim_every=timedelta(0))
+        consumer.stream = "c"
+        try:
+            await consumer._trim_stream_if_necessary()  # the first call starts its clock
+            await asyncio.sleep(0.01)
+            await consumer._trim_stream_if_necessary()
+            await redis_messaging.trim_to_lowest_read("never-published")
+        finally:
+            await _close_clients()
+
+    asyncio.run(consume())
+    with redis.Redis(port=redis_port, decode_responses=True) as client:
+        assert client.xrange("c")[0][0] == "1000-3"  # it trimmed, and only that far
+    assert _unread_by_slow(redis_port, "c") == [f"1000-{n}" for n in range(4, 16)]
+    assert redis_messaging.stream_id("1000-12") > redis_messaging.stream_id("1000-3")
