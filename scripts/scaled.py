@@ -295,17 +295,19 @@ def down(layout: Layout) -> None:
     # together, then what they use.
     groups = [layout.lb_names(),
               [*layout.controller_names(), *layout.api_names(), "prefect-services"], ["redis"]]
-    names = [n for group in groups for n in group]
+    records = {name: layout.proc(name) for group in groups for name in group}
     for group in groups:
-        stop({name: layout.proc(name) for name in group})
+        stop({name: records[name] for name in group})
         for name in group:
             layout.set_proc(name, None)
     pg = Postgres(layout, tools)
     pg.stop()
-    left = [n for n in names if alive(layout.proc(n))] + (["postgres"] if pg.running() else [])
+    left = [name for name, record in records.items() if alive(record)]
+    if pg.running():
+        left.append("postgres")
     if left:
         raise LayoutError(f"still running: {', '.join(left)}")
-    say(f"down: nothing of the layout in {layout.dir} runs (its data stays; `clean` deletes it)")
+    say(f"down: every part stopped; the data stays in {layout.dir} (`clean` deletes it)")
 
 
 def status(layout: Layout) -> bool:
