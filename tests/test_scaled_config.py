@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from scripts.scaled_parts.balancer import CHECK_TIMEOUT_S, haproxy_conf
-from scripts.scaled_parts.config import Layout, config_from_env
+from scripts.scaled_parts.config import DEFAULT_DIR, ROOT, Layout, config_from_env
 from scripts.scaled_parts.procs import LayoutError
 
 
@@ -59,3 +59,10 @@ def test_a_busy_server_is_not_taken_out_but_a_dead_one_is(tmp_path: Path) -> Non
         assert f"timeout check {CHECK_TIMEOUT_S}s" in lines
         assert "default-server inter 2s fall 2 rise 2" in lines
     assert CHECK_TIMEOUT_S >= 10
+
+
+def test_the_default_layout_folder_is_the_checkouts_dot_scaled() -> None:
+    """What `make scaled-up`, docs/scaled.md and bench/fleet_sim.py use, wherever it is run."""
+    checkout = Path(__file__).resolve().parents[1]
+    assert DEFAULT_DIR == checkout / ".scaled"
+    assert (ROOT / "scripts" / "scaled.py").is_file()

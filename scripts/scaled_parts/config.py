@@ -15,7 +15,7 @@ from typing import Any
 
 from scripts.scaled_parts.procs import LayoutError, MissingPrograms
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 DEFAULT_DIR = ROOT / ".scaled"
 BIN = Path(sys.executable).parent  # the venv's bin: prefect, sched
 START_TIMEOUT_ENV = "SCALED_START_TIMEOUT"  # seconds `up` waits for the parts to answer
