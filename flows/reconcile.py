@@ -1,7 +1,8 @@
 """The node's reconcile: pull the schedule list, plan, and record what changed (a thread).
 
 Every ``reconcile_interval``, when woken (the controller's long poll, the pull file, a
-Prefect event) and on demand (a Run of ``reconcile/<node>``): pull with retries and
+Prefect event: the first at once, a burst after it folded, at most one reconcile a
+:data:`ANNOUNCED_GAP_S`) and on demand (a Run of ``reconcile/<node>``): pull with retries and
 exponential backoff (a pull that still fails changes nothing: the last good list keeps
 firing); wake the firing loop; plan (:mod:`flows.planner`) and look for ad hoc runs
 (:mod:`flows.control`); record a ``reconcile/<node>`` run when the list changed (rows
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -53,6 +55,9 @@ FIRST_SPREAD = 0.5
 """The first periodic reconcile comes between (1 - this) and 1 interval after the start."""
 PLAN_RETRY_S = 30.0
 """How soon a plan the Prefect server could not take is tried again."""
+ANNOUNCED_GAP_S = 1.0
+"""Reconciles that change announcements start (an event, the long poll, the pull file) begin
+at least this far apart: the first at once, what a burst announces after it in one more."""
 
 
 class Reconciler:
@@ -93,14 +98,21 @@ class Reconciler:
         # so a fleet started together (a fleet-wide restart) does not reconcile together
         # every interval after.
         first = interval * (1 - FIRST_SPREAD * random.random())
+        began = float("-inf")
         while not self._worker.stopping.is_set():
             woken = self._worker.woken.wait(PLAN_RETRY_S if self.plan_pending
-                                    else first if self.runs == 1 else interval)
+                                            else first if self.runs == 1 else interval)
             self._worker.woken.clear()
             if self._worker.stopping.is_set():
                 return
             with self._lock:
                 reasons, self._reasons = self._reasons, []
+            if _announced(reasons) and not self._gap_after(began):
+                return
+            self._worker.woken.clear()  # what came during the gap joins this reconcile
+            with self._lock:
+                reasons, self._reasons = reasons + self._reasons, []
+            began = time.monotonic()
             try:
                 if not woken and self.plan_pending:
                     self.replan()
@@ -108,6 +120,11 @@ class Reconciler:
                     self.reconcile(reasons or [("interval", None)])
             except Exception:
                 log.exception("the reconcile failed; the next one tries again")
+
+    def _gap_after(self, began: float) -> bool:
+        """Wait until ANNOUNCED_GAP_S after the last reconcile began; False when stopping."""
+        left = began + ANNOUNCED_GAP_S - time.monotonic()
+        return left <= 0 or not self._worker.stopping.wait(left)
 
     def replan(self) -> None:
         """Plan again after a plan the Prefect server could not take (no pull)."""
@@ -234,3 +251,9 @@ def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:
                     "rejected_ids": [{"id": rid, "reason": reason}
                                      for rid, reason in result.rejected]},
     }
+
+
+def _announced(reasons: list[tuple[str, str | None]]) -> bool:
+    """Whether every reason is a change announced (no operator's Run, not the start)."""
+    return bool(reasons) and all(run_id is None and reason != "start"
+                                 for reason, run_id in reasons)
