@@ -75,6 +75,8 @@ class AgentSettings(LayeredSettings):
         env_prefix="SCHED_", env_nested_delimiter="__", extra="forbid", validate_default=True
     )
 
+    # One field a setting, each alike in shape (a type, a Field with its default and its
+    # description, which the settings table in docs/ is made from): `duplicates` pairs some.
     node_name: str = Field(
         default_factory=socket.gethostname, min_length=1,
         json_schema_extra={"docs_default": "the host name"},
