@@ -26,9 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    SettingsConfigDict,
-)
+from pydantic_settings import SettingsConfigDict
 
 from flows.action_specs import ActionSpec, Seconds, StageSpec
 from sched_core import ConfigError
