@@ -46,6 +46,7 @@ from prefect_redis.messaging import (
     RedisStreamsMessage,
     _cleanup_empty_consumer_groups,
     _deduplication_key,
+    _is_missing_stream_error,
     break_topic,
     ephemeral_subscription,
 )
@@ -145,7 +146,7 @@ async def trim_to_lowest_read(stream: str, latest_read: str | None = None) -> No
     try:
         groups = await client.xinfo_groups(stream)
     except ResponseError as exc:
-        if "no such key" in str(exc).lower():
+        if _is_missing_stream_error(exc):
             return  # nothing published to it yet
         raise
     for group in groups:

@@ -86,7 +86,7 @@ class Reconciler:
         """Reconcile now (a change announced, an operator's Run)."""
         with self._lock:
             self._reasons.append((reason, run_id))
-        self._worker.woken.set()
+        self._worker.wake()
 
     def stop(self) -> None:
         """Stop the thread after the reconcile in progress."""
@@ -102,16 +102,17 @@ class Reconciler:
         while not self._worker.stopping.is_set():
             woken = self._worker.woken.wait(PLAN_RETRY_S if self.plan_pending
                                             else first if self.runs == 1 else interval)
-            self._worker.woken.clear()
             if self._worker.stopping.is_set():
                 return
             with self._lock:
-                reasons, self._reasons = self._reasons, []
-            if _announced(reasons) and not self._gap_after(began):
+                announced = _announced(self._reasons)
+            if announced and not self._gap_after(began):
                 return
-            self._worker.woken.clear()  # what came during the gap joins this reconcile
+            # Cleared before the reasons are taken: what comes after is the next reconcile's;
+            # what came during the gap joins this one.
+            self._worker.woken.clear()
             with self._lock:
-                reasons, self._reasons = reasons + self._reasons, []
+                reasons, self._reasons = self._reasons, []
             began = time.monotonic()
             try:
                 if not woken and self.plan_pending:
