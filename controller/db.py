@@ -18,6 +18,8 @@ Sessions: :func:`transaction` is the one commit-or-rollback of every write, and
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -91,10 +93,37 @@ def libpq_conninfo(url: str | URL) -> str:
     return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+SQLITE_BUSY_TIMEOUT_S = 30.0
+"""How long a SQLite connection waits for another's lock before it fails."""
+
+
+def _sqlite_wal(cursor: Any, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> None:
+    """Turn on WAL, asking again while another connection holds the lock.
+
+    The change needs the file's exclusive lock, and SQLite answers "database
+    is locked" at once, without its busy timeout, when another connection
+    holds the write lock or is making the same change (it would be a deadlock
+    to wait): several processes opening a new file together hit that. Once
+    the file is in WAL the statement only reads, so this loops at most while
+    a new file is being set up.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     # WAL lets readers run beside the one writer; several scheduler processes share the file.
-    cursor.execute("PRAGMA journal_mode=WAL")
+    _sqlite_wal(cursor)
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
@@ -137,7 +166,7 @@ def make_engine(
             Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
             parsed,
-            connect_args={"timeout": 30, "check_same_thread": False},
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},
             **kwargs,
         )
         event.listen(engine, "connect", _sqlite_pragmas)

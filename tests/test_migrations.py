@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -249,6 +250,32 @@ def test_concurrent_migrators_on_one_sqlite_file_all_succeed(tmp_path: Path) -> 
     assert [proc.returncode for proc in procs] == [0, 0, 0], errors
     assert _schema(url)["alembic_version"] == [HEAD]
     assert _tables(url) == TABLES
+
+
+def test_a_new_file_waits_for_a_writer_before_it_turns_on_wal(tmp_path: Path) -> None:
+    """SQLite refuses the WAL switch at once while another holds the write lock: ask again.
+
+    Three migrators on a new file failed once this way ("database is locked"
+    from ``PRAGMA journal_mode=WAL``, in 0.1 ms, whatever the busy timeout).
+    Here the other connection is a plain writer on a file still in rollback
+    mode; it commits 0.5 s later, and the new engine's connection then opens.
+    """
+    path = tmp_path / "fresh.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE t (x INTEGER)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO t VALUES (1)")
+    release = threading.Timer(0.5, writer.execute, ("COMMIT",))
+    release.start()
+    engine = db.make_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("SELECT x FROM t").scalars().all() == [1]
+    finally:
+        release.join()
+        engine.dispose()
+        writer.close()
 
 
 def test_migrate_at_head_does_not_wait_for_a_running_writer(tmp_path: Path) -> None:
