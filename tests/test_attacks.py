@@ -28,6 +28,7 @@ import shutil
 import stat
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -314,50 +315,46 @@ def test_demo_copy_escape_writes_outside_unguarded_and_is_refused_now(
     assert not escaped.exists()
 
 
-@pytest.mark.parametrize(("action", "param", "value", "rule"), [
-    ("backup", "source", "--to-command=sh -c 'id > M'", "may not be empty or start with '-'"),
-    ("copy", "source", "--help", "may not be empty or start with '-'"),
-    ("backup", "source", "/root/.ssh", "is not under"),
-    ("copy", "source", "/etc", "is not under"),
-    ("prune", "keep_minutes", "0 -o -exec sh -c id ;", "declared int, it is a str"),
-    ("prune", "keep_minutes", 0, "below the minimum 1"),
+@pytest.mark.parametrize(("example", "action", "target", "value", "rule"), [
+    # The demo: a value reaches a command through a param only.
+    ("agent.toml", "backup", "param:source", "--to-command=sh -c 'id > M'",
+     "may not be empty or start with '-'"),
+    ("agent.toml", "copy", "param:source", "--help", "may not be empty or start with '-'"),
+    ("agent.toml", "backup", "param:source", "/root/.ssh", "is not under"),
+    ("agent.toml", "copy", "param:source", "/etc", "is not under"),
+    ("agent.toml", "prune", "param:keep_minutes", "0 -o -exec sh -c id ;",
+     "declared int, it is a str"),
+    ("agent.toml", "prune", "param:keep_minutes", 0, "below the minimum 1"),
+    # The restic example: through a param, the storage or the node name.
+    ("agent-restic.toml", "backup", "param:path", "/root/.ssh", "is not under /home or /srv/data"),
+    ("agent-restic.toml", "backup", "param:path", "/etc/sched-agent/restic-password",
+     "is not under"),
+    ("agent-restic.toml", "backup", "param:path", "/home/../root", "it resolves to /root"),
+    ("agent-restic.toml", "backup", "storage", "/tmp/attacker-repo", "is not under /srv/restic"),
+    ("agent-restic.toml", "backup", "storage", "sftp:-oProxyCommand=id:/r",
+     "not an absolute path"),
+    ("agent-restic.toml", "backup", "storage", "rest:https://attacker.example/r",
+     "not an absolute path"),
+    ("agent-restic.toml", "copy", "param:copy_to", "sftp:attacker:/stolen",
+     "not an absolute path"),
+    ("agent-restic.toml", "copy", "param:copy_to", "/tmp/stolen",
+     "is not under /mnt/offsite/restic"),
+    ("agent-restic.toml", "prune", "param:keep_daily", 0, "below the minimum 1"),
+    ("agent-restic.toml", "check", "param:read_subset", "--help", "does not match the pattern"),
+    ("agent-restic.toml", "check", "param:read_subset", "101%", "does not match the pattern"),
+    ("agent-restic.toml", "backup", "node", "-o", "an identifier is"),
 ])
-def test_demo_params_are_data(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, param: str, value: Any,
-    rule: str,
+def test_values_stay_inside_their_declarations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example: str, action: str, target: str,
+    value: Any, rule: str,
 ) -> None:
+    """Each shipped example refuses the value, naming where it came from and the rule."""
     monkeypatch.delenv("SCHED_CONFIG", raising=False)
-    settings = _shipped("agent.toml", tmp_path)
-    row = {**_sample_rows("agent.toml")[action], "params": {param: value}}
-    with pytest.raises(ValueRefused, match=rf"params.{param} = .* refused: .*{rule}"):
-        _render(settings, row)
-
-
-# Alike in shape to test_demo_params_are_data above: the same attack on the restic example,
-# whose values reach a command through a param, the storage or the node name (_with), and whose
-# refusals are matched by their words alone; other rows, other rules.
-@pytest.mark.parametrize(("action", "target", "value", "rule"), [
-    ("backup", "param:path", "/root/.ssh", "is not under /home or /srv/data"),
-    ("backup", "param:path", "/etc/sched-agent/restic-password", "is not under"),
-    ("backup", "param:path", "/home/../root", "it resolves to /root"),
-    ("backup", "storage", "/tmp/attacker-repo", "is not under /srv/restic"),
-    ("backup", "storage", "sftp:-oProxyCommand=id:/r", "not an absolute path"),
-    ("backup", "storage", "rest:https://attacker.example/r", "not an absolute path"),
-    ("copy", "param:copy_to", "sftp:attacker:/stolen", "not an absolute path"),
-    ("copy", "param:copy_to", "/tmp/stolen", "is not under /mnt/offsite/restic"),
-    ("prune", "param:keep_daily", 0, "below the minimum 1"),
-    ("check", "param:read_subset", "--help", "does not match the pattern"),
-    ("check", "param:read_subset", "101%", "does not match the pattern"),
-    ("backup", "node", "-o", "an identifier is"),
-])
-def test_restic_values_stay_inside_their_declarations(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str, target: str, value: Any,
-    rule: str,
-) -> None:
-    monkeypatch.delenv("SCHED_CONFIG", raising=False)
-    settings = _shipped("agent-restic.toml", tmp_path)
-    row, keywords = _with(_sample_rows("agent-restic.toml")[action], target, value)
-    with pytest.raises(ValueRefused, match="refused: .*" + re.escape(rule)):
+    settings = _shipped(example, tmp_path)
+    row, keywords = _with(_sample_rows(example)[action], target, value)
+    where = f"params.{target[6:]}" if target.startswith("param:") else LABELS.get(target, target)
+    refused = re.escape(where) + " = .* refused: .*" + re.escape(rule)
+    with pytest.raises(ValueRefused, match=refused):
         _render(settings, row, **keywords)
 
 
@@ -528,14 +525,8 @@ def _outside_the_cache(snapshot: dict[str, tuple[Any, ...]]) -> dict[str, tuple[
 DROPPED = "no schedule "
 
 
-@pytest.mark.prefect
-@pytest.mark.usefixtures("prefect_server")
-def test_run_job_refuses_hostile_demo_rows_and_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    node = Node(tmp_path, monkeypatch, "agent.toml")
-    mark = node.marker
-    _archive(node.state, "other")
+def _hostile_demo(mark: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Rows of the demo table, each with an attack, and the words its refusal says."""
     rows = [
         _demo("a-tar", "backup", source=f"--to-command=sh -c 'id > {mark}'"),
         _demo("a-cp-help", "copy", source="--help"),
@@ -548,7 +539,7 @@ def test_run_job_refuses_hostile_demo_rows_and_changes_nothing(
         _demo("a-escape", "copy", repo_id="q/../../escaped", source="demo-data"),
         _demo("a-star", "prune", repo_id="*", keep_minutes=1),
     ]
-    _run_attack(node, rows, {
+    return rows, {
         "a-tar": "params.source = \"--to-command=sh -c 'id > ",
         "a-cp-help": "params.source = '--help' refused: a path may not be empty or start "
                      "with '-'",
@@ -561,20 +552,14 @@ def test_run_job_refuses_hostile_demo_rows_and_changes_nothing(
                         "(strict_params)",
         "a-escape": "repo_id = 'q/../../escaped' refused: an identifier is | " + DROPPED,
         "a-star": "repo_id = '*' refused: an identifier is | " + DROPPED,
-    })
-    assert not (node.home / "escaped").exists()
+    }
 
 
-@pytest.mark.prefect
-@pytest.mark.usefixtures("prefect_server")
-def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    node = Node(tmp_path, monkeypatch, "agent-restic.toml")
-    mark = node.marker
-    repo = "/srv/restic/r-9"
+def _hostile_restic(mark: Path) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Rows of the restic example, each with an attack, and the words its refusal says."""
 
-    def restic(sid: str, action: str, storage: str = repo, **params: Any) -> dict[str, Any]:
+    def restic(sid: str, action: str, storage: str = "/srv/restic/r-9",
+               **params: Any) -> dict[str, Any]:
         return {**_demo(sid, action, repo_id="r-9", **params), "storage": storage}
 
     rows = [
@@ -587,7 +572,7 @@ def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
         restic("r-keep", "prune", keep_daily="7 --keep-last 0", keep_weekly=4),
         restic("r-subset", "check", read_subset=f"--password-command=id>{mark}"),
     ]
-    _run_attack(node, rows, {
+    return rows, {
         "r-pwcmd": "params.path = \"--password-command=sh -c 'id > ",
         "r-opt": "refused: a path may not be empty or start with '-'",
         "r-key": "params.path = '/etc/sched-agent/restic-password' refused: it is not under "
@@ -597,7 +582,22 @@ def test_run_job_refuses_hostile_restic_rows_and_changes_nothing(
                    "absolute path",
         "r-keep": "params.keep_daily = '7 --keep-last 0' refused: declared int, it is a str",
         "r-subset": "params.read_subset = '--password-command=id>",
-    })
+    }
+
+
+@pytest.mark.prefect
+@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.parametrize(("example", "hostile"), [
+    ("agent.toml", _hostile_demo), ("agent-restic.toml", _hostile_restic)])
+def test_run_job_refuses_hostile_rows_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example: str,
+    hostile: Callable[[Path], tuple[list[dict[str, Any]], dict[str, str]]],
+) -> None:
+    """Each example's hostile rows fail by id, saying why; no command runs, nothing changes."""
+    node = Node(tmp_path, monkeypatch, example)
+    _archive(node.state, "other")
+    _run_attack(node, *hostile(node.marker))
+    assert not (node.home / "escaped").exists()
 
 
 @pytest.mark.prefect

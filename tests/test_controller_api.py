@@ -618,8 +618,6 @@ def test_body_nested_too_deep_is_422(client: httpx.Client) -> None:
     assert client.get(path, headers=ADMIN).json()["version"] == 1
 
 
-# Alike in shape to test_attacks.py's tables of refused values (rows of four strings): these
-# are text values the wire format refuses, with other fields and other checks.
 @pytest.mark.parametrize(
     ("key", "raw", "field", "words"),
     [

@@ -115,6 +115,11 @@ class Job:
         """Journal the job's end."""
         self.folder.append({"e": "end", "at": utc_text(at), "state": state, "message": message})
 
+    def complete(self, at: datetime) -> None:
+        """Its one try exits 0 at at, and the job ends Completed then."""
+        self.exit(1, at, 0)
+        self.end(at, COMPLETED, "tar exited 0")
+
     def plan(self, api: PrefectApi, deployment: str) -> str:
         """Create the window's planned run as the planner does; return its id."""
         (result,) = api.create_runs(deployment, [{
@@ -150,6 +155,13 @@ def _task_run(api: PrefectApi, run_id: str,
             assert len(runs) == 1, runs
             return runs[0], states
         time.sleep(0.3)
+
+
+def _recorded_completed(counted: Counted, prefect: Prefect, run_id: str) -> None:
+    """Assert the run went Scheduled, Running, Completed, and its task run Running, Completed."""
+    assert [s["type"] for s in prefect.states(run_id)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    _task, states = _task_run(counted.api, run_id, 2)
+    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
 
 
 def _at(text: str) -> datetime:
@@ -197,8 +209,7 @@ def test_a_planned_window_is_recorded_live_in_eight_requests_and_reads_as_before
     assert [(s["type"], s["name"]) for s in states] == [("RUNNING", "Running")]
     assert task["start_time"] is not None and task["run_count"] == 1
 
-    job.exit(1, ended, 0)
-    job.end(ended, COMPLETED, "tar exited 0")
+    job.complete(ended)
     job.folder.log(ended, "exit line written at the end")
     counted.take()
     assert recorder.drain() is False
@@ -298,8 +309,7 @@ def test_a_window_with_no_planned_run_gets_one_scheduled_at_its_window_as_before
     recorder.deployments.get()
     started, ended = window + timedelta(seconds=1), window + timedelta(seconds=4)
     job.start(1, started, ["x"])
-    job.exit(1, ended, 0)
-    job.end(ended, COMPLETED, "tar exited 0")
+    job.complete(ended)
     counted.take()
     assert recorder.drain() is False
     calls = counted.take()
@@ -309,11 +319,8 @@ def test_a_window_with_no_planned_run_gets_one_scheduled_at_its_window_as_before
     run_id = job.progress()["flow_run_id"]
     run = counted.api.read_run(run_id)
     assert run is not None and run["idempotency_key"] == job.ref.idempotency_key
-    history = prefect.states(run_id)
-    assert [s["type"] for s in history] == ["SCHEDULED", "RUNNING", "COMPLETED"]
-    assert _at(history[0]["state_details"]["scheduled_time"]) == window
-    _task, states = _task_run(counted.api, run_id, 2)
-    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+    _recorded_completed(counted, prefect, run_id)
+    assert _at(prefect.states(run_id)[0]["state_details"]["scheduled_time"]) == window
 
 
 def test_a_kill_with_the_running_request_in_flight_finds_the_run_and_sends_nothing_twice(
@@ -331,15 +338,11 @@ def test_a_kill_with_the_running_request_in_flight_finds_the_run_and_sends_nothi
         {"deployment_id": {"any_": [deployment]},
          "idempotency_key": {"any_": [job.ref.idempotency_key]}},
         state_body("RUNNING", message="started"), force=True)
-    job.exit(1, window + timedelta(seconds=2), 0)
-    job.end(window + timedelta(seconds=2), COMPLETED, "tar exited 0")
+    job.complete(window + timedelta(seconds=2))
     again = _recorder(counted.api, outbox, node)  # a new process checks what was in flight
     assert again.drain() is False
     assert job.progress()["flow_run_id"] == planned
-    kinds = [s["type"] for s in prefect.states(planned)]
-    assert kinds == ["SCHEDULED", "RUNNING", "COMPLETED"], kinds
-    _task, states = _task_run(counted.api, planned, 2)
-    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+    _recorded_completed(counted, prefect, planned)
     command = [item["message"] for item in counted.api.filter_logs(
         {"logs": {"flow_run_id": {"any_": [planned]}}}) if item["task_run_id"] is not None]
     assert command == ["a"]
@@ -365,8 +368,7 @@ def test_a_job_an_older_node_began_recording_is_finished_on_the_same_task_run(
                                           "offline": False, "task_run_id": task_id,
                                           "task_states": 1})
     ended = datetime.now(UTC) + timedelta(seconds=1)  # after the old node's server-stamped states
-    job.exit(1, ended, 0)
-    job.end(ended, COMPLETED, "tar exited 0")
+    job.complete(ended)
     assert recorder.drain() is False
     task, states = _task_run(counted.api, planned, 3)
     assert task["id"] == task_id
@@ -382,14 +384,11 @@ def test_a_job_that_ended_before_its_first_record_takes_seven_requests(
     planned = job.plan(counted.api, recorder.deployments.get()[RUN_JOB])
     started, ended = window + timedelta(seconds=2), window + timedelta(seconds=30)
     job.start(1, started, ["a", "b"])
-    job.exit(1, ended, 0)
-    job.end(ended, COMPLETED, "tar exited 0")
+    job.complete(ended)
     counted.take()
     assert recorder.drain() is False
     assert counted.take() == [*START_CALLS[:2], *END_CALLS]
-    _task, states = _task_run(counted.api, planned, 2)
-    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
-    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    _recorded_completed(counted, prefect, planned)
 
 
 @pytest.mark.parametrize(("task_run", "artifact"), [(False, True), (True, False), (False, False)])
@@ -412,8 +411,7 @@ def test_a_leaner_record_leaves_out_the_task_run_or_the_artifact_and_nothing_els
     if not artifact:
         left_out.add(("POST", "/artifacts/"))
     assert counted.take() == [call for call in START_CALLS if call not in left_out]
-    job.exit(1, ended, 0)
-    job.end(ended, COMPLETED, "tar exited 0")
+    job.complete(ended)
     job.folder.log(ended, "exit line written at the end")
     assert recorder.drain() is False
     assert counted.take() == [call for call in END_CALLS if call not in left_out]
@@ -455,10 +453,9 @@ def test_a_job_not_started_yet_sends_nothing_and_its_start_takes_the_planned_pat
     assert recorder.drain() is True
     assert counted.take() == START_CALLS
     assert job.progress()["flow_run_id"] == planned
-    job.exit(1, started + timedelta(seconds=5), 0)
-    job.end(started + timedelta(seconds=5), COMPLETED, "tar exited 0")
+    job.complete(started + timedelta(seconds=5))
     assert recorder.drain() is False
-    assert [s["type"] for s in prefect.states(planned)] == ["SCHEDULED", "RUNNING", "COMPLETED"]
+    _recorded_completed(counted, prefect, planned)
 
 
 def test_a_task_run_begun_before_the_setting_was_turned_off_is_still_ended(
@@ -472,8 +469,6 @@ def test_a_task_run_begun_before_the_setting_was_turned_off_is_still_ended(
     job.start(1, started, ["one"])
     assert recorder.drain() is True
     lean = _recorder(counted.api, outbox, node, task_run=False, artifact=False)
-    job.exit(1, started + timedelta(seconds=4), 0)
-    job.end(started + timedelta(seconds=4), COMPLETED, "tar exited 0")
+    job.complete(started + timedelta(seconds=4))
     assert lean.drain() is False
-    _task, states = _task_run(counted.api, planned, 2)
-    assert [s["type"] for s in states] == ["RUNNING", "COMPLETED"]
+    _recorded_completed(counted, prefect, planned)
