@@ -54,6 +54,20 @@ class OpenAlert:
     window: datetime | None
 
 
+# `duplicates` pairs the frozen records here, in flows/history.py, flows/planner.py and
+# sched_core/firing.py by shape (a decorator, a docstring, typed fields): different
+# records with nothing to share.
+@dataclass(frozen=True)
+class AlertFact:
+    """An alert as it was raised, sent and resolved (``fleet_alert``), to explain a window."""
+
+    kind: str
+    subject: str
+    detected_at: datetime
+    sent_at: datetime | None
+    resolved_at: datetime | None
+
+
 def event_id(node: str, kind: str, subject: str) -> uuid.UUID:
     """Return the Prefect event id of an alert: the same for every instance and every resend."""
     return uuid.uuid5(_NAMESPACE, f"{node}\x00{kind}\x00{subject}")

@@ -24,11 +24,11 @@ the alerts raised about it), and returns a verdict and the facts behind it:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from controller.alert_rules import AlertFact
 from controller.jobs import JobRecord
 from controller.morning import NEW_ROW_S, REPORT_SLACK_S, record_detail, status_of
 from controller.nodes import utc_text
@@ -48,20 +48,6 @@ from sched_core.policies import (
 from sched_core.values import TICK
 
 _SCAN = timedelta(hours=3)
-
-
-# `duplicates` pairs the frozen records here, in flows/history.py, flows/planner.py,
-# sched_core/due.py and sched_core/firing.py by shape (a decorator, a docstring, typed
-# fields): different records with nothing to share.
-@dataclass(frozen=True)
-class AlertFact:
-    """An alert the controller raised about the node (``fleet_alert``)."""
-
-    kind: str
-    subject: str
-    detected_at: datetime
-    sent_at: datetime | None
-    resolved_at: datetime | None
 
 
 def _wall(text: str) -> datetime | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,40 @@ def test_silent_warning_words() -> None:
                            "last_seen_at": "2026-12-04T11:48:00Z"}, now) == (
         "node n is silent: no request of its own for 12 min (it promised one every 60 s); "
         "the run waits in Prefect until its agent is back")
+
+
+def test_explain_names_the_alerts_the_watch_raised_about_the_window_and_the_node(
+    tmp_path: Path,
+) -> None:
+    """The fleet watch's alerts (as it stores them) are facts of the window they are about."""
+    from sqlmodel import Session
+
+    from controller import db
+    from controller.models import FleetAlert
+    from tests.test_morning_api import WRITTEN
+
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    clock = Clock(MORNING)
+    with controller(url, clock) as client:
+        clock.now = WRITTEN
+        morning_fleet(client, clock)
+        at = datetime(2026, 12, 4, 7, 50, tzinfo=UTC)
+        engine = db.make_engine(url)
+        with Session(engine) as session:
+            session.add(FleetAlert(node="node-c", kind="window-missed", subject=BK_KEY,
+                                   schedule_id="bk", reason="missed", payload={},
+                                   detected_at=at, sent_at=at + timedelta(seconds=2)))
+            session.add(FleetAlert(node="node-c", kind="node-silent",
+                                   subject="silent@2026-12-03T18:00:00Z", reason="silent",
+                                   payload={}, detected_at=at - timedelta(hours=1)))
+            session.add(FleetAlert(node="node-c", kind="window-failed", subject="bk@other",
+                                   reason="another window", payload={}, detected_at=at))
+            session.commit()
+        engine.dispose()
+        found = json.loads(run(str(client.base_url), "explain", "node-c", "bk", BK_KEY,
+                               "--json").output)
+    texts = [fact["text"] for fact in found["facts"]]
+    assert "window-missed raised 2026-12-04T07:50:00Z, sent 2026-12-04T07:50:02Z" in texts
+    assert ("node node-c went silent (last request 2026-12-03T18:00:00Z; alert raised "
+            "2026-12-04T06:50:00Z), not back since") in texts
+    assert not any("window-failed" in text for text in texts), texts
