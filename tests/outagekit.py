@@ -13,7 +13,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -46,20 +46,27 @@ def hourly(sid: str, at: datetime, *, sleep: int = 1) -> dict[str, Any]:
     return row(sid, every=None, minute=str(at.minute), sleep=sleep)
 
 
-def starts(state: Path, sid: str) -> list[float]:
-    """Return the real times at which the node's outbox saw sid's command start (any job)."""
-    found = []
+def _messages(state: Path) -> Iterator[str]:
+    """Yield every line the node's commands wrote to its outbox (any job, any try)."""
     for out in state.glob("outbox/*/a*.out"):
         for line in out.read_text().splitlines():
-            message = json.loads(line)["m"]
-            if message.startswith(f"started {sid} at "):
-                found.append(float(message.rsplit(" ", 1)[1]))
-    return found
+            yield json.loads(line)["m"]
+
+
+def _start_times(lines: Iterable[str], sid: str) -> list[float]:
+    """Return the real times in the lines ``started <sid> at <time>`` that sid's command wrote."""
+    prefix = f"started {sid} at "
+    return [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix)]
+
+
+def starts(state: Path, sid: str) -> list[float]:
+    """Return the real times at which the node's outbox saw sid's command start (any job)."""
+    return _start_times(_messages(state), sid)
 
 
 def started_in_logs(prefect: Prefect, run: dict[str, Any], sid: str) -> list[float]:
-    return [float(line.rsplit(" ", 1)[1]) for line in prefect.logs(run["id"])
-            if line.startswith(f"started {sid} at ")]
+    """Return the same times, as the run's logs in Prefect have them."""
+    return _start_times(prefect.logs(run["id"]), sid)
 
 
 def planned(prefect: Prefect, node: NodeUnderTest, name: str, log: Path) -> None:
@@ -103,7 +110,5 @@ def minute_after(node: NodeUnderTest, seconds: float) -> datetime:
 
 
 def outputs(state: Path) -> str:
-    text = []
-    for out in state.glob("outbox/*/a*.out"):
-        text += [json.loads(line)["m"] for line in out.read_text().splitlines()]
-    return "\n".join(text)
+    """Return every line the node's commands wrote, one text."""
+    return "\n".join(_messages(state))
