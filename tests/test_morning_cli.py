@@ -15,14 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlmodel import Session
 from typer.testing import CliRunner
 
+from controller import db
+from controller.models import FleetAlert
 from sched_cli import app as sched
 from sched_ops.cli import silent_warning
 from tests.factories import Clock
 from tests.test_morning_api import (
     BK_KEY,
     MORNING,
+    WRITTEN,
     controller,
     morning_fleet,
 )
@@ -35,8 +39,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder: Path = tmp_path_factory.mktemp("morning-cli")
     clock = Clock(MORNING)
     with controller(f"sqlite:///{folder / 'c.db'}", clock) as client:
-        from tests.test_morning_api import WRITTEN
-
         clock.now = WRITTEN
         morning_fleet(client, clock)
         yield str(client.base_url)
@@ -168,12 +170,6 @@ def test_explain_names_the_alerts_the_watch_raised_about_the_window_and_the_node
     tmp_path: Path,
 ) -> None:
     """The fleet watch's alerts (as it stores them) are facts of the window they are about."""
-    from sqlmodel import Session
-
-    from controller import db
-    from controller.models import FleetAlert
-    from tests.test_morning_api import WRITTEN
-
     url = f"sqlite:///{tmp_path / 'c.db'}"
     clock = Clock(MORNING)
     with controller(url, clock) as client:
