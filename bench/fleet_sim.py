@@ -340,13 +340,16 @@ def build_templates(found: dict[str, Any]) -> Templates:
     if not pulls:
         raise SystemExit("the recorded node made no periodic reconcile")
     # One reconcile: its pull, what follows up to its report to the controller, and any call
-    # of the 3 s before the pull (a timer of the node's that runs beside it).
+    # of the 3 s before the pull (a timer of the node's that runs beside it) but a report:
+    # the reconcile's own ends the template, one just before is a heartbeat's, replayed
+    # apart at its own interval.
     pull = pulls[0]
     first = pull
     while first > 0 and idle[pull]["t"] - idle[first - 1]["t"] < 3:
         first -= 1
     end = next(i for i in range(pull, len(idle)) if idle[i]["path"].endswith("/report"))
-    reconcile = [_tcall(c) for c in idle[first:end + 1]]
+    reconcile = [_tcall(c) for c in idle[first:pull] if not c["path"].endswith("/report")]
+    reconcile += [_tcall(c) for c in idle[pull:end + 1]]
     jobs = [c for c in phase("jobs") if _kept(c)]
     # A job's record begins by putting its planned run in Running (found by its idempotency
     # key, ``<node>:<schedule>@<window>``), or, for a window with none, by creating its run.

@@ -17,9 +17,14 @@ Rules:
 3. :class:`Reporter` sends one when a job starts or ends (after
    :data:`DEBOUNCE_S`, so a burst is one report), after a reconcile, and at
    least every ``heartbeat`` (the interval it announces; the controller calls a
-   node silent after a few of them). A report that fails is sent again later
-   (:data:`RETRY_S`); it never holds up a job. The first report of a start waits
-   for the start's reconcile (at most :data:`FIRST_WAIT_S`): one report, not two.
+   node silent after a few of them). While the controller's long poll is open it
+   is the node's heartbeat: a heartbeat report then goes every
+   :data:`COVERED_EVERY` only, and again each heartbeat from the moment the poll
+   is lost (the poll is looked at when each heartbeat is up, so the start's
+   report, sent before the poll's first answer, is not followed by a second). A
+   report that fails is sent again later (:data:`RETRY_S`); it never holds up a
+   job. The first report of a start waits for the start's reconcile (at most
+   :data:`FIRST_WAIT_S`): one report, not two.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -204,18 +210,33 @@ class Reporter:
 
     def _main(self) -> None:
         wait = FIRST_WAIT_S
+        ok = False
+        accepted = 0.0  # time.monotonic() of the last report the controller accepted
         while not self._worker.stopping.is_set():
-            self._worker.woken.wait(wait)
+            woken = self._worker.woken.wait(wait)
             if self._worker.stopping.is_set():
                 return
-            if self._worker.woken.is_set():
+            if woken:
                 self._worker.stopping.wait(DEBOUNCE_S)
+            elif ok and (left := self._covered_for(accepted)) > 0:
+                # A heartbeat is up, and the long poll is the node's heartbeat now: no report
+                # before COVERED_EVERY, the poll looked at again each heartbeat. (The start's
+                # report goes before the poll's first answer, uncovered: its heartbeat later
+                # the poll covers the node, and no second report follows it.)
+                wait = min(left, self.heartbeat.total_seconds())
+                continue
             self._worker.woken.clear()
             ok = self.send_now()
-            every = self.heartbeat.total_seconds()
-            if self._covered():
-                every = max(every, COVERED_EVERY.total_seconds())
-            wait = every if ok else RETRY_S
+            if ok:
+                accepted = time.monotonic()
+            wait = self.heartbeat.total_seconds() if ok else RETRY_S
+
+    def _covered_for(self, accepted: float) -> float:
+        """Seconds the long poll still stands for the reports, the last accepted at
+        ``accepted`` (``time.monotonic()``): 0 when it is not open or COVERED_EVERY is up."""
+        if not self._covered():
+            return 0.0
+        return max(0.0, COVERED_EVERY.total_seconds() - (time.monotonic() - accepted))
 
     def _next_seq(self) -> int:
         try:
