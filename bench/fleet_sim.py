@@ -341,8 +341,8 @@ def build_templates(found: dict[str, Any]) -> Templates:
         raise SystemExit("the recorded node made no periodic reconcile")
     # One reconcile: its pull, what follows up to its report to the controller, and any call
     # of the 3 s before the pull (a timer of the node's that runs beside it) but a report:
-    # the reconcile's own ends the template, one just before is a heartbeat's, replayed
-    # apart at its own interval.
+    # the reconcile's own ends the template; one before the pull is a heartbeat's, which a
+    # node with its long poll open does not send between reconciles 15 minutes apart.
     pull = pulls[0]
     first = pull
     while first > 0 and idle[pull]["t"] - idle[first - 1]["t"] < 3:
