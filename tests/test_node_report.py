@@ -110,7 +110,7 @@ def test_a_lost_long_poll_brings_the_heartbeat_reports_back_within_a_heartbeat(
     tmp_path: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The poll covered the node when its last report went, so the next is 10 minutes away;
-    # the poll is lost: the reporter looks at it each heartbeat and reports at once (it
+    # the poll is lost: the reporter looks at it each heartbeat and reports at the next (it
     # slept the whole COVERED_EVERY before, the node silent to the controller meanwhile).
     monkeypatch.setattr(node_report, "COVERED_EVERY", timedelta(minutes=10))
     poll = threading.Event()
