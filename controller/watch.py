@@ -77,8 +77,15 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session
 
-from controller import alert_rules, jobs, ledger, nodes, schedules
-from controller.alert_rules import PROBLEMS, Alert, OpenAlert, plan_alerts, prefect_event
+from controller import jobs, ledger, nodes, schedules
+from controller.alert_rules import (
+    PROBLEMS,
+    Alert,
+    AlertFact,
+    OpenAlert,
+    plan_alerts,
+    prefect_event,
+)
 from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
@@ -106,12 +113,12 @@ LEASE_S = 30.0
 MAX_LEASE_S = 600.0
 
 
-def alert_facts(session: Session, node: str, limit: int = 500) -> list[alert_rules.AlertFact]:
+def alert_facts(session: Session, node: str, limit: int = 500) -> list[AlertFact]:
     """Return the alerts raised about node, newest first (for ``sched explain``)."""
     rows = session.execute(
         select(_A.kind, _A.subject, _A.detected_at, _A.sent_at, _A.resolved_at)
         .where(_A.node == node).order_by(_A.id.desc()).limit(limit)).all()
-    return [alert_rules.AlertFact(*row) for row in rows]  # the columns in its fields' order
+    return [AlertFact(*row) for row in rows]  # the columns in its fields' order
 
 
 Emitter = Callable[[dict[str, Any]], None]
