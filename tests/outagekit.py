@@ -1,9 +1,9 @@
 """What the tests of a node against a Prefect server that goes away, or killed with -9, share.
 
 tests/test_node_outage.py and tests/test_node_kill.py (two files, so two of the suite's
-workers take them apart): a Prefect server of the test's own that it may stop (``server``) and its
-reader (``prefect``), rows that fire once in a test, and what the node's outbox and Prefect
-say about its commands.
+workers take them apart): a Prefect server of the test's own that it may stop (``server``)
+and its reader (``prefect``), rows that fire once in a test, and what the node's outbox and
+Prefect say about its commands.
 """
 
 from __future__ import annotations

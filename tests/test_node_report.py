@@ -34,13 +34,12 @@ class Reports:
         self.at: list[float] = []
         self.then: Callable[[], None] = lambda: None
         """Called (in a thread of its own) when a report arrived."""
-        arrived = self.at
         reports = self
 
         class Accept(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                arrived.append(time.monotonic())
+                reports.at.append(time.monotonic())
                 threading.Thread(target=reports.then, daemon=True).start()
                 self.send_response(204)
                 self.end_headers()
