@@ -78,14 +78,7 @@ from sqlalchemy.engine import CursorResult, Engine
 from sqlmodel import Session
 
 from controller import jobs, ledger, nodes, schedules
-from controller.alert_rules import (
-    PROBLEMS,
-    Alert,
-    AlertFact,
-    OpenAlert,
-    plan_alerts,
-    prefect_event,
-)
+from controller.alert_rules import PROBLEMS, Alert, AlertFact, OpenAlert, plan_alerts, prefect_event
 from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
