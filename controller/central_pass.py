@@ -126,7 +126,7 @@ class DispatchPass:
             return False
         settings = self.settings
         try:
-            pairs = claims.claim_for_dispatch_on(
+            pairs = claims.claim_for_dispatch(
                 conn, worker_id=self.worker_id, lease=settings.lease,
                 limit=settings.batch_size, stale_after=settings.stale_after,
             )

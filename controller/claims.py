@@ -123,24 +123,8 @@ def _is_broken(completion: Completion) -> bool:
 # ---------------------------------------------------------------- step 1: claim
 
 
-def _claim_params(
-    worker_id: str,
-    now: datetime | None,
-    lease: timedelta | float,
-    limit: int,
-    stale_after: timedelta | float,
-) -> dict[str, Any]:
-    return {
-        "now": now,
-        "worker_id": worker_id,
-        "lease": _seconds(lease),
-        "limit": limit,
-        "stale_after": _seconds(stale_after),
-    }
-
-
 def claim_for_dispatch(
-    session: Session,
+    db: Session | psycopg.Connection[Any],
     *,
     worker_id: str,
     now: datetime | None = None,
@@ -157,34 +141,31 @@ def claim_for_dispatch(
     means the database's ``now()``. Claims of concurrent workers are disjoint;
     a worker that finds nothing gets ``[]``. Ordered by scheduled time, then
     name; each claim comes with what its worker should do.
+
+    ``db`` is a session (either database) or a raw autocommit psycopg connection
+    (Postgres only): the scheduler's listener claims on its own connection the
+    moment a notification arrives, as that backend is awake already and the claim
+    then costs no hand-off to another thread or connection.
     """
-    params = _claim_params(worker_id, now, lease, limit, stale_after)
-    pairs = backend_for(session).claim_for_dispatch(session, params)
+    params = {
+        "now": now,
+        "worker_id": worker_id,
+        "lease": _seconds(lease),
+        "limit": limit,
+        "stale_after": _seconds(stale_after),
+    }
+    if isinstance(db, psycopg.Connection):
+        pairs = _claim_on_connection(db, params)
+    else:
+        pairs = backend_for(db).claim_for_dispatch(db, params)
     if pairs:
         log.debug("claimed tasks", extra={"worker_id": worker_id, "count": len(pairs)})
     return pairs
 
 
-# The same keyword options as claim_for_dispatch on purpose (a pair `duplicates` lists):
-# one claim, on a session or on the listener's raw connection; both go to _claim_params.
-def claim_for_dispatch_on(
-    conn: psycopg.Connection[Any],
-    *,
-    worker_id: str,
-    now: datetime | None = None,
-    lease: timedelta | float = 30.0,
-    limit: int = 100,
-    stale_after: timedelta | float = 600.0,
-) -> ClaimedBatch:
-    """Do :func:`claim_for_dispatch` on a raw autocommit psycopg connection (Postgres only).
-
-    The scheduler's listener runs it on its own connection the moment a
-    notification arrives: that backend is awake already, so the claim costs
-    no hand-off to another thread or connection.
-    """
+def _claim_on_connection(conn: psycopg.Connection[Any], params: dict[str, Any]) -> ClaimedBatch:
     if not conn.autocommit:
-        raise ValueError("claim_for_dispatch_on needs an autocommit connection")
-    params = _claim_params(worker_id, now, lease, limit, stale_after)
+        raise ValueError("claim_for_dispatch on a psycopg connection needs it in autocommit")
     with conn.cursor() as cursor:
         cursor.execute(sql.query("claim_for_dispatch"), params)
         columns = [column.name for column in cursor.description or ()]

@@ -282,11 +282,11 @@ def test_claim_on_a_raw_connection_reports_done_busy_and_owned(postgres_url: str
             complete_all(session, [pairs["done"]], now=T0)
             tasks.save_task(session, one_shot("done"), now=T0)  # the same time, again
         with psycopg.connect(db.libpq_conninfo(postgres_url), autocommit=True) as conn:
-            outcomes = {c.name: o for c, o in claims.claim_for_dispatch_on(
+            outcomes = {c.name: o for c, o in claims.claim_for_dispatch(
                 conn, worker_id="w2", now=T0 + timedelta(seconds=11), lease=10)}
             with pytest.raises(ValueError, match="autocommit"):
                 conn.autocommit = False
-                claims.claim_for_dispatch_on(conn, worker_id="w2")
+                claims.claim_for_dispatch(conn, worker_id="w2")
     finally:
         engine.dispose()
     assert outcomes == {"done": DispatchOutcome.DONE, "busy": DispatchOutcome.BUSY,
