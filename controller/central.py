@@ -119,14 +119,8 @@ class CentralScheduler(Running):
             on_give_up=on_give_up, stopping=self._stopping,
         )
         self.listener = Listener(
-            self.db.open_listen_connection,
-            on_notify=self._on_notify,
-            on_connect=self.wake,
-            retry_delay=self.settings.retry_delay,
-            max_retry_delay=self.settings.max_retry_delay,
-            listen_timeout=self.settings.listen_timeout,
-            health_interval=self.settings.health_interval,
-            log_extra={"worker_id": self.worker_id},
+            self.db.open_listen_connection, self.settings, on_notify=self._on_notify,
+            on_connect=self.wake, log_extra={"worker_id": self.worker_id},
         )
 
     # ------------------------------------------------------------ what it shows

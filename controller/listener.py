@@ -18,11 +18,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from controller.wakeups import NOTIFY_CHANNEL
+
+if TYPE_CHECKING:
+    from controller.central_settings import CentralSettings
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +54,21 @@ class Listener:
     ``run()`` is the thread's body and returns once ``stop()`` was called.
     """
 
-    # Alike in shape to Jobs.__init__ and other constructors (`self.x = x`): a plain init.
     def __init__(
         self,
         connect: Callable[[], psycopg.Connection[Any]],
+        settings: CentralSettings,
         *,
         on_notify: Callable[[psycopg.Connection[Any]], None],
         on_connect: Callable[[], None],
-        retry_delay: float,
-        max_retry_delay: float,
-        listen_timeout: float,
-        health_interval: float,
         log_extra: dict[str, Any] | None = None,
     ) -> None:
+        """Its timing (``retry_delay``, ``max_retry_delay``, ``listen_timeout``,
+        ``health_interval``) is the scheduler's settings', as its other parts' is."""
         self._open = connect
+        self.settings = settings
         self.on_notify = on_notify
         self.on_connect = on_connect
-        self.retry_delay = retry_delay
-        self.max_retry_delay = max_retry_delay
-        self.listen_timeout = listen_timeout
-        self.health_interval = health_interval
         self._extra = dict(log_extra or {})
         self.connects = 0
         """How many times it connected (1 + reconnects)."""
@@ -111,7 +109,8 @@ class Listener:
         try:
             while not self._stopping.is_set():
                 if failures:
-                    delay = backoff(failures, base=self.retry_delay, cap=self.max_retry_delay)
+                    delay = backoff(failures, base=self.settings.retry_delay,
+                                    cap=self.settings.max_retry_delay)
                     if self._stopping.wait(delay):
                         break
                 try:
@@ -160,11 +159,11 @@ class Listener:
         last_check = time.monotonic()
         while not self._stopping.is_set():
             notified = False
-            for _notify in conn.notifies(timeout=self.listen_timeout, stop_after=1):
+            for _notify in conn.notifies(timeout=self.settings.listen_timeout, stop_after=1):
                 notified = True
             if notified and not self._stopping.is_set():
                 self.on_notify(conn)
-            if time.monotonic() - last_check >= self.health_interval:
+            if time.monotonic() - last_check >= self.settings.health_interval:
                 conn.execute("SELECT 1")
                 last_check = time.monotonic()
             if conn.closed:
