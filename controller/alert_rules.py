@@ -54,9 +54,6 @@ class OpenAlert:
     window: datetime | None
 
 
-# `duplicates` pairs the frozen records here, in flows/history.py, flows/planner.py and
-# sched_core/firing.py by shape (a decorator, a docstring, typed fields): different
-# records with nothing to share.
 @dataclass(frozen=True)
 class AlertFact:
     """An alert as it was raised, sent and resolved (``fleet_alert``), to explain a window."""

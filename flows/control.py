@@ -157,7 +157,7 @@ class ControllerWait:
     def __init__(self, url: str, *, token: Callable[[], str | None],
                  etag: Callable[[], str | None], heartbeat: timedelta,
                  on_schedules: Callable[[], None], on_prefect: Callable[[], None],
-                 on_unsupported: Callable[[], None], verify: bool | str = True) -> None:
+                 on_unsupported: Callable[[], None]) -> None:
         """``on_unsupported()`` is called once when the controller cannot carry Prefect's
         wakes: it has no wait endpoint, or its answers say it follows no Prefect events."""
         self.url = url
@@ -167,7 +167,6 @@ class ControllerWait:
         self._on_schedules = on_schedules
         self._on_prefect = on_prefect
         self._on_unsupported = on_unsupported
-        self._verify = verify
         self._worker = Worker("controller-wait", self._main)
         self.supported = True
         self._told = False
@@ -196,7 +195,7 @@ class ControllerWait:
         seen = told = ""
         backoff = BACKOFF_MIN_S
         wait_s = min(self.heartbeat.total_seconds(), MAX_WAIT_S)
-        with httpx.Client(timeout=wait_s + 15, verify=self._verify) as client:
+        with httpx.Client(timeout=wait_s + 15) as client:
             while not self._worker.stopping.is_set():
                 token = self._token()
                 headers = {"Authorization": f"Bearer {token}"} if token else {}

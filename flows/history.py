@@ -28,6 +28,9 @@ KEEP = 1000
 KEEP_FOR = timedelta(days=2)
 
 
+# `duplicates` pairs this record with flows/planner.py's PlannedEntry and sched_core/firing.py's
+# Due by shape (a constant, a frozen dataclass, a docstring, typed fields): different records
+# with nothing to share.
 @dataclass(frozen=True)
 class Ended:
     """One ended job: its schedule, action, trigger, window, outcome and times."""
