@@ -19,7 +19,8 @@ Rules:
    least every ``heartbeat`` (the interval it announces; the controller calls a
    node silent after a few of them). While the controller's long poll is open it
    is the node's heartbeat: a heartbeat report then goes every
-   :data:`COVERED_EVERY` only, and again each heartbeat from the moment the poll
+   :data:`COVERED_EVERY` only (one due while a reconcile runs waits for the
+   reconcile's), and again each heartbeat from the moment the poll
    is lost (the poll is looked at when each heartbeat is up, so the start's
    report, sent before the poll's first answer, is not followed by a second). A
    report that fails is sent again later (:data:`RETRY_S`); it never holds up a
@@ -182,6 +183,8 @@ class Reporter:
         self._covered = covered
         self._worker = Worker("reporter", self._main)
         self._sending = threading.Lock()  # one report at a time (the thread, the last one)
+        self._coming = threading.Event()
+        """Set by :meth:`expect` (a reconcile began) until the next report goes."""
         self._seq_path = settings.state_dir / "report-seq"
         self.sent = 0
         self.failures = 0
@@ -204,6 +207,11 @@ class Reporter:
         """Send a report soon (a job started or ended, a reconcile ran)."""
         self._worker.woken.set()
 
+    def expect(self) -> None:
+        """Say a report is coming (a reconcile began; it pokes when it ends): a covered
+        heartbeat report that comes due meanwhile waits for it, and the two are one."""
+        self._coming.set()
+
     def stop(self) -> None:
         """Stop the thread; what is not reported yet is sent by the next start."""
         self._worker.stop(5.0)
@@ -224,6 +232,11 @@ class Reporter:
                 # report goes before the poll's first answer, uncovered: its heartbeat later
                 # the poll covers the node, and no second report follows it.)
                 wait = min(left, self.heartbeat.total_seconds())
+                continue
+            elif ok and self._coming.is_set() and self._covered():
+                # COVERED_EVERY is up while a reconcile runs (the default interval is the
+                # same 15 minutes): its report, when it ends, is this one.
+                wait = self.heartbeat.total_seconds()
                 continue
             self._worker.woken.clear()
             ok = self.send_now()
@@ -275,6 +288,7 @@ class Reporter:
         if self.url is None:
             return False
         with self._sending:
+            self._coming.clear()
             return self._send()
 
     def _send(self) -> bool:

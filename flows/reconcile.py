@@ -71,7 +71,7 @@ class Reconciler:
         self.runs = 0
         """Reconciles begun."""
         self.finished = 0
-        """Reconciles ended (recorded or not)."""
+        """Reconciles ended (recorded or not, failed or not)."""
         self.recorded = 0
         self.plan_pending = False
         """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
@@ -141,7 +141,16 @@ class Reconciler:
         log.info("the plan reached Prefect", extra={"node": self.n.node})
 
     def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
-        """Pull, plan and record what changed (the module's Reconciler)."""
+        """Pull, plan and record what changed (the module's Reconciler); then the node reports
+        (the reporter told at the start, so a heartbeat report due meanwhile waits for it)."""
+        self.n.reporter.expect()
+        try:
+            self._reconcile(reasons)
+        finally:
+            self.finished += 1
+            self.n.reporter.poke()
+
+    def _reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
         n = self.n
         self.runs += 1
         now = n._clock()
@@ -180,8 +189,6 @@ class Reconciler:
             # said "nothing changed". The restart shows in the node's log (this line).
             log.info("the start's reconcile changed nothing (list as cached, plan as "
                      "recorded): no reconcile run recorded", extra={"node": n.node})
-        self.finished += 1
-        n.reporter.poke()
 
     def _pull(self, now: datetime) -> tuple[Any, str | None]:
         settings = self.n.settings

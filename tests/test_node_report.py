@@ -128,3 +128,31 @@ def test_a_lost_long_poll_brings_the_heartbeat_reports_back_within_a_heartbeat(
         assert reports.at[2] - reports.at[1] >= HEARTBEAT.total_seconds() * 0.9
     finally:
         reporter.stop()
+
+
+def test_a_covered_heartbeat_due_while_a_reconcile_runs_is_the_reconciles_report(
+    tmp_path: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The covered heartbeat report and the reconcile's are both due every 15 minutes: a
+    # reconcile that took longer than the report's debounce sent two reports a second apart,
+    # every 15 minutes, from every node. While a reconcile runs the heartbeat waits for it.
+    monkeypatch.setattr(node_report, "COVERED_EVERY", timedelta(seconds=2))
+    poll = threading.Event()
+    poll.set()
+    reporter = _reporter(tmp_path, reports.url, poll).start()
+    try:
+        reporter.poke()
+        wait_for("the first report", lambda: reports.count() == 1, 30)
+        reporter.expect()  # a reconcile begins, and runs past COVERED_EVERY
+        time.sleep(4)
+        assert reports.count() == 1, "a heartbeat report while the reconcile ran"
+        ended = time.monotonic()
+        reporter.poke()  # the reconcile ended
+        wait_for("the reconcile's report", lambda: reports.count() == 2, 30)
+        assert reports.at[1] >= ended
+        # After it, COVERED_EVERY counts from that report, and a heartbeat report goes with
+        # no reconcile under way.
+        wait_for("the next covered heartbeat report", lambda: reports.count() == 3, 30)
+        assert reports.at[2] - reports.at[1] >= 2
+    finally:
+        reporter.stop()
