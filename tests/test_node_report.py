@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -74,6 +75,23 @@ def _reporter(tmp_path: Path, url: str, covered: threading.Event,
                     heartbeat=heartbeat, covered=covered.is_set)
 
 
+@contextmanager
+def _reported_once(tmp_path: Path, reports: Reports, *,
+                   covered_every: timedelta) -> Iterator[tuple[Reporter, threading.Event]]:
+    """A started reporter whose long poll is open, after its first report; stopped after."""
+    poll = threading.Event()
+    poll.set()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(node_report, "COVERED_EVERY", covered_every)
+        reporter = _reporter(tmp_path, reports.url, poll).start()
+        try:
+            reporter.poke()
+            wait_for("the first report", lambda: reports.count() == 1, 30)
+            yield reporter, poll
+        finally:
+            reporter.stop()
+
+
 def test_the_long_poll_answered_after_the_starts_report_stands_for_the_next_heartbeats(
     tmp_path: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -106,18 +124,12 @@ def test_the_long_poll_answered_after_the_starts_report_stands_for_the_next_hear
 
 
 def test_a_lost_long_poll_brings_the_heartbeat_reports_back_within_a_heartbeat(
-    tmp_path: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, reports: Reports,
 ) -> None:
     # The poll covered the node when its last report went, so the next is 10 minutes away;
     # the poll is lost: the reporter looks at it each heartbeat and reports at the next (it
     # slept the whole COVERED_EVERY before, the node silent to the controller meanwhile).
-    monkeypatch.setattr(node_report, "COVERED_EVERY", timedelta(minutes=10))
-    poll = threading.Event()
-    poll.set()
-    reporter = _reporter(tmp_path, reports.url, poll).start()
-    try:
-        reporter.poke()
-        wait_for("the first report", lambda: reports.count() == 1, 30)
+    with _reported_once(tmp_path, reports, covered_every=timedelta(minutes=10)) as (_, poll):
         time.sleep(5 * HEARTBEAT.total_seconds())
         assert reports.count() == 1, "a heartbeat report while the poll covers the node"
         poll.clear()
@@ -126,23 +138,15 @@ def test_a_lost_long_poll_brings_the_heartbeat_reports_back_within_a_heartbeat(
         assert reports.at[1] >= lost
         # Uncovered, one report per heartbeat again (not one at each look).
         assert reports.at[2] - reports.at[1] >= HEARTBEAT.total_seconds() * 0.9
-    finally:
-        reporter.stop()
 
 
 def test_a_covered_heartbeat_due_while_a_reconcile_runs_is_the_reconciles_report(
-    tmp_path: Path, reports: Reports, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, reports: Reports,
 ) -> None:
     # The covered heartbeat report and the reconcile's are both due every 15 minutes: a
     # reconcile that took longer than the report's debounce sent two reports a second apart,
     # every 15 minutes, from every node. While a reconcile runs the heartbeat waits for it.
-    monkeypatch.setattr(node_report, "COVERED_EVERY", timedelta(seconds=2))
-    poll = threading.Event()
-    poll.set()
-    reporter = _reporter(tmp_path, reports.url, poll).start()
-    try:
-        reporter.poke()
-        wait_for("the first report", lambda: reports.count() == 1, 30)
+    with _reported_once(tmp_path, reports, covered_every=timedelta(seconds=2)) as (reporter, _):
         reporter.expect()  # a reconcile begins, and runs past COVERED_EVERY
         time.sleep(4)
         assert reports.count() == 1, "a heartbeat report while the reconcile ran"
@@ -154,5 +158,3 @@ def test_a_covered_heartbeat_due_while_a_reconcile_runs_is_the_reconciles_report
         # no reconcile under way.
         wait_for("the next covered heartbeat report", lambda: reports.count() == 3, 30)
         assert reports.at[2] - reports.at[1] >= 2
-    finally:
-        reporter.stop()
