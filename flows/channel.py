@@ -62,7 +62,8 @@ class NodeChannel:
         if url is not None:
             self.wait = ControllerWait(
                 url, token=n.settings.bearer_token, etag=lambda: n.scheduler.cache().etag,
-                heartbeat=n.heartbeat, on_schedules=lambda: n.reconciler.poke("controller"),
+                heartbeat=n.settings.heartbeat,
+                on_schedules=lambda: n.reconciler.poke("controller"),
                 on_prefect=self.wake_control, on_unsupported=self._stream).start()
         elif n.settings.listen:
             self._stream()

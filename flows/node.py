@@ -110,12 +110,11 @@ class Node:
     """One node (the module's parts, assembled in its numbered steps)."""
 
     def __init__(self, settings: AgentSettings, *, api: PrefectApi,
-                 clock: Any = wall_clock, heartbeat: timedelta | None = None) -> None:
+                 clock: Any = wall_clock) -> None:
         self.settings = settings
         self.node = settings.node_name
         self.api = api
         self._clock = clock
-        self.heartbeat = heartbeat or settings.heartbeat
         now = clock()
         state = settings.state_dir
         # Step 1: state on disk.
@@ -149,7 +148,7 @@ class Node:
         # Step 5: reconcile, control, report.
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
-                                 heartbeat=self.heartbeat, done=self._reported,
+                                 done=self._reported,
                                  covered=lambda: self.channel.covered())
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
                                run_job=self._adhoc, reconcile=self._on_demand,
@@ -391,7 +390,7 @@ class Node:
                   "missed": self.history.missed_since(now - timedelta(hours=24))}
         return build_report(self.settings, self.scheduler.cache(), now=now,
                             last_pull=self._last_pull, latest=self.history.latest_by_schedule(),
-                            counts=counts, jobs=[], heartbeat_s=self.heartbeat.total_seconds())
+                            counts=counts, jobs=[])
 
     # -- run ----------------------------------------------------------------------------
 

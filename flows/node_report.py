@@ -122,7 +122,6 @@ def build_report(
     latest: Mapping[str, Ended],
     counts: Mapping[str, int],
     jobs: Sequence[Mapping[str, Any]],
-    heartbeat_s: float,
 ) -> dict[str, Any]:
     """Return the report's JSON body (rule 1): every schedule of the cache, in its order."""
     schedules = []
@@ -144,7 +143,7 @@ def build_report(
         "timezone": settings.timezone,
         "grace_s": settings.grace.total_seconds(),
         "reported_at": format_go_time(now),
-        "heartbeat_s": heartbeat_s,
+        "heartbeat_s": settings.heartbeat.total_seconds(),
         "last_pull": dict(last_pull) if last_pull is not None else None,
         "schedules": schedules,
         "counts": {"skipped": int(counts.get("skipped", 0)),
@@ -168,7 +167,6 @@ class Reporter:
     def __init__(self, settings: AgentSettings, outbox: Outbox, *,
                  clock: Callable[[], datetime],
                  facts: Callable[[datetime], dict[str, Any]],
-                 heartbeat: timedelta,
                  done: Callable[[JobFolder], None] = lambda folder: None,
                  covered: Callable[[], bool] = lambda: False) -> None:
         """``covered()`` says whether the node's long poll is its heartbeat now: reports are
@@ -178,7 +176,6 @@ class Reporter:
         self.url = report_url(settings)
         self._clock = clock
         self._facts = facts
-        self.heartbeat = heartbeat
         self._done = done
         self._covered = covered
         self._worker = Worker("reporter", self._main)
@@ -217,6 +214,7 @@ class Reporter:
         self._worker.stop(5.0)
 
     def _main(self) -> None:
+        heartbeat = self.settings.heartbeat.total_seconds()
         wait = FIRST_WAIT_S
         ok = False
         accepted = 0.0  # time.monotonic() of the last report the controller accepted
@@ -231,18 +229,18 @@ class Reporter:
                 # before COVERED_EVERY, the poll looked at again each heartbeat. (The start's
                 # report goes before the poll's first answer, uncovered: its heartbeat later
                 # the poll covers the node, and no second report follows it.)
-                wait = min(left, self.heartbeat.total_seconds())
+                wait = min(left, heartbeat)
                 continue
             elif ok and self._coming.is_set() and self._covered():
                 # COVERED_EVERY is up while a reconcile runs (the default interval is the
                 # same 15 minutes): its report, when it ends, is this one.
-                wait = self.heartbeat.total_seconds()
+                wait = heartbeat
                 continue
             self._worker.woken.clear()
             ok = self.send_now()
             if ok:
                 accepted = time.monotonic()
-            wait = self.heartbeat.total_seconds() if ok else RETRY_S
+            wait = heartbeat if ok else RETRY_S
 
     def _covered_for(self, accepted: float) -> float:
         """Seconds the long poll still stands for the reports, the last accepted at

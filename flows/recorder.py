@@ -72,8 +72,8 @@ class Recorder:
     deletes the folder when its report is through as well).
     """
 
-    # Alike in shape to Reporter's and ControllerWait's constructors (`self.x = x`, then the
-    # worker): each keeps its own collaborators.
+    # Alike in shape to ControllerWait's constructor (`self.x = x`, then the worker; a pair
+    # `duplicates` lists): each keeps its own collaborators.
     def __init__(self, api: PrefectApi, outbox: Outbox, deployments: Deployments, *,
                  node: str, clock: Callable[[], datetime],
                  done: Callable[[JobFolder], None] = lambda folder: None,

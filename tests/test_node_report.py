@@ -69,10 +69,11 @@ def _reporter(tmp_path: Path, url: str, covered: threading.Event,
     config = tmp_path / "agent.toml"
     config.write_text(f'node_name = "n-1"\npull_url = "schedules.json"\nstate_dir = "state"\n'
                       f'report_url = "{url}"\n')
-    settings = load_settings(config)
+    # A heartbeat under the setting's 10 s floor, for the rules to show in seconds.
+    settings = load_settings(config).model_copy(update={"heartbeat": heartbeat})
     return Reporter(settings, Outbox(tmp_path / "outbox", max_bytes=1 << 30),
                     clock=lambda: datetime.now(UTC), facts=lambda now: {"node": "n-1"},
-                    heartbeat=heartbeat, covered=covered.is_set)
+                    covered=covered.is_set)
 
 
 @contextmanager
