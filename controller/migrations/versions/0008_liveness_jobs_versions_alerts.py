@@ -24,7 +24,8 @@ from controller.models import KEY_TYPE, NAME_TYPE, UtcDateTime
 revision: str = "0008"
 down_revision: str | None = "0007"
 
-# A frozen view of the rows as this revision knows them (never the live model).
+# A frozen view of the rows as this revision knows them (never the live model); alike in
+# shape to 0002's and 0005's views, which `duplicates` pairs with it.
 _rows = sa.table(
     "agent_schedule",
     sa.column("node", sa.String()),
