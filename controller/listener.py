@@ -63,8 +63,8 @@ class Listener:
         on_connect: Callable[[], None],
         log_extra: dict[str, Any] | None = None,
     ) -> None:
-        """Its timing (``retry_delay``, ``max_retry_delay``, ``listen_timeout``,
-        ``health_interval``) is the scheduler's settings', as its other parts' is."""
+        """Its four timings (``retry_delay``, ``max_retry_delay``, ``listen_timeout`` and
+        ``health_interval``) are read from the scheduler's settings, as its other parts' are."""
         self._open = connect
         self.settings = settings
         self.on_notify = on_notify
