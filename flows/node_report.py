@@ -224,30 +224,22 @@ class Reporter:
                 return
             if woken:
                 self._worker.stopping.wait(DEBOUNCE_S)
-            elif ok and (left := self._covered_for(accepted)) > 0:
+            elif ok and self._covered():
                 # A heartbeat is up, and the long poll is the node's heartbeat now: no report
-                # before COVERED_EVERY, the poll looked at again each heartbeat. (The start's
+                # before COVERED_EVERY, the poll looked at again each heartbeat (the start's
                 # report goes before the poll's first answer, uncovered: its heartbeat later
-                # the poll covers the node, and no second report follows it.)
-                wait = min(left, heartbeat)
-                continue
-            elif ok and self._coming.is_set() and self._covered():
-                # COVERED_EVERY is up while a reconcile runs (the default interval is the
-                # same 15 minutes): its report, when it ends, is this one.
-                wait = heartbeat
-                continue
+                # the poll covers the node, and no second report follows it); nor while a
+                # reconcile runs (its interval is the same 15 minutes by default): its
+                # report, when it ends, is this one.
+                left = COVERED_EVERY.total_seconds() - (time.monotonic() - accepted)
+                if left > 0 or self._coming.is_set():
+                    wait = min(left, heartbeat) if left > 0 else heartbeat
+                    continue
             self._worker.woken.clear()
             ok = self.send_now()
             if ok:
                 accepted = time.monotonic()
             wait = heartbeat if ok else RETRY_S
-
-    def _covered_for(self, accepted: float) -> float:
-        """Seconds the long poll still stands for the reports, the last accepted at
-        ``accepted`` (``time.monotonic()``): 0 when it is not open or COVERED_EVERY is up."""
-        if not self._covered():
-            return 0.0
-        return max(0.0, COVERED_EVERY.total_seconds() - (time.monotonic() - accepted))
 
     def _next_seq(self) -> int:
         try:
