@@ -1,5 +1,5 @@
 """The ``sched`` command, composed at the top: the kit's ``preview``, ``sched controller``,
-``sched agent`` (the node, :mod:`flows.node`), and the operator's commands (``nodes``,
+``sched agent`` (the node, :mod:`sched_node.node`), and the operator's commands (``nodes``,
 ``schedules``, ``upcoming``, ``run``, ``alerts``) from :mod:`sched_ops`.
 
 Rule: the layers below never name the ones above. ``sched_core.cli`` knows
@@ -23,7 +23,7 @@ def agent() -> None:
     Settings from SCHED_CONFIG (a TOML file) and SCHED_* variables; Prefect from
     PREFECT_API_URL. Stops on Ctrl-C or SIGTERM; running jobs finish in their keepers.
     """
-    from flows.node import main
+    from sched_node.node import main
 
     raise typer.Exit(main())
 

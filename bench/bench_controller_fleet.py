@@ -24,8 +24,8 @@ server's, sets that rate.
 asyncio process against running controllers (``--scaled DIR``: the scaled
 layout's instances, each node pinned to one of them by its index, as a
 balancer would keep it; or ``--controller URL,...`` with ``--admin-token``).
-Each node does what ``flows/channel.py``, ``flows/control.py``,
-``flows/reconcile.py`` and ``flows/node_report.py`` do:
+Each node does what ``sched_node/channel.py``, ``sched_node/control.py``,
+``sched_node/reconcile.py`` and ``sched_node/node_report.py`` do:
 
 - at its start (the fleet is started over ``--ramp`` seconds) one pull (200)
   and one report;
@@ -597,7 +597,7 @@ class Node:
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         backoff = 1.0
         while True:
-            # As flows.control.ControllerWait: told of a version its pull has not brought
+            # As sched_node.control.ControllerWait: told of a version its pull has not brought
             # yet, the node waits on that version.
             target = (f"/api/nodes/{self.name}/wait?etag={self.told or self.etag}"
                       f"&seen={self.seen}"

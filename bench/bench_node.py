@@ -2,7 +2,7 @@
 
 Every part starts its own throwaway ``prefect server start`` on SQLite (the
 environment ``make run`` gives it), and the real node process (``python -m
-flows.node``) or the real node code in this process (the fleet part). Times are
+sched_node.node``) or the real node code in this process (the fleet part). Times are
 the commands' own: each job's command is ``date +%s.%N``, so its output line is
 the instant it started. CPU is user + system time from ``/proc`` (a process tree,
 reaped children included).
@@ -75,9 +75,9 @@ from bench.prefect_bench import (
     wait_until,
     write_section,
 )
-from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body
 from sched_core.model import LocalSchedule
 from sched_core.policies import window_starts
+from sched_node.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -213,7 +213,7 @@ def _spawn_node(config: Path, api_url: str, log: Path, *, cwd: Path = ROOT,
     env = {key: value for key, value in os.environ.items() if not key.startswith("SCHED_")}
     env.update({"SCHED_CONFIG": str(config), "PREFECT_API_URL": api_url,
                 "PYTHONPATH": str(cwd), "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,flows"})
-    argv = [sys.executable, "-m", "deployments.serve" if old else "flows.node"]
+    argv = [sys.executable, "-m", "deployments.serve" if old else "sched_node.node"]
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -255,7 +255,7 @@ def latency(work: Path, minutes: int) -> dict[str, Any]:
         pull.write_text(json.dumps({"schedules": rows + [
             _row(f"h{n}", "hold", every=1, params={"seconds": 55}) for n in range(5)]}))
         rss: list[int] = []
-        sampler = threading.Thread(target=_max_rss_of, args=("flows/shim.py", stop, rss),
+        sampler = threading.Thread(target=_max_rss_of, args=("sched_node/shim.py", stop, rss),
                                    daemon=True)
         sampler.start()
         time.sleep(max((busy_end - datetime.now(UTC)).total_seconds(), 0) + 20)
@@ -546,8 +546,8 @@ def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
 
 
 def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
-    from flows.node import Node
-    from flows.settings import load_settings
+    from sched_node.node import Node
+    from sched_node.settings import load_settings
 
     proc, url = start_server(work / "fleet-prefect")
     names = [f"f{n:03d}" for n in range(count)]

@@ -47,11 +47,11 @@ from typing import Any
 import httpx
 
 from bench.prefect_bench import ROOT, machine, start_server, stop_group, tree_cpu, write_section
-from flows.identity import JobRef
-from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from flows.prefect_api import ApiSettings, PrefectApi, state_body
-from flows.recorder import Recorder
-from flows.registration import RUN_JOB, Deployments
+from sched_node.identity import JobRef
+from sched_node.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
+from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
+from sched_node.recorder import Recorder
+from sched_node.registration import RUN_JOB, Deployments
 
 OLD_COMMIT = "9e32aaf"
 """main before the record took fewer calls (bulk_set_state, the task run created Running, one

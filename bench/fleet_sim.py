@@ -1,6 +1,6 @@
 """A fleet simulator: N simulated nodes in one process, making the calls a real node makes.
 
-1. **Record.** One real node (``python -m flows.node``) runs against a throwaway Prefect
+1. **Record.** One real node (``python -m sched_node.node``) runs against a throwaway Prefect
    server and controller, each behind a logging proxy (method, path, query, the request's
    JSON and replayed headers, the status, the answer's JSON and ETag, the client's
    connection): start-up, idle reconciles, a restart, a schedule change, jobs.
@@ -191,7 +191,7 @@ def fleet_rows(now: datetime) -> list[dict[str, Any]]:
 
 RECORD_RECONCILE_S = 90
 """The recorded node's reconcile interval: its first periodic reconcile comes in the second
-half of it (flows.reconcile), after the start's 40 s, and one or two fall in the idle phase."""
+half of it (sched_node.reconcile), after the start's 40 s, and one or two fall in the idle phase."""
 
 
 def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
@@ -1418,7 +1418,7 @@ def report(found: dict[str, Any]) -> str:
         "processes of 20 + 20, the services process, HAProxy, 2 controllers). The sqlite and "
         "postgres layouts have one controller on SQLite. A size the layout does not carry (its "
         "start does not finish within `--start-timeout-s`) is a row of its own: where that "
-        "layout ends. A real node (`python -m flows.node`) is recorded (by default at "
+        "layout ends. A real node (`python -m sched_node.node`) is recorded (by default at "
         "the start of each run; the figures below replay one recording made minutes before "
         "them by the same code, `--recording`) through logging proxies in front of Prefect "
         "and the controller (start-up, "
@@ -1588,7 +1588,7 @@ def main() -> int:
         return 0
     import tempfile
 
-    from flows.settings import AgentSettings
+    from sched_node.settings import AgentSettings
 
     if not args.reconcile_s:
         args.reconcile_s = AgentSettings.model_fields["reconcile_interval"].default.total_seconds()

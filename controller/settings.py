@@ -3,7 +3,7 @@
 Rule: every environment variable the controller reads (``sched controller serve``
 and ``migrate``; the flags are the command's own) is a field of
 :class:`ControllerSettings`, read through pydantic-settings as the agent reads
-its own (:mod:`flows.settings`). Names are exact (``SCHED_DATABASE_URL``; case
+its own (:mod:`sched_node.settings`). Names are exact (``SCHED_DATABASE_URL``; case
 matters), an unset or empty variable is the default, and an invalid value is a
 :class:`ConfigError` naming the variable. The whole set is checked at each
 read, so a bad value stops any command that reads the environment.

@@ -4,7 +4,7 @@
    (``.prefect/``, git-ignored), its log in ``.prefect/server.log``, and the
    database vacuum on so the runs' history does not grow without bound.
 2. Wait until ``/api/health`` answers.
-3. Start the node (``python -m flows.node``) with ``SCHED_CONFIG`` (default:
+3. Start the node (``python -m sched_node.node``) with ``SCHED_CONFIG`` (default:
    ``examples/agent.toml``) and print the UI address.
 4. Keep both running: a child that exits is started again (5 s later,
    doubling to 60 s while it keeps exiting), so a crashed server or node
@@ -48,7 +48,7 @@ def server_env(home: Path, port: int) -> dict[str, str]:
         "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": env.get(
             "SCHED_VACUUM_RETENTION", str(7 * 24 * 3600)
         ),
-        "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,flows",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,sched_node,flows",
     })
     env.setdefault("SCHED_CONFIG", str(ROOT / "examples" / "agent.toml"))
     return env
@@ -129,7 +129,7 @@ def start_server(
 def start_agent(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start the node in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.node"],
+        [sys.executable, "-m", "sched_node.node"],
         env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
 

@@ -26,7 +26,7 @@ Rules, shared by the planner, the start guard, the missed-run check and
 5. **catchup_window** replaces the fixed 24 h look-back of the miss policy for
    the row (:func:`catchup`).
 6. **overlap** says what a job does about a running job of its schedule
-   (:func:`overlap_verdict`; the node's jobs apply it, :mod:`flows.jobs` rule 3).
+   (:func:`overlap_verdict`; the node's jobs apply it, :mod:`sched_node.jobs` rule 3).
 """
 
 from __future__ import annotations

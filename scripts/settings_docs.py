@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the checkout's packages
 
 from controller.settings import ControllerSettings  # noqa: E402
-from flows.settings import AgentSettings  # noqa: E402
+from sched_node.settings import AgentSettings  # noqa: E402
 
 FLAG_HEADER = "| flag | default | meaning |"
 FLAG_SEPARATOR = "|---|---|---|"

@@ -1,6 +1,6 @@
 """The real node process with a test's clock: ``python -m tests.node_proc``.
 
-The same as ``python -m flows.node`` (settings from ``SCHED_CONFIG``, Prefect from
+The same as ``python -m sched_node.node`` (settings from ``SCHED_CONFIG``, Prefect from
 ``PREFECT_API_URL``, stopped by SIGTERM), with the node's clock shifted by
 ``SCHED_TEST_OFFSET_S`` seconds, so a test that kills the process puts its windows
 a few real seconds ahead. Only the tests run this module.
@@ -14,9 +14,9 @@ import signal
 import sys
 from datetime import UTC, datetime, timedelta
 
-from flows.node import Node
-from flows.prefect_api import PrefectApi, api_settings
-from flows.settings import load_settings
+from sched_node.node import Node
+from sched_node.prefect_api import PrefectApi, api_settings
+from sched_node.settings import load_settings
 
 
 def main() -> int:

@@ -19,9 +19,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from flows.node import Node
-from flows.prefect_api import ApiSettings, PrefectApi
-from flows.settings import load_settings
+from sched_node.node import Node
+from sched_node.prefect_api import ApiSettings, PrefectApi
+from sched_node.settings import load_settings
 from tests.procs import ROOT, start, wait_for
 
 ACTIONS = """

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from flows.actions import ValueRefused, render_argv, run_command
-from flows.settings import ActionSpec, load_settings
 from sched_core import ConfigError, LocalSchedule
+from sched_node.actions import ValueRefused, render_argv, run_command
+from sched_node.settings import ActionSpec, load_settings
 
 WINDOW = datetime(2026, 12, 2, 7, 30, tzinfo=UTC)
 
@@ -318,7 +318,7 @@ def test_the_state_folder_is_created_private_and_an_open_one_tightened(
     old = tmp_path / "old"
     old.mkdir()
     old.chmod(0o755)
-    with caplog.at_level("WARNING", logger="flows.settings"):
+    with caplog.at_level("WARNING", logger="sched_node.settings"):
         load_settings(pull_url="x", state_dir=str(old))
     assert stat.S_IMODE(old.stat().st_mode) == 0o700
     assert [r.message for r in caplog.records] == ["state folder tightened"]

@@ -35,10 +35,10 @@ from typing import Any
 
 import pytest
 
-from flows.action_specs import template_fields
-from flows.actions import ValueRefused, job_environment, render_argv, run_command
-from flows.settings import AgentSettings, load_settings
 from sched_core import ConfigError, LocalSchedule
+from sched_node.action_specs import template_fields
+from sched_node.actions import ValueRefused, job_environment, render_argv, run_command
+from sched_node.settings import AgentSettings, load_settings
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,8 +416,8 @@ class Node:
         the node, recorded back (the node's own path for a Run of ``run-job/<node>``)."""
         from prefect.settings import PREFECT_API_URL
 
-        from flows.node import Node as AgentNode
-        from flows.prefect_api import ApiSettings, PrefectApi, state_body
+        from sched_node.node import Node as AgentNode
+        from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
 
         api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
         agent = AgentNode(load_settings(), api=api)
@@ -442,7 +442,7 @@ def _argv(outcome: Outcome) -> list[str]:
 
     from prefect.settings import PREFECT_API_URL
 
-    from flows.prefect_api import ApiSettings, PrefectApi
+    from sched_node.prefect_api import ApiSettings, PrefectApi
 
     api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
     try:

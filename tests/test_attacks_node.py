@@ -24,12 +24,12 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from flows.prefect_api import state_body
-from flows.reconcile import ANNOUNCED_GAP_S
-from flows.records import job_event
 from sched_core.guard import decide_start
 from sched_core.model import LocalSchedule
 from sched_core.view import NodeView
+from sched_node.prefect_api import state_body
+from sched_node.reconcile import ANNOUNCED_GAP_S
+from sched_node.records import job_event
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, row
 from tests.procs import wait_for
 

@@ -12,10 +12,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from flows.firing import Decided, FiringLoop
 from sched_core.firing import Due, NodeView, due_now, next_start
 from sched_core.guard import StartDecision, Verdict
 from sched_core.model import LocalSchedule
+from sched_node.firing import Decided, FiringLoop
 from tests.factories import Clock
 
 NY = ZoneInfo("America/New_York")

@@ -1,6 +1,6 @@
 """The node's jobs with real keeper processes and real commands (no Prefect).
 
-A restart of the node is a new :class:`flows.jobs.Jobs` over the same outbox, as
+A restart of the node is a new :class:`sched_node.jobs.Jobs` over the same outbox, as
 the next node process makes it; a keeper that was killed is one whose process
 is gone without an exit file.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from flows import launcher
-from flows.jobs import Jobs
-from flows.outbox import JobSpec, JobView, Outbox, job_id_for, utc_text
 from sched_core.policies import Peer, overlap_verdict
+from sched_node import launcher
+from sched_node.jobs import Jobs
+from sched_node.outbox import JobSpec, JobView, Outbox, job_id_for, utc_text
 from tests.procs import wait_for
 
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}

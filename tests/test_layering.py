@@ -19,10 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 FORBIDDEN = {
-    "sched_core": {"flows", "deployments", "controller", "sched_cli", "sched_ops"},
-    "controller": {"flows", "deployments", "sched_cli", "sched_ops"},
+    "sched_core": {"flows", "sched_node", "deployments", "controller", "sched_cli", "sched_ops"},
+    "controller": {"flows", "sched_node", "deployments", "sched_cli", "sched_ops"},
     # The operator's commands are a client: HTTP to the controller, Prefect's client.
-    "sched_ops": {"flows", "deployments", "controller", "sched_cli"},
+    "sched_ops": {"flows", "sched_node", "deployments", "controller", "sched_cli"},
 }
 
 

@@ -1,6 +1,6 @@
 """The node on a real Prefect server: it fires, and Prefect records.
 
-Each test runs a real node (``flows.node.Node``, in this process) against the
+Each test runs a real node (``sched_node.node.Node``, in this process) against the
 session's Prefect server, its clock shifted so that a window comes a few real
 seconds after the start (tests/nodekit.py). Commands are real processes; the
 record is read back through Prefect's REST API as the UI would.
@@ -18,8 +18,8 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from flows.identity import job_run_name
-from flows.prefect_api import state_body
+from sched_node.identity import job_run_name
+from sched_node.prefect_api import state_body
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, offset_to, row, wait_runs
 from tests.procs import wait_for
 

@@ -24,7 +24,7 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.testing import serve_in_thread
 from controller.waits import NodeWaits, PrefectRelay
-from flows.prefect_api import ApiSettings, PrefectApi, state_body
+from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
 from tests.nodekit import NodeUnderTest, Prefect, final, row
 from tests.procs import wait_for
 
@@ -234,7 +234,7 @@ def test_a_node_told_of_a_change_waits_again_on_the_new_version_not_its_old_one(
     answering "changed" at once again and again (a busy loop while the pull runs)."""
     from datetime import timedelta
 
-    from flows.control import ControllerWait
+    from sched_node.control import ControllerWait
 
     first, _ = center.wait(timeout=1)
     told: list[str] = []
@@ -263,8 +263,8 @@ def test_a_node_with_a_heartbeat_over_the_controllers_longest_wait_still_long_po
     from datetime import timedelta
 
     from controller.api.wait import MAX_WAIT_S
-    from flows.control import MAX_WAIT_S as NODE_MAX_WAIT_S
-    from flows.control import ControllerWait
+    from sched_node.control import MAX_WAIT_S as NODE_MAX_WAIT_S
+    from sched_node.control import ControllerWait
 
     assert NODE_MAX_WAIT_S == MAX_WAIT_S
     first, _ = center.wait(timeout=1)
@@ -285,7 +285,7 @@ def test_a_node_with_a_heartbeat_over_the_controllers_longest_wait_still_long_po
 def test_a_nodes_reading_of_its_waits_counter() -> None:
     """The node looks when a counter is newer than the one it saw (never when an instance that
     missed an event answers an older one), and at its start when the counter is not 0."""
-    from flows.control import newer, poked
+    from sched_node.control import newer, poked
 
     assert newer("2000", "1000") and not newer("1000", "2000") and not newer("1000", "1000")
     assert newer("1000", "") and newer("a1:2", "a1:1") and newer("1000", "a1:1")
@@ -301,7 +301,7 @@ def test_a_wait_answer_that_is_not_a_json_object_is_a_failed_wait_not_the_end_of
     from datetime import timedelta
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from flows.control import ControllerWait
+    from sched_node.control import ControllerWait
 
     bodies = [b"<html>502 Bad Gateway</html>", b"[1, 2]",
               json.dumps({"etag": "e-2", "relay": True, "prefect": "0"}).encode()]
@@ -330,7 +330,7 @@ def test_a_wait_answer_that_is_not_a_json_object_is_a_failed_wait_not_the_end_of
         on_schedules=lambda: told.append("changed"), on_prefect=lambda: None,
         on_unsupported=lambda: None)
     try:
-        with caplog.at_level("WARNING", logger="flows.control"):
+        with caplog.at_level("WARNING", logger="sched_node.control"):
             wait.start()
             wait_for("the good answer after two bad ones", lambda: bool(told), 30)
         assert told == ["changed"] and wait.connected.is_set() and wait.answers >= 1

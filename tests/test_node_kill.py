@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.identity import job_run_name
+from sched_node.identity import job_run_name
 from tests import outagekit as kit
 from tests.nodekit import Prefect
 from tests.procs import PrefectServer, stop_group, wait_for

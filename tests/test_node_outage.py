@@ -3,7 +3,7 @@ kills it with -9; a kill in mid-drain is here).
 
 A real ``prefect server start`` (SQLite under the test's folder, tests/procs.py)
 that the test stops and starts again, and the real node process
-(``python -m tests.node_proc``: ``flows.node`` with its clock shifted so that
+(``python -m tests.node_proc``: ``sched_node.node`` with its clock shifted so that
 the windows come seconds after the start). What is checked is what an operator
 sees: each window's command ran once, at its instant (its own output says when),
 and every run is in Prefect in its final state with its output, once.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.identity import job_run_name
+from sched_node.identity import job_run_name
 from tests import outagekit
 from tests.nodekit import Prefect, chain_row, final
 from tests.outagekit import (

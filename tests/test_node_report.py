@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from flows import node_report
-from flows.node_report import Reporter
-from flows.outbox import Outbox
-from flows.settings import load_settings
+from sched_node import node_report
+from sched_node.node_report import Reporter
+from sched_node.outbox import Outbox
+from sched_node.settings import load_settings
 from tests.procs import wait_for
 
 HEARTBEAT = timedelta(seconds=0.4)

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from flows import registration
-from flows.registration import (
+from sched_node import registration
+from sched_node.registration import (
     RECONCILE,
     RUN_JOB,
     deployment_bodies,
@@ -235,7 +235,7 @@ def test_the_first_periodic_reconcile_comes_in_the_intervals_second_half(
     from datetime import timedelta
     from types import SimpleNamespace
 
-    from flows import reconcile
+    from sched_node import reconcile
 
     times: list[tuple[float, list[tuple[str, str | None]]]] = []
 

@@ -1,7 +1,7 @@
 """The node's planned runs on a real Prefect server: created ahead, deleted when their row's
 policies now skip the window or the row lost it, moved when the row's jitter changed.
 
-The planner (``flows.planner``) over the pure rule :func:`sched_core.plan.planned_fate`.
+The planner (``sched_node.planner``) over the pure rule :func:`sched_core.plan.planned_fate`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from flows.identity import AGENT_TAG
-from flows.planner import Planner
-from flows.prefect_api import ApiSettings, PrefectApi
-from flows.registration import RUN_JOB, Deployments
 from sched_core.firing import NodeView
 from sched_core.model import LocalSchedule
 from sched_core.values import parse_api_time
+from sched_node.identity import AGENT_TAG
+from sched_node.planner import Planner
+from sched_node.prefect_api import ApiSettings, PrefectApi
+from sched_node.registration import RUN_JOB, Deployments
 
 UTC_ZONE = ZoneInfo("UTC")
 DAY_ISH = timedelta(hours=23)

@@ -154,9 +154,9 @@ def _wait(read: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:
 
 AGENT = """
 import json
-from flows.node import Node
-from flows.prefect_api import PrefectApi, api_settings, state_body
-from flows.settings import load_settings
+from sched_node.node import Node
+from sched_node.prefect_api import PrefectApi, api_settings, state_body
+from sched_node.settings import load_settings
 api = PrefectApi(api_settings())
 node = Node(load_settings(), api=api)
 ids = node.deployments.get()  # registers run-job/<node> and reconcile/<node>

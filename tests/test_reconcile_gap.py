@@ -1,5 +1,5 @@
-"""The reconciler's pace (flows.reconcile): a change announced starts a reconcile at once; what a
-burst announces after it waits for one more, at most one each ANNOUNCED_GAP_S; an operator's
+"""The reconciler's pace (sched_node.reconcile): a change announced starts a reconcile at once;
+what a burst announces after it waits for one more, at most one each ANNOUNCED_GAP_S; an operator's
 Run is never held back. Its loop runs in its thread as in the node; only the reconcile itself
 (a pull, a plan) is replaced by one that notes when it began and why."""
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from flows.reconcile import ANNOUNCED_GAP_S, Reconciler
+from sched_node.reconcile import ANNOUNCED_GAP_S, Reconciler
 from tests.procs import wait_for
 
 

@@ -22,11 +22,11 @@ import httpx
 import pytest
 
 from bench.bench_record import id_template
-from flows.identity import JobRef
-from flows.outbox import COMPLETED, FAILED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from flows.prefect_api import BUSY, ApiSettings, PrefectApi, state_body
-from flows.recorder import Recorder
-from flows.registration import RUN_JOB, Deployments
+from sched_node.identity import JobRef
+from sched_node.outbox import COMPLETED, FAILED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
+from sched_node.prefect_api import BUSY, ApiSettings, PrefectApi, state_body
+from sched_node.recorder import Recorder
+from sched_node.registration import RUN_JOB, Deployments
 from tests.nodekit import Prefect
 
 pytestmark = [pytest.mark.prefect]
@@ -44,7 +44,7 @@ class Counted:
 
     A request the server turned away as busy (429, 503: the session's SQLite server says
     "database is locked" so when the suite loads it) did nothing, and the client asks again
-    at once (``flows.prefect_api.BUSY``): only the request that was taken is noted.
+    at once (``sched_node.prefect_api.BUSY``): only the request that was taken is noted.
     """
 
     def __init__(self, url: str) -> None:

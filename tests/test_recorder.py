@@ -16,11 +16,11 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from flows.identity import JobRef
-from flows.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from flows.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
-from flows.recorder import Recorder
-from flows.registration import Deployments
+from sched_node.identity import JobRef
+from sched_node.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
+from sched_node.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
+from sched_node.recorder import Recorder
+from sched_node.registration import Deployments
 from tests.factories import Clock
 from tests.nodekit import Prefect
 from tests.procs import free_port

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from flows.actions import job_environment, render_argv, run_command
-from flows.settings import AgentSettings, load_settings
 from sched_core import LocalSchedule
+from sched_node.actions import job_environment, render_argv, run_command
+from sched_node.settings import AgentSettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "agent-restic.toml"

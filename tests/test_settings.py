@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.actions import render_argv, run_command
-from flows.settings import ActionSpec, load_settings
 from sched_core import ConfigError, LocalSchedule
+from sched_node.actions import render_argv, run_command
+from sched_node.settings import ActionSpec, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 

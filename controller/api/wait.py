@@ -54,7 +54,7 @@ def wait_router(
             seen_by_node(node, now)  # a stale node pulls next, and that pull is recorded
         # A node's first wait (no ``seen``: it just started) is answered at once when this
         # process poked the node since it started, so a run made while the node was away is
-        # looked for now (flows.control, "At the node's start"); else it is held.
+        # looked for now (sched_node.control, "At the node's start"); else it is held.
         changed = stale or (waits.newer(node, seen) if seen else waits.poked(node))
         if not changed:
             await waits.wait(node, timeout)

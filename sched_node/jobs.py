@@ -1,6 +1,6 @@
 """The node's jobs: accept, wait for a slot and their turn, run their attempts, end.
 
-Every step is journalled in the job's outbox folder (:mod:`flows.outbox`) before
+Every step is journalled in the job's outbox folder (:mod:`sched_node.outbox`) before
 it is taken, so a restart finds each job where it was (:meth:`Jobs.resume`).
 
 Rules:
@@ -16,7 +16,7 @@ Rules:
    ``allow`` runs it alongside; ``buffer-one`` waits for it (one waiter at
    most, for at most the action's longest run); ``cancel-other`` cancels it,
    then waits as ``buffer-one`` does.
-4. **Attempts.** Each attempt runs in its keeper process (:mod:`flows.launcher`);
+4. **Attempts.** Each attempt runs in its keeper process (:mod:`sched_node.launcher`);
    a failed one is tried again after the action's ``retry_delay`` while tries
    are left; a cancelled one is not.
 5. **Restart.** A job whose keeper still runs is followed again; one whose
@@ -34,9 +34,11 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
 
-from flows import launcher
-from flows.job_state import LiveJob, Moves
-from flows.outbox import (
+from sched_core import SchedError
+from sched_core.policies import Peer, overlap_verdict
+from sched_node import launcher
+from sched_node.job_state import LiveJob, Moves
+from sched_node.outbox import (
     CANCELLED,
     COMPLETED,
     CRASHED,
@@ -48,8 +50,6 @@ from flows.outbox import (
     Outbox,
     utc_text,
 )
-from sched_core import SchedError
-from sched_core.policies import Peer, overlap_verdict
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,13 @@
-"""A job of :mod:`flows.jobs` while it has not ended, and what one pass over the queue decided."""
+"""A job of :mod:`sched_node.jobs` while it has not ended, and what one pass over the queue
+decided."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 
-from flows import launcher
-from flows.outbox import JobFolder, JobSpec, JobView
+from sched_node import launcher
+from sched_node.outbox import JobFolder, JobSpec, JobView
 
 
 @dataclass
@@ -23,7 +24,7 @@ class LiveJob:
     cancel: str | None = None
     thread: threading.Thread | None = None
     resume: JobView | None = None
-    """The job's view when the node found it at start (for :meth:`flows.jobs.Jobs.resume`)."""
+    """The job's view when the node found it at start (for :meth:`sched_node.jobs.Jobs.resume`)."""
     cancelled_peers: set[str] = field(default_factory=set)
 
 

@@ -28,10 +28,10 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
-from flows.action_specs import ActionSpec, Seconds, StageSpec
 from sched_core import ConfigError
 from sched_core.matcher import DEFAULT_TZ, zone
 from sched_core.settings_sources import LayeredSettings
+from sched_node.action_specs import ActionSpec, Seconds, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class AgentSettings(LayeredSettings):
     pull_retry_delay: Seconds = Field(
         timedelta(seconds=2),
         description="the backoff factor: retries wait 2, 4, 8, ... seconds")
-    # The node's report to the controller after each reconcile and job (flows/node_report.py).
+    # The node's report to the controller after each reconcile and job (sched_node/node_report.py).
     report_url: str | None = Field(
         None,
         json_schema_extra={"docs_default": "derived"},
@@ -185,7 +185,7 @@ class AgentSettings(LayeredSettings):
         json_schema_extra={"docs_env": "(TOML)"},
         description="the action table, below")
 
-    # -- what a row may make a node execute (flows/actions.py checks every value) --
+    # -- what a row may make a node execute (sched_node/actions.py checks every value) --
     strict_params: bool = Field(
         True,
         description="a row may carry only the params its action declares (below); an action's "

@@ -6,8 +6,8 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from flows.outbox import Attempt, JobView, utc_text
 from sched_core.values import format_go_time
+from sched_node.outbox import Attempt, JobView, utc_text
 
 EVENT_JOB_COMPLETED = "sched.job.completed"
 EVENT_JOB_FAILED = "sched.job.failed"

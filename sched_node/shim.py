@@ -1,9 +1,9 @@
 """The job's keeper: one small process per attempt, between the node and the command.
 
-Run as ``python -I -S flows/shim.py SPEC`` (standard library only, ~10 MB), in a
+Run as ``python -I -S sched_node/shim.py SPEC`` (standard library only, ~10 MB), in a
 session of its own: it outlives the node process, so a node killed mid-job neither
 kills the job nor loses its outcome. The node keeps one or two started ahead
-(``--wait``, :mod:`flows.launcher`), so a window's command starts as soon as the
+(``--wait``, :mod:`sched_node.launcher`), so a window's command starts as soon as the
 node hands it over, not after a Python start-up.
 
 1. Read SPEC (JSON: ``argv``, ``cwd``, ``umask``, ``timeout_s``, ``out``,

@@ -1,6 +1,6 @@
 """The plan in Prefect: each coming window as a named Scheduled run, so the Upcoming tab is true.
 
-The node fires its windows itself (:mod:`flows.firing`); these runs are what it
+The node fires its windows itself (:mod:`sched_node.firing`); these runs are what it
 will do, shown ahead, and the runs its jobs are recorded into (by the same
 idempotency key). Nobody starts them: the node's deployments have no worker.
 
@@ -20,7 +20,7 @@ idempotency key). Nobody starts them: the node's deployments have no worker.
    is one run (its idempotency key). So is the record of a deployment the node
    registered again (:meth:`Planner.rebase`: deleting a deployment deletes its
    runs), and a bulk create answered 404 (the deployment is gone) registers it
-   again (:meth:`flows.registration.Deployments.forget`) and plans on the new one.
+   again (:meth:`sched_node.registration.Deployments.forget`) and plans on the new one.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from flows.identity import JobRef
-from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from flows.registration import RUN_JOB, Deployments
 from sched_core.firing import NodeView
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.plan import TRIGGER_SCHEDULE, Window, plan_windows, planned_fate
 from sched_core.statefile import locked, read_json_file, write_atomic
 from sched_core.values import format_go_time
+from sched_node.identity import JobRef
+from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
+from sched_node.registration import RUN_JOB, Deployments
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class PlanReport:
 
 
 def _time(value: object) -> datetime | None:
-    from flows.outbox import parse_time
+    from sched_node.outbox import parse_time
 
     return parse_time(value)
 

@@ -10,12 +10,12 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from flows.planner import PlanReport
 from sched_core import PullResult
 from sched_core.matcher import matches
 from sched_core.model import LocalSchedule
 from sched_core.plan import upcoming
 from sched_core.policies import describe_policies, row_zone
+from sched_node.planner import PlanReport
 
 NEXT_SHOWN = 3
 """How many next windows the artifact shows per schedule."""

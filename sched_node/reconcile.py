@@ -4,8 +4,8 @@ Every ``reconcile_interval``, when woken (the controller's long poll, the pull f
 Prefect event: the first at once, a burst after it folded, at most one reconcile a
 :data:`ANNOUNCED_GAP_S`) and on demand (a Run of ``reconcile/<node>``): pull with retries and
 exponential backoff (a pull that still fails changes nothing: the last good list keeps
-firing); wake the firing loop; plan (:mod:`flows.planner`) and look for ad hoc runs
-(:mod:`flows.control`); record a ``reconcile/<node>`` run when the list changed (rows
+firing); wake the firing loop; plan (:mod:`sched_node.planner`) and look for ad hoc runs
+(:mod:`sched_node.control`); record a ``reconcile/<node>`` run when the list changed (rows
 added, removed, changed or rejected), when the plan deleted or moved runs, when the pull
 failed, or into the run that asked for it. A reconcile that changed nothing records
 nothing (an idle node's only cost), the one at the node's start included: a restart with
@@ -17,9 +17,9 @@ Prefect server could not take is made again every :data:`PLAN_RETRY_S`.
 
 **A restart asks Prefect nothing** when its list, plan and deployments are as before (a
 fleet-wide restart is every node at once): the deployments' kept ids are used unread
-(:mod:`flows.registration`) and read back at the first periodic reconcile; the start's
+(:mod:`sched_node.registration`) and read back at the first periodic reconcile; the start's
 control check is the controller's to ask for when its long poll carries Prefect's wakes
-(:class:`flows.control.ControllerWait`), else the node's, at the start. The first periodic
+(:class:`sched_node.control.ControllerWait`), else the node's, at the start. The first periodic
 reconcile comes at a random point of the interval's second half (:data:`FIRST_SPREAD`), so
 nodes started together do not reconcile together.
 """
@@ -34,22 +34,22 @@ import uuid
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from flows.identity import AGENT_TAG
-from flows.node_report import pull_outcome
-from flows.outbox import COMPLETED, FAILED, KIND_RECONCILE, JobSpec, job_id_for, utc_text
-from flows.planner import PlanReport
-from flows.prefect_api import PrefectUnavailable
-from flows.reports import plan_lines, pull_lines
 from sched_core import PullError
 from sched_core.pull import NOT_MODIFIED
 from sched_core.worker import Worker
+from sched_node.identity import AGENT_TAG
+from sched_node.node_report import pull_outcome
+from sched_node.outbox import COMPLETED, FAILED, KIND_RECONCILE, JobSpec, job_id_for, utc_text
+from sched_node.planner import PlanReport
+from sched_node.prefect_api import PrefectUnavailable
+from sched_node.reports import plan_lines, pull_lines
 
-# Alike in shape to flows/channel.py's opening (`duplicates` pairs them): a part of the node
-# (flows.node's facade), logging as the node, its timings as constants, its class.
+# Alike in shape to sched_node/channel.py's opening (`duplicates` pairs them): a part of the node
+# (sched_node.node's facade), logging as the node, its timings as constants, its class.
 if TYPE_CHECKING:
-    from flows.node import Node
+    from sched_node.node import Node
 
-log = logging.getLogger("flows.node")
+log = logging.getLogger("sched_node.node")
 
 FIRST_SPREAD = 0.5
 """The first periodic reconcile comes between (1 - this) and 1 interval after the start."""

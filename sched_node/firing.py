@@ -55,7 +55,7 @@ class Decided:
         self._values: dict[str, datetime] = {}
         self._saved: dict[str, datetime] | None = None
         data = read_json_file(path, now=now, max_depth=MAX_DEPTH)
-        from flows.outbox import parse_time
+        from sched_node.outbox import parse_time
 
         for key, value in (data or {}).items() if isinstance(data, dict) else ():
             parsed = parse_time(value)

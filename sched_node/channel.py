@@ -1,12 +1,12 @@
 """The node's one connection to the center, and the control checks it wakes (a thread).
 
-Which connection (rule of :mod:`flows.control`): the controller's long poll when the
+Which connection (rule of :mod:`sched_node.control`): the controller's long poll when the
 node pulls from a controller, else one websocket on Prefect's event stream; a node
 that pulls a file also watches it (a change is pulled within :data:`FILE_WATCH_S`).
 A wake asks Prefect once for the node's ad hoc runs and cancels
-(:meth:`flows.control.Control.check`); a check that finds Prefect away is tried
+(:meth:`sched_node.control.Control.check`); a check that finds Prefect away is tried
 again after :data:`CONTROL_RETRY_S`; the periodic check is the reconcile's (one per
-``reconcile_interval``, :mod:`flows.reconcile`), not a timer of this thread's.
+``reconcile_interval``, :mod:`sched_node.reconcile`), not a timer of this thread's.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from flows.control import ControllerWait, PrefectStream
-from flows.node_report import controller_url
-from flows.prefect_api import PrefectUnavailable
+from sched_node.control import ControllerWait, PrefectStream
+from sched_node.node_report import controller_url
+from sched_node.prefect_api import PrefectUnavailable
 
 if TYPE_CHECKING:
-    from flows.node import Node
+    from sched_node.node import Node
 
-log = logging.getLogger("flows.node")
+log = logging.getLogger("sched_node.node")
 
 CONTROL_RETRY_S = 5.0
 """How soon a wake for an ad hoc run or a cancel is tried again when Prefect did not answer."""
@@ -44,7 +44,7 @@ class NodeChannel:
 
     def takes_start_check(self) -> bool:
         """Return whether the controller's long poll decides the start's control check
-        (:class:`flows.control.ControllerWait`): the node pulls from a controller and
+        (:class:`sched_node.control.ControllerWait`): the node pulls from a controller and
         listens; else the start's reconcile checks."""
         return bool(self.n.settings.listen and controller_url(self.n.settings, "wait"))
 

@@ -2,7 +2,7 @@
 
 The kit's :class:`sched_core.Chain` decides (stages in order, once per chain day,
 markers in ``chain.json``); this module gives it what it asks about, from the node's
-jobs (:mod:`flows.jobs`: what is active) and its history (:mod:`flows.history`: what
+jobs (:mod:`sched_node.jobs`: what is active) and its history (:mod:`sched_node.history`: what
 ended), never from Prefect, so the chain goes on while the server is away.
 
 Rules:
@@ -23,12 +23,12 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 
-from flows.history import History
-from flows.jobs import Jobs
-from flows.outbox import KIND_JOB, SKIPPED, JobView, utc_text
-from flows.settings import AgentSettings
 from sched_core import Chain, Scheduler, Spec
 from sched_core import Stage as ChainStage
+from sched_node.history import History
+from sched_node.jobs import Jobs
+from sched_node.outbox import KIND_JOB, SKIPPED, JobView, utc_text
+from sched_node.settings import AgentSettings
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ A check also runs at every reconcile, so a wake that was lost costs at most
 ``reconcile_interval``.
 
 **At the node's start** (a restart asks Prefect nothing when nothing changed,
-:mod:`flows.reconcile`), the controller's wait decides whether the node looks: the
+:mod:`sched_node.reconcile`), the controller's wait decides whether the node looks: the
 node's first wait carries no ``seen``, and the controller answers it at once when it has
 poked the node since it started (a run made or cancelled while the node was away),
 otherwise it holds it as any wait. The node checks when that first answer carries such a
@@ -49,11 +49,11 @@ from typing import Any
 
 import httpx
 
-from flows.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from flows.registration import RECONCILE, RUN_JOB, Deployments
 from sched_core.reconnect import Follower, Reconnecting
 from sched_core.values import format_go_time
 from sched_core.worker import Worker
+from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
+from sched_node.registration import RECONCILE, RUN_JOB, Deployments
 
 log = logging.getLogger(__name__)
 

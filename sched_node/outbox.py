@@ -11,9 +11,9 @@ folder gives the jobs in the order they were accepted:
 - ``log.jsonl``: the node's own lines for the run (the start guard's answer, the
   command line, retries), ``{"t": time, "m": text}``;
 - ``a<N>.spec.json``, ``a<N>.started``, ``a<N>.out``, ``a<N>.exit``: attempt N,
-  as the job's keeper process (:mod:`flows.shim`) writes it;
+  as the job's keeper process (:mod:`sched_node.shim`) writes it;
 - ``record.json`` and ``report.json``: how far the record in Prefect
-  (:mod:`flows.recorder`) and the report to the controller have got.
+  (:mod:`sched_node.recorder`) and the report to the controller have got.
 
 Rule: what a job is now is a pure fold of its journal and its attempts' files
 (:func:`fold`); nothing else is kept in memory that a restart would need.

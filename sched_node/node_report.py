@@ -42,13 +42,13 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
-from flows.history import Ended
-from flows.outbox import SKIPPED, JobFolder, JobView, Outbox, utc_text
-from flows.settings import AgentSettings
 from sched_core.model import Cache
 from sched_core.plan import upcoming
 from sched_core.values import format_go_time
 from sched_core.worker import Worker
+from sched_node.history import Ended
+from sched_node.outbox import SKIPPED, JobFolder, JobView, Outbox, utc_text
+from sched_node.settings import AgentSettings
 
 log = logging.getLogger(__name__)
 

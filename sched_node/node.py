@@ -32,7 +32,7 @@ Assembly, in :class:`Node`'s constructor, and the start, in :meth:`Node.run`:
    windows in this thread until stopped. Stopping leaves running jobs to their
    keepers: the next start follows them again.
 
-``python -m flows.node`` (or ``sched agent``) runs it: settings from
+``python -m sched_node.node`` (or ``sched agent``) runs it: settings from
 ``SCHED_CONFIG`` and ``SCHED_*``, Prefect from ``PREFECT_API_URL``.
 """
 
@@ -52,17 +52,24 @@ from typing import Any
 
 import httpx
 
-from flows.actions import job_environment, render_argv
-from flows.chain import NodeChain
-from flows.channel import NodeChannel
-from flows.control import Control
-from flows.firing import Decided, FiringLoop
-from flows.history import History
-from flows.identity import AGENT_TAG, JobRef
-from flows.jobs import Jobs, longest_run_s
-from flows.launcher import WarmKeepers
-from flows.node_report import Reporter, build_report
-from flows.outbox import (
+from sched_core import Config, ConfigError, Fire, LocalSchedule, Scheduler
+from sched_core.chain import FOLLOW_WINDOW
+from sched_core.firing import Due, NodeView
+from sched_core.guard import StartDecision, retry_allowed, stage_retry_allowed
+from sched_core.matcher import window_key
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
+from sched_core.policies import row_zone
+from sched_node.actions import job_environment, render_argv
+from sched_node.chain import NodeChain
+from sched_node.channel import NodeChannel
+from sched_node.control import Control
+from sched_node.firing import Decided, FiringLoop
+from sched_node.history import History
+from sched_node.identity import AGENT_TAG, JobRef
+from sched_node.jobs import Jobs, longest_run_s
+from sched_node.launcher import WarmKeepers
+from sched_node.node_report import Reporter, build_report
+from sched_node.outbox import (
     FAILED,
     KIND_JOB,
     SKIPPED,
@@ -73,22 +80,15 @@ from flows.outbox import (
     job_id_for,
     utc_text,
 )
-from flows.planner import Planner
-from flows.prefect_api import PrefectApi, api_settings
-from flows.reconcile import Reconciler
-from flows.recorder import Recorder
-from flows.registration import Deployments
-from flows.repolock import repo_lock
-from flows.settings import AgentSettings, load_settings
-from sched_core import Config, ConfigError, Fire, LocalSchedule, Scheduler
-from sched_core.chain import FOLLOW_WINDOW
-from sched_core.firing import Due, NodeView
-from sched_core.guard import StartDecision, retry_allowed, stage_retry_allowed
-from sched_core.matcher import window_key
-from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
-from sched_core.policies import row_zone
+from sched_node.planner import Planner
+from sched_node.prefect_api import PrefectApi, api_settings
+from sched_node.reconcile import Reconciler
+from sched_node.recorder import Recorder
+from sched_node.registration import Deployments
+from sched_node.repolock import repo_lock
+from sched_node.settings import AgentSettings, load_settings
 
-log = logging.getLogger("flows.node")
+log = logging.getLogger("sched_node.node")
 
 STOP_GRACE_S = 10.0
 """How long the recorder and the reporter get to send what they hold when the node stops."""
@@ -100,7 +100,7 @@ def wall_clock() -> datetime:
 
 
 def job_env(settings: AgentSettings, spec: JobSpec) -> dict[str, str]:
-    """Return a job's environment (:func:`flows.actions.job_environment`): never the agent's
+    """Return a job's environment (:func:`sched_node.actions.job_environment`): never the agent's
     credentials, ``TZ`` the row's zone (UTC unless it has one), the action's ``env``."""
     action = settings.actions.get(spec.action) if spec.kind == KIND_JOB else None
     return job_environment(action.env if action else {}, tz=spec.zone)

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
 from sched_core import SchedError
+from sched_node.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
 
 LEASE_S = 300.0
 """How long the server keeps a slot whose holder stopped renewing it (seconds)."""

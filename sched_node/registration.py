@@ -3,7 +3,7 @@
 Registered through the REST API the first time the server answers: no work pool, no
 schedule, tags ``sched-agent``; nothing but the node starts their runs. A Run of either
 from the UI reaches the node as an ad hoc job or an on-demand reconcile
-(:mod:`flows.control`). The old agent's heartbeat automations, which would crash the runs
+(:mod:`sched_node.control`). The old agent's heartbeat automations, which would crash the runs
 the node records (they send no heartbeats), are deleted when the node registers.
 
 **A restart asks Prefect nothing about them** when nothing would change. The ids of the
@@ -35,10 +35,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from flows.prefect_api import PrefectApi, PrefectRefused
 from sched_core import SchedError
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.statefile import locked, read_json_file, write_atomic
+from sched_node.prefect_api import PrefectApi, PrefectRefused
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def deployment_bodies(node: str, tags: list[str]) -> dict[str, dict[str, Any]]:
     return {flow: {"name": node, "tags": list(tags), "description": DESCRIPTIONS[flow],
                    "parameter_openapi_schema": schemas[flow],
                    "enforce_parameter_schema": False,
-                   "entrypoint": f"flows/node.py:{flow.replace('-', '_')}", "paused": False,
+                   "entrypoint": f"sched_node/node.py:{flow.replace('-', '_')}", "paused": False,
                    "schedules": []}
             for flow in (RUN_JOB, RECONCILE)}
 

@@ -1,4 +1,4 @@
-"""The record steps of one job, each done once (steps 1-4 of :mod:`flows.recorder`).
+"""The record steps of one job, each done once (steps 1-4 of :mod:`sched_node.recorder`).
 
 Each step is noted in the job's ``record.json`` when it is done, and as ``inflight``
 just before it is sent; a step found in flight after a restart is checked against
@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from flows.outbox import (
+from sched_node.outbox import (
     CANCELLED,
     COMPLETED,
     CRASHED,
@@ -26,14 +26,14 @@ from flows.outbox import (
     JobView,
     utc_text,
 )
-from flows.prefect_api import PrefectRefused, state_body
-from flows.records import job_event, job_markdown
-from flows.registration import RECONCILE, RUN_JOB
+from sched_node.prefect_api import PrefectRefused, state_body
+from sched_node.records import job_event, job_markdown
+from sched_node.registration import RECONCILE, RUN_JOB
 
 if TYPE_CHECKING:
-    from flows.recorder import Recorder
+    from sched_node.recorder import Recorder
 
-log = logging.getLogger("flows.recorder")
+log = logging.getLogger("sched_node.recorder")
 
 LOG_BATCH = 500
 """Log lines per request (all the job's files together)."""

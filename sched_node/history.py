@@ -18,9 +18,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from flows.outbox import COMPLETED, JobView, parse_time, utc_text
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.statefile import locked, read_json_file, write_atomic
+from sched_node.outbox import COMPLETED, JobView, parse_time, utc_text
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,9 @@ KEEP = 1000
 KEEP_FOR = timedelta(days=2)
 
 
-# `duplicates` pairs this record with flows/planner.py's PlannedEntry and sched_core/firing.py's
-# Due by shape (a constant, a frozen dataclass, a docstring, typed fields): different records
-# with nothing to share.
+# `duplicates` pairs this record with sched_node/planner.py's PlannedEntry and
+# sched_core/firing.py's Due by shape (a constant, a frozen dataclass, a docstring, typed
+# fields): different records with nothing to share.
 @dataclass(frozen=True)
 class Ended:
     """One ended job: its schedule, action, trigger, window, outcome and times."""

@@ -1,6 +1,6 @@
 """Start a job's attempt in its keeper process, follow it, stop it; find it again after a restart.
 
-The keeper (:mod:`flows.shim`) runs in a session of its own, so it and its
+The keeper (:mod:`sched_node.shim`) runs in a session of its own, so it and its
 command outlive the node process: a node that restarts finds the keeper by its
 pid and its start time (``/proc/<pid>/stat``, so a reused pid is never taken
 for it), waits for it, and reads its outcome from the files it writes.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flows.outbox import JobFolder
+from sched_node.outbox import JobFolder
 
 log = logging.getLogger(__name__)
 

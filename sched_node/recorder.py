@@ -45,16 +45,16 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from flows.outbox import (
+from sched_core.worker import Worker
+from sched_node.outbox import (
     KIND_RECONCILE,
     JobFolder,
     JobView,
     Outbox,
 )
-from flows.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
-from flows.record_steps import Steps
-from flows.registration import Deployments
-from sched_core.worker import Worker
+from sched_node.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
+from sched_node.record_steps import Steps
+from sched_node.registration import Deployments
 
 log = logging.getLogger(__name__)
 

@@ -52,9 +52,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from flows.action_specs import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
-from flows.identity import window_stamp
 from sched_core import ConfigError, LocalSchedule
+from sched_node.action_specs import MAX_VALUE_BYTES, ActionSpec, ParamSpec, template_pieces
+from sched_node.identity import window_stamp
 
 IDENTIFIER_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 """An identifier: letters, digits, ``._-``, not starting with ``.`` or ``-``, 1-200 long."""

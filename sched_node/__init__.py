@@ -1,0 +1,11 @@
+"""The agent node on Prefect: the node fires its windows itself, Prefect records them.
+
+``python -m sched_node.node`` runs one node (:mod:`sched_node.node`, a thin facade over
+the parts: :mod:`sched_node.firing`, :mod:`sched_node.jobs` with
+:mod:`sched_node.launcher` and :mod:`sched_node.shim`, :mod:`sched_node.outbox`,
+:mod:`sched_node.recorder`, :mod:`sched_node.planner`, :mod:`sched_node.reconcile`,
+:mod:`sched_node.channel` and :mod:`sched_node.control`, :mod:`sched_node.chain`,
+:mod:`sched_node.node_report`). Settings: :mod:`sched_node.settings`, the action table's
+models in :mod:`sched_node.action_specs`; the action table at work:
+:mod:`sched_node.actions`. See docs/agent.md.
+"""
