@@ -24,7 +24,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core sched_node deployments controller sched_ops sched_cli.py scripts
+	$(VENV)/bin/mypy sched_core sched_node flows deployments controller sched_ops sched_cli.py scripts
 
 # Three test files at a time on two cores: the longest tests wait on real minutes (the suite
 # keeps 2 cores 40 % busy on two workers), so a third worker fills the wait (8:00 -> 5:52 here;

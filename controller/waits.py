@@ -11,10 +11,11 @@ Rules:
    instance reaches this one as the write's Prefect event (the relay), or at
    the latest when the wait times out and answers the current ETag.
 2. The relay (:class:`PrefectRelay`) follows Prefect's event stream once for
-   the whole fleet and pokes ``prefect`` for a run of ``run-job/<node>`` or
-   ``reconcile/<node>`` created (Scheduled) or asked to cancel (Cancelling),
-   leaving out the runs the node made itself (its plan and its records carry a
-   ``trigger:`` tag of their own).
+   the whole fleet and pokes ``prefect`` for a run of ``run-job/<node>``,
+   ``reconcile/<node>`` or ``chain/<node>`` created (Scheduled), retried from the UI
+   (AwaitingRetry) or asked to cancel (Cancelling), leaving out the runs the node made
+   itself (its plan and its records carry a ``trigger:`` tag of their own) and its own
+   retries between two tries.
 3. A ``prefect`` poke carries its event's time; a wait's answer carries the
    newest such time this process saw for the node (microseconds since the
    epoch, ``0`` for none) as the node's counter. Every instance follows the
@@ -57,7 +58,13 @@ log = logging.getLogger(__name__)
 NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
                  "trigger:reconcile")
 """Tags of the runs a node makes itself (rule 2): their events wake nobody."""
-NODE_FLOWS = frozenset({"run-job", "reconcile"})
+NODE_FLOWS = frozenset({"run-job", "reconcile", "chain"})
+NODE_RETRY = "try "
+"""How the node's own AwaitingRetry states begin (``try 1 ended at ...``): its retries between
+two tries wake nobody; the UI's Retry ("Retry from the UI") wakes the node."""
+WAKING_EVENTS = ("prefect.flow-run.Scheduled", "prefect.flow-run.Cancelling",
+                 "prefect.flow-run.AwaitingRetry", "sched.schedules.updated")
+"""The events the relay follows (rule 2)."""
 
 
 class NodeWaits:
@@ -238,7 +245,16 @@ def node_of(event: Any) -> tuple[str, str] | None:
         return None
     if name == "prefect.flow-run.Scheduled" and any(tag.startswith(NODE_TRIGGERS) for tag in tags):
         return None  # a run the node made (its plan, its records)
+    if name == "prefect.flow-run.AwaitingRetry" and _state_message(event).startswith(NODE_RETRY):
+        return None  # the node's own retry between two tries of a job
     return str(deployment), "prefect"
+
+
+def _state_message(event: Any) -> str:
+    """Return the message of the state a flow-run event reports ("" when none)."""
+    payload = getattr(event, "payload", None) or {}
+    state = payload.get("validated_state") if isinstance(payload, dict) else None
+    return str((state or {}).get("message") or "") if isinstance(state, dict) else ""
 
 
 class PrefectRelay(Follower):
@@ -259,9 +275,7 @@ class PrefectRelay(Follower):
         from prefect.events.clients import PrefectEventSubscriber
         from prefect.events.filters import EventFilter, EventNameFilter
 
-        event_filter = EventFilter(event=EventNameFilter(name=[
-            "prefect.flow-run.Scheduled", "prefect.flow-run.Cancelling",
-            "sched.schedules.updated"]))
+        event_filter = EventFilter(event=EventNameFilter(name=list(WAKING_EVENTS)))
         async with PrefectEventSubscriber(api_url=self.api_url, filter=event_filter,
                                           reconnection_attempts=2,
                                           reconnect_on_clean_close=True) as subscriber:

@@ -33,6 +33,8 @@ from types import FrameType
 
 import httpx
 
+from sched_node.registration import SERVER_SETTINGS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -49,6 +51,7 @@ def server_env(home: Path, port: int) -> dict[str, str]:
             "SCHED_VACUUM_RETENTION", str(7 * 24 * 3600)
         ),
         "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,sched_node,flows",
+        **SERVER_SETTINGS,  # the node's deployments Ready between its polls
     })
     env.setdefault("SCHED_CONFIG", str(ROOT / "examples" / "agent.toml"))
     return env

@@ -14,7 +14,10 @@ Rules:
    nothing, so a later successful wave job fires the stage the same day; the last
    wave job's log says so (:meth:`NodeChain.note`).
 3. Only a job's end feeds the chain (a window that ran nothing does not), and only the
-   node's own: no event from outside reaches it.
+   node's own: no event from outside reaches it. An ad hoc job (trigger ``manual`` or
+   ``retry``: a Run or a Retry from Prefect, ``sched run``) neither arms nor uses up the
+   day's chain: an ad hoc backup at 00:05 leaves the day's prune and check to the 02:30
+   wave.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from datetime import datetime
 
 from sched_core import Chain, Scheduler, Spec
 from sched_core import Stage as ChainStage
-from sched_node.history import History
+from sched_node.adhoc import AD_HOC
+from sched_node.history import Ended, History
 from sched_node.jobs import Jobs
 from sched_node.outbox import KIND_JOB, SKIPPED, JobView, utc_text
 from sched_node.settings import AgentSettings
 
 log = logging.getLogger(__name__)
+
 
 
 class NodeChain:
@@ -45,14 +50,18 @@ class NodeChain:
         self.chain = Chain(scheduler, self._spec())
 
     def wave_active(self) -> bool:
-        """Return whether a wave job is active on the node."""
-        return any(spec.action in self.settings.wave for spec, _ in self.jobs.active())
+        """Return whether a wave job (not an ad hoc one) is active on the node."""
+        return any(spec.action in self.settings.wave and spec.trigger_key not in AD_HOC
+                   for spec, _ in self.jobs.active())
+
+    def _wave_ended(self, now: datetime) -> list[Ended]:
+        since = now - self.settings.wave_lookback
+        return [item for item in self.history.since(since, actions=self.settings.wave)
+                if item.trigger_key not in AD_HOC]
 
     def wave_succeeded(self, now: datetime) -> bool:
-        """Return whether a wave job succeeded within ``wave_lookback``."""
-        since = now - self.settings.wave_lookback
-        return any(item.succeeded for item in self.history.since(since,
-                                                                 actions=self.settings.wave))
+        """Return whether a wave job succeeded within ``wave_lookback`` (rule 3: no ad hoc)."""
+        return any(item.succeeded for item in self._wave_ended(now))
 
     def _spec(self) -> Spec:
         settings = self.settings
@@ -74,7 +83,7 @@ class NodeChain:
             first = settings.stages[0] if settings.stages else None
             if first is not None and first.after == "success":
                 return self.wave_succeeded(now)
-            return bool(self.history.since(now - settings.wave_lookback, actions=settings.wave))
+            return bool(self._wave_ended(now))
 
         return Spec(stages=[stage(index) for index in range(len(settings.stages))],
                     is_wave_job=lambda action: action in settings.wave,
@@ -85,6 +94,8 @@ class NodeChain:
         """Feed a job's end to the chain (rule 3); return a line for the job's log, or ""."""
         if view.spec.kind != KIND_JOB or view.end_state == SKIPPED:
             return ""
+        if view.spec.trigger_key in AD_HOC:
+            return ""  # rule 3: an ad hoc job is not the wave's
         try:
             fired = self.chain.on_job_complete(view.spec.action, now=now)
         except Exception:

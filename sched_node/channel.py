@@ -3,16 +3,19 @@
 Which connection (rule of :mod:`sched_node.control`): the controller's long poll when the
 node pulls from a controller, else one websocket on Prefect's event stream; a node
 that pulls a file also watches it (a change is pulled within :data:`FILE_WATCH_S`).
-A wake asks Prefect once for the node's ad hoc runs and cancels
-(:meth:`sched_node.control.Control.check`); a check that finds Prefect away is tried
-again after :data:`CONTROL_RETRY_S`; the periodic check is the reconcile's (one per
-``reconcile_interval``, :mod:`sched_node.reconcile`), not a timer of this thread's.
+The same thread is the node as its pool's worker: a heartbeat every ``worker_heartbeat``,
+a poll of its queue every ``worker_poll`` (:meth:`sched_node.control.Control.poll`), and on
+a wake a poll and a look at its runs (:meth:`sched_node.control.Control.check`); a look
+that finds Prefect away is tried again after :data:`CONTROL_RETRY_S`. Every reconcile looks
+too (``reconcile_interval``, :mod:`sched_node.reconcile`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -20,6 +23,7 @@ from urllib.parse import urlsplit
 from sched_node.control import ControllerWait, PrefectStream
 from sched_node.node_report import controller_url
 from sched_node.prefect_api import PrefectUnavailable
+from sched_node.reconcile import FIRST_SPREAD
 
 if TYPE_CHECKING:
     from sched_node.node import Node
@@ -100,7 +104,7 @@ class NodeChannel:
     def _stream(self) -> None:
         n = self.n
         self.stream = PrefectStream(
-            node=n.node, api_url=n.api.settings.url,
+            node=n.node, api_url=n.api.url,
             deployment_ids=lambda: list(n.deployments.get().values()),
             on_schedules=lambda: n.reconciler.poke("event"),
             on_prefect=self.wake_control).start()
@@ -110,20 +114,44 @@ class NodeChannel:
         self._control_wake.set()
 
     def _control_main(self) -> None:
-        # Only wakes (and retries): every reconcile checks too (Reconciler.reconcile), so a
-        # timer here would ask Prefect the same question twice per reconcile_interval.
-        wait: float | None = None
+        """The node as its pool's worker: a heartbeat every ``worker_heartbeat``, a poll of its
+        queue every ``worker_poll``, and a poll and a look at its runs when woken (a failed
+        one is tried again after CONTROL_RETRY_S)."""
+        settings = self.n.settings
+        poll_s = settings.worker_poll.total_seconds()
+        beat_s = settings.worker_heartbeat.total_seconds()
+        # A restart asks Prefect nothing at once (a fleet-wide restart is every node at once):
+        # the pool still counts the node as its worker and its deployments Ready for a while
+        # (three heartbeats; the server's poll timeout), so the first heartbeat and poll come
+        # at a random point of their interval's second half. A first start (no deployments
+        # kept from an earlier one) looks at once.
+        now = time.monotonic()
+        kept = self.n.deployments.cache_path
+        spread = 1.0 if kept is not None and kept.exists() else 0.0
+        next_poll = now + spread * poll_s * (1 - FIRST_SPREAD * random.random())
+        next_beat = now + spread * beat_s * (1 - FIRST_SPREAD * random.random())
+        woken = False
         while not self._stopping.is_set():
-            self._control_wake.wait(wait)
-            self._control_wake.clear()
-            if self._stopping.is_set():
-                return
-            wait = None
+            now = time.monotonic()
             try:
-                self.n.control.check()
+                if now >= next_beat:
+                    self.n.control.heartbeat()
+                    next_beat = now + beat_s
+                if woken:
+                    self.n.control.check()
+                    next_poll = time.monotonic() + poll_s
+                elif now >= next_poll:
+                    self.n.control.poll()
+                    next_poll = time.monotonic() + poll_s
+                woken = False
             except PrefectUnavailable as exc:
-                log.info("no control check now (trying again in %g s): %s", CONTROL_RETRY_S,
+                log.info("no look at Prefect now (trying again in %g s): %s", CONTROL_RETRY_S,
                          exc)
-                wait = CONTROL_RETRY_S
+                next_poll = min(next_poll, time.monotonic() + CONTROL_RETRY_S)
+                next_beat = min(next_beat, time.monotonic() + CONTROL_RETRY_S)
             except Exception:
-                log.exception("the control check failed")
+                log.exception("the look at Prefect failed")
+                next_poll = time.monotonic() + CONTROL_RETRY_S
+            left = max(min(next_poll, next_beat) - time.monotonic(), 0.05)
+            woken = self._control_wake.wait(left) or woken
+            self._control_wake.clear()

@@ -1,11 +1,33 @@
 """What reaches a node from the center between its windows: changes, ad hoc runs, cancels.
 
-The node holds at most one idle connection for all of it:
+The node is a worker of its work pool (:mod:`sched_node.registration`), in Prefect's own
+terms: it heartbeats to the pool (the Workers tab lists it) and polls its own queue
+(:meth:`Control.poll`, every ``worker_poll`` and when woken), which keeps its deployments
+Ready. What it finds there, and what :meth:`Control.look` finds among its deployments' runs,
+it takes (Pending, as a worker does) and acts on:
+
+1. a ``run-job`` run in its queue (a Run from the UI, ``prefect deployment run``,
+   ``run_deployment``, ``sched run``): a job of the cached row it names, started now and
+   recorded into that run;
+2. a run of its deployments that the UI's Retry put back in AwaitingRetry (the planned
+   run of a window, in the paused queue, or one in its own queue): that run's job again,
+   now, recorded into the same run (its run count goes up, as Prefect shows a retry);
+3. a ``reconcile`` run: a reconcile now, recorded into it;
+4. a ``chain`` run: run by Prefect's engine on the node's host (the flow hands each stage's
+   jobs back to the node), as a process worker would;
+5. a Cancelling run: its job is stopped (its keeper stops the command), or the run is marked
+   Cancelled when the node has no job for it.
+
+The node's own runs (its plan, its records: an idempotency key ``<node>:...``) are never
+taken, nor a run whose job the node still has, nor one in another queue of the pool (its
+workers', which run it through Prefect's engine: the flow hands the job to the node).
+
+The node holds at most one idle connection for its wakes:
 
 - **through the controller** (the pull URL is a controller's ``/api/``): a long
   poll, ``GET /api/nodes/<node>/wait?etag=...&seen=...`` (:class:`ControllerWait`),
   which answers when the node's schedules change, when the controller sees a
-  Prefect run for the node created or asked to cancel (it follows Prefect's
+  Prefect run for the node created, retried or asked to cancel (it follows Prefect's
   events once for the whole fleet), or after ``heartbeat`` seconds; each
   answer is also the node's heartbeat;
 - **straight from Prefect** when the pull URL is a file, or the controller
@@ -13,16 +35,8 @@ The node holds at most one idle connection for all of it:
   node's deployments and its own ``sched.agent.<node>`` resource
   (:class:`PrefectStream`).
 
-Either only says "look": :meth:`Control.check` then asks Prefect, in one
-request, for the node's runs that are Scheduled and due, or Cancelling, and
-
-1. takes an ad hoc ``run-job`` run (one its node did not plan: its idempotency
-   key is not ``<node>:...``) as a job of the cached row it names, started now;
-2. takes a ``reconcile`` run as a request to reconcile now, recorded into it;
-3. stops the job of a Cancelling run (its keeper stops the command), or marks
-   Cancelled a run the node has no job for.
-
-A check also runs at every reconcile, so a wake that was lost costs at most
+Either only says "look": the node then polls its queue and looks at its runs (two
+requests). A look also runs at every reconcile, so a wake that was lost costs at most
 ``reconcile_interval``.
 
 **At the node's start** (a restart asks Prefect nothing when nothing changed,
@@ -33,8 +47,7 @@ otherwise it holds it as any wait. The node checks when that first answer carrie
 poke, or says the controller follows no Prefect events, or when the wait fails before any
 answer (the controller is away, or has no wait): so after a restart a run made while the
 node was down is taken at once, unless the controller instance the node reaches was
-itself started after that run was made (then at the first periodic reconcile, within one
-``reconcile_interval``).
+itself started after that run was made (then at its first poll, within ``worker_poll``).
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime, timedelta
@@ -50,10 +64,9 @@ from typing import Any
 import httpx
 
 from sched_core.reconnect import Follower, Reconnecting
-from sched_core.values import format_go_time
 from sched_core.worker import Worker
-from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from sched_node.registration import RECONCILE, RUN_JOB, Deployments
+from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, new_state
+from sched_node.registration import CHAIN, PLANNED_QUEUE, RECONCILE, RUN_JOB, Deployments
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +80,14 @@ heartbeat is longer waits this long each time, so its wait stays a long poll."""
 TRIGGER_TAGS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
                 "trigger:reconcile")
 """Tags of the runs the node itself made: their events never wake it."""
+RETRY = "AwaitingRetry"
+NODE_RETRY = "try "
+"""How the node's own AwaitingRetry states begin (``try 1 ended at ...``, record_steps)."""
 
 
 @dataclass(eq=False)
 class Control:
-    """Carry ad hoc runs, on-demand reconciles and cancels from Prefect to the node (1-3)."""
+    """The node as its pool's worker: take runs from Prefect and cancels (the module's 1-5)."""
 
     api: PrefectApi
     deployments: Deployments
@@ -80,53 +96,101 @@ class Control:
     clock: Callable[[], datetime]
     run_job: Callable[[dict[str, Any]], None]
     reconcile: Callable[[str], None]
+    engine: Callable[[dict[str, Any]], None]
     cancel: Callable[[str, str], bool]
-    claimed: Callable[[str], bool]
+    busy: Callable[[str], bool]
+    """Whether the node still has a job (or a record under way) for a flow run."""
+    work_pool: str = "sched-agent"
+    heartbeat_s: float = 720.0
     checks: int = field(default=0, init=False)
+    polls: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    def check(self) -> int:
-        """Ask Prefect once for the node's due and cancelling runs, and act on each; return count.
+    def heartbeat(self) -> None:
+        """Tell the pool this worker is alive (the Workers tab). Raises PrefectUnavailable."""
+        self.deployments.get()  # the pool is made with them
+        self.api.call(lambda c: c.send_worker_heartbeat(
+            self.work_pool, self.node, heartbeat_interval_seconds=self.heartbeat_s),
+            f"heartbeat to work pool {self.work_pool}")
 
-        Raises PrefectUnavailable when the server cannot be reached.
-        """
+    def poll(self) -> int:
+        """Poll the node's queue as a worker (its deployments show Ready) and take what is
+        due (1); return how many runs were taken. Raises PrefectUnavailable."""
+        self.deployments.get()
+        with self._lock:
+            self.polls += 1
+            now = self.clock()
+            found = self.api.call(lambda c: c.get_scheduled_flow_runs_for_work_pool(
+                self.work_pool, work_queue_names=[self.node],
+                scheduled_before=now + DUE_AHEAD), f"poll work queue {self.node}")
+            return sum(self._act(item.flow_run.model_dump(mode="json")) for item in found)
+
+    def look(self) -> int:
+        """Ask Prefect once for the node's retried and Cancelling runs, and act on each (2, 5);
+        return how many. Raises PrefectUnavailable."""
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterDeploymentId,
+            FlowRunFilterExpectedStartTime,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+
         with self._lock:
             self.checks += 1
             ids = self.deployments.get()
-            by_id = {value: key for key, value in ids.items()}
             now = self.clock()
-            runs = self.api.filter_runs({
-                "flow_runs": {
-                    "deployment_id": {"any_": list(ids.values())},
-                    "state": {"type": {"any_": ["SCHEDULED", "CANCELLING"]}},
-                    "expected_start_time": {"before_": format_go_time(now + DUE_AHEAD)},
-                },
-                "sort": "EXPECTED_START_TIME_ASC", "limit": PAGE})
-            acted = 0
-            for run in runs:
-                flow = by_id.get(str(run.get("deployment_id")))
-                kind = (run.get("state") or {}).get("type")
-                if kind == "CANCELLING":
-                    acted += self._cancelling(run)
-                elif self._ours(run) or self.claimed(str(run["id"])):
-                    continue  # a run the node made (its plan, its records) or took already
-                elif flow == RECONCILE:
-                    acted += self._take(run, lambda item: self.reconcile(str(item["id"])))
-                elif flow == RUN_JOB:
-                    acted += self._take(run, self.run_job)
-            return acted
+            runs = self.api.filter_runs(FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(
+                    any_=[uuid.UUID(item) for item in ids.values()]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(
+                    any_=[StateType.SCHEDULED, StateType.CANCELLING])),
+                expected_start_time=FlowRunFilterExpectedStartTime(before_=now + DUE_AHEAD)),
+                sort="EXPECTED_START_TIME_ASC", limit=PAGE)
+            # A Scheduled run in the node's queue is the poll's; one in another queue is its
+            # workers'; a planned run put back by the UI's Retry waits in the paused queue,
+            # where only the node takes it.
+            return sum(self._act(run) for run in runs
+                       if (run.get("state") or {}).get("type") == "CANCELLING"
+                       or ((run.get("state") or {}).get("name") == RETRY
+                           and run.get("work_queue_name") == PLANNED_QUEUE))
+
+    def check(self) -> int:
+        """Poll and look (a wake); return how many runs were acted on."""
+        return self.poll() + self.look()
+
+    def _act(self, run: dict[str, Any]) -> int:
+        by_id = {value: key for key, value in self.deployments.get().items()}
+        flow = by_id.get(str(run.get("deployment_id")))
+        state = run.get("state") or {}
+        run_id = str(run["id"])
+        if flow is None:
+            return 0
+        if state.get("type") == "CANCELLING":
+            return self._cancelling(run)
+        retried = state.get("name") == RETRY
+        if self.busy(run_id) or (self._ours(run) and not retried):
+            return 0  # a run the node made (its plan, its records) or whose job it has
+        if flow == RECONCILE:
+            return self._take(run, lambda item: self.reconcile(str(item["id"])))
+        if flow == RUN_JOB:
+            return self._take(run, self.run_job)
+        if flow == CHAIN:
+            return self._take(run, self.engine)
+        return 0
 
     def _ours(self, run: dict[str, Any]) -> bool:
         """Return whether the node made the run (its idempotency key is ``<node>:...``)."""
         return str(run.get("idempotency_key") or "").startswith(f"{self.node}:")
 
     def _take(self, run: dict[str, Any], act: Callable[[dict[str, Any]], None]) -> int:
-        """Claim a Scheduled run for this node (Pending), then act on it."""
-        status = self.api.set_state(str(run["id"]), state_body(
-            "PENDING", message=f"taken by node {self.node} at {format_go_time(self.clock())}"),
+        """Claim a Scheduled run for this node (Pending, as a worker does), then act on it."""
+        status = self.api.set_state(str(run["id"]), new_state(
+            "PENDING", message=f"taken by node {self.node} (a worker of {self.work_pool})"),
             force=False)
         if status != "ACCEPT":
-            return 0  # someone else moved it meanwhile (an operator's cancel)
+            return 0  # someone else moved it meanwhile (another worker, an operator's cancel)
         log.info("taking run %s (%s) from Prefect", run.get("name"), run.get("id"),
                  extra={"node": self.node, "flow_run_id": str(run.get("id"))})
         act(run)
@@ -137,8 +201,10 @@ class Control:
         message = (run.get("state") or {}).get("message") or "cancelled from Prefect"
         if self.cancel(run_id, f"cancelled from Prefect: {message}"):
             return 1
+        if self.busy(run_id):
+            return 0  # an engine's run: its worker (or the node's engine) ends it
         try:  # no job of this node runs it: end it so it does not stay Cancelling
-            self.api.set_state(run_id, state_body(
+            self.api.set_state(run_id, new_state(
                 "CANCELLED", message=f"node {self.node} has no job running for this run"),
                 force=True)
         except PrefectRefused as exc:
@@ -327,6 +393,7 @@ class PrefectStream(Follower):
         event_filter = EventFilter(
             event=EventNameFilter(name=["prefect.flow-run.Scheduled",
                                         "prefect.flow-run.Cancelling",
+                                        "prefect.flow-run.AwaitingRetry",
                                         "sched.schedules.updated"]),
             any_resource=EventAnyResourceFilter(id=[
                 f"sched.agent.{self.node}",
@@ -342,6 +409,12 @@ class PrefectStream(Follower):
                 self.events += 1
                 if event.event == "sched.schedules.updated":
                     self._on_schedules()
+                    continue
+                if event.event == "prefect.flow-run.AwaitingRetry":
+                    state = (event.payload or {}).get("validated_state") or {}
+                    if str(state.get("message") or "").startswith(NODE_RETRY):
+                        continue  # the node's own retry between two tries
+                    self._on_prefect()
                     continue
                 tags = [item.id.removeprefix("prefect.tag.") for item in event.related
                         if item.role == "tag"]

@@ -1,7 +1,8 @@
 """What identifies one job in Prefect: its run's name, tags, parameters and idempotency key.
 
-Pure: no I/O. A run carries the job's identity, never its row: ``schedule_id``,
-``window``, ``key``, ``trigger_key``. Every run the node makes has an idempotency
+Pure: no I/O. A run carries the job's identity, never its row: its parameter
+``schedule_id``, its name (action, schedule, window), its tags (node, action, schedule,
+trigger) and its idempotency key. Every run the node makes has an idempotency
 key (``<node>:<window key>`` for a window, ``<node>:<id>@<stage>@<day>`` for a
 chain stage), so the planner's run of a window and the node's record of the job
 that ran it are one run, whoever creates it first.
@@ -74,10 +75,7 @@ class JobRef:
         return [AGENT_TAG, *job_tags(self.node, self.action, self.schedule_id, self.trigger_key)]
 
     def parameters(self) -> dict[str, Any]:
-        """Return the run's parameters: identity only, never the row."""
-        return {
-            "schedule_id": self.schedule_id,
-            "trigger_key": self.trigger_key,
-            "window": self.window.isoformat() if self.window else None,
-            "key": self.key,
-        }
+        """Return the run's parameters as its flow (``run_job``) takes them: the schedule, and
+        never the row or a time (anyone with the Prefect API sets parameters). The window is
+        in the run's name and its idempotency key, the trigger in its tags."""
+        return {"schedule_id": self.schedule_id}

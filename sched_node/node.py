@@ -60,14 +60,18 @@ from sched_core.matcher import window_key
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
 from sched_core.policies import row_zone
 from sched_node.actions import job_environment, render_argv
+from sched_node.adhoc import AdHoc
 from sched_node.chain import NodeChain
 from sched_node.channel import NodeChannel
 from sched_node.control import Control
+from sched_node.engine import EngineRuns
 from sched_node.firing import Decided, FiringLoop
+from sched_node.handoff import Handoff
 from sched_node.history import History
 from sched_node.identity import AGENT_TAG, JobRef
 from sched_node.jobs import Jobs, longest_run_s
 from sched_node.launcher import WarmKeepers
+from sched_node.local import SOCKET_NAME, Door, LocalDoor
 from sched_node.node_report import Reporter, build_report
 from sched_node.outbox import (
     FAILED,
@@ -81,12 +85,12 @@ from sched_node.outbox import (
     utc_text,
 )
 from sched_node.planner import Planner
-from sched_node.prefect_api import PrefectApi, api_settings
+from sched_node.prefect_api import PrefectApi
 from sched_node.reconcile import Reconciler
 from sched_node.recorder import Recorder
 from sched_node.registration import Deployments
 from sched_node.repolock import repo_lock
-from sched_node.settings import AgentSettings, load_settings
+from sched_node.settings import CONFIG_ENV, AgentSettings, load_settings
 
 log = logging.getLogger("sched_node.node")
 
@@ -97,6 +101,14 @@ STOP_GRACE_S = 10.0
 def wall_clock() -> datetime:
     """Return the wall clock in UTC: the one clock read of the node."""
     return datetime.now(UTC)
+
+
+def flow_run_env(settings: AgentSettings) -> dict[str, str]:
+    """Return what a flow run Prefect's engine runs on this host needs to find the node: the
+    agent config's path (``SCHED_CONFIG``), else the door's (``SCHED_NODE_SOCKET``)."""
+    door = {"SCHED_NODE_SOCKET": str((Path(settings.state_dir) / SOCKET_NAME).resolve())}
+    config = os.environ.get(CONFIG_ENV)
+    return {CONFIG_ENV: str(Path(config).resolve()), **door} if config else door
 
 
 def job_env(settings: AgentSettings, spec: JobSpec) -> dict[str, str]:
@@ -122,18 +134,21 @@ class Node:
         self.history = History(state / "history.json", now=now)
         self.scheduler = self._build_scheduler(now)
         self.decided = Decided(state / "decided.json", now=now)
-        self._claimed: set[str] = set()
         self._last_pull: dict[str, Any] | None = None
         # Step 2: Prefect, the record.
         self.deployments = Deployments(api, self.node, tags=[AGENT_TAG],
+                                       work_pool=settings.work_pool,
+                                       job_env=flow_run_env(settings),
                                        cache_path=settings.deployments_path)
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
                                  clock=clock, done=self._recorded,
+                                 planned=lambda key: self.planner.planned_run(key),
                                  task_run=settings.record_task_run,
                                  artifact=settings.record_artifact)
         self.planner = Planner(api, self.deployments, settings.plan_path,
                                horizon=settings.plan_horizon, min_windows=settings.plan_min_windows,
-                               max_runs=settings.plan_max_runs, now=now)
+                               max_runs=settings.plan_max_runs, now=now,
+                               retries_of=self._retries_of)
         # Step 3: jobs (warm keepers started ahead take them) and the chain.
         self.keepers = WarmKeepers()
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
@@ -150,10 +165,28 @@ class Node:
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  done=self._reported,
                                  covered=lambda: self.channel.covered())
+        self.adhoc = AdHoc(node=self.node, outbox=self.outbox, clock=clock, row=self._row,
+                           known=self._known, spec=self._spec, start=self.start_job,
+                           fail=self.jobs.end_without_running,
+                           cancel_job=lambda run_id, message: self.jobs.cancel(
+                               flow_run_id=run_id, message=message),
+                           reconcile=lambda run_id: self.reconciler.poke("on demand",
+                                                                         run_id=run_id),
+                           engine=EngineRuns(state / "engine", {
+                               **flow_run_env(settings), "PREFECT_API_URL": api.url}))
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
-                               run_job=self._adhoc, reconcile=self._on_demand,
-                               cancel=self._cancel, claimed=self._is_claimed)
+                               run_job=self.adhoc.run_job, reconcile=self.adhoc.reconcile,
+                               engine=self.adhoc.chain, cancel=self.adhoc.cancel,
+                               busy=self.adhoc.busy, work_pool=settings.work_pool,
+                               heartbeat_s=settings.worker_heartbeat.total_seconds())
         self.channel = NodeChannel(self)
+        # Step 6: the local door, where flows that Prefect's engine runs here hand over jobs.
+        self.handoff = Handoff(node=self.node, outbox=self.outbox, clock=clock, row=self._row,
+                               known=self._known, spec=self._spec, start=self.start_job,
+                               wake=self.recorder.wake)
+        self.door = LocalDoor(settings.state_dir, Door(
+            node=self.describe, submit=self.handoff.submit, job=self.handoff.job,
+            recorded=self.handoff.recorded, reconcile=self.reconciler.run_now))
         self._stopping = threading.Event()
         self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
 
@@ -180,6 +213,23 @@ class Node:
                         first_seen=cache.first_seen_at, tz=self.settings.tz, node=self.node,
                         grace=self.settings.grace)
 
+    def describe(self) -> dict[str, Any]:
+        """Return the node's name, cached schedules and chain stages (the local door's
+        ``GET /node``)."""
+        return {"node": self.node,
+                "schedules": [{"id": row.id, "name": row.name, "action": row.action,
+                               "on": row.schedule.on or None, "enabled": row.enabled}
+                              for row in self.scheduler.schedules()],
+                "stages": [{"name": stage.name, "action": stage.action, "on": stage.on}
+                           for stage in self.settings.stages]}
+
+    def _known(self) -> list[str]:
+        return [row.id for row in self.scheduler.schedules()]
+
+    def _retries_of(self, action: str) -> tuple[int, float]:
+        spec = self.settings.actions.get(action)
+        return (spec.retries, spec.retry_delay.total_seconds()) if spec else (0, 0.0)
+
     def _row(self, schedule_id: str) -> LocalSchedule | None:
         return next((row for row in self.scheduler.schedules() if row.id == schedule_id), None)
 
@@ -194,7 +244,8 @@ class Node:
 
     def _spec(self, row: LocalSchedule, *, trigger: str, window: datetime | None, key: str,
               start: datetime | None, reason: str, now: datetime,
-              flow_run_id: str | None = None, run_name: str | None = None) -> JobSpec:
+              flow_run_id: str | None = None, run_name: str | None = None,
+              recorded_by: str = "node") -> JobSpec:
         ref = JobRef(node=self.node, action=row.action, schedule_id=row.id,
                      trigger_key=trigger, window=window, key=key)
         action = self.settings.actions.get(row.action)
@@ -211,7 +262,7 @@ class Node:
             retry_delay_s=action.retry_delay.total_seconds() if action else 0.0,
             umask=self.settings.job_umask, tags=ref.tags(), parameters=ref.parameters(),
             overlap=(row.overlap.value if row.overlap else "skip"), zone=row.timezone or "",
-            repo_lock=row.repo_id if row.repo_lock else None,
+            repo_lock=row.repo_id if row.repo_lock else None, recorded_by=recorded_by,
         )
 
     def start_job(self, row: LocalSchedule, spec: JobSpec, lines: list[str]) -> JobFolder:
@@ -340,48 +391,6 @@ class Node:
                           start=None, reason=f"fired by the chain ({fire.trigger_key})", now=now)
         self.start_job(fire.schedule, spec, [f"chain: {fire.trigger_key} fired {fire.key}"])
 
-    # -- control ------------------------------------------------------------------------
-
-    def _is_claimed(self, run_id: str) -> bool:
-        return run_id in self._claimed
-
-    def _adhoc(self, run: dict[str, Any]) -> None:
-        """An ad hoc run of ``run-job/<node>``: the cached row it names, now."""
-        now = self._clock()
-        run_id = str(run["id"])
-        self._claimed.add(run_id)
-        params = run.get("parameters") or {}
-        schedule_id = params.get("schedule_id")
-        # An ad hoc run is always that: its parameters name a cached row and nothing else
-        # (never a window, a trigger or a clock: anyone with the Prefect API sets them).
-        trigger = "manual"
-        row = self._row(schedule_id) if isinstance(schedule_id, str) else None
-        if row is None:
-            known = ", ".join(sorted(item.id for item in self.scheduler.schedules())) or "none"
-            message = (f"no schedule {schedule_id!r} in this node's cache (known: {known})"
-                       if schedule_id else "run-job needs a schedule_id (the cached schedule "
-                                           "to run)")
-            placeholder = LocalSchedule.model_validate({
-                "id": "unknown", "name": "unknown", "repo_id": "", "action": "job",
-                "schedule": {"days": ["*"], "hours": ["*"], "minute": "0"},
-                "miss_policy": "skip", "enabled": True, "version": 0})
-            spec = self._spec(placeholder, trigger=trigger, window=None,
-                              key=f"unknown@manual@{run_id}", start=None, reason=message,
-                              now=now, flow_run_id=run_id, run_name=str(run.get("name")))
-            self.jobs.end_without_running(spec, FAILED, message, error=message)
-            return
-        spec = self._spec(row, trigger=trigger, window=None, key=f"{row.id}@manual@{run_id}",
-                          start=None, reason=f"ad hoc run {run.get('name')} from Prefect",
-                          now=now, flow_run_id=run_id)
-        self.start_job(row, spec, [f"ad hoc run {run.get('name')} ({run_id}) taken by the node"])
-
-    def _on_demand(self, run_id: str) -> None:
-        self._claimed.add(run_id)
-        self.reconciler.poke("on demand", run_id=run_id)
-
-    def _cancel(self, run_id: str, message: str) -> bool:
-        return self.jobs.cancel(flow_run_id=run_id, message=message)
-
     # -- the report ---------------------------------------------------------------------
 
     def _report_facts(self, now: datetime) -> dict[str, Any]:
@@ -409,6 +418,7 @@ class Node:
         self.reporter.start()
         self.reconciler.start()
         self.channel.start()
+        self.door.start()
         try:
             self.firing.run(stop)
         finally:
@@ -417,6 +427,7 @@ class Node:
     def shutdown(self) -> None:
         """Stop every part; running jobs go on in their keepers (the next start follows them)."""
         self._stopping.set()
+        self.door.stop()
         self.channel.stop()
         self.reconciler.stop()
         self.jobs.stop()
@@ -444,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = load_settings()
-        api = PrefectApi(api_settings())
+        api = PrefectApi()
     except ConfigError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
         return 2
@@ -457,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"sched-agent: node {settings.node_name} fires its windows from "
-          f"{Path(settings.cache_path)}; records go to {api.settings.shown_url} "
+          f"{Path(settings.cache_path)}; records go to {api.shown_url} "
           "(stop with Ctrl-C or SIGTERM)", flush=True)
     node.run()
     return 0

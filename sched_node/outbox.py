@@ -108,6 +108,9 @@ class JobSpec:
     """The row's own zone (its ``timezone``), empty for the node's: the command's ``TZ``."""
     repo_lock: str | None = None
     """The repository whose fleet-wide lock the job holds (``repo_lock`` rows)."""
+    recorded_by: str = "node"
+    """``node``: the node records the job in Prefect; ``engine``: the flow run that handed it
+    the job records it (:mod:`sched_node.handoff`), the node only if that run goes away."""
 
     def to_json(self) -> dict[str, Any]:
         """Return the spec as ``job.json`` holds it."""

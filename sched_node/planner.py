@@ -2,7 +2,9 @@
 
 The node fires its windows itself (:mod:`sched_node.firing`); these runs are what it
 will do, shown ahead, and the runs its jobs are recorded into (by the same
-idempotency key). Nobody starts them: the node's deployments have no worker.
+idempotency key). Nobody starts them: they wait in the pool's paused queue ``planned``
+(:mod:`sched_node.registration`), which no worker polls; each carries its action's retries
+(its run's retry policy), and its parameters name the schedule only.
 
 1. **Plan.** Every window :func:`sched_core.plan.plan_windows` gives whose run
    starts after now gets a Scheduled run at its start (the window plus the
@@ -29,10 +31,12 @@ import json
 import logging
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sched_core.firing import NodeView
 from sched_core.jsonwire import MAX_DEPTH
@@ -40,8 +44,11 @@ from sched_core.plan import TRIGGER_SCHEDULE, Window, plan_windows, planned_fate
 from sched_core.statefile import locked, read_json_file, write_atomic
 from sched_core.values import format_go_time
 from sched_node.identity import JobRef
-from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, state_body
-from sched_node.registration import RUN_JOB, Deployments
+from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, new_state
+from sched_node.registration import PLANNED_QUEUE, RUN_JOB, Deployments
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRunPolicy
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +99,12 @@ class Planner:
     """The node's planned runs in Prefect (the module's rules) and their record on disk."""
 
     def __init__(self, api: PrefectApi, deployments: Deployments, path: Path, *,
-                 horizon: timedelta, min_windows: int, max_runs: int, now: datetime) -> None:
+                 horizon: timedelta, min_windows: int, max_runs: int, now: datetime,
+                 retries_of: Callable[[str], tuple[int, float]] = lambda action: (0, 0.0)
+                 ) -> None:
         self.api = api
+        self._retries_of = retries_of
+        """An action's retries and their delay (its run's retry policy, shown by Prefect)."""
         self.deployments = deployments
         self.path = path
         self.horizon = horizon
@@ -182,6 +193,12 @@ class Planner:
             self._entries = {}
             self._loaded = False
 
+    def _policy(self, action: str) -> FlowRunPolicy:
+        from prefect.client.schemas.objects import FlowRunPolicy
+
+        retries, delay = self._retries_of(action)
+        return FlowRunPolicy(retries=retries, retry_delay=int(delay) if retries else None)
+
     @staticmethod
     def _ref(node: str, window: Window) -> JobRef:
         return JobRef(node=node, action=window.action, schedule_id=window.schedule_id,
@@ -197,16 +214,21 @@ class Planner:
         ("database is locked") and nothing is created. Retrying is safe: the
         idempotency key turns an entry created after all into the same run.
         """
+        from prefect.client.schemas.actions import DeploymentFlowRunCreate
+        from prefect.states import to_state_create
+
         pending = list(chunk)
         errors: dict[str, str] = {}
         for attempt in range(len(BULK_RETRY_DELAYS) + 1):
             if attempt:
                 time.sleep(BULK_RETRY_DELAYS[attempt - 1])
-            body = [{"name": ref.name(), "parameters": ref.parameters(), "tags": ref.tags(),
-                     "idempotency_key": ref.idempotency_key,
-                     "state": state_body("SCHEDULED", scheduled_time=item.start),
-                     "enforce_parameter_schema": False}
-                    for ref, item in pending]
+            body = [DeploymentFlowRunCreate(
+                name=ref.name(), parameters=ref.parameters(), tags=ref.tags(),
+                idempotency_key=ref.idempotency_key,
+                state=to_state_create(new_state("SCHEDULED", scheduled_time=item.start)),
+                enforce_parameter_schema=False, work_queue_name=PLANNED_QUEUE,
+                empirical_policy=self._policy(item.action))
+                for ref, item in pending]
             results = self.api.create_runs(deployment, body)
             failed: list[tuple[JobRef, Window]] = []
             for (ref, item), result in zip(pending, results, strict=True):
@@ -246,13 +268,23 @@ class Planner:
 
     def _rebuild(self, deployment: str, node: str, *, now: datetime) -> None:
         """Fill a lost record from the server's Scheduled runs of the deployment (rule 3)."""
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterDeploymentId,
+            FlowRunFilterExpectedStartTime,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+
         offset = 0
+        wanted = FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[uuid.UUID(deployment)]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+            expected_start_time=FlowRunFilterExpectedStartTime(after_=now))
         while True:
-            runs = self.api.filter_runs({
-                "flow_runs": {"deployment_id": {"any_": [deployment]},
-                              "state": {"type": {"any_": ["SCHEDULED"]}},
-                              "expected_start_time": {"after_": format_go_time(now)}},
-                "sort": "EXPECTED_START_TIME_ASC", "limit": PAGE, "offset": offset})
+            runs = self.api.filter_runs(wanted, sort="EXPECTED_START_TIME_ASC", limit=PAGE,
+                                        offset=offset)
             for run in runs:
                 self._adopt(run, node)
             if len(runs) < PAGE:
@@ -262,11 +294,18 @@ class Planner:
                  extra={"node": node})
 
     def _adopt(self, run: dict[str, Any], node: str) -> None:
+        """Take a Scheduled run of the node's plan into the record: its window is in its
+        idempotency key (``<node>:<id>@<local time and offset>``, never a parameter)."""
         key = run.get("idempotency_key")
         params = run.get("parameters") or {}
-        window = _time(params.get("window"))
         start = _time(run.get("expected_start_time") or run.get("next_scheduled_start_time"))
-        if (isinstance(key, str) and key.startswith(f"{node}:") and window and start
+        if not (isinstance(key, str) and key.startswith(f"{node}:") and start
                 and isinstance(params.get("schedule_id"), str)):
-            self._entries[key] = PlannedEntry(str(run["id"]), params["schedule_id"], window,
-                                              start)
+            return
+        try:
+            window = datetime.fromisoformat(key.rpartition("@")[2])
+        except ValueError:
+            return
+        if window.tzinfo is not None:
+            self._entries[key] = PlannedEntry(str(run["id"]), params["schedule_id"],
+                                              window.astimezone(UTC), start)

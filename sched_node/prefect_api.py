@@ -1,46 +1,57 @@
-"""The node's one way to the Prefect server: its REST API over one pooled HTTP client.
+"""The node's one way to the Prefect server: Prefect's own client and schemas, with two failures.
 
-Rule: the node never imports Prefect's engine or client. It records what it did
-through the same REST endpoints Prefect's own client calls (flows, deployments,
-flow runs and their states, task runs, logs, artifacts, events), so a warm node
-records a job with a handful of requests and no new process.
+Every request the node sends goes through one ``SyncPrefectClient`` (Prefect's client: its
+auth, TLS, CSRF and headers) and carries Prefect's schemas (``StateCreate`` through
+``prefect.states``, ``LogCreate``, ``ArtifactCreate``, ``DeploymentFlowRunCreate``,
+``Event``, the filters). Where the server is and how to authenticate are Prefect's settings
+(``PREFECT_API_URL``, ``PREFECT_API_AUTH_STRING`` or ``PREFECT_API_KEY``, the TLS ones),
+from the environment or the active profile.
 
 Two kinds of failure, and nothing else (:class:`PrefectUnavailable`,
 :class:`PrefectRefused`):
 
-1. the server cannot be reached or is not answering well: a refused or
-   timed-out connection, a 5xx, a 408 or a 429, or a 401/403 (the node's
-   credentials are not the server's: fixing them is an operator's change, not the
-   record's). The caller keeps what it was sending and tries again later: nothing
-   is lost, only delayed;
-2. the server refused the request itself (any other 4xx): trying again the
-   same way will not help; the caller logs it and moves on.
+1. the server cannot be reached or is not answering well: a refused or timed-out
+   connection, a 5xx, a 408 or a 429, or a 401/403 (the node's credentials are not the
+   server's: fixing them is an operator's change, not the record's). The caller keeps what
+   it was sending and tries again later: nothing is lost, only delayed;
+2. the server refused the request itself (any other 4xx): trying again the same way will
+   not help; the caller logs it and moves on.
 
-Where the server is and how to authenticate are Prefect's own settings, read
-from the environment (``PREFECT_API_URL``, ``PREFECT_API_AUTH_STRING`` or
-``PREFECT_API_KEY``, ``PREFECT_API_TLS_INSECURE_SKIP_VERIFY``,
-``PREFECT_API_SSL_CERT_FILE``), and from Prefect's profile only when the
-environment names no URL.
+Why the client's own retries are off here (``PREFECT_CLIENT_MAX_RETRIES=0`` for the node's
+calls only): a client that connected once retries a lost server for about 68 s with
+back-offs of 2 to 32 s (measured, ``../shared/PREFECT.md``), and the node's recorder,
+planner and control loop each have their own back-off and must not sit in one request for a
+minute. A server too busy to do anything (429, 503: SQLite's "database is locked") is asked
+again at once, a few times (:data:`BUSY_RETRY_DELAYS`), as the client would.
+
+Reads answer the JSON form of Prefect's objects (``model_dump(mode="json")``), as the
+node's files keep them.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
-import ssl
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
 from sched_core import ConfigError, SchedError
-from sched_core.values import format_go_time
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import ArtifactCreate, DeploymentFlowRunCreate, LogCreate
+    from prefect.client.schemas.filters import FlowRunFilter, LogFilter
+    from prefect.client.schemas.objects import State
+    from prefect.events import Event
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TIMEOUT_S = 10.0
 """The longest one request may take (connect, send, answer) before it counts as unreachable."""
@@ -48,10 +59,11 @@ RETRYABLE = frozenset({408, 425, 429, 500, 502, 503, 504})
 """Answers that mean "not now": the same request may succeed later."""
 BUSY = frozenset({429, 503})
 """Answers of a server too busy to do anything (a SQLite server's "database is locked" is a
-503): asked again at once, a few times, as Prefect's own client does."""
+503): asked again at once, a few times."""
 BUSY_RETRY_DELAYS = (0.1, 0.3, 1.0)
 PAGE = 200
 """Runs per page when filtering (the server's default and maximum)."""
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
 
 
 class PrefectUnavailable(SchedError, ConnectionError):
@@ -66,304 +78,358 @@ class PrefectRefused(SchedError, ValueError):
         self.status = status
 
 
-@dataclass(frozen=True)
-class ApiSettings:
-    """Where the Prefect API is and how to reach it."""
+def _profile_url() -> str:
+    """Return the API URL of Prefect's active profile ("" when none; imports its settings)."""
+    from prefect.settings import get_current_settings
 
-    url: str
-    auth_string: str | None = None
-    api_key: str | None = None
-    insecure: bool = False
-    cert_file: str | None = None
-    extra_headers: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def shown_url(self) -> str:
-        """Return the URL without any ``user:password@`` part (for logs and errors)."""
-        parts = httpx.URL(self.url)
-        return str(parts.copy_with(username=None, password=None)) if parts.userinfo else self.url
-
-    def headers(self) -> dict[str, str]:
-        """Return the authentication headers Prefect's client would send."""
-        headers = dict(self.extra_headers)
-        if self.auth_string:
-            token = base64.b64encode(self.auth_string.encode("utf-8")).decode("ascii")
-            headers["Authorization"] = f"Basic {token}"
-        elif self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def verify(self) -> ssl.SSLContext | bool:
-        """Return the TLS verification Prefect's client would use."""
-        if self.insecure:
-            ctx = ssl.create_default_context()
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-            return ctx
-        if self.cert_file:
-            return ssl.create_default_context(cafile=self.cert_file)
-        return True
+    url = get_current_settings().api.url
+    return str(url) if url else ""
 
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-def api_settings(environ: Mapping[str, str] | None = None) -> ApiSettings:
-    """Return the Prefect API settings from the environment (else Prefect's profile).
-
-    Raises ConfigError when no URL is configured: without one Prefect's own client
-    would start a temporary server whose records vanish with it.
-    """
-    env = os.environ if environ is None else environ
-    url = env.get("PREFECT_API_URL", "")
-    values: dict[str, Any] = {
-        "auth_string": env.get("PREFECT_API_AUTH_STRING") or None,
-        "api_key": env.get("PREFECT_API_KEY") or None,
-        "insecure": env.get("PREFECT_API_TLS_INSECURE_SKIP_VERIFY", "").lower() in _TRUE,
-        "cert_file": env.get("PREFECT_API_SSL_CERT_FILE") or None,
-    }
-    if not url and environ is None:
-        url, values = _profile_settings(values)
-    if not url:
-        raise ConfigError(
-            "no Prefect API: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api); the node "
-            "records every job there, and fires its windows whether it answers or not"
-        )
-    return ApiSettings(url=url.rstrip("/"), **values)
-
-
-def _profile_settings(values: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Return the URL and auth of Prefect's active profile (imports Prefect's settings once)."""
-    try:
-        from prefect.settings import (
-            PREFECT_API_AUTH_STRING,
-            PREFECT_API_KEY,
-            PREFECT_API_SSL_CERT_FILE,
-            PREFECT_API_TLS_INSECURE_SKIP_VERIFY,
-            PREFECT_API_URL,
-        )
-    except Exception:  # no Prefect installed: the environment is all there is
-        return "", values
-    auth = PREFECT_API_AUTH_STRING.value()
-    key = PREFECT_API_KEY.value()
-    return str(PREFECT_API_URL.value() or ""), {
-        "auth_string": values["auth_string"] or (auth.get_secret_value() if auth else None),
-        "api_key": values["api_key"] or (key.get_secret_value() if key else None),
-        "insecure": values["insecure"] or bool(PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value()),
-        "cert_file": values["cert_file"] or PREFECT_API_SSL_CERT_FILE.value() or None,
-    }
-
-
-def state_body(
-    state_type: str,
-    *,
-    name: str | None = None,
-    message: str | None = None,
-    scheduled_time: datetime | None = None,
-) -> dict[str, Any]:
-    """Return a state as the API takes it (``{"type": "RUNNING", "name": ..., ...}``)."""
-    body: dict[str, Any] = {"type": state_type}
-    if name:
-        body["name"] = name
-    if message:
-        body["message"] = message[:5000]
-    if scheduled_time is not None:
-        body["state_details"] = {"scheduled_time": format_go_time(scheduled_time)}
-    return body
+def shown(url: str) -> str:
+    """Return a URL without any ``user:password@`` part (for logs and errors)."""
+    parts = httpx.URL(url)
+    return str(parts.copy_with(username=None, password=None)) if parts.userinfo else url
 
 
 class PrefectApi:
-    """The REST endpoints the node calls, over one pooled ``httpx.Client`` (injectable).
+    """Prefect's client for the node (the module's rules).
 
-    Every method raises :class:`PrefectUnavailable` or :class:`PrefectRefused`
-    (the module's two kinds of failure), never an httpx error.
+    ``url`` (else ``PREFECT_API_URL``), ``auth_string`` and ``api_key`` (else Prefect's
+    settings); ``httpx_settings`` go to the client (tests add event hooks). Every method
+    raises :class:`PrefectUnavailable` or :class:`PrefectRefused`, never an httpx error.
     """
 
-    def __init__(self, settings: ApiSettings, *, client: httpx.Client | None = None) -> None:
-        self.settings = settings
-        self._own = client is None
-        self._client = client or httpx.Client(
-            base_url=settings.url,
-            headers={"User-Agent": "sched-agent", **settings.headers()},
-            verify=settings.verify(),
-            timeout=TIMEOUT_S,
-            # Idle connections are kept a while so a burst (one job's records)
-            # reuses one; the node holds none while idle.
-            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2,
-                                keepalive_expiry=30.0),
-        )
+    def __init__(self, url: str | None = None, *, auth_string: str | None = None,
+                 api_key: str | None = None,
+                 httpx_settings: Mapping[str, Any] | None = None) -> None:
+        # Prefect is imported (about 1.5 s) by the first request, in the thread that sends it,
+        # not here: a node that restarts fires its due windows before that (docs/agent.md).
+        # Only a URL missing from the environment is looked up in Prefect's profile at once.
+        url = url or os.environ.get("PREFECT_API_URL") or _profile_url()
+        if not url:
+            raise ConfigError(
+                "no Prefect API: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api); the node "
+                "records every job there, and fires its windows whether it answers or not")
+        self.url = url.rstrip("/")
+        self.shown_url = shown(self.url)
         self.requests = 0
         """Requests sent (for the node's log and the benchmarks)."""
         self.busy = 0
         """Answers of a server too busy to do anything (429, 503), each asked again."""
+        self._auth = (auth_string, api_key)
+        self._httpx_settings = dict(httpx_settings or {})
+        self._hooks: list[Callable[[httpx.Request], None]] = []
+        self._made: SyncPrefectClient | None = None
+        self._making = threading.Lock()
+        self._settings: Any = None
+        self._profile: Any = None
+        self._closed = False
+
+    def _make(self) -> SyncPrefectClient:
+        """Build Prefect's client and the settings its calls run in (once)."""
+        with self._making:
+            if self._made is not None:
+                return self._made
+            if self._closed:
+                raise PrefectUnavailable("the node's Prefect client is closed")
+            from prefect.client.orchestration import SyncPrefectClient
+            from prefect.context import get_settings_context
+            from prefect.settings import (
+                PREFECT_API_AUTH_STRING,
+                PREFECT_API_KEY,
+                PREFECT_API_URL,
+                PREFECT_CLIENT_MAX_RETRIES,
+                get_current_settings,
+            )
+
+            current = get_current_settings()
+            auth_string, api_key = self._auth
+            if auth_string is None and api_key is None:
+                auth, key = current.api.auth_string, current.api.key
+                auth_string = auth.get_secret_value() if auth else None
+                api_key = key.get_secret_value() if key else None
+            given = self._httpx_settings
+            hooks = dict(given.get("event_hooks") or {})
+            hooks["request"] = [*hooks.get("request", []), self._counted, *self._hooks]
+            settings = {
+                "timeout": TIMEOUT_S,
+                # Idle connections are kept a while so a burst (one job's records) reuses one;
+                # the node holds none while idle.
+                "limits": httpx.Limits(max_connections=4, max_keepalive_connections=2,
+                                       keepalive_expiry=30.0),
+                "headers": {"User-Agent": "sched-agent"},
+                **given, "event_hooks": hooks}
+            # Prefect's helpers called in this context reach this server, without retries.
+            updates: dict[Any, Any] = {PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_URL: self.url}
+            if auth_string:
+                updates[PREFECT_API_AUTH_STRING] = auth_string
+            if api_key:
+                updates[PREFECT_API_KEY] = api_key
+            self._settings = current.copy_with_update(updates=updates)
+            self._profile = get_settings_context().profile
+            with self._context():
+                client = SyncPrefectClient(self.url, auth_string=auth_string, api_key=api_key,
+                                           httpx_settings=settings)
+                client.__enter__()
+            self._made = client
+            return client
+
+    def _counted(self, request: httpx.Request) -> None:
+        self.requests += 1
+
+    def watch(self, hook: Callable[[httpx.Request], None]) -> None:
+        """Call hook with every request sent from now on (tests and benchmarks count them)."""
+        with self._making:
+            if self._made is None:
+                self._hooks.append(hook)
+                return
+        self._made._client.event_hooks["request"].append(hook)
+
+    def _context(self) -> Any:
+        from prefect.context import SettingsContext
+
+        return SettingsContext(profile=self._profile, settings=self._settings)
 
     def close(self) -> None:
-        """Close the HTTP client if it is this object's own."""
-        if self._own:
-            self._client.close()
+        """Close the client (if it was made)."""
+        with self._making:
+            self._closed = True
+            made, self._made = self._made, None
+        if made is not None:
+            made.__exit__(None, None, None)
 
-    def _call(self, method: str, path: str, *, json: Any = None,
-              params: Mapping[str, Any] | None = None) -> httpx.Response:
+    @property
+    def client(self) -> SyncPrefectClient:
+        """Prefect's client itself (call it through :meth:`call`)."""
+        return self._make()
+
+    def call(self, work: Callable[[SyncPrefectClient], T], what: str) -> T:
+        """Run work with the client, busy answers asked again; the module's two failures."""
+        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+        client = self._make()
         for delay in (*BUSY_RETRY_DELAYS, None):
-            self.requests += 1
             try:
-                response = self._client.request(method, path, json=json, params=params)
+                with self._context():
+                    return work(client)
+            except ObjectNotFound as exc:
+                raise PrefectRefused(f"the Prefect API at {self.shown_url} has no such object: "
+                                     f"{what} ({exc})", 404) from None
+            except httpx.HTTPStatusError as exc:
+                status = exc.response.status_code
+                if status in BUSY and delay is not None:
+                    self.busy += 1
+                    time.sleep(delay)  # the server was busy and did nothing: ask again
+                    continue
+                raise self._failure(status, what, exc.response.text) from None
             except httpx.HTTPError as exc:
                 raise PrefectUnavailable(
-                    f"cannot reach the Prefect API at {self.settings.shown_url} "
+                    f"cannot reach the Prefect API at {self.shown_url} "
                     f"({type(exc).__name__}: {exc})") from None
-            if response.status_code not in BUSY:
-                break
-            self.busy += 1
-            if delay is None:
-                break
-            time.sleep(delay)  # the server was busy and did nothing: ask again
-        if response.status_code in (401, 403):
-            raise PrefectUnavailable(
-                f"the Prefect API at {self.settings.shown_url} refused the node's credentials "
-                f"({response.status_code}) to {method} {path}: set PREFECT_API_AUTH_STRING "
-                "(or PREFECT_API_KEY) to the server's; the node keeps its records until then")
-        if response.status_code in RETRYABLE:
-            raise PrefectUnavailable(
-                f"the Prefect API at {self.settings.shown_url} answered "
-                f"{response.status_code} to {method} {path}: {response.text[:200]}")
-        if response.status_code >= 400:
-            raise PrefectRefused(
-                f"the Prefect API at {self.settings.shown_url} refused {method} {path} "
-                f"({response.status_code}): {response.text[:500]}", response.status_code)
-        return response
+            except PrefectHTTPStatusError as exc:  # pragma: no cover (an httpx error too)
+                raise self._failure(exc.response.status_code, what, exc.response.text) from None
+        raise AssertionError("unreachable")
 
-    def call(self, method: str, path: str, *, json: Any = None) -> httpx.Response:
-        """Send any request of the API (the module's two failures apply)."""
-        return self._call(method, path, json=json)
+    def _failure(self, status: int, what: str, text: str) -> SchedError:
+        if status in (401, 403):
+            return PrefectUnavailable(
+                f"the Prefect API at {self.shown_url} refused the node's credentials "
+                f"({status}) to {what}: set PREFECT_API_AUTH_STRING (or PREFECT_API_KEY) to "
+                "the server's; the node keeps its records until then")
+        if status in RETRYABLE:
+            return PrefectUnavailable(
+                f"the Prefect API at {self.shown_url} answered {status} to {what}: {text[:200]}")
+        return PrefectRefused(f"the Prefect API at {self.shown_url} refused {what} ({status}): "
+                              f"{text[:500]}", status)
 
-    # -- flows and deployments -------------------------------------------------------
+    def _json(self, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise PrefectUnavailable(f"the Prefect API at {self.shown_url} answered something "
+                                     f"that is not JSON: {response.text[:200]}") from None
+
+    # -- the server ------------------------------------------------------------------
 
     def health(self) -> bool:
         """Return whether the server answers its health check (never raises)."""
         try:
-            return self._call("GET", "/health").status_code == 200
+            return self.call(lambda c: c.api_healthcheck() is None, "GET /health")
         except SchedError:
             return False
 
-    def ensure_flow(self, name: str) -> str:
-        """Return the id of the flow called name, creating it if needed."""
-        return str(self._call("POST", "/flows/", json={"name": name}).json()["id"])
+    # -- deployments and runs --------------------------------------------------------
 
-    def ensure_deployment(self, flow_id: str, name: str, **fields: Any) -> str:
-        """Create or update the deployment name of flow_id; return its id."""
-        body = {"name": name, "flow_id": flow_id, **fields}
-        return str(self._call("POST", "/deployments/", json=body).json()["id"])
-
-    def _found(self, path: str) -> dict[str, Any] | None:
-        """GET an object; None when the server has none (404)."""
+    def deployment_by_name(self, flow: str, name: str) -> dict[str, Any] | None:
+        """Return the deployment ``flow/name``, or None when there is none."""
         try:
-            data: dict[str, Any] = self._call("GET", path).json()
+            found = self.call(lambda c: c.read_deployment_by_name(f"{flow}/{name}"),
+                              f"read deployment {flow}/{name}")
         except PrefectRefused as exc:
             if exc.status == 404:
                 return None
             raise
-        return data
+        return dict(found.model_dump(mode="json"))
 
-    def deployment_by_name(self, flow: str, name: str) -> dict[str, Any] | None:
-        """Return the deployment ``flow/name``, or None when there is none."""
-        return self._found(f"/deployments/name/{flow}/{name}")
+    def read_deployments(self, ids: Iterable[str]) -> list[dict[str, Any]]:
+        """Return the deployments with these ids that exist."""
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
-    # -- flow runs -------------------------------------------------------------------
+        wanted = [uuid.UUID(item) for item in ids]
+        found = self.call(lambda c: c.read_deployments(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=wanted)),
+            limit=len(wanted)), "read the node's deployments")
+        return [item.model_dump(mode="json") for item in found]
 
     def create_runs(self, deployment_id: str,
-                    runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+                    runs: Sequence[DeploymentFlowRunCreate]) -> list[dict[str, Any]]:
         """Create up to 100 runs of a deployment at once; return the server's result per run.
 
         A run whose idempotency key exists comes back as that run (Prefect's rule).
         """
-        response = self._call("POST", f"/deployments/{deployment_id}/create_flow_run/bulk",
-                              json=[dict(run) for run in runs])
-        results: list[dict[str, Any]] = response.json()["results"]
+        # The client has no method for the bulk route (Prefect 3.9.1): its own schema, its
+        # own HTTP client.
+        body = [run.model_dump(mode="json", exclude_unset=True) for run in runs]
+        response = self.call(lambda c: c.request(
+            "POST", "/deployments/{id}/create_flow_run/bulk",  # type: ignore[arg-type]
+            path_params={"id": deployment_id}, json=body), "create planned runs")
+        results: list[dict[str, Any]] = self._json(response)["results"]
         return results
 
-    def create_run(self, deployment_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    def create_run(self, deployment_id: str, run: DeploymentFlowRunCreate) -> dict[str, Any]:
         """Create one run of a deployment (or get the run with its idempotency key)."""
-        data: dict[str, Any] = self._call(
-            "POST", f"/deployments/{deployment_id}/create_flow_run", json=dict(body)).json()
+        body = run.model_dump(mode="json", exclude_unset=True)
+        response = self.call(lambda c: c.request(
+            "POST", "/deployments/{id}/create_flow_run",
+            path_params={"id": deployment_id}, json=body), "create a run")
+        data: dict[str, Any] = self._json(response)
         return data
 
     def read_run(self, run_id: str) -> dict[str, Any] | None:
         """Return a flow run, or None when it does not exist."""
-        return self._found(f"/flow_runs/{run_id}")
+        try:
+            found = self.call(lambda c: c.read_flow_run(uuid.UUID(run_id)),
+                              f"read flow run {run_id}")
+        except PrefectRefused as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(found.model_dump(mode="json"))
+
+    def run_states(self, run_id: str) -> list[dict[str, Any]]:
+        """Return a flow run's states, oldest first."""
+        found = self.call(lambda c: c.read_flow_run_states(uuid.UUID(run_id)),
+                          f"read the states of flow run {run_id}")
+        return sorted((item.model_dump(mode="json") for item in found),
+                      key=lambda item: str(item.get("timestamp")))
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        """Change a flow run's fields (``infrastructure_pid``, ``name``, ``tags``, ...)."""
-        self._call("PATCH", f"/flow_runs/{run_id}", json=fields)
+        """Change a flow run's fields (``name``, ``tags``, ``empirical_policy``, ...)."""
+        self.call(lambda c: c.update_flow_run(uuid.UUID(run_id), **fields),
+                  f"update flow run {run_id}")
 
-    def set_state(self, run_id: str, state: Mapping[str, Any], *, force: bool) -> str:
+    def set_state(self, run_id: str, state: State[Any], *, force: bool) -> str:
         """Propose (or with force, set) a flow run's state; return ACCEPT, REJECT, WAIT or ABORT."""
-        data = self._call("POST", f"/flow_runs/{run_id}/set_state",
-                          json={"state": dict(state), "force": force}).json()
-        return str(data.get("status", ""))
-
-    def set_state_where(self, flow_runs: Mapping[str, Any], state: Mapping[str, Any], *,
-                        force: bool, limit: int = 1) -> list[dict[str, Any]]:
-        """Set the state of the flow runs a filter selects (at most limit), in one request.
-
-        Returns the server's result per run it found (``flow_run_id``, ``status``,
-        ``state``): none when the filter matches no run.
-        """
-        data = self._call("POST", "/flow_runs/bulk_set_state",
-                          json={"flow_runs": dict(flow_runs), "state": dict(state),
-                                "force": force, "limit": limit}).json()
-        results: list[dict[str, Any]] = data.get("results") or []
-        return results
+        result = self.call(lambda c: c.set_flow_run_state(run_id, state, force=force),
+                           f"set the state of flow run {run_id}")
+        return str(result.status.value)
 
     def delete_run(self, run_id: str) -> bool:
         """Delete a flow run; return False when it was already gone."""
         try:
-            self._call("DELETE", f"/flow_runs/{run_id}")
+            self.call(lambda c: c.delete_flow_run(uuid.UUID(run_id)), f"delete flow run {run_id}")
         except PrefectRefused as exc:
             if exc.status == 404:
                 return False
             raise
         return True
 
-    def filter_runs(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Return the flow runs a filter body selects (one page: pass ``limit``/``offset``)."""
-        data: list[dict[str, Any]] = self._call("POST", "/flow_runs/filter", json=dict(body)).json()
-        return data
+    def filter_runs(self, flow_runs: FlowRunFilter, *, sort: str | None = None,
+                    limit: int = PAGE, offset: int = 0) -> list[dict[str, Any]]:
+        """Return one page of the flow runs a filter selects."""
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        order = FlowRunSort(sort) if sort else None
+        found = self.call(lambda c: c.read_flow_runs(flow_run_filter=flow_runs, sort=order,
+                                                     limit=limit, offset=offset),
+                          "read flow runs")
+        return [item.model_dump(mode="json") for item in found]
 
     # -- task runs -------------------------------------------------------------------
 
-    def create_task_run(self, body: Mapping[str, Any]) -> str:
-        """Create a task run (or get it by flow run, task key and dynamic key); return its id."""
-        return str(self._call("POST", "/task_runs/", json=dict(body)).json()["id"])
+    def create_task_run(self, task: Any, *, flow_run_id: str, dynamic_key: str, name: str,
+                        state: State[Any]) -> str:
+        """Create a task run of task (a flow's ``@task``) in its first state; return its id.
 
-    def set_task_state(self, task_run_id: str, state: Mapping[str, Any]) -> str:
+        Created by flow run, task key and dynamic key: a create sent twice gives the same
+        task run.
+        """
+        found = self.call(lambda c: c.create_task_run(
+            task, uuid.UUID(flow_run_id), dynamic_key, name=name, state=state),
+            "create a task run")
+        return str(found.id)
+
+    def set_task_state(self, task_run_id: str, state: State[Any]) -> str:
         """Set a task run's state (forced: the node is the only one that runs it)."""
-        data = self._call("POST", f"/task_runs/{task_run_id}/set_state",
-                          json={"state": dict(state), "force": True}).json()
-        return str(data.get("status", ""))
+        result = self.call(lambda c: c.set_task_run_state(uuid.UUID(task_run_id), state,
+                                                          force=True),
+                           f"set the state of task run {task_run_id}")
+        return str(result.status.value)
 
     # -- logs, artifacts, events -----------------------------------------------------
 
-    def send_logs(self, logs: Sequence[Mapping[str, Any]]) -> None:
+    def send_logs(self, logs: Sequence[LogCreate]) -> None:
         """Send log records (each with its own timestamp, flow run and task run)."""
         if logs:
-            self._call("POST", "/logs/", json=[dict(item) for item in logs])
+            self.call(lambda c: c.create_logs(logs), "send logs")
 
-    def filter_logs(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Return the log records a filter body selects."""
-        data: list[dict[str, Any]] = self._call("POST", "/logs/filter", json=dict(body)).json()
-        return data
+    def filter_logs(self, logs: LogFilter, *, limit: int = PAGE,
+                    ascending: bool = True) -> list[dict[str, Any]]:
+        """Return the log records a filter selects (oldest first unless told otherwise)."""
+        from prefect.client.schemas.sorting import LogSort
 
-    def create_artifact(self, body: Mapping[str, Any]) -> str:
+        sort = LogSort.TIMESTAMP_ASC if ascending else LogSort.TIMESTAMP_DESC
+        found = self.call(lambda c: c.read_logs(log_filter=logs, limit=limit, sort=sort),
+                          "read logs")
+        return [item.model_dump(mode="json") for item in found]
+
+    def create_artifact(self, artifact: ArtifactCreate) -> str:
         """Create an artifact; return its id."""
-        return str(self._call("POST", "/artifacts/", json=dict(body)).json()["id"])
+        return str(self.call(lambda c: c.create_artifact(artifact), "create an artifact").id)
 
-    def filter_artifacts(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Return the artifacts a filter body selects."""
-        data: list[dict[str, Any]] = self._call("POST", "/artifacts/filter", json=dict(body)).json()
-        return data
+    def run_artifacts(self, run_id: str) -> list[dict[str, Any]]:
+        """Return the artifacts of a flow run."""
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    def emit_events(self, events: Sequence[Mapping[str, Any]]) -> None:
-        """Send events (each with its own id and ``occurred``); the server keeps one per id."""
+        found = self.call(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[uuid.UUID(run_id)]))),
+            f"read the artifacts of flow run {run_id}")
+        return [item.model_dump(mode="json") for item in found]
+
+    def emit_events(self, events: Sequence[Event | Mapping[str, Any]]) -> None:
+        """Send events (each with its own id and ``occurred``); the server keeps one per id.
+
+        An event kept as JSON (the outbox's) is read as Prefect's ``Event`` first: one that
+        is not one is a ValueError, naming what is wrong, and nothing is sent.
+        """
+        from prefect.events import Event
+
+        # The client has no method to post events (Prefect 3.9.1; its engine streams them over
+        # a websocket the node would hold open): the route of its own events client, its schema.
         if events:
-            self._call("POST", "/events", json=[dict(item) for item in events])
+            body = [(event if isinstance(event, Event) else Event.model_validate(event))
+                    .model_dump(mode="json") for event in events]
+            self.call(lambda c: c.request("POST", "/events", json=body), "send events")
+
+
+def new_state(kind: str, *, name: str | None = None, message: str | None = None,
+              scheduled_time: Any = None) -> State[Any]:
+    """Return a state to send: its type (``RUNNING``), name, message and scheduled time."""
+    from prefect.client.schemas.objects import State, StateDetails, StateType
+
+    details = StateDetails(scheduled_time=scheduled_time) if scheduled_time else StateDetails()
+    found: State[Any] = State(type=StateType(kind), name=name,
+                              message=message[:5000] if message else None,
+                              state_details=details)
+    return found

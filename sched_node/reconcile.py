@@ -55,6 +55,8 @@ FIRST_SPREAD = 0.5
 """The first periodic reconcile comes between (1 - this) and 1 interval after the start."""
 PLAN_RETRY_S = 30.0
 """How soon a plan the Prefect server could not take is tried again."""
+ENGINE_WAIT_S = 120.0
+"""The longest a flow run's ask to reconcile waits for the reconcile to end."""
 ANNOUNCED_GAP_S = 1.0
 """Reconciles that change announcements start (an event, the long poll, the pull file) begin
 at least this far apart: the first at once, what a burst announces after it in one more."""
@@ -75,6 +77,7 @@ class Reconciler:
         self.recorded = 0
         self.plan_pending = False
         """True while the last plan could not reach Prefect (planned again every PLAN_RETRY_S)."""
+        self._waiters: list[tuple[threading.Event, dict[str, Any]]] = []
 
     def start(self) -> Reconciler:
         """Start the thread (once), and reconcile at once."""
@@ -87,6 +90,20 @@ class Reconciler:
         with self._lock:
             self._reasons.append((reason, run_id))
         self._worker.wake()
+
+    def run_now(self, run_id: str | None, timeout: float = ENGINE_WAIT_S) -> dict[str, Any]:
+        """Reconcile now for a flow run Prefect's engine runs (it records the run); return
+        what the reconcile found once it ended (its summary and artifact)."""
+        done: threading.Event = threading.Event()
+        found: dict[str, Any] = {}
+        with self._lock:
+            self._waiters.append((done, found))
+            self._reasons.append((f"asked by flow run {run_id or 'of a flow'}", None))
+        self._worker.wake()
+        if not done.wait(timeout):
+            return {"ok": False, "node": self.n.node,
+                    "summary": f"the reconcile did not end within {timeout:g} s"}
+        return found
 
     def stop(self) -> None:
         """Stop the thread after the reconcile in progress."""
@@ -132,7 +149,7 @@ class Reconciler:
         now = self.n._clock()
         try:
             report = self.n.planner.plan(self.n.view(now), now=now)
-            self.n.control.check()
+            self.n.control.look()
         except PrefectUnavailable:
             return
         self.plan_pending = bool(report.failed)
@@ -144,13 +161,20 @@ class Reconciler:
         """Pull, plan and record what changed (the module's Reconciler); then the node reports
         (the reporter told at the start, so a heartbeat report due meanwhile waits for it)."""
         self.n.reporter.expect()
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        found: dict[str, Any] = {"ok": False, "node": self.n.node,
+                                 "summary": "the reconcile failed (the node's log says why)"}
         try:
-            self._reconcile(reasons)
+            found = self._reconcile(reasons)
         finally:
             self.finished += 1
             self.n.reporter.poke()
+            for done, answer in waiters:
+                answer.update(found)
+                done.set()
 
-    def _reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
+    def _reconcile(self, reasons: list[tuple[str, str | None]]) -> dict[str, Any]:
         n = self.n
         self.runs += 1
         now = n._clock()
@@ -168,7 +192,7 @@ class Reconciler:
                 n.planner.rebase()
             report = n.planner.plan(view, now=now)
             if not (start and n.channel.takes_start_check()):
-                n.control.check()
+                n.control.look()
             self.plan_pending = bool(report.failed)
         except PrefectUnavailable as exc:
             plan_error = str(exc)
@@ -181,14 +205,16 @@ class Reconciler:
                      if report.failed else "", extra={"node": n.node})
         changed = result is not None and (result.changed_anything or bool(result.rejected))
         on_demand = [run_id for _, run_id in reasons if run_id]
+        summary, markdown = self._summary(now, result, error, report, plan_error, reasons)
         if changed or on_demand or error or (report and (report.deleted or report.moved)):
-            self._record(now, result, error, report, plan_error, on_demand, reasons)
+            self._record(now, result, error, summary, markdown, on_demand, reasons)
         elif start:
             # A restart that changed nothing records nothing (module text): 6 requests and 3
             # state changes per node, 10,000 of them in a fleet-wide restart, for a run that
             # said "nothing changed". The restart shows in the node's log (this line).
             log.info("the start's reconcile changed nothing (list as cached, plan as "
                      "recorded): no reconcile run recorded", extra={"node": n.node})
+        return {"ok": error is None, "node": n.node, "summary": summary, "markdown": markdown}
 
     def _pull(self, now: datetime) -> tuple[Any, str | None]:
         settings = self.n.settings
@@ -204,20 +230,30 @@ class Reconciler:
                 error = str(exc)
         return None, error
 
-    def _record(self, now: datetime, result: Any, error: str | None,
-                report: PlanReport | None, plan_error: str | None, on_demand: list[str],
-                reasons: list[tuple[str, str | None]]) -> None:
+    def _summary(self, now: datetime, result: Any, error: str | None,
+                 report: PlanReport | None, plan_error: str | None,
+                 reasons: list[tuple[str, str | None]]) -> tuple[str, str]:
+        """Return a reconcile's one-line summary and its artifact's markdown."""
         n = self.n
-        settings = n.settings
         cache = n.scheduler.cache()
         names = {row.id: row.name for row in cache.schedules}
         markdown = "\n".join([
             f"### Reconcile on {n.node} at {utc_text(now)}", "",
             f"why: {', '.join(reason for reason, _ in reasons)}", "",
             *pull_lines(result, error, names),
-            *plan_lines(report, cache.schedules, now=now, tz=settings.tz, node=n.node,
+            *plan_lines(report, cache.schedules, now=now, tz=n.settings.tz, node=n.node,
                         last_fired=cache.last_fired_at, plan_error=plan_error),
         ])
+        summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
+                   + (f"{report.planned} windows, {len(report.created)} created, "
+                      f"{len(report.deleted)} deleted" if report else f"not updated "
+                                                                       f"({plan_error})"))
+        return summary, markdown
+
+    def _record(self, now: datetime, result: Any, error: str | None, summary: str,
+                markdown: str, on_demand: list[str],
+                reasons: list[tuple[str, str | None]]) -> None:
+        n = self.n
         runs: list[str | None] = [*on_demand] or [None]
         for run_id in runs:
             stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
@@ -235,10 +271,6 @@ class Reconciler:
             if result is not None and (result.changed_anything or result.rejected):
                 events.append(_changed_event(n.node, result, now))
             folder.write_json("events.json", {"events": events})
-            summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
-                       + (f"{report.planned} windows, {len(report.created)} created, "
-                          f"{len(report.deleted)} deleted" if report else f"not updated "
-                                                                           f"({plan_error})"))
             folder.log(now, summary)
             folder.append({"e": "end", "at": utc_text(now),
                            "state": FAILED if error else COMPLETED, "message": summary,

@@ -1,11 +1,20 @@
-"""The record steps of one job, each done once (steps 1-4 of :mod:`sched_node.recorder`).
+"""The record steps of one job, each done once (the steps of :mod:`sched_node.recorder`).
 
-Each step is noted in the job's ``record.json`` when it is done, and as ``inflight``
-just before it is sent; a step found in flight after a restart is checked against
-the server before it is sent again. The node's lines and every try's output go
-together as the run's logs, in requests of at most :data:`LOG_BATCH` lines (each
-file read :data:`LOG_BATCH_BYTES` at a time). The command's task run is created in
-its first state (Running), one request.
+A job's record has the shape of a run of its flow (``flows/run_job.py``) as Prefect's engine
+would leave it, written through Prefect's client and schemas:
+
+- the flow run's states: Running at the first try's start; for each try that failed and is
+  tried again, AwaitingRetry (scheduled at the retry) then Running named Retrying, so the
+  run's ``run_count`` is its number of tries; at the end its final state;
+- one ``run-command`` task run per try (the flow's own task), Running at the try's start,
+  Completed or Failed at its end;
+- the node's lines and every try's output as the run's logs, each with the time it was
+  written, in requests of at most :data:`LOG_BATCH` lines;
+- the artifact, and one ``sched.job.*`` event whose ``occurred`` is the real end.
+
+Each step is noted in the job's ``record.json`` when it is done, and as ``inflight`` just
+before it is sent; a step found in flight after a restart is checked against the server
+before it is sent again.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from sched_node.outbox import (
@@ -24,13 +34,16 @@ from sched_node.outbox import (
     SKIPPED,
     JobFolder,
     JobView,
+    parse_time,
     utc_text,
 )
-from sched_node.prefect_api import PrefectRefused, state_body
+from sched_node.prefect_api import TERMINAL, PrefectRefused, new_state
 from sched_node.records import job_event, job_markdown
-from sched_node.registration import RECONCILE, RUN_JOB
+from sched_node.registration import PLANNED_QUEUE
 
 if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
+
     from sched_node.recorder import Recorder
 
 log = logging.getLogger("sched_node.recorder")
@@ -39,7 +52,7 @@ LOG_BATCH = 500
 """Log lines per request (all the job's files together)."""
 LOG_BATCH_BYTES = 1 << 20
 """The most of a log file read at once; a request stops taking files past it."""
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
+
 
 def read_lines(folder: JobFolder, name: str, start: int,
                limit: int = LOG_BATCH) -> tuple[list[dict[str, Any]], int]:
@@ -69,8 +82,20 @@ def read_lines(folder: JobFolder, name: str, start: int,
     return found, end
 
 
+def sent_states(found: list[dict[str, Any]], wanted: list[State[Any]]) -> int:
+    """Return how many of the wanted states (in order) the run's states read back end with:
+    the most m such that the last m states on the server are the first m wanted (type and
+    name). A kill in mid-request leaves m at the count sent before, or one more."""
+    server = [(item.get("type"), item.get("name")) for item in found]
+    ours = [(state.type.value, state.name) for state in wanted]
+    for m in range(min(len(server), len(ours)), 0, -1):
+        if server[-m:] == ours[:m]:
+            return m
+    return 0
+
+
 class Steps:
-    """The record steps of one job, each done once (the module's steps 1-4)."""
+    """The record steps of one job (the module's shape), each done once."""
 
     def __init__(self, recorder: Recorder, folder: JobFolder, view: JobView,
                  progress: dict[str, Any]) -> None:
@@ -80,6 +105,23 @@ class Steps:
         self.view = view
         self.spec = view.spec
         self.p = progress
+        self._upgrade()
+
+    def _upgrade(self) -> None:
+        """Read the progress an older node noted (``running``, ``final``, one ``task_run_id``
+        for every try) as this one notes it, so a job it began is finished, nothing twice."""
+        if "flow_states" in self.p or not ({"running", "final", "task_run_id"} & set(self.p)):
+            return
+        if self.p.get("running"):
+            self.p["flow_states"] = 1
+        if self.p.get("task_run_id") and "task_runs" not in self.p:
+            self.p["task_runs"] = {"1": {"id": self.p["task_run_id"]}}
+        if self.p.get("final"):
+            self.p["flow_states"] = len(self._flow_states())
+        if self.p.get("inflight") in ("running", "final"):
+            self.p["inflight"] = f"flow_state:{self.p.get('flow_states', 0)}"
+        self.p.setdefault("flow_states", 0)
+        self._save()
 
     def _save(self) -> None:
         self.folder.write_json("record.json", self.p)
@@ -102,72 +144,114 @@ class Steps:
         return run_id
 
     def _deployment(self) -> str:
-        flow = RECONCILE if self.spec.kind == KIND_RECONCILE else RUN_JOB
-        return self.r.deployments.get()[flow]
+        return self.r.deployments.get()[self.r.flow_of(self.spec)]
 
     # 1. the run
-    def _planned(self) -> bool:
-        """Return whether the job's run is most likely one the planner made (a window's)."""
-        return bool(self.spec.kind != KIND_RECONCILE and not self.spec.flow_run_id
-                    and self.spec.idempotency_key and self.spec.planned_start)
-
-    def _mine(self) -> dict[str, Any]:
-        """Return the filter of the job's run by its idempotency key."""
-        return {"deployment_id": {"any_": [self._deployment()]},
-                "idempotency_key": {"any_": [self.spec.idempotency_key]}}
-
     def run_id(self) -> None:
+        """Find the job's run: the one its creator made (ad hoc), the planner's (by its key),
+        or one created now, Scheduled at its start, by its idempotency key (so the plan's run
+        and this one are one run whoever creates it first)."""
         if self.p.get("flow_run_id"):
             return
         if self.spec.flow_run_id:
             self.p["flow_run_id"] = self.spec.flow_run_id
+            self.p["adhoc"] = True
         else:
-            scheduled = self.spec.planned_start or self.spec.accepted_at
-            body = {
-                "name": self.spec.run_name,
-                "parameters": self.spec.parameters,
-                "tags": self.spec.tags,
-                "idempotency_key": self.spec.idempotency_key,
-                "state": state_body("SCHEDULED", scheduled_time=scheduled),
-                "enforce_parameter_schema": False,
-            }
-            try:
-                created = self.api.create_run(self._deployment(), body)
-            except PrefectRefused as exc:
-                if exc.status != 404:
-                    raise
-                self.r.deployments.forget()  # the deployment was deleted: register it again
-                created = self.api.create_run(self._deployment(), body)
-            self.p["flow_run_id"] = str(created["id"])
+            planned = (self.r.planned(self.spec.idempotency_key)
+                       if self.spec.idempotency_key else None)
+            self.p["flow_run_id"] = planned or self._create()
         self._save()
 
-    # 2. Running
-    def running(self) -> None:
-        """Put the run in Running, finding it first if needed, in as few requests as it can.
+    def _create(self) -> str:
+        from prefect.client.schemas.actions import DeploymentFlowRunCreate
+        from prefect.states import to_state_create
 
-        A window's run (planned ahead, found by its idempotency key) goes to Running
-        in one request; a run with no planned run is created Scheduled at its planned
-        start (as the planner would have), then set Running; an ad hoc run is named
-        and tagged as a planned one would be, then set Running.
-        """
-        started = self.view.started_at or self.spec.accepted_at
-        offline = bool(self.p.get("offline"))
-        for _ in self._step("running"):
-            note = " (recorded late: the Prefect server was unreachable)" if offline else ""
-            state = state_body("RUNNING", message=f"started on {self.r.node} at "
-                                                  f"{utc_text(started)}{note}")
-            if not self.p.get("flow_run_id") and self._planned():
-                found = self.api.set_state_where(self._mine(), state, force=True)
-                if found:
-                    self.p["flow_run_id"] = str(found[0]["flow_run_id"])
-                    continue  # done: the step is noted with the run's id
-            self.run_id()
-            if self.spec.flow_run_id and self.spec.kind != KIND_RECONCILE:
-                self.api.update_run(self.run, name=self.spec.run_name, tags=self.spec.tags)
+        scheduled = self.spec.planned_start or self.spec.accepted_at
+        parent = self.r.parent_task_run(self.spec)
+        body = DeploymentFlowRunCreate(
+            name=self.spec.run_name, parameters=self.r.parameters_of(self.spec),
+            tags=self.spec.tags, idempotency_key=self.spec.idempotency_key,
+            state=to_state_create(new_state("SCHEDULED", scheduled_time=scheduled)),
+            enforce_parameter_schema=False, work_queue_name=PLANNED_QUEUE,
+            **({"parent_task_run_id": parent} if parent else {}))
+        try:
+            created = self.api.create_run(self._deployment(), body)
+        except PrefectRefused as exc:
+            if exc.status != 404:
+                raise
+            self.r.deployments.forget()  # the deployment was deleted: register it again
+            created = self.api.create_run(self._deployment(), body)
+        return str(created["id"])
+
+    # 2. the flow run's states
+    def flow_states(self, *, final: bool) -> None:
+        """Send the flow run's states not sent yet (the module's shape); the final one only
+        when final is true."""
+        wanted = self._flow_states()
+        if not final and self.view.phase == "ended" and wanted:
+            wanted = wanted[:-1]
+        sent = int(self.p.get("flow_states", 0))
+        if sent == 0 and wanted and self.p.get("adhoc") and self.spec.kind != KIND_RECONCILE:
+            self.api.update_run(self.run, name=self.spec.run_name, tags=self.spec.tags)
+        for state in wanted[sent:]:
+            self.p["inflight"] = f"flow_state:{sent}"
+            self._save()
             self._set(state)
-        self.p.setdefault("offline", False)
+            sent += 1
+            self.p["flow_states"] = sent
+            self.p.pop("inflight", None)
+            self._save()
 
-    def _set(self, state: dict[str, Any]) -> None:
+    def _flow_states(self) -> list[State[Any]]:
+        """Return every flow-run state of the job so far, in order (pure over the view)."""
+        view = self.view
+        offline = " (recorded late: the Prefect server was unreachable)" \
+            if self.p.get("offline") else ""
+        states: list[State[Any]] = []
+        if not view.attempts:  # a reconcile, or a job that ran nothing (its final state only)
+            if self.spec.kind == KIND_RECONCILE:
+                states.append(new_state("RUNNING", message=f"started on {self.r.node} at "
+                                        f"{utc_text(self.spec.accepted_at)}"))
+            if view.phase == "ended":
+                states.append(self._final_state())
+            return states
+        program = self.spec.argv[0] if self.spec.argv else self.spec.action
+        for attempt in view.attempts:
+            started = attempt.started_at or attempt.launched_at
+            if attempt.number == 1:
+                states.append(new_state("RUNNING", message=f"started on {self.r.node} at "
+                                                           f"{utc_text(started)}{offline}"))
+            else:
+                states.append(new_state("RUNNING", name="Retrying",
+                                        message=f"try {attempt.number} started at "
+                                                f"{utc_text(started)}"))
+            if not attempt.ended or attempt is view.attempts[-1]:
+                continue
+            failure = attempt.failure(program, self.spec.timeout_s)
+            ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
+            retry_at = self._retry_at(attempt.number) or attempt.ended_at
+            states.append(new_state("SCHEDULED", name="AwaitingRetry", scheduled_time=retry_at,
+                                    message=f"try {attempt.number} ended at {ended}: "
+                                            f"{failure}"))
+        if view.phase == "retrying":
+            last = view.attempts[-1]
+            failure = last.failure(program, self.spec.timeout_s)
+            ended = utc_text(last.ended_at) if last.ended_at else "unknown"
+            states.append(new_state("SCHEDULED", name="AwaitingRetry",
+                                    scheduled_time=view.retry_at or last.ended_at,
+                                    message=f"try {last.number} ended at {ended}: {failure}"))
+        if view.phase == "ended":
+            states.append(self._final_state())
+        return states
+
+    def _retry_at(self, number: int) -> datetime | None:
+        """Return when the retry after try number was due (its journal's ``until``)."""
+        for entry in self.folder.entries():
+            if entry.get("e") == "retry" and int(entry.get("attempt", 0) or 0) == number:
+                return parse_time(entry.get("until"))
+        return None
+
+    def _set(self, state: State[Any]) -> None:
         try:
             self.api.set_state(self.run, state, force=True)
         except PrefectRefused as exc:
@@ -176,52 +260,34 @@ class Steps:
             log.warning("run %s of job %s was deleted on the server; its record is dropped",
                         self.run, self.spec.run_name, extra={"job_id": self.spec.job_id})
 
-    # 3. the task run and its tries
-    def task_run(self) -> None:
-        """Create the command's task run in its first state (Running), then send the others.
-
-        Created by flow run, task key and dynamic key, so a create sent twice gives the
-        same task run.
-        """
-        wanted = self._task_states()
-        if not self.p.get("task_run_id"):
-            self.p["task_run_id"] = self.api.create_task_run({
-                "name": "run-command", "flow_run_id": self.run, "task_key": "run-command",
-                "dynamic_key": "0", "state": wanted[0],
-                "empirical_policy": {"retries": self.spec.retries,
-                                     "retry_delay": self.spec.retry_delay_s},
-            })
-            self.p["task_states"] = 1
-            self._save()
-        sent = int(self.p.get("task_states", 0))
-        for state in wanted[sent:]:
-            self.api.set_task_state(str(self.p["task_run_id"]), state)
-            sent += 1
-            self.p["task_states"] = sent
-            self._save()
-
-    def _task_states(self) -> list[dict[str, Any]]:
-        """Return the task run's states as Prefect shows a task's retries (pure over the view)."""
-        states: list[dict[str, Any]] = []
+    # 3. a task run per try
+    def task_runs(self) -> None:
+        """Create each try's ``run-command`` task run in Running, and end it when the try
+        ends (created by flow run, task key and try: sent twice, one task run)."""
         program = self.spec.argv[0] if self.spec.argv else self.spec.action
+        runs: dict[str, Any] = self.p.setdefault("task_runs", {})
         for attempt in self.view.attempts:
-            started = attempt.started_at or attempt.launched_at
-            name = "Retrying" if attempt.number > 1 else None
-            states.append(state_body("RUNNING", name=name,
-                                     message=f"try {attempt.number} started at "
-                                             f"{utc_text(started)}"))
-            if not attempt.ended:
-                break
-            failure = None if attempt.ok else attempt.failure(program, self.spec.timeout_s)
-            ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
-            last = attempt is self.view.attempts[-1]
-            if not last:
-                states.append(state_body("SCHEDULED", name="AwaitingRetry",
-                                         message=f"try {attempt.number} ended at {ended}: "
-                                                 f"{failure}"))
-            elif self.view.phase == "ended":
-                states.append(self._final_body())
-        return states
+            mark = str(attempt.number)
+            found = runs.get(mark) or {}
+            if not found.get("id"):
+                started = attempt.started_at or attempt.launched_at
+                found["id"] = self.api.create_task_run(
+                    self.r.command_task, flow_run_id=self.run, dynamic_key=mark,
+                    name=f"run-command-{mark}",
+                    state=new_state("RUNNING", message=f"try {mark} started at "
+                                                       f"{utc_text(started)}"))
+                runs[mark] = found
+                self._save()
+            if attempt.ended and not found.get("ended"):
+                ended = utc_text(attempt.ended_at) if attempt.ended_at else "unknown"
+                if attempt.ok:
+                    state = new_state("COMPLETED", message=f"{program} exited 0 at {ended}")
+                else:
+                    failure = attempt.failure(program, self.spec.timeout_s)
+                    state = new_state("FAILED", message=f"{failure} (at {ended})")
+                self.api.set_task_state(str(found["id"]), state)
+                found["ended"] = True
+                self._save()
 
     # logs
     def logs(self) -> None:
@@ -230,12 +296,13 @@ class Steps:
         One request carries new lines of every file (up to :data:`LOG_BATCH` lines);
         its byte ranges are noted as in flight, so a kill in mid-request is checked.
         """
+        runs = self.p.get("task_runs") or {}
         sources: list[tuple[str, str, str | None]] = [("log.jsonl", "node", None)]
-        task = self.p.get("task_run_id")
-        sources += [(f"a{item.number}.out", f"a{item.number}", task or "")
+        sources += [(f"a{item.number}.out", f"a{item.number}",
+                     str((runs.get(str(item.number)) or {}).get("id") or ""))
                     for item in self.view.attempts]
         while True:
-            batch: list[dict[str, Any]] = []
+            batch: list[Any] = []
             ranges: list[tuple[str, int, int]] = []
             size = 0
             for name, mark, task_run in sources:
@@ -258,16 +325,23 @@ class Steps:
             self.p.pop("inflight", None)
             self._save()
 
-    def _log(self, item: dict[str, Any], task_run: str | None) -> dict[str, Any]:
-        """One log record: a try's output (task_run its id, or "" with no task run) or one
-        of the node's lines (None)."""
-        stamp = item.get("t") or utc_text(self.spec.accepted_at)
-        return {"name": "sched.node" if task_run is None else "sched.job", "level": 20,
-                "message": str(item.get("m", ""))[:100_000], "timestamp": stamp,
-                "flow_run_id": self.run, "task_run_id": task_run or None}
+    def _log(self, item: dict[str, Any], task_run: str | None) -> Any:
+        """One log record: a try's output (task_run its task run's id, "" with none) or one of
+        the node's lines (None)."""
+        import uuid
+
+        from prefect.client.schemas.actions import LogCreate
+
+        stamp = parse_time(item.get("t")) or self.spec.accepted_at
+        return LogCreate(name="sched.node" if task_run is None else "sched.job", level=20,
+                         message=str(item.get("m", ""))[:100_000], timestamp=stamp,
+                         flow_run_id=uuid.UUID(self.run),
+                         task_run_id=uuid.UUID(task_run) if task_run else None)
 
     # 4. artifact, final state, event
     def artifact(self) -> None:
+        from prefect.client.schemas.actions import ArtifactCreate
+
         for _ in self._step("artifact"):
             if self.spec.kind == KIND_RECONCILE:
                 markdown = (self.folder.path / "artifact.md").read_text(encoding="utf-8")
@@ -275,33 +349,37 @@ class Steps:
             else:
                 markdown = job_markdown(self.view, self.r.node)
                 key = f"job-{_slug(self.r.node)}-{_slug(self.spec.schedule_id)}"
-            self.api.create_artifact({"key": key, "type": "markdown", "data": markdown,
-                                      "flow_run_id": self.run,
-                                      "description": f"{self.spec.run_name}: "
-                                                     f"{self.view.end_state}"})
+            self.api.create_artifact(ArtifactCreate(
+                key=key, type="markdown", data=markdown, flow_run_id=self.run,
+                description=f"{self.spec.run_name}: {self.view.end_state}"))
 
-    def _final_body(self) -> dict[str, Any]:
-        state = self.view.end_state or FAILED
-        ended = utc_text(self.view.end_at) if self.view.end_at else "unknown"
-        started = self.view.started_at
+    def _final_state(self) -> State[Any]:
+        view = self.view
+        state = view.end_state or FAILED
+        ended = utc_text(view.end_at) if view.end_at else "unknown"
+        started = view.started_at
         if self.spec.kind == KIND_RECONCILE:
             when = f"on {self.r.node} at {ended}"
         elif started:
             when = f"ran on {self.r.node} from {utc_text(started)} to {ended}"
         else:
             when = f"decided on {self.r.node} at {ended}"
-        message = f"{self.view.message} ({when})" if self.view.message else when
+        message = f"{view.message} ({when})" if view.message else when
         if self.p.get("offline"):
             message += "; recorded after the Prefect server came back"
+        if self.p.get("engine_gone"):
+            message += ("; recorded by the node: the flow run that handed it the job went "
+                        "away before its end")
         if state == SKIPPED:
-            return state_body("COMPLETED", name=SKIPPED, message=message)
+            return new_state("COMPLETED", name=SKIPPED, message=message)
         kind = {COMPLETED: "COMPLETED", FAILED: "FAILED", CANCELLED: "CANCELLED",
                 CRASHED: "CRASHED"}.get(state, "FAILED")
-        return state_body(kind, message=message)
+        return new_state(kind, message=message)
 
     def final(self) -> None:
+        """Send the final state alone (a job an engine handed over, whose engine went away)."""
         for _ in self._step("final"):
-            self._set(self._final_body())
+            self._set(self._final_state())
 
     def event(self) -> None:
         for _ in self._step("event"):
@@ -309,11 +387,13 @@ class Steps:
             if events:
                 self.api.emit_events(events)
 
-    def _job_events(self) -> list[dict[str, Any]]:
+    def _job_events(self) -> list[Any]:
+        from prefect.events import Event
+
         state = self.view.end_state
         if state == SKIPPED or self.spec.kind == KIND_RECONCILE:
             extra = self.folder.read_json("events.json") or {}
-            return list(extra.get("events", []))
+            return [Event.model_validate(item) for item in extra.get("events", [])]
         started = self.view.started_at
         payload = {
             "node": self.r.node, "action": self.spec.action,
@@ -326,39 +406,33 @@ class Steps:
             "error": self.view.error, "offline": bool(self.p.get("offline")),
         }
         occurred = self.view.end_at or self.r._clock()
-        return [job_event(self.r.node, payload, completed=state == COMPLETED,
-                          occurred=occurred)]
+        return [Event.model_validate(job_event(self.r.node, payload,
+                                               completed=state == COMPLETED,
+                                               occurred=occurred))]
 
     # a restart in mid-step
     def check_inflight(self) -> None:
         """Settle a step a kill left in flight: done on the server already, or to send again."""
         step = self.p.get("inflight")
-        if step == "running" and not self.p.get("flow_run_id") and self._planned():
-            # Its planned run may have gone to Running with the request in flight.
-            found = self.api.filter_runs({"flow_runs": self._mine(), "limit": 1})
-            if found:
-                self.p["flow_run_id"] = str(found[0]["id"])
         if not isinstance(step, str) or not self.p.get("flow_run_id"):
+            self.p.pop("inflight", None)
             return
         done = False
         if step.startswith("logs:"):
             done = self._logs_arrived(step)
         elif step == "artifact":
-            found = self.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [self.run]}},
-                                               "limit": 1})
-            done = bool(found)
-        elif step in ("running", "final"):
+            done = bool(self.api.run_artifacts(self.run))
+        elif step.startswith("flow_state:"):
+            self.p["flow_states"] = sent_states(self.api.run_states(self.run),
+                                                self._flow_states())
+        elif step == "final":
             run = self.api.read_run(self.run) or {}
-            kind = (run.get("state") or {}).get("type")
-            done = kind in (TERMINAL | {"RUNNING", "CANCELLING"} if step == "running"
-                            else TERMINAL)
-        elif step == "event":
-            done = False  # each event's id is derived from the run's: sent twice, kept once
+            done = ((run.get("state") or {}).get("type")) in TERMINAL
         if done:
             if step.startswith("logs:"):
                 for mark, _start, end in _ranges(step):
                     self.p.setdefault("bytes", {})[mark] = end
-            else:
+            elif step in ("artifact", "final"):
                 self.p[step] = True
         self.p.pop("inflight", None)
         self._save()
@@ -370,6 +444,14 @@ class Steps:
         One request's lines are stored together or not at all, so its last line is
         looked for among the run's logs from that line's time on.
         """
+        import uuid
+
+        from prefect.client.schemas.filters import (
+            LogFilter,
+            LogFilterFlowRunId,
+            LogFilterTimestamp,
+        )
+
         mark, start, end = _ranges(step)[-1]
         name = "log.jsonl" if mark == "node" else f"{mark}.out"
         try:
@@ -385,17 +467,16 @@ class Steps:
             last = json.loads(lines[-1])
         except ValueError:
             return False
-        found = self.api.filter_logs({"logs": {"flow_run_id": {"any_": [self.run]},
-                                               "timestamp": {"after_": last.get("t")}},
-                                      "limit": 200})
+        after = parse_time(last.get("t"))
+        found = self.api.filter_logs(LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(self.run)]),
+            timestamp=LogFilterTimestamp(after_=after) if after else None))
         return any(item.get("message") == last.get("m") for item in found)
 
 
 def _ranges(step: str) -> list[tuple[str, int, int]]:
-    """Return the (file mark, start, end) byte ranges of a ``logs:`` step in flight.
-
-    ``logs:a1:0:120`` (one file, as older nodes wrote it) or ``logs:node:0:80;a1:0:120``.
-    """
+    """Return the (file mark, start, end) byte ranges of a ``logs:`` step in flight
+    (``logs:node:0:80;a1:0:120``)."""
     ranges = []
     for part in step.removeprefix("logs:").split(";"):
         mark, start, end = part.split(":")

@@ -1,32 +1,32 @@
 """Prefect is the record: drain the outbox into flow runs, states, logs, artifacts and events.
 
 A thread of the node (:class:`Recorder`) takes the outbox's jobs in the order they
-were accepted and writes each into Prefect, step by step:
+were accepted and writes each into Prefect through Prefect's client, as a run of its flow
+(:mod:`sched_node.record_steps` has the shape):
 
-1. **The run, Running**, at the job's first start, with the node and the real
-   start time in the state's message (Prefect stamps a flow run's states with
-   its own clock, so a record written late would otherwise show the wrong
-   time). A window's run is the one the planner created ahead: one
-   ``bulk_set_state`` request, filtered by the run's idempotency key
-   ``<node>:<window key>``, finds it and puts it in Running; a window with no
-   planned run gets one created Scheduled at its start, then set Running; an ad
-   hoc run is the one its creator made (named and tagged, then set Running).
-2. **The command's task run** (``run-command``), created in Running at once
-   (one request), its tries as Prefect shows a task's retries (Running,
-   AwaitingRetry, Retrying, ...), and **its output** and the node's lines as the
-   run's logs, all new lines of the job in one request, each with the time it
-   was written. With ``record_task_run`` off there is no task run: the output
-   is the flow run's logs (logger ``sched.job``).
-3. At the job's end: the task run's final state, **the artifact** (exit code,
-   tries, real start and end), **the final state** (Completed, Failed,
-   Cancelled, Crashed; Completed named Skipped for a job that ran nothing),
-   **one** ``sched.job.completed`` or ``sched.job.failed`` event whose
-   ``occurred`` is the real end (its id is derived from the run's, so the
-   server keeps one whatever happens), and last the lines not sent yet.
+1. **The run, Running**, at the job's first start, with the node and the real start time
+   in the state's message (Prefect stamps a flow run's states with its own clock, so a
+   record written late would otherwise show the wrong time). A window's run is the one the
+   planner created ahead (its id from the plan's record, one request); a window with no
+   planned run gets one created Scheduled at its start (by its idempotency key
+   ``<node>:<window key>``), then set Running; an ad hoc run is the one its creator made
+   (named and tagged, then set Running).
+2. **Each try** as Prefect shows a flow's retries: a try that failed and is tried again
+   puts the run in AwaitingRetry, the next one in Running named Retrying; each try is a
+   ``run-command`` task run, and **its output** and the node's lines are the run's logs,
+   all new lines of the job in one request, each with the time it was written. With
+   ``record_task_run`` off there are no task runs: the output is the flow run's logs
+   (logger ``sched.job``).
+3. At the job's end: **the artifact** (exit code, tries, real start and end), **the final
+   state** (Completed, Failed, Cancelled, Crashed; Completed named Skipped for a job that
+   ran nothing), **one** ``sched.job.completed`` or ``sched.job.failed`` event whose
+   ``occurred`` is the real end (its id is derived from the run's, so the server keeps one
+   whatever happens), and last the lines not sent yet.
 
-A job recorded live takes 8 requests (3 at its start, 5 at its end), one recorded
-after its end 7 (docs/agent.md, "The record"); with ``record_task_run`` and
-``record_artifact`` off, 5 and 4.
+A job of one try recorded live takes 8 requests (3 at its start, 5 at its end), one
+recorded after its end 7 (docs/agent.md, "The record"); with ``record_task_run`` and
+``record_artifact`` off, 5 and 4. A job that Prefect's engine handed over
+(:mod:`sched_node.handoff`) is the engine's to record.
 
 Each step is noted in the job's ``record.json`` when it is done, and as
 ``inflight`` just before it is sent; a step found in flight after a restart is
@@ -46,15 +46,17 @@ from datetime import datetime
 from typing import Any
 
 from sched_core.worker import Worker
+from sched_node.handoff import RECORDED_BY_ENGINE, engine_overdue
 from sched_node.outbox import (
     KIND_RECONCILE,
     JobFolder,
+    JobSpec,
     JobView,
     Outbox,
 )
-from sched_node.prefect_api import PrefectApi, PrefectRefused, PrefectUnavailable
+from sched_node.prefect_api import TERMINAL, PrefectApi, PrefectRefused, PrefectUnavailable
 from sched_node.record_steps import Steps
-from sched_node.registration import Deployments
+from sched_node.registration import RECONCILE, RUN_JOB, Deployments
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +79,15 @@ class Recorder:
     def __init__(self, api: PrefectApi, outbox: Outbox, deployments: Deployments, *,
                  node: str, clock: Callable[[], datetime],
                  done: Callable[[JobFolder], None] = lambda folder: None,
+                 planned: Callable[[str], str | None] = lambda key: None,
+                 parent_task_run: Callable[[JobSpec], str | None] = lambda spec: None,
                  task_run: bool = True, artifact: bool = True) -> None:
         self.api = api
+        self.planned = planned
+        """The planned run of a window's idempotency key (the planner's record), or None."""
+        self.parent_task_run = parent_task_run
+        """The task run a job's run belongs under (a chain stage's), or None."""
+        self._command_task: Any = None
         self.task_runs = task_run
         """Whether a job's command is a task run (its tries as the task's states)."""
         self.artifacts = artifact
@@ -97,6 +106,26 @@ class Recorder:
         """False while the server cannot be reached (for the node's status and its log)."""
         self._trimmed = float("-inf")
         self.recorded = 0
+
+    @property
+    def command_task(self) -> Any:
+        """The flow's ``run-command`` task: each try's task run is one of it (imported with
+        Prefect, by the recorder's thread, not at the node's start)."""
+        if self._command_task is None:
+            from flows.run_job import run_command
+
+            self._command_task = run_command
+        return self._command_task
+
+    @staticmethod
+    def flow_of(spec: JobSpec) -> str:
+        """Return the flow whose run records the job (``run-job`` or ``reconcile``)."""
+        return RECONCILE if spec.kind == KIND_RECONCILE else RUN_JOB
+
+    @staticmethod
+    def parameters_of(spec: JobSpec) -> dict[str, Any]:
+        """Return a run's parameters as its flow takes them: the schedule, never a time."""
+        return {} if spec.kind == KIND_RECONCILE else {"schedule_id": spec.schedule_id}
 
     # -- the thread ---------------------------------------------------------------------
 
@@ -211,6 +240,8 @@ class Recorder:
         if progress.get("complete"):
             return True
         view = folder.view()
+        if view.spec.recorded_by == RECORDED_BY_ENGINE:
+            return self._engine_job(folder, view, progress)
         steps = Steps(self, folder, view, progress)
         if folder.job_id not in self._checked:
             steps.check_inflight()
@@ -229,10 +260,35 @@ class Recorder:
             raise
         return complete
 
+    def _engine_job(self, folder: JobFolder, view: JobView, progress: dict[str, Any]) -> bool:
+        """A job Prefect's engine handed over and records (:mod:`sched_node.handoff`): done
+        when the engine says so; ended and unacknowledged past the grace (its flow's process
+        died), its run's final state and event are the node's to send, unless the run ended."""
+        if not progress.get("engine_recorded"):
+            if view.phase != "ended" or not engine_overdue(view, self._clock()):
+                return False
+            run_id = view.spec.flow_run_id or ""
+            progress["flow_run_id"] = run_id
+            run = self.api.read_run(run_id) if run_id else None
+            kind = ((run or {}).get("state") or {}).get("type")
+            if run is not None and kind not in TERMINAL:
+                log.warning("the flow run %s that followed job %s went away before recording "
+                            "its end: the node records it", run_id, view.spec.run_name,
+                            extra={"node": self.node, "job_id": folder.job_id})
+                progress["engine_gone"] = True
+                steps = Steps(self, folder, view, progress)
+                steps.final()
+                steps.event()
+        progress["complete"] = True
+        folder.write_json("record.json", progress)
+        return True
+
     def _steps(self, steps: Steps, view: JobView, progress: dict[str, Any],
                folder: JobFolder) -> bool:
         if view.attempts or view.spec.kind == KIND_RECONCILE:
-            steps.running()  # finds or creates the run as it goes Running
+            steps.run_id()  # the planned run (by its key), the ad hoc one, or one made now
+            steps.flow_states(final=False)  # Running, and each retry's two states
+            progress.setdefault("offline", False)
         elif view.phase != "ended":
             # Accepted, not started yet (a slot, a lock, its keeper): nothing to record. Its
             # planned run shows it Scheduled; finding the run now would cost a create (the
@@ -241,14 +297,14 @@ class Recorder:
             return False
         else:
             steps.run_id()  # a job that ran nothing: its run, for its final state
-        if view.attempts and (self.task_runs or progress.get("task_run_id")):
-            steps.task_run()  # one begun before record_task_run was turned off is ended
+        if view.attempts and (self.task_runs or progress.get("task_runs")):
+            steps.task_runs()  # one begun before record_task_run was turned off is ended
         if view.phase != "ended":
             steps.logs()
             return False
         if self.artifacts or view.spec.kind == KIND_RECONCILE:
             steps.artifact()
-        steps.final()
+        steps.flow_states(final=True)
         steps.event()
         steps.logs()  # every line not sent yet, the ones written at the end too
         progress["complete"] = True

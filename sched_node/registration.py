@@ -1,27 +1,29 @@
-"""The node's two deployments in Prefect: ``run-job/<node>`` and ``reconcile/<node>``.
+"""The node's deployments: ``run-job/<node>``, ``reconcile/<node>`` and ``chain/<node>``.
 
-Registered through the REST API the first time the server answers: no work pool, no
-schedule, tags ``sched-agent``; nothing but the node starts their runs. A Run of either
-from the UI reaches the node as an ad hoc job or an on-demand reconcile
-(:mod:`sched_node.control`). The old agent's heartbeat automations, which would crash the runs
-the node records (they send no heartbeats), are deleted when the node registers.
+They are the deployments ``prefect deploy --all`` makes from ``prefect.yaml`` (the flows of
+``flows/``, named after the node, in the work pool ``work_pool``, in the node's own work
+queue, no schedule), and the node makes them itself, from the same flows through Prefect's
+deployment API (``flow.to_deployment(...)``, sent as its ``apply()`` would), when they are
+missing. A deployment
+that exists, whoever made it, is kept as it is while it is in the node's pool and queue and
+not paused.
 
-**A restart asks Prefect nothing about them** when nothing would change. The ids of the
-last registration are kept in ``<state_dir>/deployments.json`` beside the registration's
-version (:func:`registration_version`: a hash of everything the registration sends, so a
-new agent whose registration differs, or another node name, changes it). A start whose
-version matches uses the kept ids at once, with no request (a fleet-wide restart is
-10,000 of them in a minute); the node's first periodic reconcile then reads both
-deployments by id once (``POST /deployments/filter``, :meth:`Deployments.verify`) to check
-that they still answer and still hold what the registration would set
-(:func:`differences`). The node registers again (two flow upserts, two deployment upserts,
-the automations' read), and says why in its log, on a first start (no file), when the
-version differs, when that read finds a deployment gone (deleted, or the server or its
-database is another one) or changed on the server (paused, other tags, another schema),
-and when a run's creation or the plan finds its deployment gone
-(:meth:`Deployments.forget`). So a deployment deleted or changed while the node was down
-is put back within one ``reconcile_interval`` of its start, or at once when the node
-creates a run on it.
+**The pool** (:func:`ensure_pool`; also ``prefect.yaml``'s build step) is a ``process``
+pool with a paused queue, ``planned``: the node's planned runs wait there, where no worker,
+the node's or anyone's, ever starts them (a paused queue is never polled). The node's own
+queue holds what Prefect asks of it (a Run, a Retry), which the node takes as the pool's
+worker (:mod:`sched_node.pool_worker`).
+
+**A restart asks Prefect nothing** when nothing would change. The ids are kept in
+``<state_dir>/deployments.json`` beside the registration's version (a hash of what the node
+would register, so an agent whose flows or settings differ, or another node name, changes
+it). A start whose version matches uses the kept ids at once, with no request; the node's
+first periodic reconcile reads them back once (:meth:`Deployments.verify`). The node
+registers again, and says why in its log, on a first start, when the version differs, when
+that read finds a deployment gone, out of its pool or queue, or paused, and when a run's
+creation or the plan finds its deployment gone (:meth:`Deployments.forget`). A first start
+keeps the deployments it finds right (``prefect deploy``'s); a changed registration, or a
+deployment the server changed, is made anew from the flows.
 """
 
 from __future__ import annotations
@@ -33,88 +35,104 @@ import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sched_core import SchedError
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.statefile import locked, read_json_file, write_atomic
-from sched_node.prefect_api import PrefectApi, PrefectRefused
+from sched_node.prefect_api import PrefectApi
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.deployments.runner import RunnerDeployment
 
 log = logging.getLogger(__name__)
 
 RUN_JOB = "run-job"
 RECONCILE = "reconcile"
-
-JOB_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "title": "Parameters",
-    "properties": {
-        "schedule_id": {"type": "string", "title": "schedule_id", "position": 0,
-                        "description": "The node's cached schedule to run now."},
-    },
-    "required": ["schedule_id"],
+CHAIN = "chain"
+FLOWS = (RUN_JOB, RECONCILE, CHAIN)
+DEFAULT_POOL = "sched-agent"
+PLANNED_QUEUE = "planned"
+"""The pool's paused queue of the node's planned runs (no worker polls a paused queue)."""
+READY_TIMEOUT_S = 300
+"""How long after a node's last poll its Prefect server may keep its deployments Ready: longer
+than ``worker_poll`` (240 s by default), so they stay Ready while it runs, and they turn Not
+Ready 1 to 5 minutes after its death (plus the foreman's loop, 15 s). Prefect's default is
+60 s: set it on the server (:data:`SERVER_SETTINGS`; ``make run`` and the scaled layout do)."""
+SERVER_SETTINGS = {
+    "PREFECT_SERVER_SERVICES_FOREMAN_DEPLOYMENT_LAST_POLLED_TIMEOUT_SECONDS": str(READY_TIMEOUT_S),
+    "PREFECT_SERVER_SERVICES_FOREMAN_WORK_QUEUE_LAST_POLLED_TIMEOUT_SECONDS": str(READY_TIMEOUT_S),
 }
-LEGACY_AUTOMATIONS = frozenset({
-    "sched-agent: crash runs whose heartbeats stopped",
-    "sched-agent: crash runs stuck in Pending",
-})
-"""What the runner-driven agent (before the node fired its windows itself) installed."""
-RECONCILE_PARAMETERS: dict[str, Any] = {"type": "object", "title": "Parameters",
-                                        "properties": {}}
-REGISTRATION_FORMAT = 1
+"""The Prefect server's settings the nodes need (its environment)."""
+REGISTRATION_FORMAT = 2
 """Part of the registration's version: raise it when registering starts to do something its
-payload does not show (another clean-up), so every node registers once more."""
-DESCRIPTIONS = {
-    RUN_JOB: "One job of one schedule, fired by the node at its window (the node records it "
-             "here; a Run here runs the schedule now).",
-    RECONCILE: "The node's pull of its schedule list and its plan (recorded when something "
-               "changed; a Run here reconciles now).",
-}
+deployments do not show, so every node registers once more."""
 
 
-def deployment_bodies(node: str, tags: list[str]) -> dict[str, dict[str, Any]]:
-    """Return what the registration sends for each flow (the deployment's body but its
-    ``flow_id``, which is the flow upsert's answer)."""
-    schemas = {RUN_JOB: JOB_PARAMETERS, RECONCILE: RECONCILE_PARAMETERS}
-    return {flow: {"name": node, "tags": list(tags), "description": DESCRIPTIONS[flow],
-                   "parameter_openapi_schema": schemas[flow],
-                   "enforce_parameter_schema": False,
-                   "entrypoint": f"sched_node/node.py:{flow.replace('-', '_')}", "paused": False,
-                   "schedules": []}
-            for flow in (RUN_JOB, RECONCILE)}
+def flow_objects() -> dict[str, Any]:
+    """Return the flows of ``flows/`` by name."""
+    from flows.chain import chain
+    from flows.reconcile import reconcile
+    from flows.run_job import run_job
+
+    return {RUN_JOB: run_job, RECONCILE: reconcile, CHAIN: chain}
 
 
-def registration_version(bodies: dict[str, dict[str, Any]]) -> str:
-    """Return the hash of everything the registration would send (and its format)."""
-    text = json.dumps({"format": REGISTRATION_FORMAT, "bodies": bodies}, sort_keys=True,
-                      separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+def ensure_pool(work_pool: str = DEFAULT_POOL) -> dict[str, str]:
+    """Create the work pool (``process``) and its paused ``planned`` queue unless they exist
+    (``prefect.yaml``'s build step); return ``{"work_pool": name}``."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        pool_and_queue(client, work_pool)
+    return {"work_pool": work_pool}
 
 
-def differences(body: dict[str, Any], flow_id: str, found: dict[str, Any]) -> list[str]:
-    """Return the fields the server's deployment ``found`` holds otherwise than the
-    registration would set them (``body`` and ``flow_id``); empty when it is as registered."""
-    wanted = {**body, "flow_id": flow_id}
-    out = []
-    for key, value in wanted.items():
-        have = found.get(key)
-        if key == "tags":
-            same = isinstance(have, list) and sorted(have) == sorted(value)
-        else:
-            same = have == value
-        if not same:
-            out.append(key)
-    return out
+def pool_and_queue(client: SyncPrefectClient, work_pool: str) -> None:
+    """Make sure the pool and its paused ``planned`` queue exist, the queue paused."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        client.read_work_pool(work_pool)
+    except ObjectNotFound:
+        try:
+            client.create_work_pool(WorkPoolCreate(
+                name=work_pool, type="process",
+                description="The agent's nodes: each node is a worker of this pool, its runs "
+                            "in a queue named after it; planned runs wait in the paused "
+                            "queue 'planned'."))
+            log.info("created the work pool %s", work_pool)
+        except ObjectAlreadyExists:
+            pass  # another node made it meanwhile
+    try:
+        queue = client.read_work_queue_by_name(PLANNED_QUEUE, work_pool_name=work_pool)
+    except ObjectNotFound:
+        try:
+            queue = client.create_work_queue(
+                name=PLANNED_QUEUE, work_pool_name=work_pool, is_paused=True,
+                description="The nodes' planned runs: each node fires its own windows; no "
+                            "worker may start these (keep this queue paused).")
+        except ObjectAlreadyExists:
+            queue = client.read_work_queue_by_name(PLANNED_QUEUE, work_pool_name=work_pool)
+        client.update_work_queue(queue.id, is_paused=True)  # shown Paused, not Not Ready
+        return
+    if not queue.is_paused:
+        log.warning("the work queue %s/%s was not paused: pausing it (a worker would start the "
+                    "nodes' planned runs as well as the nodes)", work_pool, PLANNED_QUEUE)
+        client.update_work_queue(queue.id, is_paused=True)
 
 
 @dataclass
 class Deployments:
-    """The node's two deployments in Prefect, registered once per process (lazily), or
-    taken from ``cache_path`` when they still answer as registered (the module's text)."""
+    """The node's three deployments (the module's text): their ids, registered or kept."""
 
     api: PrefectApi
     node: str
     tags: list[str]
+    work_pool: str = DEFAULT_POOL
+    job_env: dict[str, str] = field(default_factory=dict)
+    """What a flow run a worker starts needs to find the node (``SCHED_CONFIG``)."""
     ids: dict[str, str] | None = None
     cache_path: Path | None = None
     """``<state_dir>/deployments.json``; None: register at each process's first use."""
@@ -122,35 +140,52 @@ class Deployments:
     """How the ids in use were found: ``""`` (not yet), ``"registered"``, ``"kept"`` (from
     ``cache_path``, not read yet) or ``"cached"`` (kept, and read back as registered)."""
     why: str = ""
-    """Why the last resolution registered, or why it did not (the log line says it too)."""
     _forced: bool = False
-    _kept_flow_ids: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def get(self) -> dict[str, str]:
-        """Return ``{"run-job": id, "reconcile": id}``, registering them on first use."""
-        with self._lock:
-            return self._get()
+    def wanted(self) -> dict[str, RunnerDeployment]:
+        """Return the node's deployments as it would register them (from the flows)."""
+        from prefect.types.entrypoint import EntrypointType
 
-    def _get(self) -> dict[str, str]:
-        if self.ids is None:
-            bodies = deployment_bodies(self.node, self.tags)
-            version = registration_version(bodies)
-            reason = "asked again (a deployment was deleted)" if self._forced else None
-            if reason is None:
-                kept, reason = self._kept(bodies, version)
-                if kept is not None:
-                    self.ids, self.how, self.why = kept, "kept", reason
-                    log.info("the node's deployments %s/%s and %s/%s %s: not registered "
-                             "again (read back at the first periodic reconcile)", RUN_JOB,
-                             self.node, RECONCILE, self.node, reason, extra={"node": self.node})
-                    return self.ids
-            self.ids = self._register(bodies, version, reason)
-        return self.ids
+        return {name: flow.to_deployment(
+            name=self.node, work_pool_name=self.work_pool, work_queue_name=self.node,
+            tags=list(self.tags), description=flow.description, paused=False,
+            job_variables={"env": dict(self.job_env)} if self.job_env else None,
+            entrypoint_type=EntrypointType.MODULE_PATH)
+            for name, flow in flow_objects().items()}
+
+    def version(self) -> str:
+        """Return the hash of what the registration would make (and its format)."""
+        wanted = {name: {"name": item.name, "pool": self.work_pool, "queue": self.node,
+                         "tags": sorted(self.tags), "env": self.job_env,
+                         "entrypoint": item.entrypoint,
+                         "schema": item._parameter_openapi_schema.model_dump()}
+                  for name, item in self.wanted().items()}
+        text = json.dumps({"format": REGISTRATION_FORMAT, "wanted": wanted}, sort_keys=True,
+                          separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+    def get(self) -> dict[str, str]:
+        """Return ``{"run-job": id, "reconcile": id, "chain": id}``, registering on first use."""
+        with self._lock:
+            if self.ids is None:
+                version = self.version()
+                reason = "asked again (a deployment was deleted)" if self._forced else None
+                refresh = False
+                if reason is None:
+                    kept, reason, refresh = self._kept(version)
+                    if kept is not None:
+                        self.ids, self.how, self.why = kept, "kept", reason
+                        log.info("the node's deployments %s: not registered again (read back "
+                                 "at the first periodic reconcile)", reason,
+                                 extra={"node": self.node})
+                        return self.ids
+                self.ids = self._register(version, reason, refresh=refresh)
+            return self.ids
 
     def verify(self) -> bool:
         """Read kept ids back once (the first periodic reconcile); return whether the node
-        registered again because they no longer answer as registered.
+        registered again because they no longer answer as it needs them.
 
         Does nothing (and sends nothing) unless the ids in use are ``kept``. Raises
         PrefectUnavailable when the server cannot be reached (tried at the next reconcile).
@@ -158,76 +193,61 @@ class Deployments:
         with self._lock:
             if self.how != "kept" or self.ids is None:
                 return False
-            bodies = deployment_bodies(self.node, self.tags)
-            wrong = self._read(bodies, self._kept_flow_ids)
+            found = {str(item.get("id")): item for item in self.api.read_deployments(
+                self.ids.values())}
+            wrong = next((f"{name}/{self.node} ({why})" for name, item_id in self.ids.items()
+                          if (why := _wrong(found.get(item_id), self.work_pool, self.node))),
+                         None)
             if wrong is None:
                 self.how = "cached"
                 self.why = f"{self.why}, read back as registered"
                 return False
-            log.warning("the node's kept deployments %s: registering again", wrong,
+            log.warning("the node's kept deployment %s: registering again", wrong,
                         extra={"node": self.node})
-            self.ids = self._register(bodies, registration_version(bodies), wrong)
+            self.ids = self._register(self.version(), wrong, refresh=True)
             return True
 
-    def _kept(self, bodies: dict[str, dict[str, Any]],
-              version: str) -> tuple[dict[str, str] | None, str]:
-        """Return (the kept ids, why) when ``cache_path`` holds both of this version, else
-        (None, why the node registers). Sends nothing."""
+    def _kept(self, version: str) -> tuple[dict[str, str] | None, str, bool]:
+        """Return (the kept ids, why, False) when ``cache_path`` holds all of this version,
+        else (None, why the node registers, whether its deployments are to be made anew: the
+        registration changed). Sends nothing."""
         if self.cache_path is None:
-            return None, "no state folder to keep the ids in"
+            return None, "no state folder to keep the ids in", False
         data = read_json_file(self.cache_path, now=datetime.now(UTC), max_depth=MAX_DEPTH)
         if data is None:
-            return None, f"first start ({self.cache_path.name} does not exist)"
+            return None, f"first start ({self.cache_path.name} does not exist)", False
         entries = data.get("deployments") if isinstance(data, dict) else None
         if (not isinstance(entries, dict)
-                or not all(isinstance(entries.get(flow), dict)
-                           and isinstance(entries[flow].get("id"), str)
-                           and isinstance(entries[flow].get("flow_id"), str)
-                           for flow in bodies)):
-            return None, f"{self.cache_path.name} holds no ids of both deployments"
+                or not all(isinstance(entries.get(name), str) for name in FLOWS)):
+            return None, f"{self.cache_path.name} holds no ids of the three deployments", True
         if data.get("version") != version:
             return None, (f"the registration changed (version {data.get('version')} in "
-                          f"{self.cache_path.name}, {version} now)")
-        self._kept_flow_ids = {flow: str(entries[flow]["flow_id"]) for flow in bodies}
-        return ({flow: str(entries[flow]["id"]) for flow in bodies},
-                f"as registered (version {version}, ids kept in {self.cache_path.name})")
+                          f"{self.cache_path.name}, {version} now)"), True
+        return ({name: str(entries[name]) for name in FLOWS},
+                f"as registered (version {version}, ids kept in {self.cache_path.name})", False)
 
-    def _read(self, bodies: dict[str, dict[str, Any]], flow_ids: dict[str, str]) -> str | None:
-        """Read the ids in use by id; return None when both answer as registered, else why
-        not. Raises PrefectUnavailable."""
-        assert self.ids is not None
-        ids = self.ids
-        try:
-            found = self.api.call("POST", "/deployments/filter", json={
-                "deployments": {"id": {"any_": list(ids.values())}},
-                "limit": len(ids)}).json()
-        except PrefectRefused as exc:
-            return f"could not be read ({exc})"
-        by_id = {str(item.get("id")): item for item in found if isinstance(item, dict)}
-        for flow, body in bodies.items():
-            item = by_id.get(ids[flow])
-            if item is None:
-                return (f"{flow}/{self.node} ({ids[flow]}) no longer answers (deleted, or "
-                        "another server or database)")
-            changed = differences(body, flow_ids[flow], item)
-            if changed:
-                return f"{flow}/{self.node} was changed on the server ({', '.join(changed)})"
-        return None
-
-    def _register(self, bodies: dict[str, dict[str, Any]], version: str,
-                  reason: str) -> dict[str, str]:
+    def _register(self, version: str, reason: str, *, refresh: bool = False) -> dict[str, str]:
+        """Make sure the pool and the three deployments are there (the module's rule); with
+        refresh, make each anew from the flows (the registration changed, or the server's
+        copy)."""
+        self.api.call(lambda c: pool_and_queue(c, self.work_pool),
+                      f"check the work pool {self.work_pool}")
         ids: dict[str, str] = {}
-        entries: dict[str, dict[str, str]] = {}
-        for flow, body in bodies.items():
-            flow_id = self.api.ensure_flow(flow)
-            ids[flow] = self.api.ensure_deployment(flow_id, **body)
-            entries[flow] = {"id": ids[flow], "flow_id": flow_id}
+        made = []
+        for name, deployment in self.wanted().items():
+            found = None if refresh else self.api.deployment_by_name(name, self.node)
+            if found is not None and not _wrong(found, self.work_pool, self.node):
+                ids[name] = str(found["id"])
+                continue
+            ids[name] = self._apply(name, deployment)
+            made.append(name)
         self.how, self.why, self._forced = "registered", reason, False
-        log.info("registered the node's deployments %s/%s and %s/%s: %s", RUN_JOB, self.node,
-                 RECONCILE, self.node, reason, extra={"node": self.node})
-        self._remove_legacy_automations()
+        log.info("the node's deployments %s in work pool %s: %s (%s)",
+                 ", ".join(f"{name}/{self.node}" for name in FLOWS), self.work_pool,
+                 f"registered {', '.join(made)}" if made else "all there", reason,
+                 extra={"node": self.node})
         if self.cache_path is not None:
-            text = json.dumps({"version": version, "deployments": entries}, sort_keys=True,
+            text = json.dumps({"version": version, "deployments": ids}, sort_keys=True,
                               indent=1)
             try:
                 with locked(self.cache_path):
@@ -238,21 +258,45 @@ class Deployments:
                             extra={"node": self.node})
         return ids
 
-    def _remove_legacy_automations(self) -> None:
-        """Delete the automations the runner-driven agent made (they would crash the runs the
-        node records: those send no heartbeats). Best effort."""
-        try:
-            found = self.api.call("POST", "/automations/filter", json={"limit": 200}).json()
-            for automation in found:
-                if automation.get("name") in LEGACY_AUTOMATIONS:
-                    self.api.call("DELETE", f"/automations/{automation['id']}")
-                    log.warning("deleted the old agent's automation %r: the node records its "
-                                "runs itself, with no heartbeats", automation.get("name"),
-                                extra={"node": self.node})
-        except SchedError as exc:
-            log.info("could not look for the old agent's automations: %s", exc)
+    def _apply(self, name: str, deployment: RunnerDeployment) -> str:
+        """Create or update one deployment through Prefect's deployment API.
+
+        What ``deployment.apply()`` sends for a deployment in a work pool (Prefect 3.9.1,
+        ``RunnerDeployment._create_sync``), sent through the node's own client: ``apply``
+        opens a client of its own, whose requests the node would neither see nor count.
+        """
+        def create(client: SyncPrefectClient) -> Any:
+            return client.create_deployment(
+                flow_id=client.create_flow_from_name(str(deployment.flow_name)),
+                name=deployment.name, work_pool_name=self.work_pool,
+                work_queue_name=deployment.work_queue_name, paused=deployment.paused,
+                schedules=[], concurrency_limit=None, parameters=deployment.parameters,
+                description=deployment.description, tags=deployment.tags, path=None,
+                entrypoint=deployment.entrypoint,
+                parameter_openapi_schema=deployment._parameter_openapi_schema.model_dump(
+                    exclude_unset=True),
+                enforce_parameter_schema=deployment.enforce_parameter_schema,
+                job_variables=deployment.job_variables, pull_steps=[])
+
+        return str(self.api.call(create, f"register {name}/{self.node}"))
 
     def forget(self) -> None:
         """Register again at the next use (a deployment was deleted on the server)."""
         self.ids = None
         self._forced = True
+
+
+def _wrong(found: dict[str, Any] | None, pool: str, queue: str) -> str:
+    """Return why a deployment read back will not do for the node, or "" when it will."""
+    if found is None:
+        return "gone (deleted, or another server or database)"
+    if found.get("work_pool_name") != pool:
+        return f"not in work pool {pool} (in {found.get('work_pool_name')})"
+    if found.get("work_queue_name") != queue:
+        return f"not in work queue {queue} (in {found.get('work_queue_name')})"
+    if found.get("paused"):
+        return "paused"
+    if not found.get("entrypoint"):
+        return "has no entrypoint"
+    return ""
+

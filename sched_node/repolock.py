@@ -2,7 +2,7 @@
 
 A row with ``repo_lock`` holds one slot of the Prefect global concurrency limit
 ``sched-repo-<repo_id>`` around its command (every try of it), through Prefect's
-REST API. The limit is created with one slot the first time a job needs it (two
+client. The limit is created with one slot the first time a job needs it (two
 nodes creating it at once is fine: the second finds it). A job waits for the
 slot at most the action's longest run, saying in its log what it waits for and
 how long it waited; when it does not get it, the job fails, saying so. The
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -44,21 +45,25 @@ def repo_lock_name(repo_id: str) -> str:
 
 def ensure_limit(api: PrefectApi, name: str, warn: Callable[[str], object]) -> None:
     """Create the limit with one slot unless it exists; warn if it no longer holds jobs apart."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
     try:
-        found = api.call("GET", f"/v2/concurrency_limits/{name}").json()
+        found = api.call(lambda c: c.read_global_concurrency_limit_by_name(name),
+                         f"read the concurrency limit {name}")
     except PrefectRefused as exc:
         if exc.status != 404:
             raise
         try:
-            api.call("POST", "/v2/concurrency_limits/",
-                     json={"name": name, "limit": 1, "active": True})
+            api.call(lambda c: c.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=name, limit=1, active=True)),
+                f"create the concurrency limit {name}")
         except PrefectRefused as again:
             if again.status != 409:  # 409: another node created it meanwhile
                 raise
         return
-    if not found.get("active", True) or found.get("limit") != 1:
-        warn(f"the repository lock {name} is {'active' if found.get('active') else 'inactive'} "
-             f"with {found.get('limit')} slot(s) on the Prefect server: jobs of this "
+    if not found.active or found.limit != 1:
+        warn(f"the repository lock {name} is {'active' if found.active else 'inactive'} "
+             f"with {found.limit} slot(s) on the Prefect server: jobs of this "
              "repository may overlap (set it back with `prefect gcl update`)")
 
 
@@ -84,9 +89,9 @@ def repo_lock(
             if not ensured:
                 ensure_limit(api, name, warn)
                 ensured = True
-            lease = str(api.call("POST", "/v2/concurrency_limits/increment-with-lease", json={
-                "names": [name], "slots": 1, "mode": "concurrency",
-                "lease_duration": LEASE_S}).json()["lease_id"])
+            lease = str(api.call(lambda c: c.increment_concurrency_slots_with_lease(
+                names=[name], slots=1, mode="concurrency", lease_duration=LEASE_S),
+                f"take a slot of {name}").json()["lease_id"])
         except PrefectRefused as exc:
             if exc.status != 423:  # 423: taken; anything else is a real refusal
                 raise
@@ -105,8 +110,9 @@ def repo_lock(
     def renew() -> None:
         while not stop.wait(LEASE_S / 3):
             try:
-                api.call("POST", f"/v2/concurrency_limits/leases/{lease}/renew",
-                         json={"lease_duration": LEASE_S})
+                api.call(lambda c: c.renew_concurrency_lease(uuid.UUID(lease),
+                                                             lease_duration=LEASE_S),
+                         f"renew the lease of {name}")
             except SchedError as exc:
                 warn(f"could not renew the repository lock {name}: {exc}")
 
@@ -117,8 +123,8 @@ def repo_lock(
     finally:
         stop.set()
         try:
-            api.call("POST", "/v2/concurrency_limits/decrement-with-lease",
-                     json={"lease_id": lease})
+            api.call(lambda c: c.release_concurrency_slots_with_lease(uuid.UUID(lease)),
+                     f"release the lease of {name}")
         except SchedError as exc:
             warn(f"could not release the repository lock {name} (its lease ends by itself "
                  f"within {LEASE_S:g} s): {exc}")

@@ -166,11 +166,27 @@ class AgentSettings(LayeredSettings):
         timedelta(seconds=60),
         description="the longest the node stays silent to its controller (its long poll, or a "
         "report); 10 s to 1 h. The controller calls a node silent after a few of these")
+    work_pool: str = Field(
+        "sched-agent", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="the Prefect work pool of the node's deployments: the node is one of its "
+        "workers, its runs in a queue named after it; planned runs wait in its paused "
+        "queue `planned` (created, a `process` pool, when missing)")
+    worker_poll: Seconds = Field(
+        timedelta(seconds=240),
+        description="how often the node, as its pool's worker, looks at its queue when nothing "
+        "woke it (a Run is taken at once when the node is woken); each look keeps its "
+        "deployments Ready, on a server whose deployment and work-queue poll timeouts "
+        "are longer than this (`PREFECT_SERVER_SERVICES_FOREMAN_*_LAST_POLLED_TIMEOUT_"
+        "SECONDS`, docs/agent.md)")
+    worker_heartbeat: Seconds = Field(
+        timedelta(seconds=720),
+        description="how often the node tells its pool it is alive (the Workers tab); Prefect "
+        "shows it offline after three of these without one")
     record_task_run: bool = Field(
         True,
-        description="record each job's command as a task run whose states are its tries "
-        "(Running, AwaitingRetry, Retrying); `false`: the tries are in the artifact and "
-        "the output in the run's logs, 2 requests a job fewer (a large fleet: "
+        description="record each try of a job's command as a `run-command` task run (Running, "
+        "then Completed or Failed); `false`: the tries are in the artifact and the "
+        "output in the run's logs, 2 requests a job fewer (a large fleet: "
         "docs/scaled.md)")
     record_artifact: bool = Field(
         True,

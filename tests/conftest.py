@@ -9,6 +9,7 @@ pytest_plugins = ["tests.fixtures_pg", "tests.fixtures_prefect"]
 LONG_FIRST = (
     "tests/test_node_outage.py",
     "tests/test_node_kill.py",
+    "tests/test_flows.py",
     "tests/test_scaled_layout.py",
     "tests/test_failover.py",
 )

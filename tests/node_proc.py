@@ -15,7 +15,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 from sched_node.node import Node
-from sched_node.prefect_api import PrefectApi, api_settings
+from sched_node.prefect_api import PrefectApi
 from sched_node.settings import load_settings
 
 
@@ -24,7 +24,7 @@ def main() -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     offset = timedelta(seconds=float(os.environ.get("SCHED_TEST_OFFSET_S", "0")))
-    node = Node(load_settings(), api=PrefectApi(api_settings()),
+    node = Node(load_settings(), api=PrefectApi(),
                 clock=lambda: datetime.now(UTC) + offset)
     signal.signal(signal.SIGTERM, lambda *_: node.stop())
     print(f"node-proc {os.getpid()} started", flush=True)

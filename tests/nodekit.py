@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sched_node.node import Node
-from sched_node.prefect_api import ApiSettings, PrefectApi
+from sched_node.prefect_api import PrefectApi, new_state
 from sched_node.settings import load_settings
 from tests.procs import ROOT, start, wait_for
 
@@ -119,7 +119,7 @@ class NodeUnderTest:
         """Return the Node (built once)."""
         if self.node is None:
             settings = load_settings(self.config)
-            self.node = Node(settings, api=PrefectApi(ApiSettings(url=self.api_url)),
+            self.node = Node(settings, api=PrefectApi(self.api_url),
                              clock=self.clock)
         return self.node
 
@@ -157,18 +157,33 @@ class NodeUnderTest:
 
 
 class Prefect:
-    """What the tests read of Prefect (through the same REST API the node writes)."""
+    """What the tests read of Prefect and ask of it, through Prefect's client (as the node's
+    ``PrefectApi`` and the operator's tools do), as JSON objects."""
 
     def __init__(self, url: str) -> None:
-        self.api = PrefectApi(ApiSettings(url=url))
+        self.api = PrefectApi(url)
+
+    @property
+    def client(self) -> Any:
+        """Prefect's client (``SyncPrefectClient``)."""
+        return self.api.client
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """Send one request of the API through Prefect's client; return its JSON answer."""
+        response = self.api.call(lambda c: c.request(method, path, **kwargs),  # type: ignore[arg-type]
+                                 f"{method} {path}")
+        return response.json() if response.content else None
 
     def runs(self, **flow_runs: Any) -> list[dict[str, Any]]:
         """Return the flow runs a filter selects (all pages)."""
+        from prefect.client.schemas.filters import FlowRunFilter
+
         found: list[dict[str, Any]] = []
         offset = 0
+        wanted = FlowRunFilter.model_validate(flow_runs)
         while True:
-            page = self.api.filter_runs({"flow_runs": flow_runs, "limit": 200,
-                                         "offset": offset, "sort": "EXPECTED_START_TIME_ASC"})
+            page = self.api.filter_runs(wanted, limit=200, offset=offset,
+                                        sort="EXPECTED_START_TIME_ASC")
             found += page
             if len(page) < 200:
                 return found
@@ -184,9 +199,53 @@ class Prefect:
 
     def logs(self, run_id: str) -> list[str]:
         """Return a run's log messages, oldest first."""
-        found = self.api.filter_logs({"logs": {"flow_run_id": {"any_": [run_id]}},
-                                      "sort": "TIMESTAMP_ASC", "limit": 200})
+        from prefect.client.schemas.filters import LogFilter
+
+        found = self.api.filter_logs(LogFilter.model_validate(
+            {"flow_run_id": {"any_": [run_id]}}))
         return [str(item["message"]) for item in found]
+
+    def artifacts(self, run_id: str) -> list[dict[str, Any]]:
+        """Return a run's artifacts."""
+        return self.api.run_artifacts(run_id)
+
+    def task_runs(self, run_id: str) -> list[dict[str, Any]]:
+        """Return a flow run's task runs, oldest first, each with its states (``states``)."""
+        found = self.request("POST", "/task_runs/filter", json={
+            "flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC"})
+        for item in found:
+            states = self.request("GET", "/task_run_states/",
+                                  params={"task_run_id": item["id"]})
+            item["states"] = sorted(states, key=lambda state: state["timestamp"])
+        return list(found)
+
+    def deployment(self, flow: str, node: str) -> dict[str, Any] | None:
+        """Return the deployment ``flow/node`` (None when there is none)."""
+        return self.api.deployment_by_name(flow, node)
+
+    def ensure_deployment(self, flow: str, name: str) -> str:
+        """Create (or find) a bare deployment ``flow/name`` through Prefect's client."""
+        return str(self.api.call(lambda c: c.create_deployment(
+            flow_id=c.create_flow_from_name(flow), name=name), f"deploy {flow}/{name}"))
+
+    def create_run(self, flow: str, node: str, parameters: dict[str, Any],
+                   **fields: Any) -> str:
+        """Create a run of ``flow/node`` now, as the UI's Run does; return its id."""
+        from prefect.client.schemas.actions import DeploymentFlowRunCreate
+        from prefect.states import to_state_create
+
+        deployment = self.deployment(flow, node)
+        assert deployment is not None, f"no deployment {flow}/{node}"
+        created = self.api.create_run(str(deployment["id"]), DeploymentFlowRunCreate(
+            parameters=parameters, state=to_state_create(new_state("SCHEDULED")), **fields))
+        return str(created["id"])
+
+    def retry(self, run_id: str) -> str:
+        """Press the UI's Retry on a run: the very request the UI sends; return the answer."""
+        answer = self.request("POST", f"/flow_runs/{run_id}/set_state", json={
+            "state": {"type": "SCHEDULED", "name": "AwaitingRetry",
+                      "message": "Retry from the UI"}, "force": False})
+        return str(answer["status"])
 
     def events(self, name: str, node: str, *, at_least: int = 1,
                timeout: float = 20) -> list[dict[str, Any]]:
@@ -199,23 +258,23 @@ class Prefect:
         now = datetime.now(UTC)
         deadline = time.monotonic() + timeout
         while True:
-            data = self.api.call("POST", "/events/filter", json={"filter": {
+            data = self.request("POST", "/events/filter", json={"filter": {
                 "event": {"name": [name]}, "resource": {"id": [f"sched.agent.{node}"]},
                 "occurred": {"since": (now - day).isoformat(), "until": (now + day).isoformat()},
-                "any_resource": None}, "limit": 50}).json()
+                "any_resource": None}, "limit": 50})
             events: list[dict[str, Any]] = data["events"]
             if len(events) >= at_least or time.monotonic() > deadline:
                 return events
             time.sleep(0.3)
 
     def close(self) -> None:
-        """Close the HTTP client."""
+        """Close the client."""
         self.api.close()
 
     def states(self, run_id: str) -> list[dict[str, Any]]:
         """Return a run's states, oldest first."""
-        data: list[dict[str, Any]] = self.api.call(
-            "GET", f"/flow_run_states/?flow_run_id={run_id}").json()
+        data: list[dict[str, Any]] = self.request("GET", "/flow_run_states/",
+                                                  params={"flow_run_id": run_id})
         return sorted(data, key=lambda item: item["timestamp"])
 
 

@@ -414,17 +414,20 @@ class Node:
     def run(self, schedule_id: str) -> Outcome:
         """Run the cached row by id as an operator's ad hoc run: created in Prefect, taken by
         the node, recorded back (the node's own path for a Run of ``run-job/<node>``)."""
+        from prefect.client.schemas.actions import DeploymentFlowRunCreate
         from prefect.settings import PREFECT_API_URL
+        from prefect.states import to_state_create
 
         from sched_node.node import Node as AgentNode
-        from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
+        from sched_node.prefect_api import PrefectApi, new_state
 
-        api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+        api = PrefectApi(str(PREFECT_API_URL.value()))
         agent = AgentNode(load_settings(), api=api)
         try:
             deployment = agent.deployments.get()["run-job"]
-            created = api.create_run(deployment, {"parameters": {"schedule_id": schedule_id},
-                                                  "state": state_body("SCHEDULED")})
+            created = api.create_run(deployment, DeploymentFlowRunCreate(
+                parameters={"schedule_id": schedule_id},
+                state=to_state_create(new_state("SCHEDULED"))))
             assert agent.control.check() == 1, "the node took the run"
             assert agent.jobs.wait_idle(120), "the job ended"
             agent.recorder.drain()
@@ -440,13 +443,15 @@ def _argv(outcome: Outcome) -> list[str]:
     """Return the command line a run ran, from the node's line in its log (``running [...]``)."""
     import ast
 
+    from prefect.client.schemas.filters import LogFilter
     from prefect.settings import PREFECT_API_URL
 
-    from sched_node.prefect_api import ApiSettings, PrefectApi
+    from sched_node.prefect_api import PrefectApi
 
-    api = PrefectApi(ApiSettings(url=str(PREFECT_API_URL.value())))
+    api = PrefectApi(str(PREFECT_API_URL.value()))
     try:
-        logs = api.filter_logs({"logs": {"flow_run_id": {"any_": [outcome.flow_run_id]}}})
+        logs = api.filter_logs(LogFilter.model_validate(
+            {"flow_run_id": {"any_": [outcome.flow_run_id]}}))
     finally:
         api.close()
     line = next(item["message"] for item in logs if item["message"].startswith("running ["))

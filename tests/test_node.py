@@ -19,7 +19,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from sched_node.identity import job_run_name
-from sched_node.prefect_api import state_body
+from sched_node.prefect_api import new_state
 from tests.nodekit import NodeUnderTest, Prefect, chain_row, final, offset_to, row, wait_runs
 from tests.procs import wait_for
 
@@ -79,9 +79,12 @@ def test_a_window_starts_at_its_instant_never_before_and_prefect_records_it(
     assert len(events) == 1
     assert events[0]["payload"]["state"] == "Completed"
     assert events[0]["occurred"] == run["state"]["message"].rsplit(" to ", 1)[1].rstrip(")")
-    artifacts = prefect.api.filter_artifacts(
-        {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    artifacts = prefect.artifacts(run["id"])
     assert len(artifacts) == 1 and "exit code" in artifacts[0]["data"]
+    assert run["parameters"] == {"schedule_id": "s-1"}, "a schedule, never a time"
+    assert run["work_queue_name"] == "planned", "planned in the pool's paused queue"
+    (task,) = prefect.task_runs(run["id"])
+    assert [state["type"] for state in task["states"]] == ["RUNNING", "COMPLETED"]
     upcoming = _upcoming(prefect, node.name)
     assert len(upcoming) >= 3, "the coming windows are planned as Scheduled runs"
     assert all(item["expected_start_time"] > run["expected_start_time"] for item in upcoming)
@@ -96,12 +99,14 @@ def test_a_failing_command_is_tried_again_and_ends_failed_with_its_error(
     assert run["state"]["type"] == "FAILED"
     assert run["state"]["message"].startswith("sh exited with code 2 (after 2 tries)")
     assert prefect.logs(run["id"]).count("failing f-1") == 2
-    tasks = prefect.api.call("POST", "/task_runs/filter", json={
-        "flow_runs": {"id": {"any_": [run["id"]]}}}).json()
-    assert len(tasks) == 1
-    history = prefect.api.call("GET", f"/task_run_states/?task_run_id={tasks[0]['id']}").json()
-    names = [state["name"] for state in sorted(history, key=lambda item: item["timestamp"])]
+    # The row's retry is Prefect's: the flow run goes AwaitingRetry, then Retrying, and
+    # counts two runs; each try is a task run of its own that failed.
+    names = [state["name"] for state in prefect.states(run["id"])]
     assert names[-4:] == ["Running", "AwaitingRetry", "Retrying", "Failed"], names
+    assert run["run_count"] == 2 and run["empirical_policy"]["retries"] == 1
+    tasks = prefect.task_runs(run["id"])
+    assert [[state["name"] for state in task["states"]] for task in tasks] == [
+        ["Running", "Failed"], ["Running", "Failed"]]
     (event,) = [item for item in prefect.events("sched.job.failed", node.name, at_least=2)
                 if item["payload"]["flow_run_id"] == run["id"]]
     assert event["payload"]["error"] == "sh exited with code 2"
@@ -153,20 +158,12 @@ def test_the_chain_prunes_then_checks_after_a_wave_and_not_after_a_failed_one(
     by_stage = {run["name"].split("-", 1)[0]: run for run in chain}
     assert by_stage["prune"]["state"]["type"] == "COMPLETED"
     assert by_stage["check"]["state"]["type"] == "COMPLETED"
-    assert by_stage["prune"]["parameters"]["key"] in {f"p-1@prune@{d}" for d in days}
+    assert by_stage["prune"]["idempotency_key"] in {f"{good.name}:p-1@prune@{d}" for d in days}
     assert by_stage["check"]["start_time"] >= by_stage["prune"]["end_time"]
     assert not [run for run in prefect.node_runs(bad.name)
                 if any(tag.startswith("trigger:chain-") for tag in run["tags"])]
     (only,) = failed.values()
     assert any("stage prune not fired" in line for line in prefect.logs(only["id"]))
-
-
-def _create_run(prefect: Prefect, flow: str, node: str, parameters: dict[str, Any]) -> str:
-    deployment = prefect.api.deployment_by_name(flow, node)
-    assert deployment is not None, f"{flow}/{node} is registered"
-    created = prefect.api.create_run(deployment["id"], {
-        "parameters": parameters, "state": state_body("SCHEDULED")})
-    return str(created["id"])
 
 
 def test_an_ad_hoc_run_starts_within_seconds_and_a_cancel_stops_its_command(
@@ -177,22 +174,22 @@ def test_an_ad_hoc_run_starts_within_seconds_and_a_cancel_stops_its_command(
                           row("slow", every=None, minute="7", hours=["3"], sleep=300)])
     node.start()
     try:
-        wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
+        wait_for("the node's deployments", lambda: prefect.deployment(
             "run-job", node.name) is not None, 30)
         assert node.node is not None
         wait_for("the node's event stream", lambda: bool(
             node.node and node.node.channel.stream
             and node.node.channel.stream.connected.is_set()), 30)
         asked = time.monotonic()
-        quick = _create_run(prefect, "run-job", node.name, {"schedule_id": "q-1"})
+        quick = prefect.create_run("run-job", node.name, {"schedule_id": "q-1"})
         wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(quick)), 30)
         took = time.monotonic() - asked
-        slow = _create_run(prefect, "run-job", node.name, {"schedule_id": "slow"})
+        slow = prefect.create_run("run-job", node.name, {"schedule_id": "slow"})
         wait_for("the slow run Running", lambda: (prefect.api.read_run(slow) or {}).get(
             "state", {}).get("type") == "RUNNING", 30)
         pid = _command_pid(node.state)
         cancel = time.monotonic()
-        prefect.api.set_state(slow, state_body("CANCELLING", message="stop it"), force=False)
+        prefect.api.set_state(slow, new_state("CANCELLING", message="stop it"), force=False)
         wait_for("the slow run Cancelled", lambda: (prefect.api.read_run(slow) or {}).get(
             "state", {}).get("type") == "CANCELLED", 30)
         stopped = time.monotonic() - cancel
@@ -233,14 +230,16 @@ def test_a_reconcile_run_from_prefect_reconciles_and_is_recorded_into_that_run(
             and node.node.channel.stream.connected.is_set()), 30)
         node.write_rows([row("r-1", every=None, minute="7", hours=["3"]),
                          row("r-2", every=None, minute="9", hours=["3"])])
-        run_id = _create_run(prefect, "reconcile", node.name, {})
+        run_id = prefect.create_run("reconcile", node.name, {})
         wait_for("the reconcile run's end", lambda: final(prefect.api.read_run(run_id)), 30)
     finally:
         node.stop()
     run = prefect.api.read_run(run_id)
     assert run is not None and run["state"]["type"] == "COMPLETED", run
-    (artifact,) = prefect.api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [run_id]}}})
-    assert "| added | `r-2` |" in artifact["data"]
+    (artifact,) = prefect.artifacts(run_id)
+    # The pull file's watch (every 2 s) may have pulled r-2 just before: either way the
+    # run asked for reconciled, and its plan holds r-2.
+    assert "why: on demand" in artifact["data"] and "| `r-2` | test r-2 |" in artifact["data"]
     added = [event["payload"]["added_ids"]
              for event in prefect.events("sched.schedules.changed", node.name, at_least=2)]
     assert sorted(added) == [["r-1"], ["r-2"]], "the start's pull, then the one asked for"

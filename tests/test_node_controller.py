@@ -24,7 +24,6 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.testing import serve_in_thread
 from controller.waits import NodeWaits, PrefectRelay
-from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
 from tests.nodekit import NodeUnderTest, Prefect, final, row
 from tests.procs import wait_for
 
@@ -97,14 +96,13 @@ def test_a_wait_answers_a_write_and_a_prefect_run_at_once_and_else_its_timeout(
     thread.join(30)
     (written, took), = found
     assert written["etag"] != first["etag"] and took < 5
-    api = PrefectApi(ApiSettings(url=prefect_server))
+    api = Prefect(prefect_server)
     try:
-        deployment = api.ensure_deployment(api.ensure_flow("run-job"), center.node)
+        api.ensure_deployment("run-job", center.node)
         thread, found = _later(lambda: center.wait(etag=written["etag"],
                                                    seen=written["prefect"], timeout=30))
         time.sleep(0.5)
-        api.create_run(deployment, {"parameters": {"schedule_id": "s-1"},
-                                    "state": state_body("SCHEDULED")})
+        api.create_run("run-job", center.node, {"schedule_id": "s-1"})
         thread.join(30)
         (woken, took), = found
         assert woken["prefect"] != written["prefect"] and woken["relay"] is True
@@ -112,8 +110,7 @@ def test_a_wait_answers_a_write_and_a_prefect_run_at_once_and_else_its_timeout(
         # The node's own runs (its plan: a trigger tag) wake nobody.
         thread, found = _later(lambda: center.wait(etag=woken["etag"], seen=woken["prefect"],
                                                    timeout=3))
-        api.create_run(deployment, {"parameters": {}, "tags": ["trigger:schedule"],
-                                    "state": state_body("SCHEDULED")})
+        api.create_run("run-job", center.node, {}, tags=["trigger:schedule"])
         thread.join(30)
         (planned, _), = found
         assert planned["prefect"] == woken["prefect"]
@@ -135,13 +132,10 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
     try:
         # Held by the controller: nothing was made for the node (its own records wake nobody).
         wait_for("the node's wait", lambda: center.waits.waiting >= 1, 30)
-        wait_for("the node's deployments", lambda: prefect.api.deployment_by_name(
+        wait_for("the node's deployments", lambda: prefect.deployment(
             "run-job", center.node) is not None, 30)
-        deployment = prefect.api.deployment_by_name("run-job", center.node)
-        assert deployment is not None
         asked = time.monotonic()
-        run = prefect.api.create_run(deployment["id"], {"parameters": {"schedule_id": "q-1"},
-                                                        "state": state_body("SCHEDULED")})
+        run = {"id": prefect.create_run("run-job", center.node, {"schedule_id": "q-1"})}
         wait_for("the ad hoc run's end", lambda: final(prefect.api.read_run(str(run["id"]))),
                  30)
         took = time.monotonic() - asked
@@ -165,11 +159,10 @@ def test_a_first_wait_is_answered_at_once_only_when_the_node_was_poked(
     started (a run made while the node was away)."""
     _, took = center.wait(timeout=1)
     assert took >= 0.9, "a first wait with nothing to say was answered at once"
-    api = PrefectApi(ApiSettings(url=prefect_server))
+    api = Prefect(prefect_server)
     try:
-        deployment = api.ensure_deployment(api.ensure_flow("run-job"), center.node)
-        api.create_run(deployment, {"parameters": {"schedule_id": "s-1"},
-                                    "state": state_body("SCHEDULED")})
+        api.ensure_deployment("run-job", center.node)
+        api.create_run("run-job", center.node, {"schedule_id": "s-1"})
         wait_for("the relay's poke", lambda: center.waits.poked(center.node), 30)
     finally:
         api.close()
@@ -191,8 +184,7 @@ def test_a_restart_asks_prefect_nothing_and_takes_a_run_made_while_it_was_away(
             f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
         built = node.build()
         sent: list[str] = []
-        built.api._client.event_hooks["request"].append(
-            lambda request: sent.append(request.url.path))
+        built.api.watch(lambda request: sent.append(request.url.path))
         node.start()
         wait_for("the start's reconcile", lambda: built.reconciler.finished >= 1, 60)
         return node, built, sent
@@ -205,10 +197,7 @@ def test_a_restart_asks_prefect_nothing_and_takes_a_run_made_while_it_was_away(
         node.stop()
         assert sent == [] and built.control.checks == 0, sent
 
-        deployment = prefect.api.deployment_by_name("run-job", center.node)
-        assert deployment is not None
-        run = prefect.api.create_run(deployment["id"], {"parameters": {"schedule_id": "q-1"},
-                                                        "state": state_body("SCHEDULED")})
+        run = {"id": prefect.create_run("run-job", center.node, {"schedule_id": "q-1"})}
         wait_for("the relay's poke", lambda: center.waits.poked(center.node), 30)
         asked = time.monotonic()
         node, built, sent = start()

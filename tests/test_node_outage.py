@@ -116,12 +116,11 @@ def test_killed_in_mid_drain_with_the_server_back_in_mid_job_nothing_is_recorded
         run = runs[name]
         kinds = [state["type"] for state in prefect.states(run["id"])]
         expected = "FAILED" if sid == "chatty" else "COMPLETED"
-        assert kinds.count("RUNNING") == 1 and kinds.count(expected) == 1, (sid, kinds)
+        tries = 2 if sid == "chatty" else 1  # chatty fails and is tried again: Retrying
+        assert kinds.count("RUNNING") == tries and kinds.count(expected) == 1, (sid, kinds)
         logs = prefect.logs(run["id"])
         assert len(logs) == len(set(logs)) or sid == "chatty", (sid, logs)
-        artifacts = prefect.api.filter_artifacts({"artifacts": {"flow_run_id": {
-            "any_": [run["id"]]}}})
-        assert len(artifacts) == 1, sid
+        assert len(prefect.artifacts(run["id"])) == 1, sid
     assert prefect.logs(runs[names["chatty"]]["id"]).count("failing chatty") == 2
     assert "done long" in prefect.logs(runs[names["long"]]["id"])
     assert len(prefect.events("sched.job.completed", node.name, at_least=2)) == 2

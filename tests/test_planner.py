@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from prefect.client.schemas.filters import FlowRunFilter
+
 from sched_core.firing import NodeView
 from sched_core.model import LocalSchedule
 from sched_core.values import parse_api_time
 from sched_node.identity import AGENT_TAG
 from sched_node.planner import Planner
-from sched_node.prefect_api import ApiSettings, PrefectApi
+from sched_node.prefect_api import PrefectApi
 from sched_node.registration import RUN_JOB, Deployments
 
 UTC_ZONE = ZoneInfo("UTC")
@@ -34,9 +36,8 @@ def _row(**extra: Any) -> LocalSchedule:
 
 def _scheduled(api: PrefectApi, deployment: str) -> dict[str, datetime]:
     """Return the deployment's Scheduled runs: name to expected start."""
-    runs = api.filter_runs({"flow_runs": {"deployment_id": {"any_": [deployment]},
-                                          "state": {"type": {"any_": ["SCHEDULED"]}}},
-                            "limit": 200})
+    runs = api.filter_runs(FlowRunFilter.model_validate({
+        "deployment_id": {"any_": [deployment]}, "state": {"type": {"any_": ["SCHEDULED"]}}}))
     found = {run["name"]: parse_api_time(run["expected_start_time"]) for run in runs}
     return {name: at for name, at in found.items() if at is not None}
 
@@ -44,7 +45,7 @@ def _scheduled(api: PrefectApi, deployment: str) -> dict[str, datetime]:
 def test_the_planner_moves_a_rejittered_run_and_deletes_the_runs_a_new_pause_skips(
     tmp_path: Path, prefect_server: str,
 ) -> None:
-    api = PrefectApi(ApiSettings(url=prefect_server))
+    api = PrefectApi(prefect_server)
     node = f"plan-{uuid.uuid4().hex[:8]}"
     deployments = Deployments(api, node, tags=[AGENT_TAG])
     now = datetime.now(UTC)

@@ -155,15 +155,17 @@ def _wait(read: Callable[[], list[Any]], timeout: float = 30) -> list[Any]:
 AGENT = """
 import json
 from sched_node.node import Node
-from sched_node.prefect_api import PrefectApi, api_settings, state_body
+from prefect.client.schemas.actions import DeploymentFlowRunCreate
+from prefect.states import to_state_create
+from sched_node.prefect_api import PrefectApi, new_state
 from sched_node.settings import load_settings
-api = PrefectApi(api_settings())
+api = PrefectApi()
 node = Node(load_settings(), api=api)
-ids = node.deployments.get()  # registers run-job/<node> and reconcile/<node>
+ids = node.deployments.get()  # registers run-job/<node>, reconcile/<node>, chain/<node>
 node.reconciler.reconcile([("start", None)])  # pull, plan, record the reconcile
-run = api.create_run(ids["run-job"], {"parameters": {"schedule_id": "s-1"},
-                                      "state": state_body("SCHEDULED")})
-assert node.control.check() == 1  # the node takes the ad hoc run and runs the cached row
+run = api.create_run(ids["run-job"], DeploymentFlowRunCreate(
+    parameters={"schedule_id": "s-1"}, state=to_state_create(new_state("SCHEDULED"))))
+assert node.control.check() == 1  # the node, its pool's worker, takes the ad hoc run
 assert node.jobs.wait_idle(60)
 node.recorder.drain()
 out = {"schedules": len(node.scheduler.schedules()), "run_id": str(run["id"]),

@@ -15,10 +15,11 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+from prefect.client.schemas.filters import LogFilter
 
 from sched_node.identity import JobRef
 from sched_node.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from sched_node.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable
+from sched_node.prefect_api import PrefectApi, PrefectUnavailable
 from sched_node.recorder import Recorder
 from sched_node.registration import Deployments
 from tests.factories import Clock
@@ -35,7 +36,7 @@ NEW_YORK = ZoneInfo("America/New_York")
 
 @pytest.fixture
 def api(prefect_server: str) -> Iterator[PrefectApi]:
-    client = PrefectApi(ApiSettings(url=prefect_server))
+    client = PrefectApi(prefect_server)
     yield client
     client.close()
 
@@ -89,7 +90,7 @@ def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
     ended = started + timedelta(seconds=3)
     clock = Clock(ended + timedelta(minutes=40))  # the server came back 40 minutes later
     folder = _job(outbox, node, started=started, ended=ended, lines=["one", "two", "three"])
-    away = PrefectApi(ApiSettings(url=f"http://127.0.0.1:{free_port()}/api"))
+    away = PrefectApi(f"http://127.0.0.1:{free_port()}/api")
     with pytest.raises(PrefectUnavailable):  # the node's first try: nobody answers
         _recorder(away, outbox, node, clock).drain()
     away.close()
@@ -103,8 +104,7 @@ def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
     assert message.endswith("recorded after the Prefect server came back")
     running = [state for state in prefect.states(run_id) if state["type"] == "RUNNING"]
     assert len(running) == 1 and "recorded late" in running[0]["message"]
-    logs = api.filter_logs({"logs": {"flow_run_id": {"any_": [run_id]}},
-                            "sort": "TIMESTAMP_ASC"})
+    logs = api.filter_logs(LogFilter.model_validate({"flow_run_id": {"any_": [run_id]}}))
     command = [(item["message"], item["timestamp"]) for item in logs
                if item["task_run_id"] is not None]
     assert [text for text, _ in command] == ["one", "two", "three"]
@@ -114,7 +114,7 @@ def test_a_job_recorded_late_keeps_its_real_times_and_says_it_ran_offline(
     assert event["payload"]["offline"] is True
 
 
-@pytest.mark.parametrize("step", ["running", "logs", "artifact", "final", "event"])
+@pytest.mark.parametrize("step", ["flow_state:0", "logs", "artifact", "flow_state:1", "event"])
 def test_a_record_cut_off_after_a_step_reached_the_server_is_not_sent_twice(
     api: PrefectApi, prefect: Prefect, outbox: Outbox, step: str,
 ) -> None:
@@ -132,6 +132,9 @@ def test_a_record_cut_off_after_a_step_reached_the_server_is_not_sent_twice(
         size = folder.attempt_path(1, "out").stat().st_size
         progress["inflight"] = f"logs:a1:0:{size}"
         progress["bytes"]["a1"] = 0
+    elif step.startswith("flow_state:"):  # Running (0) or the final state (1)
+        progress["inflight"] = step
+        progress["flow_states"] = int(step.split(":")[1])
     else:
         progress["inflight"] = step
         progress.pop(step, None)
@@ -142,11 +145,10 @@ def test_a_record_cut_off_after_a_step_reached_the_server_is_not_sent_twice(
     run_id = progress["flow_run_id"]
     kinds = [state["type"] for state in prefect.states(run_id)]
     assert kinds.count("RUNNING") == 1 and kinds.count("COMPLETED") == 1, kinds
-    command = [item["message"] for item in api.filter_logs(
-        {"logs": {"flow_run_id": {"any_": [run_id]}}}) if item["task_run_id"] is not None]
+    command = [item["message"] for item in api.filter_logs(LogFilter.model_validate(
+        {"flow_run_id": {"any_": [run_id]}})) if item["task_run_id"] is not None]
     assert sorted(command) == ["a", "b"]
-    artifacts = api.filter_artifacts({"artifacts": {"flow_run_id": {"any_": [run_id]}}})
-    assert len(artifacts) == 1
+    assert len(api.run_artifacts(run_id)) == 1
     assert len(prefect.events("sched.job.completed", node)) == 1
 
 
@@ -157,7 +159,7 @@ def test_a_deleted_deployment_is_registered_again_and_the_job_recorded(
     outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
     recorder = _recorder(api, outbox, node, Clock(WINDOW + timedelta(seconds=5)))
     ids = recorder.deployments.get()
-    api.call("DELETE", f"/deployments/{ids['run-job']}")
+    prefect.request("DELETE", f"/deployments/{ids['run-job']}")
     folder = _job(outbox, node, started=WINDOW, ended=WINDOW + timedelta(seconds=1),
                   lines=["x"])
     assert recorder.drain() is False

@@ -6,6 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from sched_node.registration import SERVER_SETTINGS
 from scripts.scaled_parts.config import ROOT, Layout
 from scripts.scaled_parts.procs import LayoutError, alive, tail
 
@@ -54,6 +55,7 @@ def prefect_server_env(layout: Layout, home: Path) -> dict[str, str]:
         "PREFECT_SERVER_DOCKET_URL": f"{redis}/1",
         # As `make run`: the services process deletes runs and events older than 7 days.
         "PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED": "events,flow_runs",
+        **SERVER_SETTINGS,  # the nodes' deployments Ready between their polls
         "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": str(7 * 24 * 3600),
         "PREFECT_UI_API_URL": layout.prefect_url,
     })
