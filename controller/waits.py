@@ -115,10 +115,13 @@ class NodeWaits:
 
     def poke(self, node: str, kind: str, at: datetime | None = None) -> None:
         """Wake node's waits; kind ``prefect`` also moves its counter to at (its event's
-        time; now when None) if that is newer (any thread)."""
+        time; now when None or later: an event dated in the future, which anyone with the
+        Prefect API can post, would hold the counter there and every genuine event after it
+        would wake nobody) if that is newer (any thread)."""
         with self._lock:
             if kind == "prefect":
-                micros = int((at or datetime.now(UTC)).timestamp() * 1_000_000)
+                now = datetime.now(UTC)
+                micros = int(min(at or now, now).timestamp() * 1_000_000)
                 self._newest[node] = max(self._newest.get(node, 0), micros)
             self.pokes += 1
             loop = self._loop

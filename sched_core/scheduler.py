@@ -90,6 +90,8 @@ class Scheduler:
         self._config = config
         self._tz = config.tz
         self._held_logged: dict[str, str] = {}
+        self._stamped: dict[tuple[str, datetime], datetime | None] = {}
+        """Each window start_window stamped, and the stamp it replaced (for unstamp)."""
         self.store = CacheStore(config.path, config.tz, now=now_or_clock(now))
         self._runner = Runner(
             tick=self.tick,
@@ -270,8 +272,30 @@ class Scheduler:
             )
             if decision.stamp:
                 cache.last_fired_at[schedule_id] = window if last is None else max(last, window)
-                self.store.save()
+                try:
+                    self.store.save()
+                except OSError:
+                    # Not on disk: not in memory either (a full or read-only disk), so the
+                    # window is neither run nor lost: the caller tries it again.
+                    _restore(cache.last_fired_at, schedule_id, last)
+                    raise
+                self._stamped[(schedule_id, window)] = last
+                while len(self._stamped) > STAMPS_KEPT:
+                    self._stamped.pop(next(iter(self._stamped)))
         return decision, None if row is None else copy_row(row)
+
+    def unstamp(self, schedule_id: str, window: datetime, *, now: datetime | None = None) -> None:
+        """Take back the stamp :meth:`start_window` made for window, when what the caller was
+        to start did not start (OSError when the file cannot be written either)."""
+        now = now_or_clock(now)
+        window = as_utc(window, "window")
+        if (schedule_id, window) not in self._stamped:
+            return
+        before = self._stamped.pop((schedule_id, window))
+        with self._current(now) as cache:
+            if cache.last_fired_at.get(schedule_id) == window:
+                _restore(cache.last_fired_at, schedule_id, before)
+                self.store.save()
 
     def fire_matching_report(
         self,
@@ -403,6 +427,18 @@ class Scheduler:
     def stop(self) -> None:
         """Stop the loops and wait for them; safe to call more than once."""
         self._runner.stop()
+
+
+STAMPS_KEPT = 1000
+"""How many of start_window's stamps unstamp can still take back (the latest)."""
+
+
+def _restore(stamps: dict[str, datetime], schedule_id: str, before: datetime | None) -> None:
+    """Put a schedule's last-fire stamp back as it was (none: no stamp)."""
+    if before is None:
+        stamps.pop(schedule_id, None)
+    else:
+        stamps[schedule_id] = before
 
 
 def _log_accepted(result: PullResult, good: list[LocalSchedule], rejected: list[tuple[str, str]],

@@ -48,6 +48,8 @@ class NodeChain:
         self.history = history
         self._clock = clock
         self.chain = Chain(scheduler, self._spec())
+        self.fired: list[str] = []
+        """The stages the last job's end fired."""
 
     def wave_active(self) -> bool:
         """Return whether a wave job (not an ad hoc one) is active on the node."""
@@ -101,6 +103,7 @@ class NodeChain:
         except Exception:
             log.exception("the chain failed on the end of %s", view.spec.run_name)
             return ""
+        self.fired = fired
         return self.note(view, fired, now)
 
     def note(self, view: JobView, fired: list[str], now: datetime) -> str:

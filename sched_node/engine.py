@@ -40,6 +40,8 @@ class EngineRuns:
             proc = subprocess.Popen([sys.executable, "-m", "prefect.engine"], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
+        # Reaped by a thread of its own when it ends, whether the node still runs or not.
+        threading.Thread(target=proc.wait, name=f"engine-{run_id}", daemon=True).start()
         with self._lock:
             self._procs = {key: item for key, item in self._procs.items()
                            if item.poll() is None}

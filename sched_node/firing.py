@@ -22,16 +22,24 @@ One turn of the loop (:meth:`FiringLoop.turn`), at ``now``:
    past :data:`MAX_SLEEP_S` (the wall clock may jump), and wake early when the
    schedules change. A window never starts before its start: the loop checks
    the wall clock after waking and sleeps on until it is there.
+5. A window that cannot start (its stamp or its job cannot be written: a full or
+   read-only state folder) is neither run nor stamped, and holds up no other
+   window: it is tried again every :data:`RETRY_S` while within its grace, then
+   ends with its reason (``fail``: a Failed record saying "not started: the
+   node's state folder is full ...", its event, the node's report and alerts),
+   written as soon as the disk takes it. A ``decided.json`` the disk refuses is
+   kept in memory and written at a later turn.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from sched_core.firing import Due, NodeView, due_now, next_start
@@ -45,6 +53,26 @@ log = logging.getLogger(__name__)
 
 MAX_SLEEP_S = 30.0
 """The longest the loop sleeps without looking at the clock again."""
+RETRY_S = 1.0
+"""How soon a window that could not start (step 5) is tried again."""
+
+
+@dataclass(frozen=True)
+class Failing:
+    """A window that could not start yet: when it first failed, and why."""
+
+    due: Due
+    since: datetime
+    reason: str
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Return why a window could not start, in words (a full or read-only disk said so)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the node's state folder is full ({exc.strerror}: {exc.filename})"
+    if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"the node's state folder cannot be written ({exc.strerror}: {exc.filename})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Decided:
@@ -101,18 +129,22 @@ class FiringLoop:
     fire: Callable[[Due, StartDecision, bool], None]
     skip: Callable[[Due, datetime, str], None]
     on_missed: Callable[[list[Missed], NodeView], None]
+    fail: Callable[[Due, str], None] = lambda due, reason: None
     turns: int = field(default=0, init=False)
+    failing: dict[tuple[str, datetime], Failing] = field(default_factory=dict, init=False)
+    """Windows that could not start yet (step 5), by schedule and window."""
     _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _unsaved: str = field(default="", init=False, repr=False)
 
     def wake(self) -> None:
         """Look again now (the schedules changed)."""
         self._wake.set()
 
     def turn(self, now: datetime) -> datetime | None:
-        """Decide everything due at now (steps 1-3); return the next start (or None)."""
+        """Decide everything due at now (steps 1-5); return when to look again (or None)."""
         view = self.view(now)
-        decided = self.decided.values()
-        items = missed(view, planned_through=decided, now=now)
+        self._expire(view, now)
+        items = missed(view, planned_through=self._through(), now=now)
         for item in items:
             self.decided.note(item.schedule_id, item.latest or item.windows[-1])
         recoveries = [item for item in items if item.recover is not None]
@@ -121,22 +153,85 @@ class FiringLoop:
         rows = {row.id: row for row in view.rows}
         for item in recoveries:
             assert item.recover is not None
-            row = rows[item.schedule_id]
-            window = item.recover.window
-            decision = self.guard(row.id, window, now, True)
-            due = Due(row=row, window=window, start=item.recover.start)
-            self._act(due, decision, recovery=True)
+            due = Due(row=rows[item.schedule_id], window=item.recover.window,
+                      start=item.recover.start)
+            self._try(due, now, recovery=True)
         for due in due_now(view, now=now, decided=self.decided.values()):
             for older in due.coalesced:
-                self.skip(due, older, f"coalesced into {format_go_time(due.window)}: the node "
-                                       "was not running at its start; only the latest due "
-                                       "window of a schedule runs")
-            decision = self.guard(due.row.id, due.window, now, False)
-            self._act(due, decision, recovery=False)
-            self.decided.note(due.row.id, due.window)
-        self.decided.save({row.id for row in view.rows})
+                try:
+                    self.skip(due, older, f"coalesced into {format_go_time(due.window)}: the "
+                                           "node was not running at its start; only the "
+                                           "latest due window of a schedule runs")
+                except OSError as exc:  # its Skipped record only: the latest one still runs
+                    log.error("window %s of schedule %s: its Skipped record cannot be "
+                              "written: %s", format_go_time(older), due.row.id,
+                              failure_reason(exc))
+            self._try(due, now, recovery=False)
+        self._save(view)
         self.turns += 1
-        return next_start(view, now=now, decided=self.decided.values())
+        upcoming = next_start(view, now=now, decided=self._through())
+        if self.failing:  # step 5: tried again soon, each on its own
+            soon = now + timedelta(seconds=RETRY_S)
+            upcoming = soon if upcoming is None else min(upcoming, soon)
+        return upcoming
+
+    def _try(self, due: Due, now: datetime, *, recovery: bool) -> None:
+        """Decide and start one window; a failure holds up no other (step 5)."""
+        key = (due.row.id, due.window)
+        try:
+            decision = self.guard(due.row.id, due.window, now, recovery)
+            self._act(due, decision, recovery=recovery)
+        except Exception as exc:  # the window is neither run nor stamped: tried again
+            reason = failure_reason(exc)
+            if key not in self.failing:
+                log.error("window %s of schedule %s could not start: %s; tried again every "
+                          "%g s while within its grace", format_go_time(due.window),
+                          due.row.id, reason, RETRY_S, exc_info=not isinstance(exc, OSError),
+                          extra={"schedule_id": due.row.id, "reason": reason})
+            self.failing[key] = Failing(due=due, since=self.failing[key].since
+                                        if key in self.failing else now, reason=reason)
+            return
+        self.failing.pop(key, None)
+        if not recovery:
+            self.decided.note(due.row.id, due.window)
+
+    def _expire(self, view: NodeView, now: datetime) -> None:
+        """End each window that could not start within its grace, with its reason (step 5)."""
+        for key, item in list(self.failing.items()):
+            if now - item.due.start <= view.grace:
+                continue
+            reason = (f"not started: {item.reason} (tried from {format_go_time(item.since)} "
+                      f"until its grace of {view.grace.total_seconds():g} s ended)")
+            try:
+                self.fail(item.due, reason)
+            except Exception as exc:  # not even its record can be written: next turn
+                log.warning("window %s of schedule %s: its failure cannot be recorded yet: "
+                            "%s", format_go_time(item.due.window), item.due.row.id,
+                            failure_reason(exc))
+                continue
+            self.decided.note(item.due.row.id, item.due.window)
+            del self.failing[key]
+
+    def _through(self) -> dict[str, datetime]:
+        """Return, per schedule, the latest window decided or being tried (step 5)."""
+        through = self.decided.values()
+        for schedule_id, window in self.failing:
+            if schedule_id not in through or window > through[schedule_id]:
+                through[schedule_id] = window
+        return through
+
+    def _save(self, view: NodeView) -> None:
+        """Write ``decided.json`` (step 3); a disk that refuses keeps it in memory till later."""
+        try:
+            self.decided.save({row.id for row in view.rows})
+        except OSError as exc:
+            reason = failure_reason(exc)
+            if reason != self._unsaved:
+                log.error("could not write %s: %s; kept in memory, written again at the next "
+                          "turn", self.decided.path, reason)
+            self._unsaved = reason
+            return
+        self._unsaved = ""
 
     def _act(self, due: Due, decision: StartDecision, *, recovery: bool) -> None:
         if decision.runs:

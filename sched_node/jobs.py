@@ -20,9 +20,12 @@ Rules:
    a failed one is tried again after the action's ``retry_delay`` while tries
    are left; a cancelled one is not.
 5. **Restart.** A job whose keeper still runs is followed again; one whose
-   keeper ended has its outcome read; one whose keeper is gone without an
-   outcome was interrupted, and runs once more at once if ``may_rerun`` says
-   so, else ends Crashed saying why; a job that waited for a slot waits again.
+   keeper ended has its outcome read, and ends when its command really ended
+   (the keeper's exit file: its end, its final state's message, its event and
+   its last lines carry that time, not the restart's); one whose keeper is gone
+   without an outcome was interrupted, and runs once more at once if
+   ``may_rerun`` says so, else ends Crashed saying why; a job that waited for a
+   slot waits again.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ from datetime import UTC, datetime, timedelta
 from sched_core import SchedError
 from sched_core.policies import Peer, overlap_verdict
 from sched_node import launcher
+from sched_node.job_restart import Outcome, Restart
 from sched_node.job_state import LiveJob, Moves
 from sched_node.outbox import (
     CANCELLED,
     COMPLETED,
-    CRASHED,
     FAILED,
     SKIPPED,
     JobFolder,
@@ -54,8 +57,6 @@ from sched_node.outbox import (
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
-Outcome = tuple[str, str, str | None]
-"""How a job ends: its state, its message, and its error (None when it did not fail)."""
 
 
 def longest_run_s(spec: JobSpec) -> float:
@@ -63,7 +64,7 @@ def longest_run_s(spec: JobSpec) -> float:
     return spec.timeout_s * (spec.retries + 1) + spec.retry_delay_s * spec.retries
 
 
-class Jobs:
+class Jobs(Restart):
     """The node's jobs (the module's rules), with everything outside injected.
 
     ``env_for(spec)`` gives a job's environment; ``on_change(folder)`` is told of
@@ -71,7 +72,9 @@ class Jobs:
     end (the chain); ``may_rerun(spec)`` decides an interrupted job's second run
     (``(True, why)`` or ``(False, why)``); ``repo_lock(spec)`` holds a job's
     fleet-wide repository lock around its attempts; ``warm`` keepers started ahead take
-    the jobs (without them each try starts its own keeper).
+    the jobs (without them each try starts its own keeper); ``render(spec)`` gives the
+    command the action table renders now for a job a restart takes up (SchedError when
+    none): what ``job.json`` says is not run unless the table says so.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Jobs:
         may_rerun: Callable[[JobSpec], tuple[bool, str]] = lambda spec: (False, "no re-runs"),
         repo_lock: Callable[[JobSpec, JobFolder], AbstractContextManager[None]] | None = None,
         warm: launcher.WarmKeepers | None = None,
+        render: Callable[[JobSpec], list[str]] | None = None,
     ) -> None:
         self.outbox = outbox
         self.slots = slots
@@ -96,6 +100,7 @@ class Jobs:
         self._may_rerun = may_rerun
         self._repo_lock = repo_lock or (lambda spec, folder: nullcontext())
         self._warm = warm
+        self._render = render
         self._lock = threading.RLock()
         self._jobs: dict[str, LiveJob] = {}
         self._order: list[str] = []  # accept order of the jobs not ended
@@ -133,12 +138,19 @@ class Jobs:
         self._on_change(folder)
 
     def accept(self, spec: JobSpec, *, lines: Sequence[str] = ()) -> JobFolder:
-        """Write the job to the outbox, then queue it (rules 1-3); return its folder."""
+        """Write the job to the outbox, then queue it (rules 1-3); return its folder.
+
+        OSError when the outbox cannot take it (a full or read-only disk): nothing of it is
+        left behind, and nothing runs."""
         folder = self.outbox.create(spec)
-        now = self._clock()
-        for line in lines:
-            folder.log(now, line)
-        self._journal(folder, "accepted", reason=spec.reason)
+        try:
+            now = self._clock()
+            for line in lines:
+                folder.log(now, line)
+            self._journal(folder, "accepted", reason=spec.reason)
+        except OSError:
+            self.outbox.forget(folder)
+            raise
         with self._lock:
             job = LiveJob(folder=folder, spec=spec)
             verdict, reason = overlap_verdict(spec.overlap, spec.schedule_id, self._peers(job))
@@ -313,7 +325,20 @@ class Jobs:
                           extra={"job_id": job.spec.job_id})
             state, message, error = FAILED, f"the node failed to run it: {exc!r}", repr(exc)
         if not self._stopping.is_set():
-            self._end(job, state, message, error=error)
+            self._end(job, state, message, error=error, at=self._ended_at(job))
+
+    def _ended_at(self, job: LiveJob) -> datetime | None:
+        """Return when the job's last try really ended (its keeper's exit file), when that
+        is how it ended: a job whose command ended while the node was down ends then, not
+        when the restarted node read it (rule 5)."""
+        try:
+            view = job.folder.view()
+        except ValueError:
+            return None
+        last = view.attempts[-1] if view.attempts else None
+        if last is None or last.exit is None or last.ended_at is None:
+            return None
+        return min(last.ended_at, self._clock())
 
     def _attempts(self, job: LiveJob) -> Outcome:
         spec = job.spec
@@ -371,14 +396,17 @@ class Jobs:
             view = job.folder.view()
             attempt = next(item for item in view.attempts if item.number == number)
         program = spec.argv[0] if spec.argv else spec.action
+        # The try's lines carry when it really ended (its keeper's exit file), which is not
+        # now when the node was down at that moment.
+        ended = min(attempt.ended_at or self._clock(), self._clock())
         if attempt.ok:
             took = ""
             if attempt.started_at and attempt.ended_at:
                 took = f" after {(attempt.ended_at - attempt.started_at).total_seconds():.3f} s"
-            job.folder.log(self._clock(), f"{program} exited 0{took}")
+            job.folder.log(ended, f"{program} exited 0{took}")
             return COMPLETED, f"{program} exited 0{took}", None
         failure = attempt.failure(program, spec.timeout_s)
-        job.folder.log(self._clock(), failure)
+        job.folder.log(ended, failure)
         cancelled = job.cancel is not None or bool(attempt.exit and attempt.exit.get("cancelled"))
         if cancelled:
             return CANCELLED, job.cancel or failure, None
@@ -394,8 +422,10 @@ class Jobs:
         return None
 
     def _end(self, job: LiveJob, state: str, message: str, *, error: str | None = None,
-             dispatch: bool = True) -> None:
-        self._journal(job.folder, "end", state=state, message=message, error=error)
+             dispatch: bool = True, at: datetime | None = None) -> None:
+        job.folder.append({"e": "end", "at": utc_text(at or self._clock()), "state": state,
+                           "message": message, "error": error})
+        self._on_change(job.folder)
         with self._lock:
             self._jobs.pop(job.spec.job_id, None)
             if job.spec.job_id in self._order:
@@ -409,78 +439,6 @@ class Jobs:
             log.exception("the end of job %s could not be handed on", job.spec.run_name)
         if dispatch:
             self._dispatch()
-
-    # -- restart ------------------------------------------------------------------------
-
-    def resume(self) -> list[tuple[str, str]]:
-        """Take up every job of the outbox that has not ended (rule 5); return (run, what) pairs."""
-        found: list[tuple[str, str]] = []
-        for folder in self.outbox.jobs():
-            try:
-                view = folder.view()
-            except ValueError as exc:
-                log.error("outbox job %s is unreadable and left alone: %s", folder.job_id, exc)
-                continue
-            if view.phase == "ended":
-                continue
-            job = LiveJob(folder=folder, spec=view.spec, cancel=view.cancel)
-            if view.phase == "queued":
-                found.append((view.spec.run_name, "waits for a slot again"))
-            else:
-                job.state, job.resume = "running", view
-                found.append((view.spec.run_name, "taken up again"))
-            with self._lock:
-                self._jobs[view.spec.job_id] = job
-                self._order.append(view.spec.job_id)
-        with self._lock:
-            restarted = [job for job in self._jobs.values() if job.resume is not None]
-        for job in restarted:
-            job.thread = threading.Thread(target=self._run, args=(job,),
-                                          name=f"job-{job.spec.run_name}", daemon=True)
-            job.thread.start()
-        self._dispatch()
-        return found
-
-    def _resume_attempts(self, job: LiveJob, view: JobView) -> Outcome | None:
-        """Follow or read the attempt a restart found (rule 5); None to run the next one."""
-        last = view.attempts[-1] if view.attempts else None
-        if last is None:
-            return None
-        job.attempt = last.number
-        if last.exit is None and launcher.alive(last.shim_pid, last.shim_start):
-            job.keeper = launcher.Keeper(pid=last.shim_pid or 0, start_ticks=last.shim_start)
-            job.folder.log(self._clock(), f"the node restarted; attempt {last.number} is still "
-                                          "running: following it")
-            if not launcher.wait(job.keeper, self._stopping):
-                return FAILED, "the node stopped", None
-            job.keeper = None
-            return self._after_attempt(job, last.number)
-        if last.exit is not None:
-            if view.phase == "retrying":
-                return self._retry_after_restart(job, view)
-            return self._after_attempt(job, last.number)
-        message = (f"interrupted: attempt {last.number}'s keeper (pid {last.shim_pid}) is gone "
-                   "without an outcome (the node or its machine stopped)")
-        self._journal(job.folder, "interrupted", attempt=last.number, message=message)
-        job.folder.log(self._clock(), message)
-        if job.cancel is not None:
-            return CANCELLED, job.cancel, None
-        again, why = self._may_rerun(job.spec)
-        if not again:
-            job.folder.log(self._clock(), f"not run again: {why}")
-            return CRASHED, f"{message}; not run again: {why}", message
-        job.folder.log(self._clock(), f"running it once more: {why}")
-        job.keeper = None
-        return None
-
-    def _retry_after_restart(self, job: LiveJob, view: JobView) -> Outcome | None:
-        """Wait out the rest of a retry delay the restart interrupted, then go on."""
-        if view.retry_at is not None:
-            left = (view.retry_at - self._clock()).total_seconds()
-            if left > 0 and self._stopping.wait(left):
-                return FAILED, "the node stopped", None
-        job.keeper = None
-        return None
 
     def stop(self) -> None:
         """Stop following jobs (the node is stopping): keepers and commands go on by themselves."""

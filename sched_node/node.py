@@ -40,14 +40,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -62,6 +60,7 @@ from sched_core.policies import row_zone
 from sched_node.actions import job_environment, render_argv
 from sched_node.adhoc import AdHoc
 from sched_node.chain import NodeChain
+from sched_node.chain_run import ChainRuns
 from sched_node.channel import NodeChannel
 from sched_node.control import Control
 from sched_node.engine import EngineRuns
@@ -90,7 +89,7 @@ from sched_node.reconcile import Reconciler
 from sched_node.recorder import Recorder
 from sched_node.registration import Deployments
 from sched_node.repolock import repo_lock
-from sched_node.settings import CONFIG_ENV, AgentSettings, load_settings
+from sched_node.settings import CONFIG_ENV, AgentSettings
 
 log = logging.getLogger("sched_node.node")
 
@@ -130,7 +129,8 @@ class Node:
         now = clock()
         state = settings.state_dir
         # Step 1: state on disk.
-        self.outbox = Outbox(state / "outbox", max_bytes=settings.outbox_max_bytes)
+        self.outbox = Outbox(state / "outbox", max_bytes=settings.outbox_max_bytes,
+                             node=self.node)
         self.history = History(state / "history.json", now=now)
         self.scheduler = self._build_scheduler(now)
         self.decided = Decided(state / "decided.json", now=now)
@@ -143,6 +143,8 @@ class Node:
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
                                  clock=clock, done=self._recorded,
                                  planned=lambda key: self.planner.planned_run(key),
+                                 parent_task_run=lambda spec: self.chain_runs.parent(spec),
+                                 chain_pending=lambda day: self.chain_runs.pending(day),
                                  task_run=settings.record_task_run,
                                  artifact=settings.record_artifact)
         self.planner = Planner(api, self.deployments, settings.plan_path,
@@ -154,12 +156,14 @@ class Node:
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
                          env_for=lambda spec: job_env(settings, spec),
                          on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
-                         repo_lock=self._repo_lock, warm=self.keepers)
+                         repo_lock=self._repo_lock, warm=self.keepers, render=self._render)
         self.chain = NodeChain(settings, self.scheduler, self.jobs, self.history, clock)
+        self.chain_runs = ChainRuns(self.outbox, node=self.node, clock=clock,
+                                    stages={stage.key(): stage.name for stage in settings.stages})
         # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
                                  guard=self._guard, fire=self._fire, skip=self._skip,
-                                 on_missed=self._missed)
+                                 on_missed=self._missed, fail=self._fail)
         # Step 5: reconcile, control, report.
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
@@ -265,6 +269,20 @@ class Node:
             repo_lock=row.repo_id if row.repo_lock else None, recorded_by=recorded_by,
         )
 
+    def _render(self, spec: JobSpec) -> list[str]:
+        """Return the command the action table renders now for a job a restart took up, from
+        its schedule (as cached now), window and trigger; ConfigError when it renders none."""
+        row = self._row(spec.schedule_id)
+        if row is None:
+            raise ConfigError(f"schedule {spec.schedule_id!r} is not in the node's cache")
+        if row.action != spec.action:
+            raise ConfigError(f"schedule {spec.schedule_id!r} is now a {row.action!r} job, "
+                              f"not {spec.action!r}")
+        return render_argv(self.settings.action(row.action), row,
+                           state_dir=self.settings.state_dir, node=self.node,
+                           window=spec.window, trigger_key=spec.trigger_key,
+                           now=spec.accepted_at)
+
     def start_job(self, row: LocalSchedule, spec: JobSpec, lines: list[str]) -> JobFolder:
         """Fill the command from the row and hand the job over; a refused value fails it here."""
         window = spec.window.isoformat() if spec.window else "none"
@@ -289,8 +307,14 @@ class Node:
         spec = self._spec(row, trigger=trigger, window=due.window, key=key, start=due.start,
                           reason=decision.reason, now=now)
         late = (now - due.start).total_seconds()
-        self.start_job(row, spec, [f"start guard: {decision.reason} (the node decided "
-                                   f"{late:.3f} s after the start)"])
+        try:
+            self.start_job(row, spec, [f"start guard: {decision.reason} (the node decided "
+                                       f"{late:.3f} s after the start)"])
+        except Exception:
+            # Not started (the outbox cannot be written): the window's stamp goes, so the
+            # firing loop tries it again, or ends it with the reason.
+            self.scheduler.unstamp(row.id, due.window, now=self._clock())
+            raise
 
     def _skip(self, due: Due, window: datetime, reason: str) -> None:
         now = self._clock()
@@ -299,6 +323,15 @@ class Node:
         spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=window, key=key,
                           start=None, reason=reason, now=now)
         self.jobs.end_without_running(spec, SKIPPED, reason)
+
+    def _fail(self, due: Due, reason: str) -> None:
+        """A window that could not start within its grace: a Failed record with the reason."""
+        now = self._clock()
+        row = due.row
+        key = window_key(row.id, due.window, row_zone(row, self.settings.tz))
+        spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=due.window, key=key,
+                          start=due.start, reason=reason, now=now)
+        self.jobs.end_without_running(spec, FAILED, reason, error=reason)
 
     def _missed(self, items: list[Missed], view: NodeView) -> None:
         """Windows the node never decided (it was stopped): skip the planned ones, count all."""
@@ -340,7 +373,11 @@ class Node:
         self.history.add(view, now=now)
         self.recorder.wake()
         self.reporter.poke()
+        self.chain_runs.ended(view)
+        self.chain.fired = []
         note = self.chain.on_end(view, now)
+        if self.chain.fired:
+            self.chain_runs.empty(self.chain.fired)
         if note:
             self.outbox.folder(view.spec.job_id).log(now, note)
 
@@ -386,6 +423,8 @@ class Node:
 
     def _stage_fire(self, fire: Fire) -> None:
         """The kit's fire callback: a chain stage's schedule becomes a job now."""
+        # The chain day's folder first, so that it is recorded before the job (accept order).
+        self.chain_runs.fired(fire.trigger_key, fire.key, fire.schedule.id)
         now = self._clock()
         spec = self._spec(fire.schedule, trigger=fire.trigger_key, window=None, key=fire.key,
                           start=None, reason=f"fired by the chain ({fire.trigger_key})", now=now)
@@ -447,32 +486,7 @@ class Node:
             self._pull_client.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the node until SIGTERM or SIGINT; exit 2 on bad settings."""
-    logging.basicConfig(level=os.environ.get("SCHED_LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO, URL included (with any user:password in it).
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        settings = load_settings()
-        api = PrefectApi()
-    except ConfigError as exc:
-        print(f"sched-agent: {exc}", file=sys.stderr)
-        return 2
-    node = Node(settings, api=api)
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("stopping (signal %d): running jobs go on in their keepers", signum)
-        node.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"sched-agent: node {settings.node_name} fires its windows from "
-          f"{Path(settings.cache_path)}; records go to {api.shown_url} "
-          "(stop with Ctrl-C or SIGTERM)", flush=True)
-    node.run()
-    return 0
-
-
 if __name__ == "__main__":
+    from sched_node.process import main
+
     sys.exit(main())

@@ -34,25 +34,35 @@ import re
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sched_core.statefile import write_atomic
-from sched_core.values import format_go_time, parse_go_time
+from sched_node.job_view import (
+    CANCELLED,
+    COMPLETED,
+    CRASHED,
+    END_STATES,
+    FAILED,
+    KIND_JOB,
+    KIND_RECONCILE,
+    SKIPPED,
+    Attempt,
+    JobSpec,
+    JobView,
+    as_int,
+    fold,
+    parse_time,
+    utc_text,
+)
+
+__all__ = ["CANCELLED", "COMPLETED", "CRASHED", "END_STATES", "EVENT_QUARANTINED", "FAILED",
+           "KIND_EVENT", "KIND_JOB", "KIND_RECONCILE", "SKIPPED", "Attempt", "JobFolder",
+           "JobSpec", "JobView", "Outbox", "fold", "job_id_for", "open_nofollow", "parse_time",
+           "utc_text"]
 
 log = logging.getLogger(__name__)
-
-KIND_JOB = "job"
-KIND_RECONCILE = "reconcile"
-
-COMPLETED = "Completed"
-FAILED = "Failed"
-CANCELLED = "Cancelled"
-CRASHED = "Crashed"
-SKIPPED = "Skipped"
-END_STATES = frozenset({COMPLETED, FAILED, CANCELLED, CRASHED, SKIPPED})
 
 TRIM_KEEP_LINES = 100
 """Output lines an attempt keeps when the outbox is over its size (the last ones)."""
@@ -60,214 +70,19 @@ TRIM_KEEP_LINES = 100
 _SLUG = re.compile(r"[^a-z0-9]+")
 
 
-def utc_text(instant: datetime) -> str:
-    """Return an instant as RFC 3339 in UTC with microseconds (``...T07:30:00.000123Z``)."""
-    return instant.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+KIND_EVENT = "event"
+"""An outbox folder that only carries events to send (a folder put in quarantine, ...)."""
+EVENT_QUARANTINED = "sched.outbox.quarantined"
 
 
-def parse_time(value: object) -> datetime | None:
-    """Return an RFC 3339 text as an aware UTC datetime; None when absent or unreadable."""
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return parse_go_time(value)
-    except ValueError:
-        return None
+def open_nofollow(path: Path, mode: str) -> Any:
+    """Open a file of the state folder, never through a symlink (OSError ELOOP when it is one).
 
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a job is: its identity in Prefect, what it runs and how (``job.json``)."""
-
-    job_id: str
-    kind: str
-    node: str
-    schedule_id: str
-    action: str
-    trigger_key: str
-    window: datetime | None
-    key: str
-    run_name: str
-    idempotency_key: str | None
-    """``<node>:<key>`` for a job the node planned or fired; None for an ad hoc run."""
-    flow_run_id: str | None
-    """The run it records into when someone else created it (an ad hoc run)."""
-    planned_start: datetime | None
-    accepted_at: datetime
-    reason: str
-    argv: list[str] = field(default_factory=list)
-    cwd: str | None = None
-    timeout_s: float = 0.0
-    retries: int = 0
-    retry_delay_s: float = 0.0
-    umask: int = 0o077
-    tags: list[str] = field(default_factory=list)
-    parameters: dict[str, Any] = field(default_factory=dict)
-    overlap: str = "skip"
-    zone: str = ""
-    """The row's own zone (its ``timezone``), empty for the node's: the command's ``TZ``."""
-    repo_lock: str | None = None
-    """The repository whose fleet-wide lock the job holds (``repo_lock`` rows)."""
-    recorded_by: str = "node"
-    """``node``: the node records the job in Prefect; ``engine``: the flow run that handed it
-    the job records it (:mod:`sched_node.handoff`), the node only if that run goes away."""
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the spec as ``job.json`` holds it."""
-        data = asdict(self)
-        data["window"] = None if self.window is None else format_go_time(self.window)
-        data["planned_start"] = (None if self.planned_start is None
-                                 else format_go_time(self.planned_start))
-        data["accepted_at"] = utc_text(self.accepted_at)
-        return data
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
-        """Read ``job.json``; raise ValueError (naming the field) when it is not one."""
-        known = {name for name in cls.__dataclass_fields__}
-        values = {key: value for key, value in data.items() if key in known}
-        accepted = parse_time(values.get("accepted_at"))
-        if accepted is None:
-            raise ValueError("job.json has no accepted_at")
-        values["accepted_at"] = accepted
-        values["window"] = parse_time(values.get("window"))
-        values["planned_start"] = parse_time(values.get("planned_start"))
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise ValueError(f"job.json is incomplete: {exc}") from None
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One attempt of a job as its files and the journal tell it."""
-
-    number: int
-    launched_at: datetime
-    shim_pid: int | None = None
-    shim_start: int | None = None
-    """The keeper's start time in clock ticks since boot (``/proc/<pid>/stat``), its identity."""
-    started_at: datetime | None = None
-    """When the command itself started (the keeper's ``started`` file)."""
-    exit: dict[str, Any] | None = None
-    """The keeper's ``exit`` file, once written."""
-    interrupted: str | None = None
-    """Why the attempt was given up as interrupted (its keeper is gone with no exit file)."""
-
-    @property
-    def ended(self) -> bool:
-        """True once the attempt has an outcome."""
-        return self.exit is not None or self.interrupted is not None
-
-    @property
-    def ok(self) -> bool:
-        """True when the command exited 0."""
-        return self.exit is not None and self.exit.get("exit_code") == 0
-
-    @property
-    def ended_at(self) -> datetime | None:
-        """When the attempt ended (the exit file's time)."""
-        return parse_time(self.exit.get("at")) if self.exit else None
-
-    def failure(self, argv0: str, timeout_s: float) -> str:
-        """Return the attempt's failure as one line (``tar exited with code 2``)."""
-        if self.interrupted:
-            return self.interrupted
-        if self.exit is None:
-            return "no outcome yet"
-        if self.exit.get("error"):
-            return str(self.exit["error"])
-        if self.exit.get("cancelled"):
-            return f"{argv0} was cancelled"
-        if self.exit.get("timed_out"):
-            return f"{argv0} timed out after {timeout_s:g} s and was killed"
-        code = self.exit.get("exit_code")
-        if isinstance(code, int) and code < 0:
-            return f"{argv0} was killed by signal {-code}"
-        return f"{argv0} exited with code {code}"
-
-
-@dataclass(frozen=True)
-class JobView:
-    """What a job is now: the fold of its journal (:func:`fold`)."""
-
-    spec: JobSpec
-    phase: str
-    """``queued`` (waiting for a slot or its turn), ``running`` (an attempt is live),
-    ``retrying`` (between two attempts), ``ended``."""
-    attempts: list[Attempt]
-    end_state: str | None = None
-    end_at: datetime | None = None
-    message: str = ""
-    error: str | None = None
-    cancel: str | None = None
-    """Why a cancel was asked (it ends the job Cancelled once its attempt is down)."""
-    retry_at: datetime | None = None
-
-    @property
-    def started_at(self) -> datetime | None:
-        """When the first attempt's command started."""
-        for attempt in self.attempts:
-            if attempt.started_at is not None:
-                return attempt.started_at
-        return self.attempts[0].launched_at if self.attempts else None
-
-    @property
-    def live(self) -> Attempt | None:
-        """The attempt that is running (launched, no outcome), if any."""
-        last = self.attempts[-1] if self.attempts else None
-        return last if last is not None and not last.ended else None
-
-
-def fold(spec: JobSpec, entries: list[dict[str, Any]],
-         exits: Mapping[int, dict[str, Any]], started: Mapping[int, dict[str, Any]]) -> JobView:
-    """Return what a job is now from its journal and its attempts' files (pure)."""
-    attempts: dict[int, Attempt] = {}
-    phase = "queued"
-    end_state: str | None = None
-    end_at: datetime | None = None
-    message = ""
-    error: str | None = None
-    cancel: str | None = None
-    retry_at: datetime | None = None
-    for entry in entries:
-        kind = entry.get("e")
-        at = parse_time(entry.get("at")) or spec.accepted_at
-        number = int(entry.get("attempt", 0) or 0)
-        if kind == "launch":
-            attempts[number] = Attempt(number=number, launched_at=at)
-            phase, retry_at = "running", None
-        elif kind == "spawned" and number in attempts:
-            attempts[number] = _replace(attempts[number], shim_pid=entry.get("shim_pid"),
-                                        shim_start=entry.get("shim_start"))
-        elif kind == "interrupted" and number in attempts:
-            attempts[number] = _replace(attempts[number],
-                                        interrupted=str(entry.get("message", "interrupted")))
-        elif kind == "retry":
-            phase = "retrying"
-            retry_at = parse_time(entry.get("until"))
-        elif kind == "cancel":
-            cancel = str(entry.get("message") or "cancelled")
-        elif kind == "end":
-            phase = "ended"
-            end_state = str(entry.get("state") or FAILED)
-            end_at = at
-            message = str(entry.get("message") or "")
-            error = entry.get("error") if isinstance(entry.get("error"), str) else None
-    for number, attempt in list(attempts.items()):
-        started_file = started.get(number)
-        if started_file:
-            attempt = _replace(attempt, started_at=parse_time(started_file.get("at")))
-        if number in exits:
-            attempt = _replace(attempt, exit=dict(exits[number]))
-        attempts[number] = attempt
-    ordered = [attempts[number] for number in sorted(attempts)]
-    return JobView(spec=spec, phase=phase, attempts=ordered, end_state=end_state, end_at=end_at,
-                   message=message, error=error, cancel=cancel, retry_at=retry_at)
-
-
-def _replace(attempt: Attempt, **changes: Any) -> Attempt:
-    return Attempt(**{**asdict(attempt), **changes})
+    ``mode`` is ``"a"`` (append text) or ``"rb"``.
+    """
+    flags = (os.O_WRONLY | os.O_APPEND | os.O_CREAT) if mode == "a" else os.O_RDONLY
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, mode, encoding="utf-8" if mode == "a" else None)
 
 
 def job_id_for(accepted_at: datetime, key: str) -> str:
@@ -295,7 +110,8 @@ class JobFolder:
         """Return the job's spec (read once); ValueError when ``job.json`` is unreadable."""
         if self._spec is None:
             try:
-                data = json.loads((self.path / "job.json").read_bytes())
+                with open_nofollow(self.path / "job.json", "rb") as handle:
+                    data = json.loads(handle.read())
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{self.path}/job.json is unreadable: {exc}") from None
             if not isinstance(data, dict):
@@ -306,7 +122,7 @@ class JobFolder:
     def append(self, entry: Mapping[str, Any], *, sync: bool = True) -> None:
         """Append one journal entry (with ``at`` set by the caller), fsynced unless told not."""
         line = json.dumps(dict(entry), separators=(",", ":")) + "\n"
-        with self._lock, open(self.path / "journal.jsonl", "a", encoding="utf-8") as handle:
+        with self._lock, open_nofollow(self.path / "journal.jsonl", "a") as handle:
             handle.write(line)
             handle.flush()
             if sync:
@@ -315,7 +131,8 @@ class JobFolder:
     def entries(self) -> list[dict[str, Any]]:
         """Return the journal's entries; a torn last line (a kill mid-write) is left out."""
         try:
-            text = (self.path / "journal.jsonl").read_text(encoding="utf-8", errors="replace")
+            with open_nofollow(self.path / "journal.jsonl", "rb") as handle:
+                text = handle.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return []
         found: list[dict[str, Any]] = []
@@ -331,7 +148,7 @@ class JobFolder:
     def log(self, at: datetime, message: str) -> None:
         """Add one of the node's own lines to the run's log (not fsynced: a line, not a fact)."""
         line = json.dumps({"t": utc_text(at), "m": message}) + "\n"
-        with self._lock, open(self.path / "log.jsonl", "a", encoding="utf-8") as handle:
+        with self._lock, open_nofollow(self.path / "log.jsonl", "a") as handle:
             handle.write(line)
 
     def attempt_path(self, number: int, suffix: str) -> Path:
@@ -341,7 +158,8 @@ class JobFolder:
     def read_json(self, name: str) -> dict[str, Any] | None:
         """Return a JSON object file of the folder, None when missing or unreadable."""
         try:
-            data = json.loads((self.path / name).read_bytes())
+            with open_nofollow(self.path / name, "rb") as handle:
+                data = json.loads(handle.read())
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
@@ -351,10 +169,17 @@ class JobFolder:
         write_atomic(self.path / name, json.dumps(dict(data), separators=(",", ":")).encode())
 
     def view(self) -> JobView:
-        """Return what the job is now (:func:`fold` over its files)."""
+        """Return what the job is now (:func:`fold` over its files); ValueError, naming the
+        folder and what is wrong, when its files are not a job's."""
+        try:
+            return self._view()
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"outbox job {self.job_id}: {exc}") from None
+
+    def _view(self) -> JobView:
         entries = self.entries()
-        numbers = {int(entry.get("attempt", 0) or 0) for entry in entries
-                   if entry.get("e") == "launch"}
+        numbers = {as_int(entry.get("attempt"), f"journal entry {line}'s attempt")
+                   for line, entry in enumerate(entries, start=1) if entry.get("e") == "launch"}
         exits: dict[int, dict[str, Any]] = {}
         started: dict[int, dict[str, Any]] = {}
         for number in numbers:
@@ -382,14 +207,23 @@ class JobFolder:
 
 
 class Outbox:
-    """The outbox folder: create, list (in accept order), trim."""
+    """The outbox folder: create, list (in accept order), trim, quarantine.
 
-    def __init__(self, root: Path, *, max_bytes: int) -> None:
+    A folder the node cannot read as a job (a journal line or ``job.json`` that is not
+    one, a symlink where a folder should be) is moved to ``<state_dir>/quarantine/`` with
+    one log line and a ``sched.outbox.quarantined`` event (an event folder of the outbox,
+    sent as the records are), and the rest goes on: nothing in the outbox can stop the node,
+    and nothing in it is followed through a symlink.
+    """
+
+    def __init__(self, root: Path, *, max_bytes: int, node: str = "") -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.node = node
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._folders: dict[str, JobFolder] = {}
         self._lock = threading.Lock()
+        self.quarantined = 0
 
     def create(self, spec: JobSpec) -> JobFolder:
         """Write a new job's folder and its ``job.json`` (atomically, fsynced) and return it."""
@@ -397,8 +231,12 @@ class Outbox:
         tmp = self.root / f".{spec.job_id}.new"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
-        write_atomic(tmp / "job.json", json.dumps(spec.to_json()).encode())
-        os.replace(tmp, path)
+        try:
+            write_atomic(tmp / "job.json", json.dumps(spec.to_json()).encode())
+            os.replace(tmp, path)
+        except OSError:  # a full or read-only disk: nothing half-made stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         folder = JobFolder(path)
         with self._lock:
             self._folders[spec.job_id] = folder
@@ -413,15 +251,63 @@ class Outbox:
             return found
 
     def jobs(self) -> Iterator[JobFolder]:
-        """Yield every job's folder, oldest accepted first (an unfinished create is skipped)."""
+        """Yield every job's folder, oldest accepted first (an unfinished create is skipped;
+        a symlink is put in quarantine, never followed)."""
         try:
-            names = sorted(item.name for item in self.root.iterdir()
-                           if item.is_dir() and not item.name.startswith("."))
+            items = sorted((item for item in self.root.iterdir()
+                            if not item.name.startswith(".")), key=lambda item: item.name)
         except FileNotFoundError:
             return
-        for name in names:
-            if (self.root / name / "job.json").is_file():
-                yield self.folder(name)
+        for item in items:
+            if item.is_symlink():
+                self.quarantine(item.name, "a symlink where a job's folder should be (not "
+                                           "followed)")
+            elif item.is_dir() and (item / "job.json").is_file():
+                yield self.folder(item.name)
+
+    def quarantine(self, name: str, reason: str) -> Path | None:
+        """Move a folder the node cannot read as a job out of the outbox, saying why (a log
+        line, an event); return where it went (None when it could not be moved)."""
+        source = self.root / name
+        target_dir = self.root.parent / "quarantine"
+        now = datetime.now(UTC)
+        target = target_dir / f"{name}.{now:%Y%m%dT%H%M%S%f}"
+        try:
+            target_dir.mkdir(mode=0o700, exist_ok=True)
+            os.rename(source, target)  # a symlink is moved itself, not what it points at
+        except OSError as exc:
+            log.error("outbox entry %s cannot be read (%s) nor put in quarantine: %s", name,
+                      reason, exc, extra={"node": self.node, "job_id": name})
+            return None
+        with self._lock:
+            self._folders.pop(name, None)
+        self.quarantined += 1
+        log.error("outbox entry %s put in quarantine (%s): %s; the node goes on without it",
+                  name, target, reason, extra={"node": self.node, "job_id": name})
+        self.event(EVENT_QUARANTINED, {"node": self.node, "folder": name,
+                                       "moved_to": str(target), "reason": reason}, now=now)
+        return target
+
+    def event(self, name: str, payload: dict[str, Any], *, now: datetime) -> None:
+        """Queue one event about the node (an event folder, sent with the records)."""
+        import uuid
+
+        event = {"id": str(uuid.uuid4()), "occurred": utc_text(now), "event": name,
+                 "resource": {"prefect.resource.id": f"sched.agent.{self.node}",
+                              "prefect.resource.name": self.node},
+                 "payload": payload}
+        spec = JobSpec(job_id=job_id_for(now, f"{name}:{event['id']}"), kind=KIND_EVENT,
+                       node=self.node, schedule_id="", action=name, trigger_key="event",
+                       window=None, key=name, run_name=name, idempotency_key=None,
+                       flow_run_id=None, planned_start=None, accepted_at=now, reason=name)
+        try:
+            folder = self.create(spec)
+            folder.write_json("events.json", {"events": [event]})
+            folder.append({"e": "end", "at": utc_text(now), "state": COMPLETED,
+                           "message": name})
+        except OSError as exc:
+            log.error("could not queue the event %s (%s): %s", name, payload, exc,
+                      extra={"node": self.node})
 
     def forget(self, folder: JobFolder) -> None:
         """Delete a job's folder and forget it."""

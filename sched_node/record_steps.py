@@ -247,7 +247,7 @@ class Steps:
     def _retry_at(self, number: int) -> datetime | None:
         """Return when the retry after try number was due (its journal's ``until``)."""
         for entry in self.folder.entries():
-            if entry.get("e") == "retry" and int(entry.get("attempt", 0) or 0) == number:
+            if entry.get("e") == "retry" and str(entry.get("attempt")) == str(number):
                 return parse_time(entry.get("until"))
         return None
 

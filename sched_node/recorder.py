@@ -46,8 +46,10 @@ from datetime import datetime
 from typing import Any
 
 from sched_core.worker import Worker
+from sched_node.chain_run import KIND_CHAIN, ChainSteps
 from sched_node.handoff import RECORDED_BY_ENGINE, engine_overdue
 from sched_node.outbox import (
+    KIND_EVENT,
     KIND_RECONCILE,
     JobFolder,
     JobSpec,
@@ -81,12 +83,15 @@ class Recorder:
                  done: Callable[[JobFolder], None] = lambda folder: None,
                  planned: Callable[[str], str | None] = lambda key: None,
                  parent_task_run: Callable[[JobSpec], str | None] = lambda spec: None,
+                 chain_pending: Callable[[str], bool] = lambda day: False,
                  task_run: bool = True, artifact: bool = True) -> None:
         self.api = api
         self.planned = planned
         """The planned run of a window's idempotency key (the planner's record), or None."""
         self.parent_task_run = parent_task_run
         """The task run a job's run belongs under (a chain stage's), or None."""
+        self.chain_pending = chain_pending
+        """Whether a chain day's stage jobs still have records under way."""
         self._command_task: Any = None
         self.task_runs = task_run
         """Whether a job's command is a task run (its tries as the task's states)."""
@@ -209,8 +214,8 @@ class Recorder:
                           folder.job_id, exc, extra={"node": self.node, "job_id": folder.job_id})
                 pending = True
                 continue
-            except ValueError as exc:  # an unreadable job.json: left for a person to look at
-                log.error("outbox job %s cannot be read: %s", folder.job_id, exc)
+            except ValueError as exc:  # not a job's files: out of the way, the rest goes on
+                self.outbox.quarantine(folder.job_id, str(exc))
                 continue
             if complete:
                 self.recorded += 1
@@ -240,6 +245,14 @@ class Recorder:
         if progress.get("complete"):
             return True
         view = folder.view()
+        if view.spec.kind == KIND_EVENT:  # events only (a folder put in quarantine, ...)
+            self.api.emit_events(list((folder.read_json("events.json") or {}).get("events")
+                                      or []))
+            progress["complete"] = True
+            folder.write_json("record.json", progress)
+            return True
+        if view.spec.kind == KIND_CHAIN:
+            return ChainSteps(self, folder, view, progress).record()
         if view.spec.recorded_by == RECORDED_BY_ENGINE:
             return self._engine_job(folder, view, progress)
         steps = Steps(self, folder, view, progress)

@@ -12,6 +12,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import pytest
+
 from sched_core.firing import Due, NodeView, due_now, next_start
 from sched_core.guard import StartDecision, Verdict
 from sched_core.model import LocalSchedule
@@ -188,3 +190,101 @@ def test_the_loop_sleeps_until_the_next_start_and_wakes_early_when_told(tmp_path
     loop.wake()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_window_that_cannot_start_holds_up_no_other_and_ends_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    # Three rows on one instant; s-2's start fails on a full disk (OSError 28) every time.
+    rows = [_row(sid) for sid in ("s-1", "s-2", "s-3")]
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    clock = Clock(start + timedelta(milliseconds=5))
+    fired: list[str] = []
+    failed: list[tuple[str, str]] = []
+
+    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
+        return StartDecision(Verdict.RUN, "on time", stamp=True)
+
+    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
+        if due.row.id == "s-2":
+            raise OSError(28, "No space left on device", "/state/outbox/x/job.json")
+        fired.append(due.row.id)
+
+    loop = FiringLoop(view=lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                      decided=Decided(tmp_path / "decided.json", now=clock.now), clock=clock,
+                      guard=guard, fire=fire, skip=lambda *a: None,
+                      on_missed=lambda items, view: None,
+                      fail=lambda due, reason: failed.append((due.row.id, reason)))
+    for row in rows:
+        loop.decided.note(row.id, start - timedelta(hours=1))
+    upcoming = loop.turn(clock.now)
+    assert fired == ["s-1", "s-3"], "the failing start held up the one after it"
+    assert upcoming == clock.now + timedelta(seconds=1), "tried again in a second"
+    assert list(loop.failing) == [("s-2", start)]
+    loop.turn(clock.now + timedelta(seconds=1))
+    assert fired == ["s-1", "s-3"] and failed == [], "tried again within its grace"
+    # Past its grace: it ends with its reason, once, and is not missed or tried again.
+    clock.now = start + GRACE + timedelta(seconds=1)
+    loop.turn(clock.now)
+    ((sid, reason),) = failed
+    assert sid == "s-2" and reason.startswith(
+        "not started: the node's state folder is full (No space left on device: "
+        "/state/outbox/x/job.json)")
+    assert loop.failing == {}
+    loop.turn(clock.now + timedelta(seconds=1))
+    assert len(failed) == 1
+
+
+def test_a_window_whose_start_fails_once_runs_at_the_next_try_and_a_read_only_disk_says_so(
+    tmp_path: Path,
+) -> None:
+    row = _row(interval_minutes=1)
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    clock = Clock(start)
+    tries: list[datetime] = []
+
+    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
+        tries.append(at)
+        if len(tries) == 1:
+            raise OSError(30, "Read-only file system", "/state/cache.json")
+        return StartDecision(Verdict.RUN, "on time", stamp=True)
+
+    fired: list[datetime] = []
+    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
+                      decided=Decided(tmp_path / "decided.json", now=start), clock=clock,
+                      guard=guard, fire=lambda due, decision, recovery: fired.append(due.window),
+                      skip=lambda *a: None, on_missed=lambda *a: None)
+    loop.decided.note("s-1", start - timedelta(minutes=1))
+    loop.turn(start)
+    (item,) = loop.failing.values()
+    assert item.reason.startswith("the node's state folder cannot be written (Read-only")
+    loop.turn(start + timedelta(seconds=1))
+    assert fired == [start] and loop.failing == {}
+
+
+def test_a_decided_file_the_disk_refuses_is_kept_in_memory_and_written_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decided = Decided(tmp_path / "decided.json", now=datetime(2026, 12, 4, tzinfo=UTC))
+    row = _row(interval_minutes=1)
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    fired: list[datetime] = []
+    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
+                      decided=decided, clock=lambda: start,
+                      guard=lambda *a: StartDecision(Verdict.RUN, "ok", stamp=True),
+                      fire=lambda due, decision, recovery: fired.append(due.window),
+                      skip=lambda *a: None, on_missed=lambda *a: None)
+    decided.note("s-1", start - timedelta(minutes=1))
+    real_save = Decided.save
+
+    def full(self: Decided, keep: set[str]) -> None:
+        raise OSError(28, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(Decided, "save", full)
+    loop.turn(start)  # the turn goes on: the window ran, its decision is kept in memory
+    assert fired == [start] and decided.values() == {"s-1": start}
+    assert not (tmp_path / "decided.json").exists()
+    monkeypatch.setattr(Decided, "save", real_save)
+    loop.turn(start + timedelta(seconds=1))
+    assert fired == [start], "decided once"
+    assert Decided(tmp_path / "decided.json", now=start).values() == {"s-1": start}

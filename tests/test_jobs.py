@@ -176,6 +176,27 @@ def test_a_restart_follows_a_command_that_outlived_the_node_and_reads_its_outcom
     assert "still running: following it" in log
 
 
+def test_a_command_that_ended_while_the_node_was_down_ends_at_its_real_time(
+    node: Node,
+) -> None:
+    node.jobs.accept(_spec("early", ["sh", "-c", "sleep 0.5; echo done"]))
+    _wait_started(node, "early")
+    node.jobs.stop()  # the node goes; the command ends while it is down
+    folder = next(node.outbox.jobs())
+    wait_for("the keeper's exit file", lambda: folder.attempt_path(1, "exit").exists(), 20)
+    real_end = json.loads(folder.attempt_path(1, "exit").read_text())["at"]
+    time.sleep(1.5)  # the node comes back well after
+    jobs = node.restart()
+    jobs.resume()
+    view = node.end("early", 20)
+    assert view.end_state == "Completed"
+    assert view.end_at is not None and utc_text(view.end_at) == real_end, (view.end_at, real_end)
+    log = [json.loads(line) for line in (folder.path / "log.jsonl").read_text().splitlines()]
+    # (The stopped Jobs may have read the exit too, as it stopped: each line says when.)
+    exited = [line["t"] for line in log if line["m"].startswith("sh exited 0")]
+    assert exited and set(exited) == {real_end}, "the exit line carries the real end"
+
+
 def test_a_job_whose_keeper_was_killed_runs_once_more_or_ends_crashed_saying_why(
     tmp_path: Path,
 ) -> None:

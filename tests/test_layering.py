@@ -23,6 +23,9 @@ FORBIDDEN = {
     "controller": {"flows", "sched_node", "deployments", "sched_cli", "sched_ops"},
     # The operator's commands are a client: HTTP to the controller, Prefect's client.
     "sched_ops": {"flows", "sched_node", "deployments", "controller", "sched_cli"},
+    # The node and the flows are the agent: neither reaches the center's code.
+    "sched_node": {"deployments", "controller", "sched_cli", "sched_ops"},
+    "flows": {"deployments", "controller", "sched_cli", "sched_ops"},
 }
 
 

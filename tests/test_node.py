@@ -160,8 +160,21 @@ def test_the_chain_prunes_then_checks_after_a_wave_and_not_after_a_failed_one(
     assert by_stage["check"]["state"]["type"] == "COMPLETED"
     assert by_stage["prune"]["idempotency_key"] in {f"{good.name}:p-1@prune@{d}" for d in days}
     assert by_stage["check"]["start_time"] >= by_stage["prune"]["end_time"]
+    # The day's chain is one run of chain/<node>: a task run per stage, each stage's job a
+    # child run under it.
+    (day_run,) = [run for run in prefect.node_runs(good.name) if "trigger:chain" in run["tags"]]
+    assert day_run["name"] in {f"chain-{good.name}-{d}" for d in days}
+    wait_for("the chain run's end", lambda: final(prefect.api.read_run(day_run["id"])), 30)
+    day_run = prefect.api.read_run(day_run["id"]) or {}
+    assert day_run["state"]["type"] == "COMPLETED", day_run["state"]
+    assert day_run["deployment_id"] == (prefect.deployment("chain", good.name) or {})["id"]
+    stages = {task["name"]: task for task in prefect.task_runs(day_run["id"])}
+    assert set(stages) == {"prune", "check"}
+    assert all(task["state_type"] == "COMPLETED" for task in stages.values())
+    assert by_stage["prune"]["parent_task_run_id"] == stages["prune"]["id"]
+    assert by_stage["check"]["parent_task_run_id"] == stages["check"]["id"]
     assert not [run for run in prefect.node_runs(bad.name)
-                if any(tag.startswith("trigger:chain-") for tag in run["tags"])]
+                if any(tag.startswith("trigger:chain") for tag in run["tags"])]
     (only,) = failed.values()
     assert any("stage prune not fired" in line for line in prefect.logs(only["id"]))
 

@@ -798,3 +798,31 @@ def test_missed_run_check_recovers_a_row_with_its_own_zone_at_that_zones_window(
     assert [(f.schedule.id, f.window, f.missed_recovery) for f in fired] == [
         ("z", berlin_ten, True)]
     assert fired[0].key == "z@2026-11-30T10:00+01:00"
+
+
+def test_a_stamp_the_disk_refuses_is_not_kept_and_one_can_be_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An hourly row first seen an hour ago: its 15:00 window is due at T0.
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    store = agent.scheduler.store
+    real_save = type(store).save
+
+    def full(self: Any) -> None:
+        raise OSError(28, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(type(store), "save", full)
+    with pytest.raises(OSError):
+        agent.scheduler.start_window("a", T0, first_try=T0, now=T0)
+    assert "a" not in agent.scheduler.cache().last_fired_at, "a stamp that is not on disk"
+    monkeypatch.setattr(type(store), "save", real_save)
+    decision, _ = agent.scheduler.start_window("a", T0, first_try=T0, now=T0)
+    assert decision.runs and agent.scheduler.cache().last_fired_at["a"] == T0
+    # What it was to start did not start: the stamp goes, on disk too, and the window
+    # decides again.
+    agent.scheduler.unstamp("a", T0, now=T0)
+    assert "a" not in agent.scheduler.cache().last_fired_at
+    agent.restart(T0)
+    again, _ = agent.scheduler.start_window("a", T0, first_try=T0, now=T0)
+    assert again.runs

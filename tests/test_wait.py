@@ -286,3 +286,16 @@ def test_two_instances_give_a_node_the_same_prefect_counter(center: Center) -> N
         started = time.monotonic()
         answer = center.wait(node, etag=etag, seen=older, timeout=5)
         assert time.monotonic() - started < 2 and answer["prefect"] == seen, older
+
+
+def test_an_event_dated_in_the_future_never_holds_a_nodes_wake_counter() -> None:
+    """Anyone with the Prefect API can post an event dated 2027 about a node's deployment:
+    its counter moves to now at most, so the next genuine event still wakes the node."""
+    waits = NodeWaits()
+    forged = datetime.now(UTC) + timedelta(days=400)
+    waits.poke("node-a", "prefect", at=forged)
+    after_forged = int(waits.token("node-a"))
+    assert after_forged <= int(time.time() * 1_000_000)
+    time.sleep(0.01)
+    waits.poke("node-a", "prefect", at=datetime.now(UTC))
+    assert int(waits.token("node-a")) > after_forged, "a genuine event after it moved it on"
