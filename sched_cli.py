@@ -23,7 +23,7 @@ def agent() -> None:
     Settings from SCHED_CONFIG (a TOML file) and SCHED_* variables; Prefect from
     PREFECT_API_URL. Stops on Ctrl-C or SIGTERM; running jobs finish in their keepers.
     """
-    from sched_node.node import main
+    from sched_node.process import main
 
     raise typer.Exit(main())
 
