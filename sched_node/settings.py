@@ -288,10 +288,12 @@ def _resolve_pull_url(base: Path, url: str) -> str:
     return _resolve(base, Path(url)).as_uri()
 
 
-def load_settings(config: str | Path | None = None, **overrides: Any) -> AgentSettings:
+def load_settings(config: str | Path | None = None, *, create_state: bool = True,
+                  **overrides: Any) -> AgentSettings:
     """Return the agent settings from config (default: ``$SCHED_CONFIG``), env and overrides.
 
-    Raises ConfigError naming every invalid field; creates the state folder.
+    Raises ConfigError naming every invalid field; creates the state folder (unless
+    create_state is false: ``sched agent check`` writes nothing).
     """
     path_text = str(config) if config is not None else os.environ.get(CONFIG_ENV, "")
     path = Path(path_text).expanduser().resolve() if path_text else None
@@ -320,7 +322,8 @@ def load_settings(config: str | Path | None = None, **overrides: Any) -> AgentSe
         for rule in [*spec.params.values(), *spec.fields.values()]:
             if rule.under:
                 rule.under = [_resolve(base, root) for root in rule.under]
-    make_private_dir(settings.state_dir, 0o777 & ~settings.job_umask)
+    if create_state:
+        make_private_dir(settings.state_dir, 0o777 & ~settings.job_umask)
     return settings
 
 
