@@ -284,6 +284,54 @@ class Scheduler:
                     self._stamped.pop(next(iter(self._stamped)))
         return decision, None if row is None else copy_row(row)
 
+    def start_windows(
+        self,
+        windows: list[tuple[str, datetime, bool]],
+        *,
+        now: datetime | None = None,
+    ) -> list[tuple[StartDecision, LocalSchedule | None] | Exception]:
+        """Decide and stamp many windows as :meth:`start_window` does, in one locked step
+        with one write of the file: (schedule id, window, recovery) each, first tried now.
+
+        Each answer is the decision and its row, or the exception deciding it raised; a
+        write the disk refuses takes back every stamp of the step and is every stamped
+        window's answer.
+        """
+        now = now_or_clock(now)
+        answers: list[tuple[StartDecision, LocalSchedule | None] | Exception] = []
+        stamped: list[tuple[int, str, datetime, datetime | None]] = []
+        with self._current(now) as cache:
+            rows = {item.id: item for item in cache.schedules}
+            view = self._view(cache)
+            for index, (schedule_id, window, retry) in enumerate(windows):
+                try:
+                    window = as_utc(window, "window")
+                    row = rows.get(schedule_id)
+                    last = cache.last_fired_at.get(schedule_id)
+                    decision = decide_start(row, view, schedule_id=schedule_id, window=window,
+                                            first_try=now, now=now, retry=retry)
+                except Exception as exc:  # one row's bug holds up no other
+                    answers.append(exc)
+                    continue
+                if decision.stamp:
+                    cache.last_fired_at[schedule_id] = (window if last is None
+                                                        else max(last, window))
+                    stamped.append((index, schedule_id, window, last))
+                answers.append((decision, None if row is None else copy_row(row)))
+            if stamped:
+                try:
+                    self.store.save()
+                except OSError as exc:
+                    for index, schedule_id, _window, last in reversed(stamped):
+                        _restore(cache.last_fired_at, schedule_id, last)
+                        answers[index] = exc
+                    return answers
+                for _index, schedule_id, window, last in stamped:
+                    self._stamped[(schedule_id, window)] = last
+                while len(self._stamped) > STAMPS_KEPT:
+                    self._stamped.pop(next(iter(self._stamped)))
+        return answers
+
     def unstamp(self, schedule_id: str, window: datetime, *, now: datetime | None = None) -> None:
         """Take back the stamp :meth:`start_window` made for window, when what the caller was
         to start did not start (OSError when the file cannot be written either)."""

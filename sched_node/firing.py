@@ -12,10 +12,12 @@ One turn of the loop (:meth:`FiringLoop.turn`), at ``now``:
    in Prefect ends it Skipped with the reason; the others are counted in one
    ``sched.window.missed`` event per schedule.
 2. The windows due now (:func:`sched_core.firing.due_now`): older due windows
-   of a row are Skipped as coalesced into its latest; the latest goes through
-   the start guard (:meth:`sched_core.Scheduler.start_window`, which decides
-   and stamps under the cache's lock, so no window runs twice) and becomes a
-   job, or a Skipped record naming the guard's reason.
+   of a row are Skipped as coalesced into its latest; the latest of every row
+   goes through the start guard together (:meth:`sched_core.Scheduler.start_windows`,
+   which decides and stamps under the cache's lock in one write of the cache, so
+   no window runs twice), and each becomes a job, or a Skipped record naming the
+   guard's reason: all at once, each in a thread of its own, so the tenth window
+   of an instant starts with the first.
 3. Every window decided is written to ``decided.json`` before the loop sleeps,
    so a restart neither decides a window twice nor loses one.
 4. Sleep until the next start (:func:`sched_core.firing.next_start`), never
@@ -130,6 +132,10 @@ class FiringLoop:
     skip: Callable[[Due, datetime, str], None]
     on_missed: Callable[[list[Missed], NodeView], None]
     fail: Callable[[Due, str], None] = lambda due, reason: None
+    guard_many: Callable[[list[tuple[Due, bool]], datetime],
+                         list[StartDecision | BaseException]] | None = None
+    """The start guard of many windows in one step (one write of the cache); ``guard`` each
+    when None."""
     turns: int = field(default=0, init=False)
     failing: dict[tuple[str, datetime], Failing] = field(default_factory=dict, init=False)
     """Windows that could not start yet (step 5), by schedule and window."""
@@ -151,11 +157,11 @@ class FiringLoop:
         if items:
             self.on_missed(items, view)
         rows = {row.id: row for row in view.rows}
+        batch: list[tuple[Due, bool]] = []
         for item in recoveries:
             assert item.recover is not None
-            due = Due(row=rows[item.schedule_id], window=item.recover.window,
-                      start=item.recover.start)
-            self._try(due, now, recovery=True)
+            batch.append((Due(row=rows[item.schedule_id], window=item.recover.window,
+                              start=item.recover.start), True))
         for due in due_now(view, now=now, decided=self.decided.values()):
             for older in due.coalesced:
                 try:
@@ -166,7 +172,9 @@ class FiringLoop:
                     log.error("window %s of schedule %s: its Skipped record cannot be "
                               "written: %s", format_go_time(older), due.row.id,
                               failure_reason(exc))
-            self._try(due, now, recovery=False)
+            batch.append((due, False))
+        if batch:
+            self._start(batch, now)
         self._save(view)
         self.turns += 1
         upcoming = next_start(view, now=now, decided=self._through())
@@ -175,18 +183,56 @@ class FiringLoop:
             upcoming = soon if upcoming is None else min(upcoming, soon)
         return upcoming
 
-    def _try(self, due: Due, now: datetime, *, recovery: bool) -> None:
-        """Decide and start one window; a failure holds up no other (step 5)."""
-        key = (due.row.id, due.window)
+    def _start(self, batch: list[tuple[Due, bool]], now: datetime) -> None:
+        """Decide every window due now in one step (``guard_many``: one write of the cache),
+        then start them all at once, each in a thread of its own (step 2): one slow or
+        failing start holds up no other (step 5)."""
+        decisions: list[StartDecision | BaseException]
         try:
-            decision = self.guard(due.row.id, due.window, now, recovery)
-            self._act(due, decision, recovery=recovery)
-        except Exception as exc:  # the window is neither run nor stamped: tried again
+            if self.guard_many is not None:
+                decisions = list(self.guard_many(batch, now))
+            else:
+                decisions = [self.guard(due.row.id, due.window, now, recovery)
+                             for due, recovery in batch]
+        except Exception as exc:  # nothing decided, nothing stamped: each tried again
+            decisions = [exc] * len(batch)
+        outcomes: list[BaseException | None] = [None] * len(batch)
+
+        def act(index: int) -> None:
+            due, recovery = batch[index]
+            decision = decisions[index]
+            try:
+                if isinstance(decision, BaseException):
+                    raise decision
+                self._act(due, decision, recovery=recovery)
+            except Exception as exc:  # the window is neither run nor stamped: tried again
+                outcomes[index] = exc
+
+        if len(batch) == 1:
+            act(0)
+        else:
+            threads = [threading.Thread(target=act, args=(index,), daemon=True,
+                                        name=f"start-{due.row.id}")
+                       for index, (due, _) in enumerate(batch)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        for (due, recovery), error in zip(batch, outcomes, strict=True):
+            self._settle(due, now, recovery=recovery, error=error)
+
+    def _settle(self, due: Due, now: datetime, *, recovery: bool,
+                error: BaseException | None) -> None:
+        """Note how one window's start went: decided, or failing with its reason (step 5)."""
+        key = (due.row.id, due.window)
+        if error is not None:
+            exc = error
             reason = failure_reason(exc)
             if key not in self.failing:
                 log.error("window %s of schedule %s could not start: %s; tried again every "
                           "%g s while within its grace", format_go_time(due.window),
-                          due.row.id, reason, RETRY_S, exc_info=not isinstance(exc, OSError),
+                          due.row.id, reason, RETRY_S,
+                          exc_info=None if isinstance(exc, OSError) else exc,
                           extra={"schedule_id": due.row.id, "reason": reason})
             self.failing[key] = Failing(due=due, since=self.failing[key].since
                                         if key in self.failing else now, reason=reason)

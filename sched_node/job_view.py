@@ -8,7 +8,7 @@ puts the folder in quarantine).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -24,6 +24,19 @@ CANCELLED = "Cancelled"
 CRASHED = "Crashed"
 SKIPPED = "Skipped"
 END_STATES = frozenset({COMPLETED, FAILED, CANCELLED, CRASHED, SKIPPED})
+
+
+CAUSE_LINES = 3
+"""The last lines of a failed command's output its failure message carries."""
+CAUSE_MAX = 600
+
+
+def _escaped(char: str) -> str:
+    """Return a character as text may show it: a control or format character escaped."""
+    if char.isprintable() or char == " ":
+        return char
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def as_int(value: object, field: str) -> int:
@@ -146,6 +159,22 @@ class Attempt:
     def ended_at(self) -> datetime | None:
         """When the attempt ended (the exit file's time)."""
         return parse_time(self.exit.get("at")) if self.exit else None
+
+    def cause(self, secrets: Iterable[str] = ()) -> str:
+        """Return the last lines the command wrote to stderr (else to stdout), joined with
+        `` | ``: a failure's why (its keeper's exit file); each secret replaced, control
+        characters escaped, at most :data:`CAUSE_MAX` characters ("" when none)."""
+        exit_file = self.exit or {}
+        lines = exit_file.get("err_tail") or exit_file.get("out_tail") or []
+        if not isinstance(lines, list):
+            return ""
+        text = " | ".join(str(line).strip() for line in lines[-CAUSE_LINES:]
+                          if str(line).strip())
+        for secret in secrets:
+            if secret:
+                text = text.replace(secret, "[redacted]")
+        text = "".join(_escaped(char) for char in text)
+        return text if len(text) <= CAUSE_MAX else "\u2026" + text[-(CAUSE_MAX - 1):]
 
     def failure(self, argv0: str, timeout_s: float) -> str:
         """Return the attempt's failure as one line (``tar exited with code 2``)."""

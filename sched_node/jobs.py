@@ -31,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,17 @@ from sched_node.outbox import (
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
+
+
+SECRET_NAME = re.compile(r"PASS|SECRET|TOKEN|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+"""The names of a job's environment variables whose values a failure's cause never shows."""
+
+
+def secrets(env: Mapping[str, str]) -> list[str]:
+    """Return the values a failure's cause hides: those of the job's environment variables
+    whose names say they are secrets (``RESTIC_PASSWORD``, ``AWS_SECRET_ACCESS_KEY``, ...)."""
+    return sorted((value for name, value in env.items()
+                   if SECRET_NAME.search(name) and len(value) >= 4), key=len, reverse=True)
 
 
 def longest_run_s(spec: JobSpec) -> float:
@@ -406,6 +418,9 @@ class Jobs(Restart):
             job.folder.log(ended, f"{program} exited 0{took}")
             return COMPLETED, f"{program} exited 0{took}", None
         failure = attempt.failure(program, spec.timeout_s)
+        cause = attempt.cause(secrets(self._env_for(spec)))
+        if cause:  # why it failed, in its own words: the report, the alerts, the run say it
+            failure = f"{failure}: {cause}"
         job.folder.log(ended, failure)
         cancelled = job.cancel is not None or bool(attempt.exit and attempt.exit.get("cancelled"))
         if cancelled:

@@ -163,7 +163,8 @@ class Node:
         # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
                                  guard=self._guard, fire=self._fire, skip=self._skip,
-                                 on_missed=self._missed, fail=self._fail)
+                                 on_missed=self._missed, fail=self._fail,
+                                 guard_many=self._guard_many)
         # Step 5: reconcile, control, report.
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
@@ -245,6 +246,22 @@ class Node:
         if row is not None:
             self._guard_rows[(schedule_id, window)] = row
         return decision
+
+    def _guard_many(self, batch: list[tuple[Due, bool]],
+                    now: datetime) -> list[StartDecision | BaseException]:
+        """The start guard of every window due now, in one write of the cache."""
+        answers = self.scheduler.start_windows(
+            [(due.row.id, due.window, False) for due, _ in batch], now=now)
+        decisions: list[StartDecision | BaseException] = []
+        for (due, _), answer in zip(batch, answers, strict=True):
+            if isinstance(answer, Exception):
+                decisions.append(answer)
+                continue
+            decision, row = answer
+            if row is not None:
+                self._guard_rows[(due.row.id, due.window)] = row
+            decisions.append(decision)
+        return decisions
 
     def _spec(self, row: LocalSchedule, *, trigger: str, window: datetime | None, key: str,
               start: datetime | None, reason: str, now: datetime,

@@ -11,19 +11,22 @@ node hands it over, not after a Python start-up.
    is the job's. Every time it writes is the wall clock plus ``clock_offset_s``
    (the node's clock, which is the wall clock unless a test shifts it).
 2. Start ``argv`` without a shell, in a process group of its own, stdin from
-   /dev/null, stdout and stderr to one pipe. If it cannot start, write the exit
+   /dev/null, stdout and stderr to a pipe each. If it cannot start, write the exit
    file with the error and end.
 3. Write the ``started`` file: the command's pid and the instant it started.
-4. Copy every output line to ``out`` as a JSON line ``{"t": <UTC time>, "m":
-   <text>}`` as it comes (flushed per line, so the node can follow it). Past
-   ``max_bytes`` only the last :data:`TAIL_LINES` lines are kept, and the number
-   of lines dropped is said at the end.
+4. Copy every output line of both streams to ``out`` as a JSON line ``{"t": <UTC
+   time>, "m": <text>}`` (``"s": "err"`` for stderr's) as it comes (flushed per
+   line, so the node can follow it). Past ``max_bytes`` only the last
+   :data:`TAIL_LINES` lines are kept, and the number of lines dropped is said at
+   the end.
 5. On ``timeout_s`` kill the command's group (SIGKILL). On SIGTERM or SIGINT
    (the node cancelling the job) send SIGTERM to the group, then SIGKILL after
    :data:`KILL_AFTER_S`.
 6. When the command has exited and its output is closed, write the ``exit``
    file (atomically): exit code (negative: the signal that killed it), whether
-   it timed out or was cancelled, when it ended, the lines seen and dropped.
+   it timed out or was cancelled, when it ended, the lines seen and dropped, and
+   the last :data:`CAUSE_LINES` non-empty lines of each stream (``err_tail``,
+   ``out_tail``: a failure's cause).
 
 Files 3 and 6 are written once each, to a temporary name and renamed, so a
 reader sees all of one or none of it.
@@ -46,6 +49,9 @@ if TYPE_CHECKING:
 
 TAIL_LINES = 100
 KILL_AFTER_S = 10.0
+CAUSE_LINES = 5
+"""The last lines of each stream the exit file keeps (the failure's cause, in the report)."""
+CAUSE_LINE_MAX = 300
 
 
 _OFFSET = timedelta(0)
@@ -93,7 +99,7 @@ def _start(spec: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[bytes]
             spec["argv"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             cwd=spec.get("cwd") or None,
             umask=int(spec.get("umask", 0o077)),
             process_group=0,
@@ -133,24 +139,50 @@ def _arm_stops(pid: int, timeout_s: float) -> tuple[dict[str, bool], threading.T
     return flags, timer
 
 
-def _copy_output(stream: IO[bytes], out: IO[str],
-                 max_bytes: int) -> tuple[int, int, collections.deque[str]]:
-    """Copy the output lines to out until max_bytes (step 4); return the lines seen, the lines
-    dropped, and the tail kept past max_bytes."""
-    written = lines = dropped = 0
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    for raw in stream:
-        lines += 1
-        record = json.dumps({"t": _now(), "m": raw.decode("utf-8", "replace").rstrip("\r\n")})
-        if written < max_bytes:
-            out.write(record + "\n")
-            out.flush()
-            written += len(record) + 1
-            continue
-        if len(tail) == tail.maxlen:
-            dropped += 1
-        tail.append(record)
-    return lines, dropped, tail
+class _Output:
+    """The command's output as one file of lines (step 4), from its two streams at once."""
+
+    def __init__(self, out: IO[str], max_bytes: int) -> None:
+        self.out = out
+        self.max_bytes = max_bytes
+        self.written = self.lines = self.dropped = 0
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.last: dict[str, collections.deque[str]] = {
+            "out": collections.deque(maxlen=CAUSE_LINES),
+            "err": collections.deque(maxlen=CAUSE_LINES)}
+        self.lock = threading.Lock()
+
+    def copy(self, stream: IO[bytes], name: str) -> None:
+        """Copy one stream's lines (stderr's marked ``"s": "err"``) until it closes."""
+        for raw in stream:
+            text = raw.decode("utf-8", "replace").rstrip("\r\n")
+            entry: dict[str, str] = {"t": _now(), "m": text}
+            if name == "err":
+                entry["s"] = "err"
+            record = json.dumps(entry)
+            with self.lock:
+                self.lines += 1
+                if text.strip():
+                    self.last[name].append(text[:CAUSE_LINE_MAX])
+                if self.written < self.max_bytes:
+                    self.out.write(record + "\n")
+                    self.out.flush()
+                    self.written += len(record) + 1
+                    continue
+                if len(self.tail) == self.tail.maxlen:
+                    self.dropped += 1
+                self.tail.append(record)
+
+
+def _copy_output(proc: subprocess.Popen[bytes], out: IO[str], max_bytes: int) -> _Output:
+    """Copy stdout and stderr to out (step 4) until both close; return what was seen."""
+    assert proc.stdout is not None and proc.stderr is not None
+    output = _Output(out, max_bytes)
+    errors = threading.Thread(target=output.copy, args=(proc.stderr, "err"), daemon=True)
+    errors.start()
+    output.copy(proc.stdout, "out")
+    errors.join()
+    return output
 
 
 def _close_output(out: IO[str], dropped: int, tail: collections.deque[str],
@@ -187,14 +219,15 @@ def main(argv: list[str]) -> int:
     _write_once(spec["started"], {"pid": proc.pid, "at": started, "shim_pid": os.getpid()})
     flags, timer = _arm_stops(proc.pid, float(spec["timeout_s"]))
     max_bytes = int(spec.get("max_bytes", 10 << 20))
-    assert proc.stdout is not None
-    lines, dropped, tail = _copy_output(proc.stdout, out, max_bytes)
+    output = _copy_output(proc, out, max_bytes)
     exit_code = proc.wait()
     timer.cancel()
-    _close_output(out, dropped, tail, max_bytes)
+    _close_output(out, output.dropped, output.tail, max_bytes)
     _write_once(spec["exit"], {"exit_code": exit_code, "timed_out": flags["timed_out"],
-                               "cancelled": flags["cancelled"], "at": _now(), "lines": lines,
-                               "dropped": dropped, "started_at": started})
+                               "cancelled": flags["cancelled"], "at": _now(),
+                               "lines": output.lines, "dropped": output.dropped,
+                               "started_at": started, "err_tail": list(output.last["err"]),
+                               "out_tail": list(output.last["out"])})
     return 0
 
 

@@ -288,3 +288,37 @@ def test_a_decided_file_the_disk_refuses_is_kept_in_memory_and_written_later(
     loop.turn(start + timedelta(seconds=1))
     assert fired == [start], "decided once"
     assert Decided(tmp_path / "decided.json", now=start).values() == {"s-1": start}
+
+
+def test_ten_windows_of_one_instant_are_decided_together_and_start_together(
+    tmp_path: Path,
+) -> None:
+    # Each start waits for the nine others: on a loop that starts windows one after another
+    # the first waits alone and its barrier breaks.
+    rows = [_row(f"s-{n}") for n in range(10)]
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    together = threading.Barrier(10, timeout=10)
+    batches: list[int] = []
+    fired: list[str] = []
+
+    def guard_many(batch: list[tuple[Due, bool]],
+                   now: datetime) -> list[StartDecision | BaseException]:
+        batches.append(len(batch))
+        return [StartDecision(Verdict.RUN, "on time", stamp=True) for _ in batch]
+
+    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
+        together.wait()
+        fired.append(due.row.id)
+
+    def single(*args: object) -> StartDecision:
+        raise AssertionError("each window decided alone")
+
+    loop = FiringLoop(view=lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                      decided=Decided(tmp_path / "decided.json", now=start), clock=lambda: start,
+                      guard=single, guard_many=guard_many, fire=fire, skip=lambda *a: None,
+                      on_missed=lambda *a: None)
+    for row in rows:
+        loop.decided.note(row.id, start - timedelta(hours=1))
+    loop.turn(start)
+    assert batches == [10], "decided in one step (one write of the cache)"
+    assert sorted(fired) == sorted(row.id for row in rows) and loop.failing == {}

@@ -158,7 +158,8 @@ def test_run_deployment_from_a_users_flow_waits_for_the_nodes_job_and_returns_it
         node.stop()
     assert (ok["type"], ok["name"]) == ("COMPLETED", "Completed"), ok
     assert "done ok" in prefect.logs(ok["id"])
-    assert bad["type"] == "FAILED" and "sh exited with code 2 (after 2 tries)" in bad["message"]
+    assert bad["type"] == "FAILED" and "sh exited with code 2: failing bad (after 2 tries)" in (
+        bad["message"])
     run = prefect.api.read_run(bad["id"])
     assert run is not None and run["run_count"] == 2, "the row's retry is the run's"
 

@@ -147,6 +147,34 @@ def test_a_failing_command_is_tried_again_and_a_timeout_kills_its_group(node: No
     assert timed.end_state == "Failed" and "timed out after 0.5 s and was killed" in timed.message
 
 
+def test_a_failure_says_why_in_the_commands_last_error_lines_with_secrets_hidden(
+    tmp_path: Path,
+) -> None:
+    env = {**ENV, "RESTIC_PASSWORD": "hunter22", "PLAIN": "shown"}
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    ended: list[JobView] = []
+    jobs = Jobs(outbox, slots=2, clock=lambda: datetime.now(UTC), env_for=lambda spec: env,
+                on_end=ended.append)
+    try:
+        script = ("echo progress; echo \"/data/projects does not exist, skipping\" >&2; "
+                  "printf 'Fatal: all targets gone (pw %s, %s)\\033[0m\\n' "
+                  "\"$RESTIC_PASSWORD\" \"$PLAIN\" >&2; exit 1")
+        jobs.accept(_spec("why", ["sh", "-c", script]))
+        wait_for("the job's end", lambda: bool(ended), 30)
+    finally:
+        jobs.stop()
+    (view,) = ended
+    assert view.end_state == "Failed"
+    assert view.error == ("sh exited with code 1: /data/projects does not exist, skipping | "
+                          "Fatal: all targets gone (pw [redacted], shown)\\x1b[0m")
+    out = [json.loads(line) for line in (outbox.root / view.spec.job_id / "a1.out")
+           .read_text().splitlines()]
+    # Both streams in the run's output (their order between them is the pipes'), stderr's
+    # lines marked.
+    assert {(line["m"], line.get("s")) for line in out} >= {
+        ("progress", None), ("/data/projects does not exist, skipping", "err")}
+
+
 def test_a_cancel_stops_the_command_and_the_job_ends_cancelled(node: Node) -> None:
     node.jobs.accept(_spec("long", ["sleep", "30"]))
     _wait_started(node, "long")

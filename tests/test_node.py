@@ -97,7 +97,9 @@ def test_a_failing_command_is_tried_again_and_ends_failed_with_its_error(
                     offset=offset_to(3))
     run, _ = _one_window(node, prefect, "fail", "f-1")
     assert run["state"]["type"] == "FAILED"
-    assert run["state"]["message"].startswith("sh exited with code 2 (after 2 tries)")
+    # Why, in the command's own words: the last lines it wrote.
+    assert run["state"]["message"].startswith("sh exited with code 2: failing f-1 (after 2 "
+                                              "tries)")
     assert prefect.logs(run["id"]).count("failing f-1") == 2
     # The row's retry is Prefect's: the flow run goes AwaitingRetry, then Retrying, and
     # counts two runs; each try is a task run of its own that failed.
@@ -109,7 +111,7 @@ def test_a_failing_command_is_tried_again_and_ends_failed_with_its_error(
         ["Running", "Failed"], ["Running", "Failed"]]
     (event,) = [item for item in prefect.events("sched.job.failed", node.name, at_least=2)
                 if item["payload"]["flow_run_id"] == run["id"]]
-    assert event["payload"]["error"] == "sh exited with code 2"
+    assert event["payload"]["error"] == "sh exited with code 2: failing f-1"
 
 
 def test_a_job_gets_its_declared_env_and_never_the_agents_credentials(

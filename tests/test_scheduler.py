@@ -826,3 +826,36 @@ def test_a_stamp_the_disk_refuses_is_not_kept_and_one_can_be_taken_back(
     agent.restart(T0)
     again, _ = agent.scheduler.start_window("a", T0, first_try=T0, now=T0)
     assert again.runs
+
+
+def test_many_windows_are_decided_and_stamped_in_one_write_or_none_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    agent = Agent(tmp_path, [row("a"), row("b"), row("c", enabled=False)])
+    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    store = agent.scheduler.store
+    real_save = type(store).save
+    saves: list[int] = []
+
+    def counted(self: Any) -> None:
+        saves.append(1)
+        real_save(self)
+
+    monkeypatch.setattr(type(store), "save", counted)
+    answers = agent.scheduler.start_windows([("a", T0, False), ("b", T0, False),
+                                             ("c", T0, False)], now=T0)
+    assert [answer[0].runs for answer in answers if not isinstance(answer, Exception)] == [
+        True, True, False]
+    assert saves == [1], "one write for the step"
+    assert agent.scheduler.cache().last_fired_at == {"a": T0, "b": T0}
+    # The next hour, on a disk that refuses: no stamp stays, each answer says why.
+    later = T0 + timedelta(hours=1)
+
+    def full(self: Any) -> None:
+        raise OSError(28, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(type(store), "save", full)
+    refused = agent.scheduler.start_windows([("a", later, False), ("b", later, False)],
+                                            now=later)
+    assert all(isinstance(answer, OSError) for answer in refused)
+    assert agent.scheduler.cache().last_fired_at == {"a": T0, "b": T0}
