@@ -19,9 +19,9 @@ Rules:
    in its report); a node that never announced one (an older agent, which only
    promised its periodic pull) gets the longer of 3 x 300 s and ``stale_after``
    (3 pull intervals). It is **never-seen** when it never made one, and
-   **failing** when the latest job of one of its current schedules failed,
-   crashed or timed out (its latest job record, else its report's latest
-   job). Its ``status`` is the first that holds of never-seen, silent,
+   **failing** when the latest job that ended of one of its current schedules
+   failed, crashed or timed out (its latest job record, else, while that one
+   runs, its report's latest job): a job's start changes no status. Its ``status`` is the first that holds of never-seen, silent,
    failing, else ok: a node silent for that long may be failing too, but that
    is old news. (``stale`` is kept in the answers as the old name of silent.)
 3. A write's ``_propagation`` says when the row's next window is and whether
@@ -206,13 +206,16 @@ def silence_text(node: str, seen: Seen | None, *, now: datetime,
 
 def failing_ids(report: StoredReport | None, records: Mapping[str, JobRecord] | None,
                 current: set[str] | None) -> list[str]:
-    """Return the current schedules whose latest job failed: its latest job record's state,
-    else the report's latest job (rule 2)."""
+    """Return the current schedules whose latest job that ended failed: its latest job
+    record's state, else (no record, or one still Running) the report's latest job, which is
+    the latest that ended (rule 2). A job that starts changes nothing: a schedule failing on
+    every retry stays failing, and the status changes only when a job ends."""
     records = records or {}
-    found = {sid for sid, record in records.items() if record.state in FAILING_STATES}
+    ended = {sid: record for sid, record in records.items() if record.state != "Running"}
+    found = {sid for sid, record in ended.items() if record.state in FAILING_STATES}
     for sid, item in _reported(report).items():
         job = item.get("latest_job")
-        if sid not in records and isinstance(job, dict) and job.get("state") in FAILING_STATES:
+        if sid not in ended and isinstance(job, dict) and job.get("state") in FAILING_STATES:
             found.add(sid)
     return sorted(sid for sid in found if current is None or sid in current)
 

@@ -33,6 +33,10 @@ Rules:
    not expected.
 5. **Worst first**: nodes by their worst window (missed or silent, then failed,
    then the rest), then name; windows in time order.
+6. **The summary** (:func:`summary`) judges each schedule by its latest window that
+   ended, so a node whose backup failed at 02:30 and completed at 08:00 has backed up
+   (its 02:30 failure is listed as recovered), and counts each node once, so the counts
+   add up.
 """
 
 from __future__ import annotations
@@ -299,53 +303,124 @@ def _severity(entries: list[dict[str, Any]], silence: str | None) -> tuple[dict[
     return counts, worst
 
 
-def _failed_text(entry: dict[str, Any]) -> str:
-    why = entry.get("error") or entry.get("state") or "failed"
-    return f"{entry['node']} {entry['schedule_id']} {why}"
+JUDGED = frozenset({"completed", "failed", "missed", "cancelled", "skipped"})
+"""The statuses that say how a window ended (``due``, ``running`` and ``unreported`` do not)."""
+BACKED_UP = ("each schedule's latest window that ended in the range completed (or was "
+             "skipped by its own policy)")
+"""What the summary's "backed up" means (rule 6); the text says it."""
+
+
+def _latest(windows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Return each schedule's latest window that ended (its windows are in time order)."""
+    latest: dict[str, dict[str, Any]] = {}
+    for entry in windows:
+        if entry["status"] in JUDGED:
+            latest[entry["schedule_id"]] = entry
+    return latest
+
+
+def _group(node: dict[str, Any], schedule_id: str, status: str) -> dict[str, Any]:
+    """Return one schedule's windows of a status in the range as one item: how many, since
+    when, and the last one's key, time and error."""
+    found = [e for e in node["windows"]
+             if e["schedule_id"] == schedule_id and e["status"] == status]
+    first, last = found[0], found[-1]
+    return {"node": node["node"], "schedule_id": schedule_id, "windows": len(found),
+            "since": first["window"] or first["started_at"], "since_local": first["local"],
+            "key": last["key"], "window": last["window"], "local": last["local"],
+            "error": last["error"], "state": last["state"]}
+
+
+def _group_text(item: dict[str, Any], verb: str) -> str:
+    count = item["windows"]
+    text = (f"{item['node']} {item['schedule_id']} {verb} {count} "
+            f"window{'s' if count != 1 else ''} since {item['since_local'] or item['since']}")
+    return text + (f", last: {item['error']}" if item.get("error") else "")
 
 
 def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Return the fleet's summary line and its parts: nodes backed up, failed, missed, silent.
+    """Return the fleet's summary line and its parts (rule 6).
 
-    A node is **backed up** when it had a window in the range, none of them
-    failed or was missed, and it is not silent. Nodes with no window in the
-    range are counted apart.
+    Each node with a window in the range is counted once, by the first that holds:
+    **silent**, **missed** (a schedule's latest window was missed), **failing** (a
+    schedule's latest window that ended failed or was cancelled), **backed up** (every
+    schedule's latest window that ended completed, or was skipped by its own policy),
+    **pending** (no window has ended yet); so the counts add up to the nodes. A schedule
+    failing window after window is one item ("node-b bk failed 3 windows since 02:30, last:
+    ..."); one whose latest window completed after failures is **recovered**, and does not
+    hold its node back.
     """
     nodes = list(nodes)
-    # Linear in the nodes: the fleet watch sums up 10,000 nodes every pass (membership in a
-    # list of the nodes' dicts made it quadratic: a third of the pass there).
+    # Linear in the nodes: the fleet watch sums up 10,000 nodes every pass.
     windowed = [any(e["expected"] or e["status"] in BAD for e in n["windows"]) or n["silent"]
                 for n in nodes]
     with_windows = [n for n, w in zip(nodes, windowed, strict=True) if w]
     idle = [n["node"] for n, w in zip(nodes, windowed, strict=True) if not w]
-    failed = [e for n in nodes for e in n["windows"] if e["status"] == "failed"]
-    missed = [e for n in nodes for e in n["windows"] if e["status"] == "missed"]
-    silent = [n["node"] for n in nodes if n["silent"]]
-    unknown = [n["node"] for n in with_windows if not n["silent"] and any(
-        e["status"] == "unreported" for e in n["windows"])]
-    unknown_set = set(unknown)
-    ok = [n["node"] for n in with_windows if not n["silent"] and n["node"] not in unknown_set
-          and not any(e["status"] in BAD for e in n["windows"])]
-    parts = [f"{len(ok)} of {len(with_windows)} nodes backed up"]
-    shown = "; ".join(_failed_text(e) for e in failed[:5])
+    silent = [n["node"] for n in with_windows if n["silent"]]
+    failed: list[dict[str, Any]] = []
+    missed: list[dict[str, Any]] = []
+    recovered: list[dict[str, Any]] = []
+    ok: list[str] = []
+    failing_nodes: list[str] = []
+    missed_nodes: list[str] = []
+    pending: list[str] = []
+    unknown: list[str] = []
+    for n in with_windows:
+        latest = _latest(n["windows"])
+        node_missed = [_group(n, sid, "missed") for sid, e in latest.items()
+                       if e["status"] == "missed"]
+        node_failed = [_group(n, sid, e["status"]) for sid, e in latest.items()
+                       if e["status"] in ("failed", "cancelled")]
+        recovered += [_group(n, sid, "failed") for sid, e in latest.items()
+                      if e["status"] in ("completed", "skipped") and any(
+                          w["schedule_id"] == sid and w["status"] == "failed"
+                          for w in n["windows"])]
+        missed += node_missed
+        failed += node_failed
+        if n["silent"]:
+            continue
+        if node_missed:
+            missed_nodes.append(n["node"])
+        elif node_failed:
+            failing_nodes.append(n["node"])
+        elif latest:
+            ok.append(n["node"])
+        elif any(e["status"] == "unreported" for e in n["windows"]):
+            unknown.append(n["node"])
+        else:
+            pending.append(n["node"])
+    parts = [f"{len(ok)} of {len(with_windows)} nodes backed up (each schedule's latest "
+             "window completed)"]
+    shown = "; ".join(_group_text(item, "failed" if item["state"] != "Cancelled"
+                                  else "cancelled") for item in failed[:5])
     more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
-    parts.append(f"{len(failed)} failed" + (f": {shown}{more}" if failed else ""))
-    where = sorted({f"{e['node']} {e['schedule_id']}" for e in missed})
-    parts.append(f"{len(missed)} missed" + (
-        f": {', '.join(where[:5])}{' ...' if len(where) > 5 else ''}" if missed else ""))
+    parts.append(f"{len(failing_nodes)} failing" + (f": {shown}{more}" if failed else ""))
+    shown_missed = [item for item in missed if item["node"] in set(missed_nodes)]
+    where = "; ".join(_group_text(item, "missed") for item in shown_missed[:5])
+    parts.append(f"{len(missed_nodes)} missed" + (
+        f": {where}{' ...' if len(shown_missed) > 5 else ''}" if shown_missed else ""))
     if silent:
-        parts.append(f"{len(silent)} silent: {', '.join(silent[:10])}")
+        quiet = set(silent)
+        notes = {node: ", ".join(f"{item['schedule_id']} missed {item['windows']}"
+                                 for item in missed if item["node"] == node)
+                 for node in quiet}
+        parts.append(f"{len(silent)} silent: " + ", ".join(
+            f"{node} ({notes[node]})" if notes.get(node) else node for node in silent[:10]))
     if unknown:
         parts.append(f"{len(unknown)} unreported (an agent that reports no jobs): "
                      f"{', '.join(unknown[:10])}")
+    if pending:
+        parts.append(f"{len(pending)} with nothing ended yet: {', '.join(pending[:10])}")
+    if recovered:
+        parts.append(f"{len(recovered)} recovered: " + "; ".join(
+            f"{item['node']} {item['schedule_id']} (failed {item['windows']}, then "
+            f"completed)" for item in recovered[:5]))
     if idle:
         parts.append(f"{len(idle)} with no window in the range")
     return {
-        "text": "; ".join(parts), "nodes": len(with_windows), "backed_up": ok,
-        "failed": [{"node": e["node"], "schedule_id": e["schedule_id"], "key": e["key"],
-                    "error": e["error"], "state": e["state"]} for e in failed],
-        "missed": [{"node": e["node"], "schedule_id": e["schedule_id"], "key": e["key"],
-                    "window": e["window"]} for e in missed],
+        "text": "; ".join(parts), "nodes": len(with_windows), "means": BACKED_UP,
+        "backed_up": ok, "failing": failing_nodes, "missing": missed_nodes,
+        "pending": pending, "failed": failed, "missed": missed, "recovered": recovered,
         "silent": silent, "unreported": unknown, "no_windows": idle,
     }
 

@@ -382,10 +382,17 @@ class Jobs(Restart):
         self._journal(job.folder, "launch", attempt=number)
         try:
             offset = (self._clock() - datetime.now(UTC)).total_seconds()
+
+            def spawned(keeper: launcher.Keeper) -> None:
+                # Journalled before the keeper has the job (rule 5: a kill in between
+                # leaves a keeper that never ran it, or one the restart follows).
+                self._journal(job.folder, "spawned", attempt=number, shim_pid=keeper.pid,
+                              shim_start=keeper.start_ticks)
+
             keeper = launcher.launch(job.folder, number, argv=spec.argv, cwd=spec.cwd,
                                      umask=spec.umask, timeout_s=spec.timeout_s,
                                      env=self._env_for(spec), clock_offset_s=offset,
-                                     warm=self._warm)
+                                     warm=self._warm, before=spawned)
         except OSError as exc:
             job.folder.log(self._clock(), f"could not start the job's keeper: {exc}")
             self._journal(job.folder, "interrupted", attempt=number,
@@ -393,8 +400,6 @@ class Jobs(Restart):
             return False
         with self._lock:
             job.keeper, job.attempt = keeper, number
-        self._journal(job.folder, "spawned", attempt=number, shim_pid=keeper.pid,
-                      shim_start=keeper.start_ticks)
         return True
 
     def _after_attempt(self, job: LiveJob, number: int) -> Outcome | None:

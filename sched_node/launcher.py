@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,24 +135,18 @@ class WarmKeepers:
                 with self._lock:
                     if len(self._ready) >= self.size:
                         return
-                read, write = os.pipe()
                 try:
-                    os.set_inheritable(read, False)
-                    keeper = _spawn(["--wait"], {"PATH": os.environ.get("PATH", DEFAULT_PATH)},
-                                    os.devnull, stdin=read)
+                    made = waiting_keeper()
                 except OSError as exc:
-                    os.close(write)
                     log.warning("could not start a warm keeper: %s", exc)
                     return
-                finally:
-                    os.close(read)
                 with self._lock:
                     closed = self.size == 0
                     if not closed:
-                        self._ready.append(_Warm(keeper, write))
+                        self._ready.append(made)
                 if closed:  # closed meanwhile: let it go
-                    os.close(write)
-                    wait(keeper)
+                    os.close(made.handoff)
+                    wait(made.keeper)
                     return
         finally:
             with self._lock:
@@ -180,12 +174,17 @@ def launch(
     clock_offset_s: float = 0.0,
     max_bytes: int = OUTPUT_MAX_BYTES,
     warm: WarmKeepers | None = None,
+    before: Callable[[Keeper], None] = lambda keeper: None,
 ) -> Keeper:
     """Start attempt number in a keeper with the job's environment; return it at once.
 
-    A warm keeper gets the job through its pipe; without one ready, a keeper is
-    started for it. Raises OSError when no keeper can start (the command's own
-    failure to start is the keeper's to report, in its exit file).
+    A keeper waiting on its pipe (a warm one, else one started now the same way) gets the
+    job through the pipe, and only after ``before(keeper)`` returned: the node journals
+    which keeper runs the attempt before any command can start, so a node killed in
+    between finds the keeper after its restart, or a keeper that never got the job (it
+    ends when the node's end of its pipe closes). Raises OSError when no keeper can start
+    (the command's own failure to start is the keeper's to report, in its exit file), or
+    what ``before`` raised (the keeper then ends unused).
     """
     spec_path = folder.attempt_path(number, "spec.json")
     spec = {
@@ -196,17 +195,38 @@ def launch(
         "exit": str(folder.attempt_path(number, "exit")),
     }
     spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    line = (json.dumps({"spec": str(spec_path), "env": dict(env)}) + "\n").encode()
+    errors = str(folder.attempt_path(number, "keeper.err"))
     ready = warm.take() if warm is not None else None
-    if ready is not None:
-        line = json.dumps({"spec": str(spec_path), "env": dict(env)}) + "\n"
+    for keeper in (ready, None):
+        if keeper is None:
+            keeper = waiting_keeper(errors)
         try:
-            os.write(ready.handoff, line.encode())
-            return ready.keeper
-        except OSError:  # it died between the check and the write: start one for the job
-            pass
+            before(keeper.keeper)
+            os.write(keeper.handoff, line)
+            return keeper.keeper
+        except BrokenPipeError:  # a warm one died between the check and the write
+            if keeper is not ready:
+                raise
         finally:
-            os.close(ready.handoff)
-    return _spawn([str(spec_path)], env, str(folder.attempt_path(number, "keeper.err")))
+            os.close(keeper.handoff)
+    raise AssertionError("unreachable")
+
+
+def waiting_keeper(errors: str = os.devnull) -> _Warm:
+    """Start a keeper that waits on a pipe for its job (``shim.py --wait``) with a bare
+    environment; return it and the write end of its pipe."""
+    read, write = os.pipe()
+    try:
+        os.set_inheritable(read, False)
+        keeper = _spawn(["--wait"], {"PATH": os.environ.get("PATH", DEFAULT_PATH)}, errors,
+                        stdin=read)
+    except OSError:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    return _Warm(keeper, write)
 
 
 def wait(keeper: Keeper, stop: threading.Event | None = None) -> bool:

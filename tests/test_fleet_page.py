@@ -96,6 +96,10 @@ def job(key: str, window: str, state: str, seq: int, **more: Any) -> dict[str, A
             "ended_at": window.replace(":00:00Z", ":03:10Z"), "seq": seq, **more}
 
 
+LONG_ERROR = ("tar exited with code 2: tar: /srv/data/projects/reports-2026"
+              "/quarterly/a-very-long-directory-name-without-any-place-to-b"
+              "reak-it-at-all-anywhere: Cannot open: No such file or directory")
+"""A failure's why as long as a real one, with a word longer than any column."""
 # node-b reports its jobs (a heartbeat announced): every window since the rows were written,
 # the last one failed. node-a's agent reports none (an older one); node-c never shows up.
 B_WINDOWS = ["2026-10-31T02:00:00Z", "2026-10-31T06:00:00Z", "2026-10-31T10:00:00Z",
@@ -103,7 +107,7 @@ B_WINDOWS = ["2026-10-31T02:00:00Z", "2026-10-31T06:00:00Z", "2026-10-31T10:00:0
 B_JOBS = [job(f"b-backup@{(datetime.fromisoformat(w) - timedelta(hours=4)):%Y-%m-%dT%H:%M}"
               "-04:00", w, "Completed", n) for n, w in enumerate(B_WINDOWS)] + [
     job("b-backup@2026-10-31T18:00-04:00", "2026-10-31T22:00:00Z", "Failed", 9,
-        error="tar exited with code 2", flow_run_id=str(FAILED_RUN))]
+        error=LONG_ERROR, flow_run_id=str(FAILED_RUN))]
 REPORTS["node-b"] |= {"heartbeat_s": 60, "jobs": B_JOBS}
 
 
@@ -231,16 +235,28 @@ def test_the_page_shows_nodes_schedules_and_the_timeline(page: str, browser: Any
 
     # The morning report, as `sched report` prints it: the summary, then worst node first.
     assert browser.find_element(By.ID, "summary").text == (
-        "0 of 3 nodes backed up; 1 failed: node-b b-backup tar exited with code 2; "
-        "16 missed: node-c c-backup; 1 silent: node-c; "
+        "0 of 3 nodes backed up (each schedule's latest window completed); 1 failing: node-b "
+        f"b-backup failed 1 window since 2026-10-31 18:00 EDT, last: {LONG_ERROR}; "
+        "0 missed; 1 silent: node-c (c-backup missed 16); "
         "1 unreported (an agent that reports no jobs): node-a")
     rows = [[td.text for td in r.find_elements(By.TAG_NAME, "td")]
             for r in browser.find_elements(By.CSS_SELECTOR, "#report tr")[1:]]
     assert [r[0] for r in rows] == ["node-c"] * 17 + ["node-b"] * 6 + ["node-a"] * 5
     assert rows[0][1].startswith("SILENT: node node-c has never made a request")
     assert rows[1][2:4] == ["2026-10-30 21:00 EDT", "MISSED: no report from the node"]
-    assert rows[22][1:5] == ["b-backup", "2026-10-31 18:00 EDT",
-                             "FAILED: tar exited with code 2", "3 min 10 s"]
+    assert rows[22][1:5] == ["b-backup", "2026-10-31 18:00 EDT", f"FAILED: {LONG_ERROR}",
+                             "3 min 10 s"]
+    # A long error keeps the table's shape: names, windows and durations never wrap, the
+    # outcome is cut with an ellipsis and whole on hover (its title).
+    table_rows = browser.find_elements(By.CSS_SELECTOR, "#report tr")
+    failed_row, completed_row = table_rows[23], table_rows[18]
+    cells = failed_row.find_elements(By.TAG_NAME, "td")
+    assert failed_row.size["height"] < 1.5 * completed_row.size["height"], (
+        "the failed window's row wrapped onto more lines than a completed one's")
+    assert cells[3].get_dom_attribute("title") == f"FAILED: {LONG_ERROR}"
+    assert cells[3].value_of_css_property("text-overflow") == "ellipsis"
+    assert cells[3].size["width"] < browser.execute_script(
+        "return arguments[0].scrollWidth", cells[3]), "the outcome is cut, not wrapped"
     assert rows[17][3] == "Completed" and rows[23][3] == "unreported"
     failed_link = browser.find_element(By.CSS_SELECTOR, "#report tr.failed a")
     assert failed_link.get_dom_attribute("href") == f"{PREFECT_UI}/runs/flow-run/{FAILED_RUN}"

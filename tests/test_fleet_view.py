@@ -92,8 +92,12 @@ def test_a_job_record_decides_failing_over_the_reports_latest_job() -> None:
                          False, None, 1, at, at)
 
     settings = FleetSettings()
+    # A job that only started (Running: a retry of a schedule that keeps failing) changes no
+    # status: the report's latest job, the latest that ended, holds until it ends.
     for state, reported, expected in (("Completed", "Failed", "ok"),
-                                      ("Failed", "Completed", "failing")):
+                                      ("Failed", "Completed", "failing"),
+                                      ("Running", "Failed", "failing"),
+                                      ("Running", "Completed", "ok")):
         row = node_row("n", schedules=1, schedule_ids=["s-1"], pull=None,
                        report=report(reported), version=None, now=NOW, settings=settings,
                        seen=seen(10), records={"s-1": record(state)})

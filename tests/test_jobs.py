@@ -339,3 +339,48 @@ def test_a_warm_keeper_waits_with_a_bare_environment_and_runs_the_job_it_is_hand
         keepers.close()
     spare = keepers._ready
     assert spare == [], "closing lets the warm keepers go"
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_keeper_is_journalled_before_it_has_the_job_and_ends_unused_without_it(
+    tmp_path: Path, warm: bool,
+) -> None:
+    """A node killed right after a command started used to find no keeper in its journal
+    (it was journalled after the hand-over) and run the attempt a second time: the keeper
+    is named (``before``) while it waits for the job; one whose hand-over fails never runs
+    it."""
+    keepers = launcher.WarmKeepers(size=1 if warm else 0)
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    try:
+        if warm:
+            keepers.take()
+            wait_for("a warm keeper", lambda: bool(keepers._ready), 20)
+        folder = outbox.create(_spec("named", ["sh", "-c", "echo ran"]))
+        seen: list[tuple[int, bool]] = []
+
+        def before(keeper: launcher.Keeper) -> None:
+            time.sleep(0.3)  # a slow journal: the command must still wait for it
+            seen.append((keeper.pid, folder.attempt_path(1, "started").exists()))
+
+        keeper = launcher.launch(folder, 1, argv=["sh", "-c", "echo ran"], cwd=None,
+                                 umask=0o077, timeout_s=10, env=ENV, warm=keepers,
+                                 before=before)
+        assert seen == [(keeper.pid, False)], "the command started before its keeper was named"
+        assert launcher.wait(keeper)
+        assert folder.attempt_path(1, "started").exists()
+
+        other = outbox.create(_spec("refused", ["sh", "-c", "echo ran"]))
+        named: list[launcher.Keeper] = []
+
+        def refuse(keeper: launcher.Keeper) -> None:
+            named.append(keeper)
+            raise OSError(28, "No space left on device", "journal.jsonl")
+
+        with pytest.raises(OSError):
+            launcher.launch(other, 1, argv=["sh", "-c", "echo ran"], cwd=None, umask=0o077,
+                            timeout_s=10, env=ENV, warm=keepers, before=refuse)
+        (unused,) = named
+        assert launcher.wait(unused)  # it ends on its own: its pipe closed with no job
+        assert not other.attempt_path(1, "started").exists(), "a keeper ran a job it never got"
+    finally:
+        keepers.close()

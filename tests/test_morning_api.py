@@ -283,9 +283,14 @@ def test_the_morning_report_every_window_worst_first_with_the_summary(
     answer = fleet.get("/api/report", headers=ADMIN)
     assert answer.status_code == 200, answer.text
     got = answer.json()
+    # Each node counted once (node-c silent, its missed window beside it), one schedule's
+    # failures as one item: the counts add up to the 3 nodes.
     assert got["summary"]["text"] == (
-        "1 of 3 nodes backed up; 1 failed: node-b bk tar exited with code 2; "
-        "1 missed: node-c bk; 1 silent: node-c")
+        "1 of 3 nodes backed up (each schedule's latest window completed); "
+        "1 failing: node-b bk failed 1 window since 2026-12-04 02:30 EST, last: tar exited "
+        "with code 2; 0 missed; 1 silent: node-c (bk missed 1)")
+    assert (got["summary"]["backed_up"], got["summary"]["failing"],
+            got["summary"]["silent"]) == (["node-a"], ["node-b"], ["node-c"])
     assert [n["node"] for n in got["nodes"]] == ["node-c", "node-b", "node-a"]
     c, b, a = got["nodes"]
     assert c["since"] == "2026-12-03T23:00:00Z"  # Thursday 18:00 EST
@@ -390,8 +395,9 @@ def test_an_agent_that_reports_no_jobs_is_unreported_not_missed(
     got = fleet.get("/api/report", headers=ADMIN).json()
     (entry,) = got["nodes"][0]["windows"]
     assert (entry["key"], entry["status"]) == (BK_KEY, "unreported")
-    assert got["summary"]["text"] == ("0 of 1 nodes backed up; 0 failed; 0 missed; "
-                                      "1 unreported (an agent that reports no jobs): node-b")
+    assert got["summary"]["text"] == ("0 of 1 nodes backed up (each schedule's latest window completed); 0 failing; "
+                                      "0 missed; 1 unreported (an agent that reports no "
+                                      "jobs): node-b")
     # Once it announces a heartbeat, it reports its jobs: the window without one is missed.
     assert post(fleet, "node-b", report("node-b")).status_code == 204
     got = fleet.get("/api/report", headers=ADMIN).json()
@@ -422,3 +428,41 @@ def test_an_error_with_control_or_bidi_characters_is_cleaned_not_refused(
     got = fleet.get("/api/report", params={"node": "node-a"}, headers=ADMIN).json()
     (entry,) = got["nodes"][0]["windows"]
     assert entry["error"] == "tar: \ufffd[31mdisk\ufffd full\ufffd"
+
+
+def _window(sid: str, status: str, hour: int, *, error: str | None = None) -> dict[str, Any]:
+    """A window entry of the report as summary() reads it."""
+    at = f"2026-12-04T{hour:02d}:03:00Z"
+    return {"schedule_id": sid, "status": status, "expected": True, "window": at,
+            "started_at": at, "local": f"2026-12-04 {hour - 5:02d}:03 EST",
+            "key": f"{sid}@{at}", "error": error,
+            "state": {"failed": "Failed", "completed": "Completed"}.get(status, status)}
+
+
+def test_the_summary_judges_each_schedule_by_its_latest_window_and_groups_repeats() -> None:
+    from controller.morning import summary
+
+    failing = [_window("r-10-backup", "failed", 13, error="restic exited with code 1: Fatal"),
+               _window("r-10-backup", "failed", 14, error="restic exited with code 1: Fatal"),
+               _window("r-10-backup", "failed", 15, error="restic exited with code 1: gone")]
+    recovered = [_window("bk", "failed", 13, error="tar exited with code 2"),
+                 _window("bk", "completed", 14), _window("cp", "completed", 14)]
+    running = [{**_window("bk", "completed", 13)}, {**_window("bk", "running", 14)}]
+    nodes = [{"node": "node-a", "silent": False, "windows": failing},
+             {"node": "node-b", "silent": False, "windows": recovered},
+             {"node": "node-c", "silent": False, "windows": running},
+             {"node": "node-d", "silent": False, "windows": [_window("bk", "due", 15)]}]
+    got = summary(nodes)
+    assert got["text"] == (
+        "2 of 4 nodes backed up (each schedule's latest window completed); 1 failing: node-a "
+        "r-10-backup failed 3 windows since 2026-12-04 08:03 EST, last: restic exited with "
+        "code 1: gone; 0 missed; 1 with nothing ended yet: node-d; 1 recovered: node-b bk "
+        "(failed 1, then completed)")
+    # The counts add up to the nodes; a window still running keeps its schedule's last end.
+    assert (got["backed_up"], got["failing"], got["missing"], got["pending"]) == (
+        ["node-b", "node-c"], ["node-a"], [], ["node-d"])
+    assert len(got["backed_up"]) + len(got["failing"]) + len(got["missing"]) + len(
+        got["pending"]) + len(got["silent"]) == got["nodes"] == 4
+    (item,) = got["failed"]
+    assert (item["windows"], item["since"], item["error"]) == (
+        3, "2026-12-04T13:03:00Z", "restic exited with code 1: gone")
