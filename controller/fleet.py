@@ -21,9 +21,10 @@ Rules:
    (3 pull intervals). It is **never-seen** when it never made one, and
    **failing** when the latest job that ended of one of its current schedules
    failed, crashed or timed out (its latest job record, else, while that one
-   runs, its report's latest job): a job's start changes no status. Its ``status`` is the first that holds of never-seen, silent,
-   failing, else ok: a node silent for that long may be failing too, but that
-   is old news. (``stale`` is kept in the answers as the old name of silent.)
+   runs, its report's latest job): a job's start changes no status. Its
+   ``status`` is the first that holds of never-seen, silent, failing, else ok:
+   a node silent for that long may be failing too, but that is old news.
+   (``stale`` is kept in the answers as the old name of silent.)
 3. A write's ``_propagation`` says when the row's next window is and whether
    the node is likely to have the row by then: it must have pulled the row
    by the end of the window's minute (a node never fires a window earlier

@@ -395,7 +395,8 @@ def test_an_agent_that_reports_no_jobs_is_unreported_not_missed(
     got = fleet.get("/api/report", headers=ADMIN).json()
     (entry,) = got["nodes"][0]["windows"]
     assert (entry["key"], entry["status"]) == (BK_KEY, "unreported")
-    assert got["summary"]["text"] == ("0 of 1 nodes backed up (each schedule's latest window completed); 0 failing; "
+    assert got["summary"]["text"] == ("0 of 1 nodes backed up (each schedule's latest "
+                                      "window completed); 0 failing; "
                                       "0 missed; 1 unreported (an agent that reports no "
                                       "jobs): node-b")
     # Once it announces a heartbeat, it reports its jobs: the window without one is missed.

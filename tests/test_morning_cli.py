@@ -53,7 +53,8 @@ def test_report_answers_the_morning_question_and_exits_6_for_a_missed_window(bas
     result = run(base, "report")
     assert result.exit_code == 6, result.output
     lines = result.output.rstrip().splitlines()
-    assert lines[-1] == ("1 of 3 nodes backed up (each schedule's latest window completed); 1 failing: node-b "
+    assert lines[-1] == ("1 of 3 nodes backed up (each schedule's latest window "
+                         "completed); 1 failing: node-b "
                          "bk failed 1 window since 2026-12-04 02:30 EST, last: tar exited with "
                          "code 2; 0 missed; 1 silent: node-c (bk missed 1)")
     text = result.output
@@ -85,12 +86,14 @@ def test_report_json_one_node_and_the_exit_codes(base: str) -> None:
     failed = run(base, "report", "--node", "node-b")
     assert failed.exit_code == 5, failed.output
     assert failed.output.rstrip().splitlines()[-1] == (
-        "0 of 1 nodes backed up (each schedule's latest window completed); 1 failing: node-b bk failed 1 window since "
-        "2026-12-04 02:30 EST, last: tar exited with code 2; 0 missed")
+        "0 of 1 nodes backed up (each schedule's latest window completed); 1 failing: "
+        "node-b bk failed 1 window since 2026-12-04 02:30 EST, last: tar exited with code "
+        "2; 0 missed")
     fine = run(base, "report", "--node", "node-a")
     assert fine.exit_code == 0, fine.output
     assert fine.output.rstrip().splitlines()[-1] == (
-        "1 of 1 nodes backed up (each schedule's latest window completed); 0 failing; 0 missed")
+        "1 of 1 nodes backed up (each schedule's latest window completed); 0 failing; "
+        "0 missed")
     # A narrower range: only Thursday evening, where node-a's 18:00 copy ran.
     evening = run(base, "report", "--node", "node-a", "--since", "2026-12-03T22:00:00Z",
                   "--until", "2026-12-04T00:00:00Z", "--json")
