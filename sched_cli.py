@@ -11,13 +11,13 @@ the same way).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from controller.cli import app as controller_app
 from sched_core.cli import app as kit_app
 from sched_ops.cli import register as register_ops
-
 
 agent_app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
                         help="Run this node (no subcommand), or check a config first.")
@@ -38,7 +38,7 @@ def agent(ctx: typer.Context) -> None:
 
 
 @agent_app.command("check")
-def agent_check(config: Path = typer.Argument(..., help="the agent.toml to check")) -> None:
+def agent_check(config: Annotated[Path, typer.Argument(help="the agent.toml to check")]) -> None:
     """Read an agent config as the node would (writing nothing): 0 it starts on it, 1 it
     starts but some cached schedules would fail, 2 it would not start."""
     from sched_node.check import check_config

@@ -355,74 +355,78 @@ def summary(nodes: Iterable[dict[str, Any]]) -> dict[str, Any]:
     windowed = [any(e["expected"] or e["status"] in BAD for e in n["windows"]) or n["silent"]
                 for n in nodes]
     with_windows = [n for n, w in zip(nodes, windowed, strict=True) if w]
-    idle = [n["node"] for n, w in zip(nodes, windowed, strict=True) if not w]
-    silent = [n["node"] for n in with_windows if n["silent"]]
-    failed: list[dict[str, Any]] = []
-    missed: list[dict[str, Any]] = []
-    recovered: list[dict[str, Any]] = []
-    ok: list[str] = []
-    failing_nodes: list[str] = []
-    missed_nodes: list[str] = []
-    pending: list[str] = []
-    unknown: list[str] = []
+    found = _classify(with_windows)
+    found["no_windows"] = [n["node"] for n, w in zip(nodes, windowed, strict=True) if not w]
+    return {"text": _summary_text(found, len(with_windows)), "nodes": len(with_windows),
+            "means": BACKED_UP, **found}
+
+
+def _classify(with_windows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Each node in its one category, each schedule's latest trouble as a group."""
+    found: dict[str, list[Any]] = {key: [] for key in (
+        "backed_up", "failing", "missing", "pending", "failed", "missed", "recovered",
+        "unreported")}
+    found["silent"] = [n["node"] for n in with_windows if n["silent"]]
     for n in with_windows:
         latest = _latest(n["windows"])
         node_missed = [_group(n, sid, "missed") for sid, e in latest.items()
                        if e["status"] == "missed"]
         node_failed = [_group(n, sid, e["status"]) for sid, e in latest.items()
                        if e["status"] in ("failed", "cancelled")]
-        recovered += [_group(n, sid, "failed") for sid, e in latest.items()
-                      if e["status"] in ("completed", "skipped") and any(
-                          w["schedule_id"] == sid and w["status"] == "failed"
-                          for w in n["windows"])]
-        missed += node_missed
-        failed += node_failed
+        found["recovered"] += [_group(n, sid, "failed") for sid, e in latest.items()
+                               if e["status"] in ("completed", "skipped") and any(
+                                   w["schedule_id"] == sid and w["status"] == "failed"
+                                   for w in n["windows"])]
+        found["missed"] += node_missed
+        found["failed"] += node_failed
         if n["silent"]:
             continue
         if node_missed:
-            missed_nodes.append(n["node"])
+            found["missing"].append(n["node"])
         elif node_failed:
-            failing_nodes.append(n["node"])
+            found["failing"].append(n["node"])
         elif latest:
-            ok.append(n["node"])
+            found["backed_up"].append(n["node"])
         elif any(e["status"] == "unreported" for e in n["windows"]):
-            unknown.append(n["node"])
+            found["unreported"].append(n["node"])
         else:
-            pending.append(n["node"])
-    parts = [f"{len(ok)} of {len(with_windows)} nodes backed up (each schedule's latest "
+            found["pending"].append(n["node"])
+    return found
+
+
+def _summary_text(found: dict[str, list[Any]], count: int) -> str:
+    """The summary line: the categories that hold a node, the first few of each."""
+    failed, missed, silent = found["failed"], found["missed"], found["silent"]
+    parts = [f"{len(found['backed_up'])} of {count} nodes backed up (each schedule's latest "
              "window completed)"]
     shown = "; ".join(_group_text(item, "failed" if item["state"] != "Cancelled"
                                   else "cancelled") for item in failed[:5])
     more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
-    parts.append(f"{len(failing_nodes)} failing" + (f": {shown}{more}" if failed else ""))
-    shown_missed = [item for item in missed if item["node"] in set(missed_nodes)]
+    parts.append(f"{len(found['failing'])} failing" + (f": {shown}{more}" if failed else ""))
+    missing = set(found["missing"])
+    shown_missed = [item for item in missed if item["node"] in missing]
     where = "; ".join(_group_text(item, "missed") for item in shown_missed[:5])
-    parts.append(f"{len(missed_nodes)} missed" + (
+    parts.append(f"{len(missing)} missed" + (
         f": {where}{' ...' if len(shown_missed) > 5 else ''}" if shown_missed else ""))
     if silent:
-        quiet = set(silent)
         notes = {node: ", ".join(f"{item['schedule_id']} missed {item['windows']}"
                                  for item in missed if item["node"] == node)
-                 for node in quiet}
+                 for node in set(silent)}
         parts.append(f"{len(silent)} silent: " + ", ".join(
             f"{node} ({notes[node]})" if notes.get(node) else node for node in silent[:10]))
-    if unknown:
-        parts.append(f"{len(unknown)} unreported (an agent that reports no jobs): "
-                     f"{', '.join(unknown[:10])}")
-    if pending:
-        parts.append(f"{len(pending)} with nothing ended yet: {', '.join(pending[:10])}")
-    if recovered:
-        parts.append(f"{len(recovered)} recovered: " + "; ".join(
+    if found["unreported"]:
+        parts.append(f"{len(found['unreported'])} unreported (an agent that reports no jobs): "
+                     f"{', '.join(found['unreported'][:10])}")
+    if found["pending"]:
+        parts.append(f"{len(found['pending'])} with nothing ended yet: "
+                     f"{', '.join(found['pending'][:10])}")
+    if found["recovered"]:
+        parts.append(f"{len(found['recovered'])} recovered: " + "; ".join(
             f"{item['node']} {item['schedule_id']} (failed {item['windows']}, then "
-            f"completed)" for item in recovered[:5]))
-    if idle:
-        parts.append(f"{len(idle)} with no window in the range")
-    return {
-        "text": "; ".join(parts), "nodes": len(with_windows), "means": BACKED_UP,
-        "backed_up": ok, "failing": failing_nodes, "missing": missed_nodes,
-        "pending": pending, "failed": failed, "missed": missed, "recovered": recovered,
-        "silent": silent, "unreported": unknown, "no_windows": idle,
-    }
+            f"completed)" for item in found["recovered"][:5]))
+    if found["no_windows"]:
+        parts.append(f"{len(found['no_windows'])} with no window in the range")
+    return "; ".join(parts)
 
 
 def worst_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:

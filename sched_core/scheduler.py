@@ -1,18 +1,13 @@
 """The per-node scheduler: lock, reload, plan, fire, stamp, save.
 
-The controller is not in the firing path: schedules keep firing from the
-on-disk cache while it is down. Every public method takes ``now`` (default:
-the wall clock, read visibly with :func:`~sched_core.clock.utcnow`) and runs
-one procedure under the cache file's lock:
-
-1. lock: the in-process mutex and the file's ``flock``;
-2. reload: read the file again if another process saved since (its
-   generation or its stamp changed), salvaging bad parts and clamping times in
-   the future;
-3. plan: the pure decision (:mod:`sched_core.due`, :mod:`sched_core.pull`);
-4. fire: call the agent's ``fire`` for each window;
-5. stamp: record each window whose fire returned (never one that raised);
-6. save: write the file atomically, with the next generation.
+The controller is not in the firing path: schedules keep firing from the on-disk cache
+while it is down. Every public method takes ``now`` (default: the wall clock, read
+visibly with :func:`~sched_core.clock.utcnow`) and runs one procedure under the cache
+file's lock: lock (the in-process mutex and the file's ``flock``); reload if another
+process saved since (salvaging bad parts, clamping times in the future); plan (the pure
+decision of :mod:`sched_core.due`, :mod:`sched_core.pull`); fire (the agent's ``fire``
+per window); stamp each window whose fire returned (never one that raised); save
+atomically.
 
 A window fires at most once: stamps happen only after ``fire`` returned, and
 ``Fire.key`` is a stable idempotency key for the window, so a crash between
@@ -21,9 +16,9 @@ together with its save: if the file cannot be written, memory and file stay as
 they were and the pull is a ``PullError``.
 
 The parts: :class:`Scheduler` is a thin facade (the Go kit's API) over
-:class:`sched_core.store.CacheStore` (steps 1, 2 and 6), :mod:`sched_core.ticking`
-(what a tick and the miss check fire: steps 3 and 4), :mod:`sched_core.pull` (a
-pull's fetch, parse and merge) and :class:`sched_core.runner.Runner` (the loops).
+:class:`sched_core.store.CacheStore` (lock, reload, save), :mod:`sched_core.ticking`
+(what a tick and the miss check fire), :mod:`sched_core.pull` (a pull's fetch, parse and
+merge) and :class:`sched_core.runner.Runner` (the loops).
 """
 
 from __future__ import annotations
@@ -261,43 +256,29 @@ class Scheduler:
         Returns the decision and a copy of the row it was made on (None when
         the schedule is gone).
         """
-        now = now_or_clock(now)
-        window = as_utc(window, "window")
-        with self._current(now) as cache:
-            row = next((item for item in cache.schedules if item.id == schedule_id), None)
-            last = cache.last_fired_at.get(schedule_id)
-            decision = decide_start(
-                row, self._view(cache), schedule_id=schedule_id, window=window,
-                first_try=as_utc(first_try, "first_try"), now=now, retry=retry,
-            )
-            if decision.stamp:
-                cache.last_fired_at[schedule_id] = window if last is None else max(last, window)
-                try:
-                    self.store.save()
-                except OSError:
-                    # Not on disk: not in memory either (a full or read-only disk), so the
-                    # window is neither run nor lost: the caller tries it again.
-                    _restore(cache.last_fired_at, schedule_id, last)
-                    raise
-                self._stamped[(schedule_id, window)] = last
-                while len(self._stamped) > STAMPS_KEPT:
-                    self._stamped.pop(next(iter(self._stamped)))
-        return decision, None if row is None else copy_row(row)
+        answer = self.start_windows([(schedule_id, window, retry)], now=now,
+                                    first_try=first_try)[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     def start_windows(
         self,
         windows: list[tuple[str, datetime, bool]],
         *,
         now: datetime | None = None,
+        first_try: datetime | None = None,
     ) -> list[tuple[StartDecision, LocalSchedule | None] | Exception]:
         """Decide and stamp many windows as :meth:`start_window` does, in one locked step
-        with one write of the file: (schedule id, window, recovery) each, first tried now.
+        with one write of the file: (schedule id, window, retry) each, first tried at
+        first_try (default now).
 
         Each answer is the decision and its row, or the exception deciding it raised; a
         write the disk refuses takes back every stamp of the step and is every stamped
         window's answer.
         """
         now = now_or_clock(now)
+        first = now if first_try is None else as_utc(first_try, "first_try")
         answers: list[tuple[StartDecision, LocalSchedule | None] | Exception] = []
         stamped: list[tuple[int, str, datetime, datetime | None]] = []
         with self._current(now) as cache:
@@ -309,7 +290,7 @@ class Scheduler:
                     row = rows.get(schedule_id)
                     last = cache.last_fired_at.get(schedule_id)
                     decision = decide_start(row, view, schedule_id=schedule_id, window=window,
-                                            first_try=now, now=now, retry=retry)
+                                            first_try=first, now=now, retry=retry)
                 except Exception as exc:  # one row's bug holds up no other
                     answers.append(exc)
                     continue

@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from sched_node.settings import CONFIG_ENV
+
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "node.sock"
@@ -67,6 +69,14 @@ def socket_path(path: Path) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{path.name}"
     finally:
         os.close(fd)
+
+
+def flow_run_env(state_dir: Path) -> dict[str, str]:
+    """Return what a flow run Prefect's engine runs on this host needs to find the node: the
+    agent config's path (``SCHED_CONFIG``), else the door's (``SCHED_NODE_SOCKET``)."""
+    door = {"SCHED_NODE_SOCKET": str((state_dir / SOCKET_NAME).resolve())}
+    config = os.environ.get(CONFIG_ENV)
+    return {CONFIG_ENV: str(Path(config).resolve()), **door} if config else door
 
 
 @dataclass(frozen=True)

@@ -16,21 +16,13 @@ part                   what it does
 ``Control``            ad hoc runs, on-demand reconciles and cancels from Prefect
 ``Reporter``           the node's reports to the controller (jobs, heartbeat)
 ``Chain``              prune, then check, after the wave: from the node's own jobs
+``Handoff``            the local door: jobs that flows run by Prefect's engine hand over
 =====================  ==============================================================
 
-Assembly, in :class:`Node`'s constructor, and the start, in :meth:`Node.run`:
-
-1. state on disk: outbox, history, cache, decided windows;
-2. Prefect: the deployments (registered when the server first answers, or
-   their ids from ``deployments.json`` when they still answer as registered),
-   the recorder, the planner;
-3. jobs and the chain;
-4. the firing loop;
-5. reconcile, control, report;
-6. run: take up the outbox's unfinished jobs; start the recorder, the reporter,
-   the reconciler (a reconcile at once) and the control channel; then fire
-   windows in this thread until stopped. Stopping leaves running jobs to their
-   keepers: the next start follows them again.
+The constructor assembles them in order (state on disk; the record; jobs, chain and firing;
+reconcile, control, report and the local door). :meth:`Node.run` takes up the outbox's
+unfinished jobs, starts the threads, and fires windows in its own thread until stopped;
+stopping leaves running jobs to their keepers, which the next start follows again.
 
 ``python -m sched_node.node`` (or ``sched agent``) runs it: settings from
 ``SCHED_CONFIG`` and ``SCHED_*``, Prefect from ``PREFECT_API_URL``.
@@ -39,13 +31,11 @@ Assembly, in :class:`Node`'s constructor, and the start, in :meth:`Node.run`:
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -70,7 +60,7 @@ from sched_node.history import History
 from sched_node.identity import AGENT_TAG, JobRef
 from sched_node.jobs import Jobs, longest_run_s
 from sched_node.launcher import WarmKeepers
-from sched_node.local import SOCKET_NAME, Door, LocalDoor
+from sched_node.local import Door, LocalDoor, flow_run_env
 from sched_node.node_report import Reporter, build_report
 from sched_node.outbox import (
     FAILED,
@@ -89,7 +79,7 @@ from sched_node.reconcile import Reconciler
 from sched_node.recorder import Recorder
 from sched_node.registration import Deployments
 from sched_node.repolock import repo_lock
-from sched_node.settings import CONFIG_ENV, AgentSettings
+from sched_node.settings import AgentSettings
 
 log = logging.getLogger("sched_node.node")
 
@@ -102,21 +92,6 @@ def wall_clock() -> datetime:
     return datetime.now(UTC)
 
 
-def flow_run_env(settings: AgentSettings) -> dict[str, str]:
-    """Return what a flow run Prefect's engine runs on this host needs to find the node: the
-    agent config's path (``SCHED_CONFIG``), else the door's (``SCHED_NODE_SOCKET``)."""
-    door = {"SCHED_NODE_SOCKET": str((Path(settings.state_dir) / SOCKET_NAME).resolve())}
-    config = os.environ.get(CONFIG_ENV)
-    return {CONFIG_ENV: str(Path(config).resolve()), **door} if config else door
-
-
-def job_env(settings: AgentSettings, spec: JobSpec) -> dict[str, str]:
-    """Return a job's environment (:func:`sched_node.actions.job_environment`): never the agent's
-    credentials, ``TZ`` the row's zone (UTC unless it has one), the action's ``env``."""
-    action = settings.actions.get(spec.action) if spec.kind == KIND_JOB else None
-    return job_environment(action.env if action else {}, tz=spec.zone)
-
-
 class Node:
     """One node (the module's parts, assembled in its numbered steps)."""
 
@@ -126,19 +101,30 @@ class Node:
         self.node = settings.node_name
         self.api = api
         self._clock = clock
+        self._stopping = threading.Event()
+        self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
+        self._last_pull: dict[str, Any] | None = None
         now = clock()
-        state = settings.state_dir
-        # Step 1: state on disk.
+        self._state(now)
+        self._record(now)
+        self._work()
+        self._talk()
+
+    def _state(self, now: datetime) -> None:
+        """Step 1: state on disk."""
+        settings, state = self.settings, self.settings.state_dir
         self.outbox = Outbox(state / "outbox", max_bytes=settings.outbox_max_bytes,
                              node=self.node)
         self.history = History(state / "history.json", now=now)
         self.scheduler = self._build_scheduler(now)
         self.decided = Decided(state / "decided.json", now=now)
-        self._last_pull: dict[str, Any] | None = None
-        # Step 2: Prefect, the record.
+
+    def _record(self, now: datetime) -> None:
+        """Step 2: Prefect, the record."""
+        settings, api, clock = self.settings, self.api, self._clock
         self.deployments = Deployments(api, self.node, tags=[AGENT_TAG],
                                        work_pool=settings.work_pool,
-                                       job_env=flow_run_env(settings),
+                                       job_env=flow_run_env(settings.state_dir),
                                        cache_path=settings.deployments_path)
         self.recorder = Recorder(api, self.outbox, self.deployments, node=self.node,
                                  clock=clock, done=self._recorded,
@@ -151,21 +137,28 @@ class Node:
                                horizon=settings.plan_horizon, min_windows=settings.plan_min_windows,
                                max_runs=settings.plan_max_runs, now=now,
                                retries_of=self._retries_of)
-        # Step 3: jobs (warm keepers started ahead take them) and the chain.
+
+    def _work(self) -> None:
+        """Steps 3 and 4: jobs (warm keepers started ahead take them), the chain, the firing
+        loop."""
+        settings, clock = self.settings, self._clock
         self.keepers = WarmKeepers()
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
-                         env_for=lambda spec: job_env(settings, spec),
+                         env_for=self._job_env,
                          on_change=self._changed, on_end=self._ended, may_rerun=self._may_rerun,
                          repo_lock=self._repo_lock, warm=self.keepers, render=self._render)
         self.chain = NodeChain(settings, self.scheduler, self.jobs, self.history, clock)
         self.chain_runs = ChainRuns(self.outbox, node=self.node, clock=clock,
                                     stages={stage.key(): stage.name for stage in settings.stages})
-        # Step 4: the firing loop.
         self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
                                  guard=self._guard, fire=self._fire, skip=self._skip,
                                  on_missed=self._missed, fail=self._fail,
                                  guard_many=self._guard_many)
-        # Step 5: reconcile, control, report.
+
+    def _talk(self) -> None:
+        """Steps 5 and 6: reconcile, control, report; the local door, where flows that Prefect's
+        engine runs here hand over jobs."""
+        settings, api, clock = self.settings, self.api, self._clock
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  done=self._reported,
@@ -177,23 +170,20 @@ class Node:
                                flow_run_id=run_id, message=message),
                            reconcile=lambda run_id: self.reconciler.poke("on demand",
                                                                          run_id=run_id),
-                           engine=EngineRuns(state / "engine", {
-                               **flow_run_env(settings), "PREFECT_API_URL": api.url}))
+                           engine=EngineRuns(settings.state_dir / "engine", {
+                               **flow_run_env(settings.state_dir), "PREFECT_API_URL": api.url}))
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
                                run_job=self.adhoc.run_job, reconcile=self.adhoc.reconcile,
                                engine=self.adhoc.chain, cancel=self.adhoc.cancel,
                                busy=self.adhoc.busy, work_pool=settings.work_pool,
                                heartbeat_s=settings.worker_heartbeat.total_seconds())
         self.channel = NodeChannel(self)
-        # Step 6: the local door, where flows that Prefect's engine runs here hand over jobs.
         self.handoff = Handoff(node=self.node, outbox=self.outbox, clock=clock, row=self._row,
                                known=self._known, spec=self._spec, start=self.start_job,
                                wake=self.recorder.wake)
         self.door = LocalDoor(settings.state_dir, Door(
             node=self.describe, submit=self.handoff.submit, job=self.handoff.job,
             recorded=self.handoff.recorded, reconcile=self.reconciler.run_now))
-        self._stopping = threading.Event()
-        self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
 
     def _build_scheduler(self, now: datetime) -> Scheduler:
         client: httpx.Client | None = None
@@ -234,6 +224,12 @@ class Node:
     def _retries_of(self, action: str) -> tuple[int, float]:
         spec = self.settings.actions.get(action)
         return (spec.retries, spec.retry_delay.total_seconds()) if spec else (0, 0.0)
+
+    def _job_env(self, spec: JobSpec) -> dict[str, str]:
+        """A job's environment (:func:`sched_node.actions.job_environment`): never the agent's
+        credentials, ``TZ`` the row's zone (UTC unless it has one), the action's ``env``."""
+        action = self.settings.actions.get(spec.action) if spec.kind == KIND_JOB else None
+        return job_environment(action.env if action else {}, tz=spec.zone)
 
     def _row(self, schedule_id: str) -> LocalSchedule | None:
         return next((row for row in self.scheduler.schedules() if row.id == schedule_id), None)
@@ -286,6 +282,12 @@ class Node:
             repo_lock=row.repo_id if row.repo_lock else None, recorded_by=recorded_by,
         )
 
+    def _window_spec(self, row: LocalSchedule, window: datetime, *, start: datetime | None,
+                     reason: str, now: datetime, trigger: str | None = None) -> JobSpec:
+        key = window_key(row.id, window, row_zone(row, self.settings.tz))
+        return self._spec(row, trigger=trigger or TRIGGER_SCHEDULE, window=window, key=key,
+                          start=start, reason=reason, now=now)
+
     def _render(self, spec: JobSpec) -> list[str]:
         """Return the command the action table renders now for a job a restart took up, from
         its schedule (as cached now), window and trigger; ConfigError when it renders none."""
@@ -319,10 +321,8 @@ class Node:
     def _fire(self, due: Due, decision: StartDecision, recovery: bool) -> None:
         now = self._clock()
         row = self._guard_rows.pop((due.row.id, due.window), due.row)
-        trigger = TRIGGER_RECOVERY if recovery else TRIGGER_SCHEDULE
-        key = window_key(row.id, due.window, row_zone(row, self.settings.tz))
-        spec = self._spec(row, trigger=trigger, window=due.window, key=key, start=due.start,
-                          reason=decision.reason, now=now)
+        spec = self._window_spec(row, due.window, start=due.start, reason=decision.reason,
+                                 now=now, trigger=TRIGGER_RECOVERY if recovery else None)
         late = (now - due.start).total_seconds()
         try:
             self.start_job(row, spec, [f"start guard: {decision.reason} (the node decided "
@@ -336,18 +336,13 @@ class Node:
     def _skip(self, due: Due, window: datetime, reason: str) -> None:
         now = self._clock()
         row = self._guard_rows.pop((due.row.id, window), due.row)
-        key = window_key(row.id, window, row_zone(row, self.settings.tz))
-        spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=window, key=key,
-                          start=None, reason=reason, now=now)
+        spec = self._window_spec(row, window, start=None, reason=reason, now=now)
         self.jobs.end_without_running(spec, SKIPPED, reason)
 
     def _fail(self, due: Due, reason: str) -> None:
         """A window that could not start within its grace: a Failed record with the reason."""
-        now = self._clock()
-        row = due.row
-        key = window_key(row.id, due.window, row_zone(row, self.settings.tz))
-        spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=due.window, key=key,
-                          start=due.start, reason=reason, now=now)
+        spec = self._window_spec(due.row, due.window, start=due.start, reason=reason,
+                                 now=self._clock())
         self.jobs.end_without_running(spec, FAILED, reason, error=reason)
 
     def _missed(self, items: list[Missed], view: NodeView) -> None:
@@ -367,17 +362,13 @@ class Node:
             self.history.add_missed(item.schedule_id, item.count, now=now)
             if row is None:
                 continue
+            reason = (f"missed: the node was not running at its start; miss policy "
+                      f"{row.miss_policy.value}")
             for window in item.windows:
-                key = window_key(row.id, window, row_zone(row, self.settings.tz))
-                if item.recover is not None and window == item.recover.window:
-                    continue
-                if self.planner.planned_run(f"{self.node}:{key}") is None:
-                    continue
-                reason = (f"missed: the node was not running at its start; miss policy "
-                          f"{row.miss_policy.value}")
-                spec = self._spec(row, trigger=TRIGGER_SCHEDULE, window=window, key=key,
-                                  start=None, reason=reason, now=now)
-                self.jobs.end_without_running(spec, SKIPPED, reason)
+                spec = self._window_spec(row, window, start=None, reason=reason, now=now)
+                recovered = item.recover is not None and window == item.recover.window
+                if not recovered and self.planner.planned_run(f"{self.node}:{spec.key}"):
+                    self.jobs.end_without_running(spec, SKIPPED, reason)
 
     # -- jobs' hooks --------------------------------------------------------------------
 
