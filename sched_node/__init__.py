@@ -6,6 +6,6 @@ the parts: :mod:`sched_node.firing`, :mod:`sched_node.jobs` with
 :mod:`sched_node.recorder`, :mod:`sched_node.planner`, :mod:`sched_node.reconcile`,
 :mod:`sched_node.channel` and :mod:`sched_node.control`, :mod:`sched_node.chain`,
 :mod:`sched_node.node_report`). Settings: :mod:`sched_node.settings`, the action table's
-models in :mod:`sched_node.action_specs`; the action table at work:
-:mod:`sched_node.actions`. See docs/agent.md.
+models in :mod:`sched_core.action_specs`, its commands rendered and checked by
+:mod:`sched_core.render` and run by :mod:`sched_node.actions`. See docs/agent.md.
 """

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from sched_core import ConfigError
 from sched_core.model import LocalSchedule
-from sched_node.actions import render_argv
+from sched_core.render import render_argv
 from sched_node.settings import AgentSettings, load_settings
 
 OK, ROWS_REFUSED, WILL_NOT_START = 0, 1, 2

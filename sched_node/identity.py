@@ -11,31 +11,13 @@ that ran it are one run, whoever creates it first.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from sched_core import ConfigError
+from sched_core.render import window_stamp
 
 AGENT_TAG = "sched-agent"
 """The tag every deployment of the agent carries (and so every run of it)."""
-
-
-def window_stamp(window: datetime | None, *, now: datetime | None = None) -> str:
-    """Return a window as a compact UTC stamp for names and file names: 20261202T0730Z.
-
-    A window without a UTC offset is a ConfigError: reading it in the machine's
-    local time would name (and write) a different window on every host. No
-    window (an ad hoc or chain job) is named after ``now``.
-    """
-    if window is not None and (window.tzinfo is None or window.utcoffset() is None):
-        raise ConfigError(
-            f"window {window.isoformat()} has no UTC offset; give one, "
-            f"such as {window.isoformat()}Z or {window.isoformat()}-05:00"
-        )
-    instant = window or now
-    if instant is None:
-        raise ConfigError("a job without a window is named after the time it starts: give now")
-    return instant.astimezone(UTC).strftime("%Y%m%dT%H%MZ")
 
 
 def job_tags(node: str, action: str, schedule_id: str, trigger_key: str) -> list[str]:

@@ -47,7 +47,8 @@ from sched_core.guard import StartDecision, retry_allowed, stage_retry_allowed
 from sched_core.matcher import window_key
 from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
 from sched_core.policies import row_zone
-from sched_node.actions import job_environment, render_argv
+from sched_core.render import render_argv
+from sched_node.actions import job_environment
 from sched_node.adhoc import AdHoc
 from sched_node.chain import NodeChain
 from sched_node.chain_run import ChainRuns

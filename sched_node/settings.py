@@ -29,9 +29,9 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from sched_core import ConfigError
+from sched_core.action_specs import ActionSpec, Seconds, StageSpec
 from sched_core.matcher import DEFAULT_TZ, zone
 from sched_core.settings_sources import LayeredSettings
-from sched_node.action_specs import ActionSpec, Seconds, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class AgentSettings(LayeredSettings):
         json_schema_extra={"docs_env": "(TOML)"},
         description="the action table, below")
 
-    # -- what a row may make a node execute (sched_node/actions.py checks every value) --
+    # -- what a row may make a node execute (sched_core/render.py checks every value) --
     strict_params: bool = Field(
         True,
         description="a row may carry only the params its action declares (below); an action's "

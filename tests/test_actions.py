@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from sched_core import ConfigError, LocalSchedule
-from sched_node.actions import ValueRefused, render_argv, run_command
+from sched_core.render import ValueRefused, render_argv
+from sched_node.actions import run_command
 from sched_node.settings import ActionSpec, load_settings
 
 WINDOW = datetime(2026, 12, 2, 7, 30, tzinfo=UTC)

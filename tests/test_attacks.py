@@ -36,8 +36,9 @@ from typing import Any
 import pytest
 
 from sched_core import ConfigError, LocalSchedule
-from sched_node.action_specs import template_fields
-from sched_node.actions import ValueRefused, job_environment, render_argv, run_command
+from sched_core.action_specs import template_fields
+from sched_core.render import ValueRefused, render_argv
+from sched_node.actions import job_environment, run_command
 from sched_node.settings import AgentSettings, load_settings
 from tests.procs import free_port
 

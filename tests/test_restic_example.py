@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from sched_core import LocalSchedule
-from sched_node.actions import job_environment, render_argv, run_command
+from sched_core.render import render_argv
+from sched_node.actions import job_environment, run_command
 from sched_node.settings import AgentSettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from sched_core import ConfigError, LocalSchedule
-from sched_node.actions import render_argv, run_command
+from sched_core.render import render_argv
+from sched_node.actions import run_command
 from sched_node.settings import ActionSpec, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,8 +3,9 @@
 An action (:class:`ActionSpec`) is an argv of templates (``{repo_id}``,
 ``{param:NAME}``, ``{state_dir}``, ...) with its timeout, retries, working folder
 and declared parameters (:class:`ParamSpec`, each with its rule);
-:mod:`sched_node.actions` checks every value against them before a command runs.
-The agent's settings (:mod:`sched_node.settings`) hold the table, read from TOML.
+:mod:`sched_core.render` checks every value against them before a command runs (on
+the node) and when a row is written (on the controller, against the node's published table).
+The agent's settings hold the table, read from TOML.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def template_pieces(template: str) -> list[tuple[str, str | None, str, str | Non
     """Return a template's (literal, field, spec, conversion) pieces; ValueError when malformed.
 
     The one parse of an argv template: :func:`template_fields` checks its fields at load,
-    :func:`sched_node.actions.render_argv` fills them.
+    :func:`sched_core.render.render_argv` fills them.
     """
     return [
         (literal, name, spec or "", conv)
