@@ -4,31 +4,7 @@ Rule: every time column is a :class:`UtcDateTime`: it stores UTC (naive text
 on SQLite, ``timestamptz`` on Postgres) and always gives back an aware UTC
 datetime, so code never compares naive and aware times.
 
-Tables:
-
-- ``agent_schedule``: the agents' wire-format rows (:class:`sched_core.LocalSchedule`)
-  per node: one column per Go field, the policy fields that are set in one JSON
-  column, a version that increases on every change, and each row's wire JSON as
-  written (the pull answer is built from it).
-- ``node_revision``: one row per node whose schedule list ever changed; its
-  revision (and a random epoch) make the list's ETag.
-- ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
-  schedule shape, target, payload, ``next_run_at``, status, lease columns).
-- ``task_dispatch``: one row per (task name, scheduled time) ever dispatched;
-  its unique key is what makes a dispatch happen exactly once.
-- ``node_report``, ``node_report_history``: each node's latest report (what
-  its agent says about itself), and its newest reports (bounded per node).
-- ``node_pull``: each node's latest pull as the controller answered it.
-- ``node_seen``: each node's latest request made with its own token (a pull or a
-  report; never an admin's), and the heartbeat it announced: its liveness.
-- ``node_job``: the job records nodes report, one per (node, window key), the
-  newest ``seq`` kept (bounded per node).
-- ``schedule_version``: every version of every row with the span it was in force
-  (bounded): what a node was to run at any past instant.
-- ``fleet_alert``: each alert the controller raised (a silent node, a missed or
-  failed window, a recovery), inserted once per (node, kind, subject): the row
-  decides which controller instance sends its event.
-- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
+Tables: one class each below; its docstring says what one row is.
 """
 
 from __future__ import annotations
@@ -278,6 +254,18 @@ class NodeSeen(SQLModel, table=True):
     heartbeat_s: float | None = Field(default=None, sa_column=Column(Float, nullable=True))
     """The interval the node promised a request within (its latest own report's), or None."""
     first_seen_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
+
+
+class NodeContract(SQLModel, table=True):
+    """The action table a node published in its reports (never its ``env``): what the
+    controller checks written rows of that node against."""
+
+    __tablename__ = "node_contract"
+
+    node: str = Field(primary_key=True, max_length=200, sa_type=NAME_TYPE)
+    contract_hash: str = Field(max_length=64)
+    contract: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    received_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
 
 
 class NodeJob(SQLModel, table=True):

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from controller.contracts import NodeContractIn
 from controller.models import (
     KEY_MAX_LENGTH,
 )
@@ -217,6 +218,10 @@ class NodeReportIn(_Strict):
     heartbeat_s: Annotated[float, Field(ge=10, le=3600)] | None = None
     jobs: Annotated[list[JobRecordIn], Field(max_length=MAX_JOBS)] = Field(
         default_factory=list)
+    contract_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
+    """The hash of the node's action table (every report; :mod:`controller.contracts`)."""
+    contract: NodeContractIn | None = None
+    """The node's action table itself (its first report after a start, or when wanted)."""
 
     @property
     def failing(self) -> list[str]:
@@ -228,7 +233,8 @@ class NodeReportIn(_Strict):
 def report_data(report: NodeReportIn) -> dict[str, Any]:
     """Return the report as the JSON data that is stored (times in UTC, ``Z``).
 
-    Its job records are left out: they are stored one per key (:mod:`controller.jobs`).
+    Its job records are left out: they are stored one per key (:mod:`controller.jobs`); so
+    is its action table (:mod:`controller.contracts`).
     """
-    data: dict[str, Any] = report.model_dump(mode="json", exclude={"jobs"})
+    data: dict[str, Any] = report.model_dump(mode="json", exclude={"jobs", "contract"})
     return data

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal, Self
@@ -203,6 +204,15 @@ class ActionSpec(BaseModel):
         if label.startswith("param:"):
             return self.params.get(label.removeprefix("param:"))
         return self.fields.get(label)
+
+
+def action_of(actions: Mapping[str, ActionSpec], name: str) -> ActionSpec:
+    """Return the table's entry for name, or raise ConfigError naming the known ones."""
+    try:
+        return actions[name]
+    except KeyError:
+        known = ", ".join(sorted(actions)) or "none"
+        raise ConfigError(f"no action {name!r} in the action table (known: {known})") from None
 
 
 class StageSpec(BaseModel):

@@ -30,6 +30,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -152,6 +153,20 @@ def build_report(
     }
 
 
+def action_contract(settings: AgentSettings) -> dict[str, Any]:
+    """Return the action table as the node publishes it to the controller, which checks
+    written rows against it (:mod:`controller.contracts`): never an action's ``env``."""
+    # Defaults left out: a rule's "pattern": null would read as a pattern set.
+    return {"actions": {name: spec.model_dump(mode="json", exclude={"env"}, exclude_defaults=True)
+                        for name, spec in sorted(settings.actions.items())}}
+
+
+def contract_hash(contract: Mapping[str, Any]) -> str:
+    """Return the published table's hash (every report carries it)."""
+    text = json.dumps(contract, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 @dataclass
 class _Pending:
     folder: JobFolder
@@ -183,6 +198,9 @@ class Reporter:
         self._coming = threading.Event()
         """Set by :meth:`expect` (a reconcile began) until the next report goes."""
         self._seq_path = settings.state_dir / "report-seq"
+        self._contract = action_contract(settings)
+        self._contract_hash: str | None = contract_hash(self._contract)
+        self._contract_sent = False  # the table goes with the first report, and when wanted
         self.sent = 0
         self.failures = 0
         if self.url is None:
@@ -286,6 +304,11 @@ class Reporter:
             pending = self._pending()
             body = self._facts(self._clock())
             body["jobs"] = [record for _, record in pending]
+            publish = self._contract_hash is not None and not self._contract_sent
+            if self._contract_hash is not None:
+                body["contract_hash"] = self._contract_hash
+            if publish:
+                body["contract"] = self._contract
             status = self._post(body)
             if status == 422 and pending:
                 # The controller refused something in the job records: the rest of the
@@ -293,6 +316,8 @@ class Reporter:
                 # for the next report instead of holding every report back.
                 pending = []
                 status = self._post({**body, "jobs": []})
+            if status == 422 and self._contract_hash is not None:
+                status = self._unpublished(body)
         except Exception as exc:
             log.warning("could not build the node report (tried again later)",
                         extra={"node": self.settings.node_name, "error": repr(exc)[:300]})
@@ -301,6 +326,7 @@ class Reporter:
             self.failures += 1
             return False
         self.sent += 1
+        self._contract_sent = self._contract_sent or publish
         if pending:
             self._seq_path.write_text(str(pending[-1][1]["seq"]), encoding="ascii")
         for item, record in pending:
@@ -312,6 +338,19 @@ class Reporter:
             if record["ended_at"] is not None or item.state == SKIPPED:
                 self._done(item.folder)
         return True
+
+    def _unpublished(self, body: dict[str, Any]) -> int | None:
+        """Send the report without the action table, which the controller refused (an
+        older controller knows no such field): rows are then not checked when written."""
+        body = {key: value for key, value in body.items()
+                if key not in ("contract", "contract_hash")}
+        status = self._post({**body, "jobs": []})
+        if status == 204:
+            self._contract_hash = None
+            log.warning("the controller refuses the node's action table (an older controller?):"
+                        " it cannot check rows of this node when they are written",
+                        extra={"node": self.settings.node_name})
+        return status
 
     def _post(self, body: dict[str, Any]) -> int | None:
         """POST the report; return the answer's status (None: no answer)."""
@@ -327,6 +366,9 @@ class Reporter:
             log.warning("could not send the node report (sent again later)",
                         extra={"node": node, "report_url": self.url, "error": repr(exc)[:300]})
             return None
+        if response.headers.get("sched-contract") == "wanted":
+            self._contract_sent = False  # the controller lost it: it goes with the next report
+            self.poke()
         if response.status_code != 204:
             log.warning("the controller refused the node report (%d): %s",
                         response.status_code, response.text[:300],

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from sched_core import ConfigError
-from sched_core.action_specs import ActionSpec, Seconds, StageSpec
+from sched_core.action_specs import ActionSpec, Seconds, StageSpec, action_of
 from sched_core.matcher import DEFAULT_TZ, zone
 from sched_core.settings_sources import LayeredSettings
 
@@ -260,11 +260,7 @@ class AgentSettings(LayeredSettings):
 
     def action(self, name: str) -> ActionSpec:
         """Return the action table entry for name, or raise ConfigError."""
-        try:
-            return self.actions[name]
-        except KeyError:
-            known = ", ".join(sorted(self.actions)) or "none"
-            raise ConfigError(f"no action {name!r} in the action table (known: {known})") from None
+        return action_of(self.actions, name)
 
     def bearer_token(self) -> str | None:
         """Return the controller's bearer token: the environment's, else the Secret block's."""

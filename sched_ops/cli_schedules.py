@@ -279,8 +279,11 @@ def _propagation_lines(stored: dict[str, Any]) -> list[str]:
     likely = "likely" if info.get("likely_in_time") else "NOT likely"
     event = "sent" if info.get("event_sent") else "not sent"
     reason = f": {cell(info.get('reason'), limit=1000)}" if info.get("reason") else ""
-    return [f"next window {cell(at)}; the node is {likely} to have it by then "
-            f"(change event {event}){reason}"]
+    lines = [f"next window {cell(at)}; the node is {likely} to have it by then "
+             f"(change event {event}){reason}"]
+    if info.get("check"):
+        lines.append(cell(info.get("check"), limit=1000))
+    return lines
 
 
 @schedules_app.command("put")

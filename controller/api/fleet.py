@@ -39,7 +39,18 @@ from pydantic import ValidationError
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import fleet, jobs, ledger, morning, nodes, report_in, schedules, watch, why
+from controller import (
+    contracts,
+    fleet,
+    jobs,
+    ledger,
+    morning,
+    nodes,
+    report_in,
+    schedules,
+    watch,
+    why,
+)
 from controller.api.jsonbody import (
     _body_errors,
     _unprocessable,
@@ -150,8 +161,11 @@ class FleetApi:
                         "event_sent": announced.sent, "reason": announced.reason})
         return announced
 
-    def written(self, node: str, stored: LocalSchedule, op: str) -> Response:
-        """Return a PUT's or PATCH's answer: the stored row plus ``_propagation`` (rule 3)."""
+    def written(self, node: str, stored: LocalSchedule, op: str,
+                check: dict[str, Any] | None = None) -> Response:
+        """Return a PUT's or PATCH's answer: the stored row plus ``_propagation`` (rule 3),
+        with what checked the row against its node's action table (``checked``, ``check``:
+        :func:`controller.contracts.check_row`)."""
         announced = self.announce(node, stored.id, stored.version, op)
         now = self.clock()
 
@@ -169,6 +183,7 @@ class FleetApi:
             settings=self.settings, last_fired=fleet.last_fires(report).get(stored.id),
             seen=seen,
         )
+        spread.update(check or {})
         # The row's bytes as GET serves them (the Go kit's JSON), then the one extra key.
         row = stored.model_dump_json()
         body = row[:-1] + ',"_propagation":' + json.dumps(spread, separators=(",", ":")) + "}"
@@ -212,15 +227,23 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
                 await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
                     s, node, at=received))
             raise
-        changed = await run_in_threadpool(in_session, lambda s: nodes.record_report(
-            s, node, report_in.report_data(report), received_at=received,
-            keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
-            jobs=report.jobs, job_keep=api.settings.job_keep))
+        def store(session: Session) -> tuple[int, bool]:
+            changed = nodes.record_report(
+                session, node, report_in.report_data(report), received_at=received,
+                keep=api.settings.report_history, own=own, heartbeat_s=report.heartbeat_s,
+                jobs=report.jobs, job_keep=api.settings.job_keep)
+            # Only the node itself publishes its table (its own token).
+            wanted = own and contracts.note_report(session, node, report.contract_hash,
+                                                   report.contract, at=received)
+            return changed, wanted
+
+        changed, wanted = await run_in_threadpool(in_session, store)
         log.info("node report", extra={"node": printable(node),
                                        "agent_version": report.agent_version,
                                        "failing": report.failing, "own": own,
                                        "jobs": len(report.jobs), "jobs_changed": changed})
-        return Response(status_code=204)
+        return Response(status_code=204,
+                        headers={contracts.WANTED_HEADER: "wanted"} if wanted else None)
 
 
 def _status_routes(router: APIRouter, api: FleetApi, auth: Any) -> None:

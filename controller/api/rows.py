@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
 
-from controller import schedules
+from controller import contracts, schedules
 from controller.api.access import Auth
 from controller.api.fleet import FleetApi
 from controller.api.jsonbody import (
@@ -197,13 +197,16 @@ def _write_routes(router: APIRouter, in_session: InSession, auth: Auth,
     async def put_schedule(request: Request, node: str, schedule_id: str) -> Response:
         _check_schedule_key(node, schedule_id, storing=True)
         row = row_from_body(await read_object(request, "id", schedule_id))
-        stored = await run_in_threadpool(
-            in_session, lambda s: schedules.put_schedule(s, node, row, now=fleet_api.clock())
-        )
+
+        def put(session: Session) -> tuple[LocalSchedule, dict[str, Any]]:
+            check = contracts.check_row(session, node, row, now=fleet_api.clock())
+            return schedules.put_schedule(session, node, row, now=fleet_api.clock()), check
+
+        stored, check = await run_in_threadpool(in_session, put)
         # Both are identifiers by now (the node's path rule, the row's id rule).
         log.info("schedule saved", extra={"node": node, "schedule_id": schedule_id,
                                            "version": stored.version})
-        return await run_in_threadpool(fleet_api.written, node, stored, "put")
+        return await run_in_threadpool(fleet_api.written, node, stored, "put", check)
 
     @router.delete(
         "/api/nodes/{node}/schedules/{schedule_id}", status_code=204,
@@ -236,24 +239,25 @@ def _patch_route(router: APIRouter, in_session: InSession, auth: Auth,
         check_name(("path", "id"), schedule_id)
         patch = await read_object(request, "id", schedule_id)
 
-        def apply(session: Session) -> LocalSchedule:
+        def apply(session: Session) -> tuple[LocalSchedule, dict[str, Any]]:
             for _ in range(PATCH_ATTEMPTS):
                 current = schedules.get_schedule(session, node, schedule_id)
                 session.commit()
                 if current is None:
                     raise NotFound(f"no schedule {schedule_id!r} on node {node!r}")
                 row = _patched_row(current, patch)
+                check = contracts.check_row(session, node, row, now=fleet_api.clock())
                 try:
                     return schedules.put_schedule(session, node, row, if_version=current.version,
-                                                  now=fleet_api.clock())
+                                                  now=fleet_api.clock()), check
                 except schedules.VersionConflict:
                     continue  # a concurrent write won: apply the patch to its row
             raise InvalidInput([{"field": "", "loc": ["path", "id"], "type": "conflict",
                                  "msg": f"row {schedule_id!r} kept changing; try again"}])
 
-        stored = await run_in_threadpool(in_session, apply)
+        stored, check = await run_in_threadpool(in_session, apply)
         log.info("schedule patched", extra={"node": printable(node),
                                             "schedule_id": printable(schedule_id),
                                             "version": stored.version,
                                             "fields": sorted(patch)})
-        return await run_in_threadpool(fleet_api.written, node, stored, "patch")
+        return await run_in_threadpool(fleet_api.written, node, stored, "patch", check)
