@@ -168,6 +168,11 @@ class Tokens:
         # read once, and a reload rebinds it, never changes it.
         return self._index.get(_digest(token))
 
+    def node_keys(self, node: str) -> list[bytes]:
+        """Return the digests of node's tokens: the keys its vouchers are signed with
+        (:mod:`sched_core.vouchers`)."""
+        return [digest for digest, principal in self._entries if principal.node == node]
+
     def signer(self, message: bytes, signature: bytes) -> Principal | None:
         """Return the principal whose token signed message, or None (see :func:`sign`).
 

@@ -34,8 +34,9 @@ def stage(name: str, schedule_ids: list[str]) -> dict[str, str]:
 
 @flow(name="chain", description="The day's chain of a node (prune, then check): run by the "
       "node after its wave; when Prefect runs it, its stages run now on the node on this host.")
-def chain() -> State[Any]:
-    """Run the node's chain stages now, in order (the module's text)."""
+def chain(voucher: str | None = None) -> State[Any]:
+    """Run the node's chain stages now, in order (the module's text); ``voucher`` as
+    :func:`flows.run_job.run_job`'s."""
     link, info = open_node(deployment.name)
     link.close()
     rows = info.get("schedules", [])

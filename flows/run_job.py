@@ -79,8 +79,12 @@ def write_artifact(node: str, schedule_id: str, outcome: dict[str, Any]) -> None
 
 @flow(name="run-job", description="One job of one schedule on its node: fired by the node at "
       "its windows; when Prefect runs it, the node on this host runs the job.")
-def run_job(schedule_id: str) -> State[Any]:
-    """Run the cached schedule schedule_id once, now, on its node (the module's ways)."""
+def run_job(schedule_id: str, voucher: str | None = None) -> State[Any]:
+    """Run the cached schedule schedule_id once, now, on its node (the module's ways).
+
+    ``voucher``: the controller's word for this run (``sched run`` brings one), which a
+    node with ``ad_hoc_runs = "controller"`` needs before it takes the run.
+    """
     found = check_inputs(schedule_id)
     outcome = run_command(schedule_id)
     write_artifact(str(found["node"]), schedule_id, outcome)

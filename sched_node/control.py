@@ -67,6 +67,7 @@ from sched_core.reconnect import Follower, Reconnecting
 from sched_core.worker import Worker
 from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, new_state
 from sched_node.registration import CHAIN, PLANNED_QUEUE, RECONCILE, RUN_JOB, Deployments
+from sched_node.vouch import Vouchers, needs, refused_state
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class Control:
     """Whether the node still has a job (or a record under way) for a flow run."""
     work_pool: str = "sched-agent"
     heartbeat_s: float = 720.0
+    vouchers: Vouchers | None = None
+    """With ``ad_hoc_runs = "controller"``: the runs and cancels it refuses without a voucher."""
     checks: int = field(default=0, init=False)
     polls: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -168,10 +171,15 @@ class Control:
         if flow is None:
             return 0
         if state.get("type") == "CANCELLING":
+            # A cancel of a run with no job here stops nothing: it needs no voucher.
+            if self.busy(run_id) and self._refused(run, flow):
+                return 1
             return self._cancelling(run)
         retried = state.get("name") == RETRY
         if self.busy(run_id) or (self._ours(run) and not retried):
             return 0  # a run the node made (its plan, its records) or whose job it has
+        if self._refused(run, flow):
+            return 1
         if flow == RECONCILE:
             return self._take(run, lambda item: self.reconcile(str(item["id"])))
         if flow == RUN_JOB:
@@ -179,6 +187,25 @@ class Control:
         if flow == CHAIN:
             return self._take(run, self.engine)
         return 0
+
+    def _refused(self, run: dict[str, Any], flow: str) -> bool:
+        """Refuse a run or cancel its controller did not vouch for (sched_node.vouch): the
+        run says why (a cancel's run runs on, a Retry's goes back to its end, a run fails)."""
+        need = needs(run, flow, self.node) if self.vouchers else None
+        if self.vouchers is None or need is None:
+            return False
+        why = self.vouchers.refusal(need[0], purpose=need[1], subject=need[2])
+        if why is None:
+            return False
+        run_id = str(run["id"])
+        kind, name, message = refused_state(run, why, lambda: self.api.call(
+            lambda c: [item.model_dump(mode="json")
+                       for item in c.read_flow_run_states(uuid.UUID(run_id))],
+            f"read the states of flow run {run_id}"))
+        self.api.set_state(run_id, new_state(kind, name=name, message=message), force=True)
+        log.warning("refused run %s (%s): %s", run.get("name"), run_id, why,
+                    extra={"node": self.node, "flow_run_id": run_id})
+        return True
 
     def _ours(self, run: dict[str, Any]) -> bool:
         """Return whether the node made the run (its idempotency key is ``<node>:...``)."""

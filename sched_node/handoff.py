@@ -16,6 +16,7 @@ A flow of ``flows/`` that Prefect's engine runs on this host hands its job to th
 
 from __future__ import annotations
 
+import hmac
 import logging
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from sched_core.model import LocalSchedule
 from sched_node.local import MAX_LINES, wait_for
 from sched_node.outbox import JobFolder, JobSpec, JobView, Outbox, utc_text
 from sched_node.record_steps import read_lines
+from sched_node.vouch import HOW_TO
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +92,11 @@ class Handoff:
                  known: Callable[[], list[str]],
                  spec: Callable[..., JobSpec],
                  start: Callable[[LocalSchedule, JobSpec, list[str]], JobFolder],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], door_key: str | None = None) -> None:
+        """door_key: with one, only callers that bring it hand over jobs (the node's own
+        engine processes, :func:`sched_node.vouch.door_key`)."""
         self.node = node
+        self.door_key = door_key
         self.outbox = outbox
         self._clock = clock
         self._row = row
@@ -101,8 +106,10 @@ class Handoff:
         self._wake = wake
 
     def submit(self, schedule_id: str, flow_run_id: str | None,
-               flow_run_name: str | None) -> tuple[str | None, str]:
+               flow_run_name: str | None, key: str | None = None) -> tuple[str | None, str]:
         """Rule 1: start the row's job for the engine's run; (job id, "") or (None, why)."""
+        if self.door_key and not (key and hmac.compare_digest(key, self.door_key)):
+            return None, f"refused: a flow run the node's own engine does not run; {HOW_TO}"
         if flow_run_id is not None:
             for folder in self.outbox.jobs():
                 try:

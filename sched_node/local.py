@@ -43,11 +43,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from sched_core.action_specs import StageSpec
+from sched_core.model import LocalSchedule
 from sched_node.settings import CONFIG_ENV
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "node.sock"
+DOOR_KEY_ENV = "SCHED_DOOR_KEY"
+"""The variable that gives the node's own engine processes the door's key."""
+DOOR_KEY_HEADER = "X-Sched-Door-Key"
 MAX_WAIT_S = 30.0
 """The longest a ``GET /jobs/<id>`` holds its answer waiting for news."""
 MAX_BODY = 64 * 1024
@@ -71,6 +76,17 @@ def socket_path(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
+def describe(node: str, schedules: list[LocalSchedule],
+             stages: list[StageSpec]) -> dict[str, Any]:
+    """Return the node's name, cached schedules and chain stages (``GET /node``)."""
+    return {"node": node,
+            "schedules": [{"id": row.id, "name": row.name, "action": row.action,
+                           "on": row.schedule.on or None, "enabled": row.enabled}
+                          for row in schedules],
+            "stages": [{"name": stage.name, "action": stage.action, "on": stage.on}
+                       for stage in stages]}
+
+
 def flow_run_env(state_dir: Path) -> dict[str, str]:
     """Return what a flow run Prefect's engine runs on this host needs to find the node: the
     agent config's path (``SCHED_CONFIG``), else the door's (``SCHED_NODE_SOCKET``)."""
@@ -85,8 +101,9 @@ class Door:
 
     node: Callable[[], dict[str, Any]]
     """The node's name, schedules and stages (``GET /node``)."""
-    submit: Callable[[str, str | None, str | None], tuple[str | None, str]]
-    """Run a cached schedule now for an engine's run: (job id, "") or (None, why not)."""
+    submit: Callable[[str, str | None, str | None, str | None], tuple[str | None, str]]
+    """Run a cached schedule now for an engine's run (its name, id and the door key it
+    brings): (job id, "") or (None, why not)."""
     job: Callable[[str, str, float], dict[str, Any] | None]
     """A job now and its lines after a cursor, waiting up to a time for news; None: no job."""
     recorded: Callable[[str], bool]
@@ -163,7 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._answer(400, {"error": "schedule_id: the cached schedule to run"})
                 return
             job_id, why = door.submit(schedule_id, run_id if isinstance(run_id, str) else None,
-                                      run_name if isinstance(run_name, str) else None)
+                                      run_name if isinstance(run_name, str) else None,
+                                      self.headers.get(DOOR_KEY_HEADER))
             if job_id is None:
                 self._answer(404, {"error": why})
             else:
@@ -247,8 +265,10 @@ class NodeLink:
         if len(name.encode()) >= _UNIX_PATH_MAX:
             self._fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
             name = f"/proc/self/fd/{self._fd}/{path.name}"
+        key = os.environ.get(DOOR_KEY_ENV)
         self._client = httpx.Client(transport=httpx.HTTPTransport(uds=name),
-                                    base_url="http://node", timeout=timeout)
+                                    base_url="http://node", timeout=timeout,
+                                    headers={DOOR_KEY_HEADER: key} if key else None)
 
     def close(self) -> None:
         """Close the connection and the folder handle."""

@@ -61,7 +61,7 @@ from sched_node.history import History
 from sched_node.identity import AGENT_TAG, JobRef
 from sched_node.jobs import Jobs, longest_run_s
 from sched_node.launcher import WarmKeepers
-from sched_node.local import Door, LocalDoor, flow_run_env
+from sched_node.local import DOOR_KEY_ENV, Door, LocalDoor, describe, flow_run_env
 from sched_node.node_report import Reporter, build_report
 from sched_node.outbox import (
     FAILED,
@@ -81,6 +81,7 @@ from sched_node.recorder import Recorder
 from sched_node.registration import Deployments
 from sched_node.repolock import repo_lock
 from sched_node.settings import AgentSettings
+from sched_node.vouch import Vouchers, door_key
 
 log = logging.getLogger("sched_node.node")
 
@@ -160,6 +161,10 @@ class Node:
         """Steps 5 and 6: reconcile, control, report; the local door, where flows that Prefect's
         engine runs here hand over jobs."""
         settings, api, clock = self.settings, self.api, self._clock
+        self.vouchers = Vouchers(settings.state_dir / "vouchers.json", node=self.node,
+                                 mode=settings.ad_hoc_runs, token=settings.bearer_token,
+                                 clock=clock)
+        key = door_key(settings.state_dir) if self.vouchers.required else None
         self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  done=self._reported,
@@ -172,18 +177,21 @@ class Node:
                            reconcile=lambda run_id: self.reconciler.poke("on demand",
                                                                          run_id=run_id),
                            engine=EngineRuns(settings.state_dir / "engine", {
-                               **flow_run_env(settings.state_dir), "PREFECT_API_URL": api.url}))
+                               **flow_run_env(settings.state_dir), "PREFECT_API_URL": api.url,
+                               **({DOOR_KEY_ENV: key} if key else {})}))
         self.control = Control(api, self.deployments, node=self.node, clock=clock,
                                run_job=self.adhoc.run_job, reconcile=self.adhoc.reconcile,
                                engine=self.adhoc.chain, cancel=self.adhoc.cancel,
                                busy=self.adhoc.busy, work_pool=settings.work_pool,
-                               heartbeat_s=settings.worker_heartbeat.total_seconds())
+                               heartbeat_s=settings.worker_heartbeat.total_seconds(),
+                               vouchers=self.vouchers)
         self.channel = NodeChannel(self)
         self.handoff = Handoff(node=self.node, outbox=self.outbox, clock=clock, row=self._row,
                                known=self._known, spec=self._spec, start=self.start_job,
-                               wake=self.recorder.wake)
+                               wake=self.recorder.wake, door_key=key)
         self.door = LocalDoor(settings.state_dir, Door(
-            node=self.describe, submit=self.handoff.submit, job=self.handoff.job,
+            node=lambda: describe(self.node, self.scheduler.schedules(), settings.stages),
+            submit=self.handoff.submit, job=self.handoff.job,
             recorded=self.handoff.recorded, reconcile=self.reconciler.run_now))
 
     def _build_scheduler(self, now: datetime) -> Scheduler:
@@ -208,16 +216,6 @@ class Node:
         return NodeView(rows=cache.schedules, last_fired=cache.last_fired_at,
                         first_seen=cache.first_seen_at, tz=self.settings.tz, node=self.node,
                         grace=self.settings.grace)
-
-    def describe(self) -> dict[str, Any]:
-        """Return the node's name, cached schedules and chain stages (the local door's
-        ``GET /node``)."""
-        return {"node": self.node,
-                "schedules": [{"id": row.id, "name": row.name, "action": row.action,
-                               "on": row.schedule.on or None, "enabled": row.enabled}
-                              for row in self.scheduler.schedules()],
-                "stages": [{"name": stage.name, "action": stage.action, "on": stage.on}
-                           for stage in self.settings.stages]}
 
     def _known(self) -> list[str]:
         return [row.id for row in self.scheduler.schedules()]

@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 from zoneinfo import ZoneInfo
 
 from pydantic import (
@@ -182,6 +182,13 @@ class AgentSettings(LayeredSettings):
         timedelta(seconds=720),
         description="how often the node tells its pool it is alive (the Workers tab); Prefect "
         "shows it offline after three of these without one")
+    ad_hoc_runs: Literal["prefect", "controller"] = Field(
+        "prefect",
+        description="who may make the node run or cancel a job between its windows: "
+        "`prefect`, anyone with the Prefect API (the UI's Run, Retry and Cancel, like any "
+        "worker); `controller`, only runs and cancels its controller vouches for (`sched "
+        "run`, `sched cancel`; the UI's buttons are refused on the run, saying so), for a "
+        "Prefect server shared with others (docs/agent-reference.md)")
     record_task_run: bool = Field(
         True,
         description="record each try of a job's command as a `run-command` task run (Running, "

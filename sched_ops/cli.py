@@ -151,24 +151,50 @@ def run_command(
     """Run a schedule's job now on its node, through Prefect (`run-job/<node>`); print its URL.
 
     With a controller, the schedule is looked up there first (exit 1 if it has
-    none) and the run is tagged with its action as planned runs are.
+    none), the run is tagged with its action as planned runs are, and it carries the
+    controller's voucher (a node with `ad_hoc_runs = "controller"` takes no run without).
     """
     from sched_ops import prefect
 
     action = None
     warning = None
+    voucher = None
     if controller:
         with controller_client(controller, token) as client:
             action = client.row(node, schedule_id).get("action")
             warning = silent_warning(client.node_status(node), utcnow())
+            voucher = client.voucher(node, "run", schedule_id)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
     with failing():
-        run = prefect.run_job(node, schedule_id, action=action if isinstance(action, str) else None)
+        run = prefect.run_job(node, schedule_id, action=action if isinstance(action, str) else None,
+                              voucher=voucher)
     if as_json:
         echo_json({**run, "node_warning": warning})
         return
     typer.echo(f"created run {run['name']} of {run['deployment']} ({run['state']})")
+    typer.echo(run["url"])
+
+
+@app.command("cancel")
+def cancel_command(
+    flow_run_id: Annotated[str, typer.Argument(metavar="RUN_ID")], node: NodeOpt,
+    controller: ControllerOpt = None, token: TokenOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Cancel a run of a node's job (as the UI's Cancel does), with the controller's voucher
+    when there is a controller (a node with `ad_hoc_runs = "controller"` needs it)."""
+    from sched_ops import prefect
+
+    voucher = None
+    if controller:
+        with controller_client(controller, token) as client:
+            voucher = client.voucher(node, "cancel", flow_run_id)
+    with failing():
+        run = prefect.cancel_run(flow_run_id, voucher=voucher)
+    if as_json:
+        echo_json(run)
+        return
+    typer.echo(f"asked to cancel run {run['name']} ({run['status']}; it was {run['state']})")
     typer.echo(run["url"])
 
 

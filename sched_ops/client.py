@@ -21,6 +21,7 @@ messages are shown without any user or password.
 from __future__ import annotations
 
 import json
+import sys
 from enum import IntEnum
 from typing import Any
 
@@ -200,6 +201,23 @@ class Controller:
         """``GET /api/nodes/{node}/schedules/{id}``: one row."""
         path = _row_path(node, schedule_id)
         return self._object(self.json("GET", path), path)
+
+    def voucher(self, node: str, purpose: str, subject: str) -> str | None:
+        """``POST /api/nodes/{node}/vouchers``: the controller's word for a run or a cancel;
+        None, with a warning, when it gives none (a node without a token there, an older
+        controller): a node with ``ad_hoc_runs = "controller"`` then refuses the run."""
+        path = f"/api/nodes/{_segment(node)}/vouchers"
+        try:
+            body = self._object(self.json("POST", path, body={
+                "purpose": purpose, "subject": subject}), path)
+        except OpsError as exc:
+            if exc.status not in (404, 405, 422):
+                raise
+            print(f"warning: no voucher from the controller ({exc}); a node with ad_hoc_runs "
+                  '= "controller" refuses this', file=sys.stderr)
+            return None
+        voucher = body.get("voucher")
+        return voucher if isinstance(voucher, str) else None
 
     def put(self, node: str, schedule_id: str, row: dict[str, Any]) -> dict[str, Any]:
         """``PUT`` a whole row; return the stored row (with ``_propagation`` when sent)."""

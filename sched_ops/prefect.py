@@ -73,12 +73,15 @@ def with_client(work: Callable[[SyncPrefectClient], T]) -> T:
                        f"({type(exc).__name__}: {exc})", Exit.UNREACHABLE) from None
 
 
-def run_job(node: str, schedule_id: str, *, action: str | None = None) -> dict[str, Any]:
+def run_job(node: str, schedule_id: str, *, action: str | None = None,
+            voucher: str | None = None) -> dict[str, Any]:
     """Create an ad hoc run of ``run-job/<node>`` with ``{"schedule_id": ...}``; return it.
 
     With the action known (from the controller), the run carries the tags a
     planned run of it carries (``node:``, ``action:``, ``schedule:``,
-    ``trigger:manual``), so its job event counts for the wave's alert at once.
+    ``trigger:manual``), so its job event counts for the wave's alert at once. With a
+    voucher (from the controller), the run carries it, when the node's deployment takes
+    one (a node with ``ad_hoc_runs = "controller"`` needs it).
     """
     from prefect.exceptions import ObjectNotFound
 
@@ -96,8 +99,12 @@ def run_job(node: str, schedule_id: str, *, action: str | None = None) -> dict[s
         if action:
             tags |= {f"node:{node}", f"action:{action}", f"schedule:{schedule_id}",
                      "trigger:manual"}
+        parameters: dict[str, Any] = {"schedule_id": schedule_id}
+        takes = (deployment.parameter_openapi_schema or {}).get("properties") or {}
+        if voucher and "voucher" in takes:
+            parameters["voucher"] = voucher
         run = client.create_flow_run_from_deployment(
-            deployment.id, parameters={"schedule_id": schedule_id}, tags=sorted(tags))
+            deployment.id, parameters=parameters, tags=sorted(tags))
         return {"id": str(run.id), "name": run.name, "deployment": deployment_name,
                 "state": run.state.name if run.state else "", "url": run_url(run.id)}
 
@@ -141,3 +148,30 @@ def recent_runs(node: str, schedule_id: str, *, limit: int = 10) -> list[dict[st
         } for run in runs]
 
     return with_client(read)
+
+
+def cancel_run(flow_run_id: str, *, voucher: str | None = None) -> dict[str, Any]:
+    """Ask Prefect to cancel a flow run (Cancelling, as the UI's Cancel does), with the
+    controller's voucher in the state's message when there is one; return the run."""
+    import uuid
+
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Cancelling
+
+    try:
+        run_id = uuid.UUID(flow_run_id)
+    except ValueError:
+        raise OpsError(f"{flow_run_id!r} is not a flow run id", Exit.REFUSED) from None
+
+    def cancel(client: SyncPrefectClient) -> dict[str, Any]:
+        try:
+            run = client.read_flow_run(run_id)
+        except ObjectNotFound:
+            raise OpsError(f"no flow run {flow_run_id} on the Prefect API at "
+                           f"{shown_url(api_url())}", Exit.REFUSED) from None
+        message = "cancelled with sched cancel" + (f"; voucher={voucher}" if voucher else "")
+        status = client.set_flow_run_state(run_id, Cancelling(message=message)).status
+        return {"id": flow_run_id, "name": run.name, "status": str(status.value),
+                "state": run.state.name if run.state else "", "url": run_url(run_id)}
+
+    return with_client(cancel)

@@ -42,6 +42,7 @@ from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
 from controller.api.rows import schedule_router
+from controller.api.vouch import voucher_router
 from controller.api.wait import wait_router
 from controller.auth import Tokens
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
@@ -304,6 +305,7 @@ def create_app(
 
     _wait_routes(app, engine, auth, waits, fleet_api)
     app.include_router(task_router(in_session, auth, on_task_saved))
+    app.include_router(voucher_router(auth, clock))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
                                    revocations=SessionRevocations(in_session)))
     return app
