@@ -71,7 +71,7 @@ def test_prefect_deploy_all_makes_the_nodes_three_deployments_and_the_node_keeps
         loaded: Any = load_flow_from_entrypoint(str(ROOT / found["entrypoint"]))
         assert loaded.name == flow, "the entrypoint loads with Prefect's own loader"
     schema = deployed["run-job"]["parameter_openapi_schema"]  # type: ignore[index]
-    assert list(schema["properties"]) == ["schedule_id"] and schema["required"] == [
+    assert list(schema["properties"]) == ["schedule_id", "voucher"] and schema["required"] == [
         "schedule_id"], "the schema is the flow's signature"
     # The build step made the pool's paused queue of planned runs.
     queue = prefect.request("POST", "/work_pools/sched-agent/queues/filter", json={})
