@@ -12,26 +12,24 @@ Rules:
    planner's rules (:func:`sched_core.plan.upcoming`: policies, jitter,
    min_interval from the last fire the node reported) and its DST notes
    (:func:`sched_core.explain.dst_note`).
-2. Liveness comes only from the node's own requests (a pull or a report made
-   with its own token; an admin's read of its list never counts). A node is
-   **silent** when its latest own request is older than
-   :data:`SILENT_HEARTBEATS` times the heartbeat it announced (``heartbeat_s``
-   in its report); a node that never announced one (an older agent, which only
-   promised its periodic pull) gets the longer of 3 x 300 s and ``stale_after``
-   (3 pull intervals). It is **never-seen** when it never made one, and
-   **failing** when the latest job that ended of one of its current schedules
-   failed, crashed or timed out (its latest job record, else, while that one
-   runs, its report's latest job): a job's start changes no status. Its
-   ``status`` is the first that holds of never-seen, silent, failing, else ok:
-   a node silent for that long may be failing too, but that is old news.
-   (``stale`` is kept in the answers as the old name of silent.)
-3. A write's ``_propagation`` says when the row's next window is and whether
-   the node is likely to have the row by then: it must have pulled the row
-   by the end of the window's minute (a node never fires a window earlier
-   than the minute it first saw the row). With the event accepted by Prefect
-   the node pulls within :data:`EVENT_PULL_S`; without it, at its next
-   periodic pull (its last pull plus the pull interval). A node that never
-   made a request of its own, or is silent, is not counted on, and the answer
+2. Liveness comes only from the node's own requests (a pull or a report made with its
+   own token; an admin's read of its list never counts). A node is **silent** when its
+   latest own request is older than :data:`SILENT_HEARTBEATS` times the heartbeat it
+   announced (``heartbeat_s`` in its report); a node that never announced one (an older
+   agent, which only promised its periodic pull) gets the longer of 3 x 300 s and
+   ``stale_after`` (3 pull intervals). It is **never-seen** when it never made one, and
+   **failing** when the latest job that ended of one of its current schedules failed,
+   crashed or timed out (its latest job record, else, while that one runs, its report's
+   latest job): a job's start changes no status. Its ``status`` is the first that holds
+   of cannot-start (its agent said so since its last own request, :func:`start_error`),
+   never-seen, silent, failing, else ok: a node silent for that long may be failing too,
+   but that is old news. (``stale`` is kept in the answers as the old name of silent.)
+3. A write's ``_propagation`` says when the row's next window is and whether the node is
+   likely to have the row by then: it must have pulled the row by the end of the
+   window's minute (a node never fires a window earlier than the minute it first saw the
+   row). With the event accepted by Prefect the node pulls within :data:`EVENT_PULL_S`;
+   without it, at its next periodic pull (its last pull plus the pull interval). A node
+   that never made a request of its own, or is silent, is not counted on, and the answer
    says so.
 """
 
@@ -46,13 +44,7 @@ from zoneinfo import ZoneInfo
 from controller.events import Announced
 from controller.jobs import JobRecord
 from controller.models import DEFAULT_TIMEZONE
-from controller.nodes import (
-    JobKeep,
-    Pull,
-    Seen,
-    StoredReport,
-    utc_text,
-)
+from controller.nodes import JobKeep, Pull, Seen, StoredReport, utc_text
 from controller.report_in import DEFAULT_HEARTBEAT_S, FAILING_STATES
 from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
@@ -189,9 +181,26 @@ def liveness(seen: Seen | None, *, now: datetime, settings: FleetSettings) -> di
     }
 
 
+def start_error(report: StoredReport | None, seen: Seen | None) -> str | None:
+    """Return why node's agent cannot start (its last word since its last sign of life),
+    in words; None when it said nothing of the kind."""
+    data = report.report if report is not None else {}
+    error, at = data.get("start_error"), data.get("start_error_at")
+    try:
+        when = parse_go_time(at)
+    except ValueError:
+        return None
+    if not isinstance(error, str) or when is None or (seen is not None and when < seen.at):
+        return None
+    return f"its agent cannot start on its settings (at {utc_text(when)}): {error}"
+
+
 def silence_text(node: str, seen: Seen | None, *, now: datetime,
-                 settings: FleetSettings) -> str | None:
-    """Return why node is silent or never seen, in words (None when it is alive)."""
+                 settings: FleetSettings, cannot_start: str | None = None) -> str | None:
+    """Return why node is silent or never seen, in words (None when it is alive); a node
+    whose agent cannot start (``cannot_start``, :func:`start_error`) is silent at once."""
+    if cannot_start is not None:
+        return f"node {node}: {cannot_start}"
     if seen is None:
         return f"node {node} has never made a request to this controller with its own token"
     quiet = now - seen.at
@@ -243,7 +252,10 @@ def node_row(
     current = None if schedule_ids is None else set(schedule_ids)
     failing = failing_ids(report, records, current)
     alive = liveness(seen, now=now, settings=settings)
-    if seen is None:
+    cannot_start = start_error(report, seen)
+    if cannot_start is not None:
+        status = "cannot-start"
+    elif seen is None:
         status = "never-seen"
     elif alive["silent"]:
         status = "silent"
@@ -267,6 +279,7 @@ def node_row(
         "failing": bool(failing),
         "failing_schedules": failing,
         "status": status,
+        "start_error": cannot_start,
     }
 
 

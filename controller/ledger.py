@@ -60,10 +60,13 @@ def fleet_report(
         start = since or morning.default_since(until, tz)
         mine = [r for r in records.get(name, []) if r.filed_at >= start]
         last = seen.get(name)
+        cannot_start = fleet.start_error(reports.get(name), last)
         facts = morning.NodeFacts(
             node=name, tz=tz, grace=node_grace(reports.get(name), settings),
             versions=versions.get(name, {}), records=mine, previous=previous.get(name, {}),
-            silence=fleet.silence_text(name, last, now=now, settings=settings),
+            silence=fleet.silence_text(name, last, now=now, settings=settings,
+                                       cannot_start=cannot_start),
+            cannot_start=cannot_start,
             liveness=fleet.liveness(last, now=now, settings=settings),
             reports_jobs=last is None or last.heartbeat_s is not None or bool(mine),
         )

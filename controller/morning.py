@@ -111,6 +111,8 @@ class NodeFacts:
     """:func:`controller.fleet.liveness` of the node."""
     reports_jobs: bool = True
     """False for a node seen but with no heartbeat announced (rule 3: an older agent)."""
+    cannot_start: str | None = None
+    """Why the node's agent cannot start, when it said so (:func:`controller.fleet.start_error`)."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,7 @@ def node_windows(facts: NodeFacts, *, since: datetime, until: datetime,
         "node": node, "timezone": str(tz.key), "since": utc_text(since),
         "until": utc_text(until), "grace_s": facts.grace.total_seconds(),
         "silent": facts.silence is not None, "silence": facts.silence,
+        "cannot_start": facts.cannot_start,
         **{k: facts.liveness.get(k) for k in ("last_seen_at", "heartbeat_s",
                                                 "silent_after_s")},
         "counts": counts, "held": held, "severity": worst, "windows": entries,
@@ -367,6 +370,8 @@ def _classify(with_windows: list[dict[str, Any]]) -> dict[str, list[Any]]:
         "backed_up", "failing", "missing", "pending", "failed", "missed", "recovered",
         "unreported")}
     found["silent"] = [n["node"] for n in with_windows if n["silent"]]
+    found["cannot_start"] = [{"node": n["node"], "why": n["cannot_start"]}
+                             for n in with_windows if n.get("cannot_start")]
     for n in with_windows:
         latest = _latest(n["windows"])
         node_missed = [_group(n, sid, "missed") for sid, e in latest.items()
@@ -412,6 +417,8 @@ def _summary_text(found: dict[str, list[Any]], count: int) -> str:
         notes = {node: ", ".join(f"{item['schedule_id']} missed {item['windows']}"
                                  for item in missed if item["node"] == node)
                  for node in set(silent)}
+        for item in found["cannot_start"]:
+            notes[item["node"]] = "; ".join(filter(None, [item["why"], notes.get(item["node"])]))
         parts.append(f"{len(silent)} silent: " + ", ".join(
             f"{node} ({notes[node]})" if notes.get(node) else node for node in silent[:10]))
     if found["unreported"]:

@@ -174,6 +174,20 @@ def record_report(
     return changed
 
 
+def record_start_error(session: Session, node: str, error: str, *, at: datetime) -> None:
+    """Add to node's latest report that its agent cannot start, and why (its next report
+    replaces it). Commits."""
+    with transaction(session):
+        found = session.execute(select(_REPORT.c.received_at, _REPORT.c.report)
+                                .where(_REPORT.c.node == node)).first()
+        data = {**(found.report if found is not None else {"node": node}),
+                "start_error": error, "start_error_at": utc_text(at)}
+        stmt = _insert(session, _REPORT).values(
+            node=node, received_at=found.received_at if found is not None else at, report=data)
+        session.execute(stmt.on_conflict_do_update(
+            index_elements=[_REPORT.c.node], set_={"report": stmt.excluded.report}))
+
+
 @dataclass(frozen=True)
 class JobKeep:
     """How many job records the controller keeps: per node at most ``count`` (the newest

@@ -222,6 +222,9 @@ class NodeReportIn(_Strict):
     """The hash of the node's action table (every report; :mod:`controller.contracts`)."""
     contract: NodeContractIn | None = None
     """The node's action table itself (its first report after a start, or when wanted)."""
+    start_error: Text | None = None
+    """Why the node's agent cannot start on its settings (:mod:`sched_node.start_failure`):
+    such a report keeps the node's latest one and adds this, and is no sign of life."""
 
     @property
     def failing(self) -> list[str]:

@@ -80,11 +80,16 @@ def agent_version() -> str:
 
 def controller_url(settings: AgentSettings, tail: str) -> str | None:
     """Return ``<the pull URL's /api/ prefix>/nodes/<node>/<tail>`` (rule 2), or None."""
-    parts = urlsplit(settings.pull_url)
+    return controller_url_of(settings.pull_url, settings.node_name, tail)
+
+
+def controller_url_of(pull_url: str, node: str, tail: str) -> str | None:
+    """:func:`controller_url` of a pull URL and a node name."""
+    parts = urlsplit(pull_url)
     if parts.scheme not in ("http", "https") or "/api/" not in parts.path + "/":
         return None
     prefix = parts.path[: (parts.path + "/").index("/api/")]
-    path = f"{prefix}/api/nodes/{quote(settings.node_name, safe='')}/{tail}"
+    path = f"{prefix}/api/nodes/{quote(node, safe='')}/{tail}"
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 

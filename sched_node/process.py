@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from sched_core import ConfigError
+from sched_node import start_failure
 from sched_node.node import Node
 from sched_node.prefect_api import PrefectApi
 from sched_node.settings import load_settings
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         api = PrefectApi()
     except ConfigError as exc:
         print(f"sched-agent: {exc}", file=sys.stderr)
+        if start_failure.report(str(exc)):
+            print("sched-agent: told the controller this node cannot start", file=sys.stderr)
         return 2
     node = Node(settings, api=api)
 

@@ -73,14 +73,18 @@ def nodes_table(status: dict[str, Any], now: datetime) -> str:
             cell(node.get("status")), cell(node.get("timezone")),
             cell(node.get("agent_version")),
         ])
-    return table(["NODE", "SCHEDULES", "LAST PULL", "AGO", "LAST SEEN", "STATUS", "TZ",
-                  "VERSION"], rows)
+    why = [f"{cell(node.get('node'))} {cell(node.get('start_error'), limit=300)}"
+           for node in status.get("nodes") or []
+           if isinstance(node, dict) and node.get("start_error")]
+    return "\n".join([table(["NODE", "SCHEDULES", "LAST PULL", "AGO", "LAST SEEN", "STATUS",
+                              "TZ", "VERSION"], rows), *why])
 
 
 @app.command("nodes")
 def nodes_command(controller: ControllerOpt = None, token: TokenOpt = None,
                   as_json: JsonOpt = False) -> None:
-    """List the nodes: last pull, how long ago, status (ok, stale, failing, never-seen)."""
+    """List the nodes: last pull, how long ago, status (ok, failing, silent, never-seen,
+    cannot-start: its agent said it cannot start on its settings, and why)."""
     with controller_client(controller, token) as client:
         status = client.status()
     if as_json:

@@ -227,6 +227,14 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
                 await run_in_threadpool(in_session, lambda s: nodes.record_refused_report(
                     s, node, at=received))
             raise
+        if report.start_error is not None:  # the node cannot start: no sign of life
+            error = report.start_error
+            await run_in_threadpool(in_session, lambda s: nodes.record_start_error(
+                s, node, error, at=received))
+            log.warning("node cannot start on its settings", extra={
+                "node": printable(node), "error": printable(error)})
+            return Response(status_code=204)
+
         def store(session: Session) -> tuple[int, bool]:
             changed = nodes.record_report(
                 session, node, report_in.report_data(report), received_at=received,
