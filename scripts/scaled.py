@@ -39,6 +39,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+# Run as a script (`python scripts/scaled.py`): this checkout's packages, not those of whatever
+# checkout the venv's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from scripts.scaled_parts.balancer import (
     haproxy_conf,
     haproxy_servers,

@@ -12,11 +12,15 @@ from scripts.scaled_parts.procs import LayoutError, alive, tail
 
 
 def base_env(layout: Layout, home: Path) -> dict[str, str]:
-    """The environment of a process we start: ours, less any Prefect or sched setting."""
+    """The environment of a process we start: ours, less any Prefect or sched setting.
+
+    ``PYTHONPATH`` is this checkout: the servers run its code (``deployments.redis_messaging``,
+    the controller), not that of another checkout the venv's editable install may point at.
+    """
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "SCHED_", "SCALED_"))}
     home.mkdir(parents=True, exist_ok=True)
-    env.update({"PREFECT_HOME": str(home), "DO_NOT_TRACK": "1",
+    env.update({"PREFECT_HOME": str(home), "DO_NOT_TRACK": "1", "PYTHONPATH": str(ROOT),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     return env
 
