@@ -15,7 +15,8 @@ import os
 import shutil
 import socket
 import stat
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -42,22 +43,28 @@ def shell_umask() -> Iterator[None]:
 
 
 @pytest.fixture
-def layout(tmp_path: Path) -> Layout:
-    """A layout's folder and settings on free ports; nothing started."""
+def layout() -> Iterator[Layout]:
+    """A layout's folder and settings on free ports; nothing started. Not pytest's tmp_path:
+    under it, HAProxy's socket path is over its 97 characters."""
     prefect, stats, redis = free_ports(3)
-    made = Layout(tmp_path / "scaled")
+    folder = Path(tempfile.mkdtemp(prefix="sched-s-"))
+    made = Layout(folder / "scaled")
     made.create(config_from_env({"SCALED_PREFECT_PORT": str(prefect),
                                  "SCALED_STATS_PORT": str(stats),
                                  "SCALED_REDIS_PORT": str(redis), "SCALED_CONTROLLER_COUNT": "0"}))
     (made.dir / "logs").mkdir()
-    return made
+    try:
+        yield made
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
-def _server(program: str, argv: list[str], layout: Layout, name: str) -> Iterator[None]:
+def _server(program: str, argv: list[str], layout: Layout, name: str
+            ) -> Iterator[dict[str, int]]:
     """Run program (argv after it) as the layout runs its servers, until the test ends."""
     path = shutil.which(program) or (f"/usr/sbin/{program}"
                                      if Path(f"/usr/sbin/{program}").exists() else None)
@@ -65,7 +72,7 @@ def _server(program: str, argv: list[str], layout: Layout, name: str) -> Iterato
         pytest.skip(f"{program} is not installed (scripts/system-packages.sh)")
     record = spawn([path, *argv], {"PATH": os.environ["PATH"]}, layout.log(name), layout.dir)
     try:
-        yield
+        yield record
     finally:
         stop({name: record}, grace_s=10)
         assert not alive(record)
@@ -102,15 +109,22 @@ def test_a_tampered_secret_never_reaches_a_configuration_file(layout: Layout) ->
     assert not (layout.dir / "redis" / "redis.conf").exists()
 
 
+def _until_up(what: str, up: Callable[[], bool], record: dict[str, int], log: Path) -> None:
+    """Wait until up() (the server answers); fail with its log as soon as it has exited."""
+    wait(what, lambda: up() or not alive(record), timeout=60, explain=log.read_text)
+    assert alive(record), f"exited: {log.read_text()}"
+
+
 @pytest.fixture
-def redis_server(layout: Layout) -> Iterator[None]:
+def redis_server(layout: Layout) -> Iterator[dict[str, int]]:
     yield from _server("redis-server", [str(redis_conf(layout))], layout, "redis")
 
 
-@pytest.mark.usefixtures("redis_server")
-def test_redis_refuses_a_client_without_its_password(layout: Layout) -> None:
+def test_redis_refuses_a_client_without_its_password(
+        layout: Layout, redis_server: dict[str, int]) -> None:
     password = layout.secret("redis")
-    wait("Redis answers", lambda: redis_ping(layout.redis_port, password), timeout=60)
+    _until_up("Redis answers", lambda: redis_ping(layout.redis_port, password), redis_server,
+              layout.log("redis"))
     assert _mode(layout.dir / "redis" / "redis.conf") == 0o600
     assert _send(layout.redis_port, b"PING\r\n").startswith(b"-NOAUTH")
     assert not redis_ping(layout.redis_port, "0" * 48)
@@ -123,12 +137,12 @@ def test_redis_refuses_a_client_without_its_password(layout: Layout) -> None:
 
 
 @pytest.fixture
-def haproxy(layout: Layout) -> Iterator[None]:
+def haproxy(layout: Layout) -> Iterator[dict[str, int]]:
     yield from _server("haproxy", ["-db", "-f", str(haproxy_conf(layout))], layout, "haproxy")
 
 
-@pytest.mark.usefixtures("haproxy")
-def test_haproxys_stats_page_asks_for_its_password(layout: Layout) -> None:
+def test_haproxys_stats_page_asks_for_its_password(
+        layout: Layout, haproxy: dict[str, int]) -> None:
     page = f"http://127.0.0.1:{layout.ports['lb_stats']}/"
 
     def answers() -> bool:
@@ -137,7 +151,7 @@ def test_haproxys_stats_page_asks_for_its_password(layout: Layout) -> None:
         except httpx.TransportError:
             return False
 
-    wait("the stats page answers", answers, timeout=60)
+    _until_up("the stats page answers", answers, haproxy, layout.log("haproxy"))
     assert _mode(layout.dir / "haproxy" / "haproxy.cfg") == 0o600
     assert httpx.get(page, timeout=10).status_code == 401
     assert httpx.get(page, timeout=10, auth=("admin", "0" * 32)).status_code == 401
