@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import random
@@ -523,9 +524,11 @@ class Conn:
 class Side:
     """One server (Prefect or the controller) behind a pool of keep-alive connections."""
 
-    def __init__(self, name: str, base: str, stats: Stats, limit: int) -> None:
+    def __init__(self, name: str, base: str, stats: Stats, limit: int,
+                 always: dict[str, str] | None = None) -> None:
         parts = urllib.parse.urlsplit(base)
         self.name = name
+        self.always = always or {}  # headers of every request (the scaled layout's auth)
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.prefix = parts.path.rstrip("/")
@@ -541,7 +544,7 @@ class Side:
     def head(self, method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
         lines = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
                  "User-Agent: sched-fleet-sim", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
+        lines += [f"{k}: {v}" for k, v in {**self.always, **headers}.items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     async def call(self, key: str, method: str, path: str, *, headers: dict[str, str],
@@ -824,10 +827,11 @@ class Fleet:
 
     def __init__(self, templates: Templates, prefect_root: str, controller_root: str,
                  tokens: dict[str, str], *, reconcile_s: float, plan_ahead_s: float,
-                 limit: int = 400) -> None:
+                 limit: int = 400, prefect_headers: dict[str, str] | None = None) -> None:
         self.templates = templates
         self.stats = Stats()
-        self.sides = {"prefect": Side("prefect", prefect_root, self.stats, limit),
+        self.sides = {"prefect": Side("prefect", prefect_root, self.stats, limit,
+                                      prefect_headers),
                       "controller": Side("controller", controller_root, self.stats, limit)}
         self.nodes = [SimNode(self, name, token) for name, token in tokens.items()]
         self.reconcile_s = reconcile_s
@@ -1017,6 +1021,9 @@ class Layout:
     stop: Any = None
     logs: dict[str, Path] = field(default_factory=dict)
     """The servers' logs, whose errors each size counts (``server_errors``)."""
+    prefect_headers: dict[str, str] = field(default_factory=dict)
+    """Headers of every request to Prefect: the scaled layout's auth string, as a node's
+    ``PREFECT_API_AUTH_STRING`` sends it."""
 
 
 def _rows() -> list[Any]:
@@ -1075,8 +1082,10 @@ def scaled_layout(names: list[str]) -> Layout:
     parts = {name: rec["pid"] for name, rec in state["processes"].items() if rec}
     pidfile = ROOT / ".scaled" / "pg" / "data" / "postmaster.pid"
     parts["postgres"] = int(pidfile.read_text().split()[0])  # with its backends (children)
+    auth = base64.b64encode(secrets["prefect_auth"].encode()).decode()
     return Layout("scaled", f"http://127.0.0.1:{ports['prefect_lb']}",
-                  f"http://127.0.0.1:{ports['controller_lb']}", parts, tokens)
+                  f"http://127.0.0.1:{ports['controller_lb']}", parts, tokens,
+                  prefect_headers={"Authorization": f"Basic {auth}"})
 
 
 def _controller(folder: Path, prefect_url: str, names: list[str]
@@ -1214,7 +1223,7 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
     names = list(layout.tokens)[:count]
     sim = Fleet(templates, layout.prefect_root, layout.controller_root,
                 {n: layout.tokens[n] for n in names}, reconcile_s=args.reconcile_s,
-                plan_ahead_s=args.plan_ahead_s)
+                plan_ahead_s=args.plan_ahead_s, prefect_headers=layout.prefect_headers)
     sim.wave_rate = args.jobs_per_node_hour
     result.update({"nodes": count, "layout": layout.name})
     marks = log_marks(layout)

@@ -10,7 +10,10 @@ The embedded default is a SQLite file, ``.data/controller.db`` under the
 working directory (``make run`` and the tests run from the checkout), never
 under the installed package, which in a wheel would be ``site-packages``;
 ``SCHED_DATABASE_URL`` selects another database, e.g.
-``postgresql+psycopg://user:pw@host:5432/sched``.
+``postgresql+psycopg://user:pw@host:5432/sched``. A SQLite file (this one or
+any other) is its owner's alone: made 0600 (its ``-wal`` and ``-shm`` follow
+it), and an existing one with group or other permissions is made so when an
+engine is made for it, as is a folder made for it (0700).
 
 Sessions: :func:`transaction` is the one commit-or-rollback of every write, and
 :func:`db_now` the time authority's clock.
@@ -18,7 +21,10 @@ Sessions: :func:`transaction` is the one commit-or-rollback of every write, and
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +42,8 @@ from sqlmodel import Session, create_engine
 
 from controller.models import UtcDateTime, utc_now
 from controller.settings import ControllerSettings
+
+log = logging.getLogger(__name__)
 
 DATA_DIR_NAME = ".data"
 """The data folder of the embedded default, under the working directory (git-ignored)."""
@@ -120,6 +128,35 @@ def _sqlite_wal(cursor: Any, *, timeout_s: float = SQLITE_BUSY_TIMEOUT_S) -> Non
         pause = min(pause * 2, 0.1)
 
 
+SQLITE_COMPANIONS = ("", "-wal", "-shm", "-journal")
+"""The suffixes of a SQLite database's files: the database, its WAL, its shared memory and its
+rollback journal."""
+
+
+def _private_sqlite_file(path: Path) -> None:
+    """Make the SQLite file at path (and its folder, if missing) its owner's alone.
+
+    1. Make the folder (0700) and the file (0600) if they are missing: SQLite gives the
+       ``-wal``, ``-shm`` and journal files it makes later the database file's mode.
+    2. Take group and other permissions off each of the files that exists (a database made
+       before, under a umask of 022, was 0644: readable by every local user); one that is
+       not ours is left as it is, and said so.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDONLY | os.O_CREAT, 0o600))
+    for suffix in SQLITE_COMPANIONS:
+        companion = Path(f"{path}{suffix}")
+        try:
+            mode = stat.S_IMODE(companion.stat().st_mode)
+            if mode & 0o077:
+                companion.chmod(mode & 0o700)
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            log.warning("cannot make the database file private (not its owner)",
+                        extra={"path": str(companion)})
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     # WAL lets readers run beside the one writer; several scheduler processes share the file.
@@ -152,18 +189,19 @@ def make_engine(
 ) -> Engine:
     """Return a new engine for url (see :func:`database_url`); the caller disposes it.
 
-    On SQLite the file's folder is created, and every connection gets WAL mode,
-    foreign keys and a 30 s busy timeout. On Postgres every connection carries
-    ``application_name`` so ``pg_stat_activity`` can count them, and the pool
-    holds at most ``pool_size + max_overflow`` connections; ``options`` are
-    more server settings for every connection (libpq ``options``, e.g.
-    ``"-c synchronous_commit=off"``), after :func:`connection_options`' own.
+    On SQLite the file and its folder are created (0600 and 0700; an existing file is
+    made 0600), and every connection gets WAL mode, foreign keys and a 30 s busy
+    timeout. On Postgres every connection carries ``application_name`` so
+    ``pg_stat_activity`` can count them, and the pool holds at most
+    ``pool_size + max_overflow`` connections; ``options`` are more server settings
+    for every connection (libpq ``options``, e.g. ``"-c synchronous_commit=off"``),
+    after :func:`connection_options`' own.
     """
     parsed = database_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
         if database and database != ":memory:" and not database.startswith("file:"):
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            _private_sqlite_file(Path(database))
         engine = create_engine(
             parsed,
             connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},

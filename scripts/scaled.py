@@ -39,6 +39,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+# Run as a script (`python scripts/scaled.py`): this checkout's packages, not those of whatever
+# checkout the venv's editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from scripts.scaled_parts.balancer import (
     haproxy_conf,
     haproxy_servers,
@@ -48,12 +52,14 @@ from scripts.scaled_parts.balancer import (
 from scripts.scaled_parts.config import (
     BIN,
     DEFAULT_DIR,
+    LB_STATS_USER,
     PORT_BASE_ENV,
     START_TIMEOUT_ENV,
     Layout,
     Tools,
     config_from_env,
     int_setting,
+    write_private,
 )
 from scripts.scaled_parts.postgres import (
     Postgres,
@@ -155,7 +161,11 @@ def up(layout: Layout) -> None:
     env = dict(os.environ)
     timeout = float(int_setting(START_TIMEOUT_ENV, env.get(START_TIMEOUT_ENV, "240"), 1))
     _settle_config(layout, env)
-    (layout.dir / "logs").mkdir(parents=True, exist_ok=True)
+    _settle_secrets(layout)
+    for folder in ("logs", "prefect"):  # (each Prefect process's home is in prefect/)
+        (layout.dir / folder).mkdir(mode=0o700, exist_ok=True)
+    if private := layout.make_private():
+        say(f"made private (no group or other permissions): {len(private)} files and folders")
     started = [*_start_postgres(layout, tools), *_start_redis(layout, tools),
                *_start_balancers(layout, tools), *_start_servers(layout, timeout)]
     _wait_balanced(layout)
@@ -179,6 +189,21 @@ def _settle_config(layout: Layout, env: dict[str, str]) -> None:
     layout.create(config)
 
 
+def _settle_secrets(layout: Layout) -> None:
+    """Give a layout made before some of its secrets existed those secrets, once nothing of
+    it runs (a running Redis or Prefect process would go on without them)."""
+    missing = layout.missing_secrets()
+    if not missing:
+        return
+    running = [name for name in layout.state["processes"] if alive(layout.proc(name))]
+    if running:
+        raise LayoutError(
+            f"{layout.dir} was made before its {', '.join(missing)} secrets existed, and"
+            f" {', '.join(running)} run without them: run `down`, then `up`")
+    layout.add_secrets(missing)
+    say(f"new secrets in {layout.file}: {', '.join(missing)}")
+
+
 def _start_postgres(layout: Layout, tools: Tools) -> list[str]:
     pg = Postgres(layout, tools)
     started = []
@@ -198,7 +223,7 @@ def _start_redis(layout: Layout, tools: Tools) -> list[str]:
                                        layout.dir / "redis" / "stdout.log", layout.dir))
         started.append("redis")
     deadline = time.monotonic() + 60
-    while not redis_ping(layout.redis_port):
+    while not redis_ping(layout.redis_port, layout.secret("redis")):
         if not alive(layout.proc("redis")) or time.monotonic() > deadline:
             raise LayoutError(f"Redis did not answer on {layout.redis_port}:\n"
                               f"{tail(layout.log('redis'))}")
@@ -273,17 +298,22 @@ def _all_ports(config: dict[str, Any]) -> list[tuple[str, int]]:
     return out
 
 
-def write_client_env(layout: Layout) -> Path:
-    path = layout.dir / "client.env"
-    tmp = path.with_suffix(".tmp")
-    tmp.touch(mode=0o600)
-    tmp.write_text(
+def write_client_env(layout: Layout) -> list[Path]:
+    """Write client.env (what a node or an operator needs: addresses, Prefect's auth string,
+    the admin token) and admin.env (the layout's own passwords), both 0600."""
+    stats = f"{LB_STATS_USER}:{layout.secret('lb_stats')}"
+    return [write_private(layout.dir / "client.env", (
         "# source this file: a node's or an operator's view of the scaled layout\n"
         f"export PREFECT_API_URL={layout.prefect_url}\n"
+        f"export PREFECT_API_AUTH_STRING={layout.secret('prefect_auth')}\n"
         f"export SCHED_CONTROLLER_URL={layout.controller_url}\n"
-        f"export SCHED_TOKEN={layout.state['secrets']['admin_token']}\n")
-    tmp.replace(path)
-    return path
+        f"export SCHED_TOKEN={layout.secret('admin_token')}\n")),
+        write_private(layout.dir / "admin.env", (
+        "# source this file: the layout's own passwords, for this machine's operator\n"
+        f"# redis-cli -p {layout.redis_port} info memory\n"
+        f"export REDISCLI_AUTH={layout.secret('redis')}\n"
+        f"# curl -u \"$SCALED_STATS_AUTH\" http://127.0.0.1:{layout.ports['lb_stats']}/\n"
+        f"export SCALED_STATS_AUTH={stats}\n"))]
 
 
 def down(layout: Layout) -> None:
@@ -324,12 +354,12 @@ def status(layout: Layout) -> bool:
                  f"127.0.0.1:{layout.ports['postgres']} (db prefect, sched)",
                  str(pg_pid or "-"), str(layout.log("postgres"))))
     redis_rec = layout.proc("redis")
-    rows.append(("redis", alive(redis_rec) and redis_ping(layout.redis_port),
-                 f"127.0.0.1:{layout.redis_port}", str((redis_rec or {}).get("pid", "-")),
-                 str(layout.log("redis"))))
+    redis_up = alive(redis_rec) and redis_ping(layout.redis_port, layout.secret("redis"))
+    rows.append(("redis", redis_up, f"127.0.0.1:{layout.redis_port} (password)",
+                 str((redis_rec or {}).get("pid", "-")), str(layout.log("redis"))))
     for lb_name in layout.lb_names():
         lb_rec = layout.proc(lb_name)
-        stats_page = (f", http://127.0.0.1:{layout.ports['lb_stats']}/ (stats)"
+        stats_page = (f", http://127.0.0.1:{layout.ports['lb_stats']}/ (stats, password)"
                       if lb_name == "haproxy" else " (same ports)")
         rows.append((lb_name, alive(lb_rec),
                      f"{layout.prefect_url} (Prefect), {layout.controller_url} (controller)"
@@ -346,8 +376,10 @@ def status(layout: Layout) -> bool:
     for name, ok, where, pid, log in rows:
         print(f"  {name:<{width}}  {'running' if ok else 'DOWN':<7}  pid {pid:<7}  {where}")
         print(f"  {'':<{width}}  log {log}")
-    print(f"  clients: source {layout.dir / 'client.env'} (PREFECT_API_URL, SCHED_CONTROLLER_URL,"
-          " SCHED_TOKEN)")
+    print(f"  clients: source {layout.dir / 'client.env'} (PREFECT_API_URL,"
+          " PREFECT_API_AUTH_STRING, SCHED_CONTROLLER_URL, SCHED_TOKEN)")
+    print(f"  this machine's operator: source {layout.dir / 'admin.env'} (REDISCLI_AUTH,"
+          " SCALED_STATS_AUTH)")
     return all(r[1] for r in rows)
 
 

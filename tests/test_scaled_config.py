@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from scripts.scaled_parts.balancer import CHECK_TIMEOUT_S, haproxy_conf
 from scripts.scaled_parts.config import DEFAULT_DIR, ROOT, Layout, config_from_env
 from scripts.scaled_parts.procs import LayoutError
+from scripts.scaled_parts.services import base_env
 
 
 def test_the_controllers_connection_ceiling_is_a_setting() -> None:
@@ -66,3 +70,29 @@ def test_the_default_layout_folder_is_the_checkouts_dot_scaled() -> None:
     checkout = Path(__file__).resolve().parents[1]
     assert DEFAULT_DIR == checkout / ".scaled"
     assert (ROOT / "scripts" / "scaled.py").is_file()
+
+
+def _imported_from(argv: list[str], cwd: Path, env: dict[str, str]) -> list[Path]:
+    """Run argv (a Python that prints module files, one a line); return those files."""
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=True,
+                          stdin=subprocess.DEVNULL)
+    return [Path(line) for line in done.stdout.split()]
+
+
+def test_the_layout_and_its_servers_run_this_checkouts_code(tmp_path: Path) -> None:
+    # The venv's editable install may point at another checkout (a git worktree shares the
+    # main one's venv): the script and the servers it starts must still run this one's code.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    as_script = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='probe');"
+                 " import scripts.scaled_parts as m; print(m.__file__)")
+    files = _imported_from([sys.executable, "-c", as_script, str(ROOT / "scripts/scaled.py")],
+                           tmp_path, env)
+    layout = Layout(tmp_path)
+    layout.create(config_from_env({}))
+    in_server = ("import deployments.redis_messaging as a, sched_cli as b;"
+                 " print(a.__file__); print(b.__file__)")
+    files += _imported_from([sys.executable, "-c", in_server], tmp_path,
+                            base_env(layout, tmp_path / "home"))
+    assert len(files) == 3
+    for file in files:
+        assert file.is_relative_to(ROOT), file

@@ -7,6 +7,11 @@ deployment, then run after run (created with an idempotency key; Pending, Runnin
 each with its own transition id; one event per run), every call retried until it answers, with
 the same key, transition id or event id, as a node's outbox would.
 
+0. Each part asks for the layout's secret (issue 36): Prefect's API answers 401 without the
+   auth string, at the balancer and at each process (``/api/health``, what HAProxy checks,
+   stays open); Redis refuses a client without its password; HAProxy's stats page asks for
+   its own; a controller's event reaches Prefect (it has the auth string). No file or folder
+   of the layout is readable by others, and ``up`` makes private again what was not.
 1. One API process is SIGKILLed mid-run; the client goes on through the other. Three events a
    client had streamed over a websocket straight to that process, and seen confirmed, are
    stored all the same (Prefect's default publisher batch of 5 events or 10 s would have held
@@ -29,128 +34,36 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from scripts.scaled_parts import config as scaled_config
 from scripts.scaled_parts.balancer import haproxy_stats
-from scripts.scaled_parts.config import Tools
-from scripts.scaled_parts.procs import MissingPrograms, alive, port_free, start_time
+from scripts.scaled_parts.procs import alive, port_free, start_time
+from tests import scaledkit as kit
+from tests.scaledkit import DEADLINE_S, Layout, readable_by_others
+from tests.scaledkit import wait as _wait
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.prefect]
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "scaled.py"
 STATES = ["PENDING", "RUNNING", "COMPLETED"]
-DEADLINE_S = 180.0  # generous: the machine may be loaded; nothing asserts on a duration
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _wait(what: str, condition: Callable[[], bool], timeout: float = DEADLINE_S,
-          explain: Callable[[], str] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f} s: {what} {explain()}".rstrip())
-        time.sleep(0.25)
-
-
-class Layout:
-    """The layout the test started: the script's view of it, and how to run the script."""
-
-    def __init__(self, folder: Path, env: dict[str, str]) -> None:
-        self.folder = folder
-        self.env = env
-
-    def script(self, command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, str(SCRIPT), "--dir", str(self.folder), command], env=self.env,
-            capture_output=True, text=True, timeout=600, check=False, stdin=subprocess.DEVNULL)
-
-    @property
-    def state(self) -> Any:
-        return scaled_config.Layout(self.folder)
-
-    def pid(self, name: str) -> int:
-        pid: int = self.state.proc(name)["pid"]
-        return pid
-
-    def servers(self) -> dict[str, dict[str, str]]:
-        stats: dict[str, dict[str, str]] = haproxy_stats(self.state)
-        return stats
-
-
-@pytest.fixture
-def layout() -> Iterator[Layout]:
-    try:
-        Tools.find()
-    except MissingPrograms as exc:
-        if exc.project:
-            raise
-        pytest.skip(str(exc))
-    # Not pytest's tmp_path: as root, Postgres runs as `postgres`, which must reach the folder.
-    folder = Path(tempfile.mkdtemp(prefix="sched-scaled-"))
-    folder.chmod(0o755)
-    names = ["SCALED_PREFECT_PORT", "SCALED_CONTROLLER_PORT", "SCALED_STATS_PORT",
-             "SCALED_PG_PORT", "SCALED_REDIS_PORT"]
-    ports = _free_ports(len(names) + 4)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "SCHED_",
-                                                                    "SCALED_"))}
-    env.update({name: str(port) for name, port in zip(names, ports, strict=False)})
-    env.update({"SCALED_API_PORTS": f"{ports[-4]},{ports[-3]}",
-                "SCALED_CONTROLLER_PORTS": f"{ports[-2]},{ports[-1]}",
-                "SCALED_DB_POOL_SIZE": "5", "SCALED_DB_MAX_OVERFLOW": "10",
-                "SCALED_LB_PROCESSES": "2"})
-    handle = Layout(folder, env)
-    try:
-        started = handle.script("up")
-        assert started.returncode == 0, f"up failed:\n{started.stdout}\n{started.stderr}"
-        yield handle
-    finally:
-        stopped = handle.script("down")
-        if stopped.returncode != 0:  # never leave a server behind, whatever happened
-            for record in (handle.state.state.get("processes") or {}).values():
-                if alive(record):
-                    os.kill(record["pid"], signal.SIGKILL)
-            pg = folder / "pg" / "data" / "postmaster.pid"
-            if pg.exists():
-                os.kill(int(pg.read_text().split()[0]), signal.SIGKILL)
-        shutil.rmtree(folder, ignore_errors=True)
+scaled_layout = kit.scaled_layout  # the fixture `layout`
 
 
 class Node(threading.Thread):
     """Records run after run through the balancer, retrying each call as a node's outbox does."""
 
-    def __init__(self, api: str, deployment_id: str, tag: str) -> None:
+    def __init__(self, api: str, auth: httpx.Auth, deployment_id: str, tag: str) -> None:
         super().__init__(daemon=True)
-        self.api, self.deployment_id, self.tag = api, deployment_id, tag
+        self.api, self.auth, self.deployment_id, self.tag = api, auth, deployment_id, tag
         self.finished = 0
         self.keys: list[str] = []
         self.event_ids: dict[str, str] = {}  # run key -> its event's id
@@ -205,7 +118,7 @@ class Node(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.Client(base_url=self.api, timeout=30) as client:
+            with httpx.Client(base_url=self.api, timeout=30, auth=self.auth) as client:
                 i = 0
                 while not self.halt.is_set():
                     key = f"{self.tag}-{i:04d}"
@@ -267,9 +180,9 @@ def _emit(api: str, names: list[str]) -> None:
     asyncio.run(emit())
 
 
-def _events(api: str, event_filter: dict[str, Any]) -> list[dict[str, Any]]:
+def _events(layout: Layout, event_filter: dict[str, Any]) -> list[dict[str, Any]]:
     """Every stored event matching event_filter (all pages)."""
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with layout.prefect() as client:
         page = client.post("/events/filter", json={"filter": event_filter, "limit": 50})
         page.raise_for_status()
         body = page.json()
@@ -287,15 +200,13 @@ def _stream_ids(client: Any) -> set[str]:
     return {json.loads(fields["attributes"]).get("id") for _, fields in client.xrange("events")}
 
 
-def _in_redis_stream(port: int, event_ids: set[str]) -> bool:
+def _in_redis_stream(layout: Layout, event_ids: set[str]) -> bool:
     """True once every id is in Redis's `events` stream."""
-    import redis
-
-    with redis.Redis(host="127.0.0.1", port=port, decode_responses=True) as client:
+    with layout.redis() as client:
         return event_ids <= _stream_ids(client)
 
 
-def _missing_events(api: str, event_filter: dict[str, Any], node: Node, layout: Layout) -> str:
+def _missing_events(event_filter: dict[str, Any], node: Node, layout: Layout) -> str:
     """Which of the node's events are not stored, and where each got to: the failed attempts of
     its POST, whether it is in Redis's stream, whether its deduplication key is set; then what
     the Prefect processes logged as warnings and errors (a failure's evidence: the layout's
@@ -303,14 +214,13 @@ def _missing_events(api: str, event_filter: dict[str, Any], node: Node, layout: 
     import redis
     from prefect_redis.messaging import _deduplication_key
 
-    stored = {e["id"] for e in _events(api, event_filter)}
+    stored = {e["id"] for e in _events(layout, event_filter)}
     missing = {key: event_id for key, event_id in node.event_ids.items() if event_id not in stored}
     lines = [f"{key} ({event_id}): failed attempts "
              f"{[a for a in node.failed_attempts if a.startswith(f'event {key}:')]}"
              for key, event_id in missing.items()]
     try:
-        with redis.Redis(host="127.0.0.1", port=layout.state.redis_port,
-                         decode_responses=True) as client:
+        with layout.redis() as client:
             in_stream = _stream_ids(client)
             lines += [f"{event_id}: in the stream {event_id in in_stream}, deduplication key "
                       f"{bool(client.exists(_deduplication_key('messaging-cache', event_id)))}"
@@ -327,10 +237,46 @@ def _missing_events(api: str, event_filter: dict[str, Any], node: Node, layout: 
             "processes' warnings and errors:\n" + "\n".join(logged[-80:]) + ")")
 
 
+def _each_part_asks_for_its_secret(layout: Layout) -> None:
+    """Prefect's API, Redis and HAProxy's stats page refuse a client without the layout's
+    secret, and take one with it; the controllers send Prefect the auth string."""
+    import redis
+
+    state = layout.state
+    apis = [f"http://127.0.0.1:{port}/api" for port in state.ports["api"]]
+    for api in [state.prefect_url, *apis]:
+        with httpx.Client(base_url=api, timeout=30) as anyone:
+            assert anyone.get("/health").status_code == 200  # what HAProxy's checks call
+            refused = anyone.post("/flows/filter", json={})
+            assert refused.status_code == 401, (api, refused.status_code, refused.text)
+        with layout.prefect(api) as client:
+            assert client.post("/flows/filter", json={}).status_code == 200
+    with redis.Redis(host="127.0.0.1", port=state.redis_port) as anyone:
+        with pytest.raises(redis.AuthenticationError):
+            anyone.ping()
+    with layout.redis() as client:
+        assert client.ping()
+    stats = f"http://127.0.0.1:{state.ports['lb_stats']}/"
+    assert httpx.get(stats, timeout=30).status_code == 401
+    assert httpx.get(stats, timeout=30, auth=("admin", state.secret("lb_stats"))).status_code == 200
+    # A schedule write's event goes to Prefect through a controller: accepted, so the
+    # controller has the auth string (without it: 401, and `event_sent` false).
+    with httpx.Client(base_url=state.controller_url, timeout=30,
+                      headers={"Authorization": f"Bearer {state.secret('admin_token')}"}) as ctl:
+        row = {"name": "auth check", "repo_id": "r-1", "action": "backup", "storage": "s",
+               "schedule": {"days": ["mon"], "hours": ["2"], "minute": "30"},
+               "miss_policy": "run-once-within-24h", "enabled": True}
+        written = ctl.put("/api/nodes/auth-check/schedules/s-1", json=row)
+        assert written.status_code == 200, written.text
+        assert written.json()["_propagation"]["event_sent"] is True, written.json()
+    env = (layout.folder / "client.env").read_text()
+    assert f"PREFECT_API_AUTH_STRING={state.secret('prefect_auth')}\n" in env
+
+
 @pytest.mark.timeout(900)  # ~50 s here; the deadlines inside are generous for a loaded machine
 def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_restarts(
         layout: Layout) -> None:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     state = layout.state
     api = state.prefect_url
@@ -347,23 +293,27 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
                       if name.startswith("prefect_api/")) for lb in state.lb_names()}
     assert all(served.values()), f"a balancer process served none of 20 connections: {served}"
 
+    _each_part_asks_for_its_secret(layout)
+    assert readable_by_others(layout.folder) == []
+
     # The controller's two instances answer behind the balancer too.
-    token = state.state["secrets"]["admin_token"]
+    token = state.secret("admin_token")
     with httpx.Client(base_url=state.controller_url, timeout=30,
                       headers={"Authorization": f"Bearer {token}"}) as controller:
         assert controller.get("/healthz").status_code == 200
         assert controller.get("/api/tasks").json() == {"tasks": []}
 
     tag = f"scaled-{uuid.uuid4().hex[:8]}"
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with layout.prefect() as client:
         flow = client.post("/flows/", json={"name": "scaled-layout-test"}).json()
         deployment = client.post("/deployments/", json={"name": tag, "flow_id": flow["id"]})
         deployment.raise_for_status()
-    node = Node(api, deployment.json()["id"], tag)
+    node = Node(api, layout.auth, deployment.json()["id"], tag)
     node.start()
     ws_names = [f"{tag}-{i}" for i in range(6)]
     try:
-        with temporary_settings({PREFECT_API_URL: api}):
+        with temporary_settings({PREFECT_API_URL: api,
+                                 PREFECT_API_AUTH_STRING: state.secret("prefect_auth")}):
             # 1. An API process killed mid-run.
             node.wait_for(8, "before the kill")
             _wait(f"{victim} served part of the runs",
@@ -373,7 +323,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
                 # Time for the process to hand them to Redis, but less than the 10 s Prefect's
                 # default publisher holds them: with that default they die with the process.
                 deadline = time.monotonic() + 8
-                while time.monotonic() < deadline and not _in_redis_stream(state.redis_port, ids):
+                while time.monotonic() < deadline and not _in_redis_stream(layout, ids):
                     time.sleep(0.1)
 
             _emit_and_kill(apis[victim], ws_names[:3], handed_to_redis, layout.pid(victim))
@@ -383,7 +333,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
 
             # 2. Redis restarted (SIGTERM: it writes its append-only file and exits), then `up`.
             limit = f"{tag}-slot"
-            with httpx.Client(base_url=api, timeout=30) as client:
+            with layout.prefect() as client:
                 client.post("/v2/concurrency_limits/",
                             json={"name": limit, "limit": 1}).raise_for_status()
                 taken = client.post("/v2/concurrency_limits/increment-with-lease", json={
@@ -397,11 +347,16 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
             # Down long enough for a call to fail (a state change or an event: HTTP 500 once
             # the server's Redis client has given up retrying), which the node then retries.
             _wait("a call failed while Redis was down", lambda: len(node.failed_attempts) > failed)
+            # Files a layout made before had readable by all: `up` makes them private again.
+            for made_before in ["logs/prefect-services.log", "client.env", "haproxy/haproxy.cfg",
+                                "redis/redis.conf", "logs", "prefect"]:
+                (layout.folder / made_before).chmod(0o755)
             again = layout.script("up")
             assert again.returncode == 0, f"up failed:\n{again.stdout}\n{again.stderr}"
+            assert readable_by_others(layout.folder) == []
             assert f"started: redis, {victim}\n" in again.stdout, again.stdout
             node.wait_for(8, "after Redis came back")
-            with httpx.Client(base_url=api, timeout=30) as client:
+            with layout.prefect() as client:
                 released = client.post("/v2/concurrency_limits/decrement-with-lease",
                                        json={"lease_id": lease["lease_id"]})
                 assert released.status_code == 204
@@ -420,7 +375,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     assert {statuses[f"prefect_api/{n}"]["status"] for n in apis} == {"UP"}, statuses
 
     # 4. Nothing lost, nothing twice.
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with layout.prefect() as client:
         runs: list[dict[str, Any]] = []
         while True:
             page = client.post("/flow_runs/filter", json={
@@ -440,14 +395,14 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     job_events = {"event": {"name": ["sched.scaled.job"]},
                   "resource": {"id_prefix": [f"sched.scaled.{tag}"]}}
     _wait("every run's event stored once",
-          lambda: expected <= {e["id"] for e in _events(api, job_events)},
-          explain=lambda: _missing_events(api, job_events, node, layout))
-    stored = _events(api, job_events)
+          lambda: expected <= {e["id"] for e in _events(layout, job_events)},
+          explain=lambda: _missing_events(job_events, node, layout))
+    stored = _events(layout, job_events)
     assert sorted(e["id"] for e in stored) == sorted(node.event_ids.values())
-    _wait("the six websocket events stored", lambda: len(_events(api, {
+    _wait("the six websocket events stored", lambda: len(_events(layout, {
         "event": {"name": ["sched.scaled.ws"]},
         "resource": {"id_prefix": [f"sched.scaled.ws.{tag}"]}})) == 6)
-    ws = _events(api, {"event": {"name": ["sched.scaled.ws"]},
+    ws = _events(layout, {"event": {"name": ["sched.scaled.ws"]},
                        "resource": {"id_prefix": [f"sched.scaled.ws.{tag}"]}})
     assert sorted(e["resource"]["prefect.resource.id"] for e in ws) == sorted(
         f"sched.scaled.ws.{n}" for n in ws_names)
@@ -461,7 +416,7 @@ def test_the_scaled_layout_loses_nothing_when_an_api_process_dies_and_redis_rest
     def state_events() -> list[tuple[str, str]]:
         return [(e["resource"]["prefect.resource.id"].rsplit(".", 1)[1],
                  e["resource"]["prefect.state-type"])
-                for e in _events(api, {"event": {"prefix": ["prefect.flow-run."]},
+                for e in _events(layout, {"event": {"prefix": ["prefect.flow-run."]},
                                        "resource": {"id": ids}})
                 if e["resource"]["prefect.state-type"] in STATES]
 

@@ -5,18 +5,22 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from scripts.scaled_parts.config import Layout
+from scripts.scaled_parts.config import LB_STATS_USER, Layout, write_private
 
 
 def redis_conf(layout: Layout) -> Path:
+    """Redis's configuration (0600: it holds the password every client must give)."""
     folder = layout.dir / "redis"
-    folder.mkdir(parents=True, exist_ok=True)
-    conf = folder / "redis.conf"
-    conf.write_text(
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return write_private(
+        folder / "redis.conf",
         "# the scaled layout (scripts/scaled.py): Prefect's messages, cache, leases, docket\n"
         "bind 127.0.0.1\n"
         f"port {layout.redis_port}\n"
         "protected-mode yes\n"
+        # Any local user reaches 127.0.0.1: without it, anyone could read the events or
+        # drop the leases. The default user's password (Redis's ACL), hex: one word here.
+        f"requirepass {layout.secret('redis')}\n"
         "daemonize no\n"
         f"dir {folder}\n"
         f"logfile {layout.log('redis')}\n"
@@ -28,14 +32,30 @@ def redis_conf(layout: Layout) -> Path:
         f"maxmemory {layout.config['redis_maxmemory']}\n"
         # Never evict a stream or a lease silently: past maxmemory, writes fail (and say so).
         "maxmemory-policy noeviction\n")
-    return conf
 
 
-def redis_ping(port: int) -> bool:
+def _resp(*words: str) -> bytes:
+    """Return one Redis command in its wire form (RESP): each word sent as it is, whatever
+    it holds."""
+    out = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def redis_ping(port: int, password: str) -> bool:
+    """Return True when the Redis on port takes password and answers PING."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(_resp("AUTH", password) + _resp("PING"))
+            answer = b""
+            while answer.count(b"\r\n") < 2 and not answer.startswith(b"-"):
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                answer += chunk
+            return answer == b"+OK\r\n+PONG\r\n"
     except OSError:
         return False
 
@@ -77,7 +97,7 @@ def haproxy_conf(layout: Layout, name: str = "haproxy") -> Path:
     """The configuration of the balancer's process name (``Layout.lb_names``): the same
     frontends for each; the first also serves the stats page, and each has its own socket."""
     folder = layout.dir / "haproxy"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     ports, bind, maxconn = layout.ports, layout.config["bind"], layout.config["lb_maxconn"]
     prefect_part = _balanced("prefect", f"{bind}:{ports['prefect_lb']}", maxconn, "/api/health",
                              list(zip(layout.api_names(), ports["api"], strict=True)))
@@ -86,15 +106,19 @@ def haproxy_conf(layout: Layout, name: str = "haproxy") -> Path:
     controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
                                 "/healthz", controllers, hold_s=330) if controllers else ""
     first = name == "haproxy"
+    # The stats page names every server and its traffic: loopback only, and behind a
+    # password (HTTP Basic; the file is 0600 for it).
     stats = "" if not first else f"""
 frontend stats
     bind 127.0.0.1:{ports['lb_stats']}
     stats enable
     stats uri /
     stats refresh 5s
+    stats realm scaled-layout
+    stats auth {LB_STATS_USER}:{layout.secret('lb_stats')}
 """
     conf = folder / ("haproxy.cfg" if first else f"{name}.cfg")
-    conf.write_text(f"""# the scaled layout (scripts/scaled.py); see docs/scaled.md
+    return write_private(conf, f"""# the scaled layout (scripts/scaled.py); see docs/scaled.md
 global
     log stderr format raw local0 info
     stats socket {haproxy_socket(layout, name)} mode 600 level admin
@@ -117,7 +141,6 @@ defaults
     option redispatch 1
     retry-on conn-failure
 {prefect_part}{controller_part}{stats}""")
-    return conf
 
 
 def haproxy_socket(layout: Layout, name: str = "haproxy") -> Path:

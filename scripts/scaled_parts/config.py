@@ -6,9 +6,12 @@ import importlib.util
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
+import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,61 @@ PORTS: dict[str, tuple[int, str]] = {
     "postgres": (32, "SCALED_PG_PORT"),
     "redis": (79, "SCALED_REDIS_PORT"),
 }
+# The layout's secrets, made once, at the first `up` (or the first after this list grew), and
+# kept in layout.json: how each is made, and the shape it must have when read back (each goes
+# into a configuration file, a URL or SQL: anything else in layout.json is refused).
+_HEX = re.compile(r"[0-9a-f]{32,64}")
+SECRETS: dict[str, tuple[Callable[[], str], re.Pattern[str]]] = {
+    "pg_prefect": (lambda: secrets.token_hex(16), _HEX),
+    "pg_sched": (lambda: secrets.token_hex(16), _HEX),
+    "admin_token": (lambda: secrets.token_urlsafe(24), re.compile(r"[A-Za-z0-9_-]{32,64}")),
+    # Prefect's auth string (HTTP Basic): `name:secret`, as docs/agent.md advises.
+    "prefect_auth": (lambda: f"sched:{secrets.token_hex(24)}", re.compile(r"sched:[0-9a-f]{48}")),
+    "redis": (lambda: secrets.token_hex(24), _HEX),
+    "lb_stats": (lambda: secrets.token_hex(16), _HEX),  # HAProxy's stats page, user `admin`
+}
+LB_STATS_USER = "admin"
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write text to path, readable by its owner only (0600), whole or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    tmp.replace(path)
+    return path
+
+
+def make_private(folder: Path, *, searchable: set[Path], skip: set[Path]) -> list[Path]:
+    """Take group and other permissions off every file and folder under folder; return those
+    changed.
+
+    The folders in searchable keep others' search (x) permission only: as root, the
+    ``postgres`` user passes through them. Nothing under skip is touched (the PostgreSQL
+    cluster: initdb makes it 0700 and 0600 itself, owned by ``postgres``), nor anything that
+    is neither a regular file nor a folder; symbolic links are not followed.
+    """
+    changed = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        dirs[:] = [d for d in dirs if here / d not in skip]
+        for path in [here, *(here / f for f in files)]:
+            try:
+                info = path.lstat()
+            except FileNotFoundError:  # a server's temporary file, gone since
+                continue
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+                continue
+            mode = stat.S_IMODE(info.st_mode)
+            wanted = (mode & 0o700) | (0o011 if path in searchable else 0)
+            if mode != wanted:
+                path.chmod(wanted)
+                changed.append(path)
+    return changed
+
+
 API_PORT_OFFSET = 1  # api1 = base+1, api2 = base+2, ... (SCALED_API_PORTS="a,b" sets them)
 CONTROLLER_PORT_OFFSET = 11  # SCALED_CONTROLLER_PORTS likewise
 
@@ -172,10 +230,29 @@ class Layout:
     def create(self, config: dict[str, Any]) -> None:
         self.state = {
             "config": config,
-            "secrets": {"pg_prefect": secrets.token_hex(16), "pg_sched": secrets.token_hex(16),
-                        "admin_token": secrets.token_urlsafe(24)},
+            "secrets": {name: make() for name, (make, _) in SECRETS.items()},
             "processes": {},
         }
+        self.save()
+
+    def secret(self, name: str) -> str:
+        """Return the layout's secret name, refused (LayoutError) unless it has its shape."""
+        value = self.state["secrets"].get(name)
+        if value is None:
+            raise LayoutError(f"{self.file} has no secret {name!r} (made before it existed):"
+                              " run `down`, then `up`")
+        if not isinstance(value, str) or not SECRETS[name][1].fullmatch(value):
+            raise LayoutError(f"{self.file}: the secret {name!r} is malformed; restore the"
+                              " file, or run `clean`")
+        return value
+
+    def missing_secrets(self) -> list[str]:
+        """Return the secrets a layout made before they existed lacks."""
+        return [name for name in SECRETS if name not in self.state["secrets"]]
+
+    def add_secrets(self, names: list[str]) -> None:
+        for name in names:
+            self.state["secrets"][name] = SECRETS[name][0]()
         self.save()
 
     def check_env(self, env: dict[str, str]) -> None:
@@ -192,10 +269,12 @@ class Layout:
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-        tmp.chmod(0o600)
-        tmp.replace(self.file)
+        write_private(self.file, json.dumps(self.state, indent=2) + "\n")
+
+    def make_private(self) -> list[Path]:
+        """Make the layout's files 0600 and its folders 0700 (see :func:`make_private`)."""
+        searchable = {self.dir, self.dir / "logs"} if os.geteuid() == 0 else set()
+        return make_private(self.dir, searchable=searchable, skip={self.dir / "pg"})
 
     @property
     def config(self) -> dict[str, Any]:
@@ -235,7 +314,7 @@ class Layout:
         return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
 
     def pg_url(self, db: str, driver: str) -> str:
-        password = self.state["secrets"][f"pg_{db}"]
+        password = self.secret(f"pg_{db}")
         return f"{driver}://{db}:{password}@127.0.0.1:{self.ports['postgres']}/{db}"
 
     @property

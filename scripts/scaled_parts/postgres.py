@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from scripts.scaled_parts.config import Layout, Tools
-from scripts.scaled_parts.procs import LayoutError, say, start_time, tail
+from scripts.scaled_parts.procs import SERVER_UMASK, LayoutError, say, start_time, tail
 
 
 class Postgres:
@@ -31,7 +31,7 @@ class Postgres:
 
     def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self._cmd(*argv), capture_output=True, text=True, check=check,
-                              cwd=self.layout.dir, stdin=subprocess.DEVNULL)
+                              cwd=self.layout.dir, stdin=subprocess.DEVNULL, umask=SERVER_UMASK)
 
     def _chown(self, path: Path) -> None:
         if self.user:
@@ -60,7 +60,7 @@ class Postgres:
                     f"the postgres user cannot reach {self.layout.dir} (a folder above it is"
                     " not searchable by others): choose another --dir, or chmod o+x its parents")
         for folder in (self.data.parent, self.run_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._chown(folder)
         self.data.parent.chmod(0o700)
         say("initdb (first start)")
@@ -85,7 +85,7 @@ class Postgres:
     def start(self) -> None:
         log = self.layout.log("postgres")
         if not log.exists():
-            log.touch()
+            log.touch(mode=0o600)
         self._chown(log)
         result = self._run(str(self.bin / "pg_ctl"), "start", "-w", "-t", "120", "-D",
                            str(self.data), "-l", str(log), check=False)
@@ -102,7 +102,7 @@ class Postgres:
 
     def ensure_databases(self) -> None:
         for db in ("prefect", "sched"):
-            password = self.layout.state["secrets"][f"pg_{db}"]
+            password = self.layout.secret(f"pg_{db}")  # hex: checked, as it goes into SQL
             if not self.psql(f"SELECT 1 FROM pg_roles WHERE rolname = '{db}'"):
                 self.psql(f"CREATE ROLE {db} LOGIN PASSWORD '{password}'")
             if not self.psql(f"SELECT 1 FROM pg_database WHERE datname = '{db}'"):

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import BinaryIO
 
 
 class LayoutError(Exception):
@@ -65,11 +66,23 @@ def record_of(pid: int) -> dict[str, int]:
     return {"pid": pid, "start": started}
 
 
+SERVER_UMASK = 0o077
+"""The umask of every process the layout starts: what a server writes (Redis's append-only
+file and log, Prefect's home) is its owner's alone."""
+
+
+def open_log(path: Path) -> BinaryIO:
+    """Open path to append to, made 0600 if it is new (a log may hold what a server says)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
 def spawn(argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> dict[str, int]:
-    """Start argv detached (own session, no stdin, output appended to log); return its record."""
-    with log.open("ab") as out:
+    """Start argv detached (own session, no stdin, output appended to log, umask 077); return
+    its record."""
+    with open_log(log) as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                umask=SERVER_UMASK)
     return record_of(proc.pid)
 
 
