@@ -205,7 +205,9 @@ def fuzz(client: httpx.Client, document: dict[str, Any], *, requests: int, seed:
     ops = operations(document)
     writes = [op for op in ops if "requestBody" in op[2]]
     examples_by_model = {"LocalSchedule": [GOOD_SCHEDULE], "TaskIn": GOOD_TASKS,
-                         "NodeReportIn": [GOOD_REPORT]}
+                         "NodeReportIn": [GOOD_REPORT],
+                         "VoucherRequest": [{"purpose": "run", "subject": "s-1"},
+                                            {"purpose": "cancel", "subject": "0" * 32}]}
     for _ in range(requests):
         # Half the requests carry a body: that is where the validation is.
         method, template, operation = rng.choice(writes if rng.random() < 0.5 else ops)

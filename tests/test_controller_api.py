@@ -212,6 +212,8 @@ def test_healthz_reports_an_unreachable_database(tmp_path: Path) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("")
     engine = make_engine(f"sqlite:///{tmp_path}/missing/controller.db")
+    # make_engine made the folder and an empty private file; the folder becomes a file.
+    (tmp_path / "missing" / "controller.db").unlink()
     (tmp_path / "missing").rmdir()
     (tmp_path / "missing").symlink_to(blocker)
     response = healthz_of(engine)

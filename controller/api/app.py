@@ -42,7 +42,7 @@ from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
 from controller.api.rows import schedule_router
-from controller.api.vouch import voucher_router
+from controller.api.vouch import VoucherRequest, voucher_router
 from controller.api.wait import wait_router
 from controller.auth import Tokens
 from controller.errors import BodyTooLarge, ClientGone, InvalidInput, NotFound
@@ -288,7 +288,7 @@ def create_app(
     app.add_middleware(AccessLogMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     _install_error_handlers(app)
-    install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
+    install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn, VoucherRequest])
     auth = Auth(tokens)
     in_session = _session_runner(engine)
     _health_route(app, in_session)

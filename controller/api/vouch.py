@@ -14,12 +14,15 @@ import logging
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from controller.api.access import Auth
 from controller.api.jsonbody import check_name, check_node, read_object
+from controller.api.openapi import json_body
 from controller.errors import InvalidInput
 from controller.logtext import printable
 from sched_core.values import format_go_time
@@ -31,11 +34,21 @@ VOUCHER_TTL = timedelta(hours=1)
 """How long a voucher is good for: a node that is away longer refuses the run, saying so."""
 
 
+class VoucherRequest(BaseModel):
+    """The body of a voucher request; documents the route (the route reads the body itself)."""
+
+    purpose: Literal["run", "chain", "cancel"] = Field(
+        description="what the voucher allows: a run, a chain or a cancel")
+    subject: str = Field(description="the schedule id (run), the node (chain) or the flow "
+                                     "run id (cancel)")
+
+
 def voucher_router(auth: Auth, clock: Callable[[], datetime]) -> APIRouter:
     """Return the voucher route."""
     router = APIRouter()
 
-    @router.post("/api/nodes/{node}/vouchers", dependencies=[Depends(auth.require_admin)])
+    @router.post("/api/nodes/{node}/vouchers", dependencies=[Depends(auth.require_admin)],
+                 openapi_extra=json_body(VoucherRequest, "What the voucher is for."))
     async def vouch(request: Request, node: str) -> JSONResponse:
         check_node(("path", "node"), node)
         body = await read_object(request, "node", node)
