@@ -1,6 +1,7 @@
 # A new user's commands: `make test` and `make run` do all the set-up themselves.
 VENV    := .venv
 PY      := $(VENV)/bin/python
+BASE    := $(VENV)/.base-stamp
 STAMP   := $(VENV)/.installed-stamp
 
 .PHONY: setup lint typecheck test run bench clean scaled-up scaled-down scaled-status
@@ -10,10 +11,17 @@ STAMP   := $(VENV)/.installed-stamp
 SCALED_PACKAGES := postgresql postgresql-contrib redis-server haproxy
 SYSTEM_PACKAGES := restic chromium chromium-driver $(SCALED_PACKAGES)
 
-$(STAMP): pyproject.toml constraints.txt scripts/system-packages.sh
-	bash scripts/system-packages.sh $(SYSTEM_PACKAGES)
+# What `make run` needs: the package and its dependencies (the demo's jobs are tar, gzip
+# and cp, already on the machine). What the tests need comes on top: the test extras and
+# the Debian packages above.
+$(BASE): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e .
+	touch $(BASE)
+
+$(STAMP): $(BASE) scripts/system-packages.sh
+	bash scripts/system-packages.sh $(SYSTEM_PACKAGES)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
@@ -32,7 +40,7 @@ typecheck: setup
 test: lint typecheck
 	$(VENV)/bin/pytest -n 3 --dist loadfile --no-loadscope-reorder
 
-run: setup
+run: $(BASE)
 	$(PY) -m deployments.run_local
 
 # BENCH_PREFECT=1 also runs the node's benchmark (its own Prefect servers; ~75 min).
