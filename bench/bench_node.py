@@ -1,4 +1,4 @@
-"""The node fires, Prefect records: measured against a cron-like loop and the old design.
+"""The node fires, Prefect records: measured against a cron-like loop and the node before.
 
 Every part starts its own throwaway ``prefect server start`` on SQLite (the
 environment ``make run`` gives it), and the real node process (``python -m
@@ -11,16 +11,19 @@ reaped children included).
    p50/p99/max, and early starts, for the node (30 every-minute rows jittered
    across the minute; then again with 5 long jobs running) and, in the same
    minutes, a cron-like loop that sleeps until each of the same instants and
-   forks ``date``; then the old design (the runner-driven agent of commit
-   ``OLD_COMMIT``, run from a git worktree) with 10 rows. Per job: the node's
-   CPU beyond the command, and the keeper's memory (max RSS), against the old
-   design's flow-run process.
+   forks ``date``; then the node before (``python -m flows.node`` of commit
+   ``OLD_COMMIT``, its own REST client, run from a git worktree) with the same 30 rows.
+   Per job: the node's CPU beyond the command, and the keeper's memory (max RSS),
+   against the node before's.
 2. ``idle``: one idle node pulling from a real controller (which relays Prefect's
    events to its long poll), for ``--idle-minutes`` (default 16: one periodic
-   reconcile), against a server with no planned runs and one with 200,000: the
-   node's requests to Prefect and connections to it, and the server's CPU, per
-   node-hour, beside the same server's CPU alone for as long before the node
-   starts (its own services: what the node adds is the difference).
+   reconcile), against a server with no planned runs and one with 200,000 (other
+   nodes' planned runs, as their planners make them: in the work pool's paused queue
+   ``planned``, 30 per node; the first node's made through the API, the others copied
+   into the server's database, :func:`_populate`): the node's requests to Prefect (by
+   endpoint: its worker heartbeats and polls of its queue among them) and connections to
+   it, and the server's CPU, per node-hour, beside the same server's CPU alone for as
+   long before the node starts (its own services: what the node adds is the difference).
 3. ``fleet``: 200 nodes (the real node code, ``Node`` objects in this process,
    each pulling from the controller) on the SQLite server, idle, checked against
    part 2's real node process (requests per node-hour): the server's CPU, and the
@@ -30,8 +33,8 @@ reaped children included).
 4. ``outage``: a node with two every-minute rows; the server killed for 10
    minutes (20 windows): each window's command start, and how long after the
    server's return each run reached its final state.
-5. ``restart``: what one node's restart with nothing changed costs the center, before
-   and after the restart stopped registering again and recording a ``reconcile`` run
+5. ``restart``: what one node's restart with nothing changed costs the center, the node
+   before and this checkout's
    (the node of commit ``RESTART_BEFORE``, from a git worktree, and this checkout's, on
    one server, their restarts taken in turns): each restart's requests to Prefect (read
    off a logging proxy) and the CPU of the Prefect server and of the controller from the
@@ -40,8 +43,8 @@ reaped children included).
     .venv/bin/python bench/bench_node.py [--parts latency,idle,fleet,outage,restart]
         [--no-write]
 
-All parts take about 110 minutes (with a fill of 200,000 planned runs to make; `--filled`
-keeps it for the next run). Writes the figures into docs/benchmarks.md
+All parts take about 110 minutes (`--filled` keeps the server of 200,000 planned runs for
+the next run; `--fill` sets how many). Writes the figures into docs/benchmarks.md
 between ``node:begin`` and ``node:end``.
 """
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -58,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -67,6 +72,7 @@ from typing import Any
 from bench.prefect_bench import (
     answers,
     free_port,
+    load_text,
     machine,
     percentile,
     start_server,
@@ -77,7 +83,7 @@ from bench.prefect_bench import (
 )
 from sched_core.model import LocalSchedule
 from sched_core.policies import window_starts
-from sched_node.prefect_api import ApiSettings, PrefectApi, PrefectUnavailable, state_body
+from sched_node.prefect_api import TERMINAL, PrefectApi, PrefectUnavailable, new_state
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,12 +91,16 @@ BEGIN, END = "<!-- node:begin -->", "<!-- node:end -->"
 HEADING = "## The node fires, Prefect records (Prefect)"
 RESULTS = ROOT / "bench" / "bench_node.json"
 """The last figures of each part (a run of some parts keeps the others')."""
-OLD_COMMIT = "0025202"
-"""The last commit of the runner-driven agent (serve, run-job flow runs, automations)."""
-RESTART_BEFORE = "0d6642b"
-"""The last commit whose node registered its deployments and recorded a ``reconcile`` run at
-every restart (part 5's "before")."""
+OLD_COMMIT = "af9e7ab"
+"""The node before it moved to ``sched_node/`` and recorded through Prefect's client (its code
+under ``flows/``, run as ``python -m flows.node``; no work pool, no worker): part 1's "before".
+"""
+RESTART_BEFORE = OLD_COMMIT
+"""Part 5's "before": the same node."""
 NY = "America/New_York"
+PLANNED = re.compile(r"\bplanned \d+ windows: |the plan reached Prefect")
+"""The node's log lines at the end of a plan (both nodes'; the second after a plan that
+failed part way, done again)."""
 
 ACTIONS = """
 [actions.stamp]
@@ -136,8 +146,19 @@ def _stats(values: list[float]) -> str:
 
 
 def _logs(api: PrefectApi, run_id: str) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter
+
     return [str(item["message"]) for item in api.filter_logs(
-        {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200})]
+        LogFilter.model_validate({"flow_run_id": {"any_": [run_id]}}), limit=200)]
+
+
+def _runs(api: PrefectApi, offset: int = 0, **flow_runs: Any) -> list[dict[str, Any]]:
+    """Return one page (200) of the flow runs a filter (the API's ``flow_runs`` object) selects,
+    by expected start."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    return api.filter_runs(FlowRunFilter.model_validate(flow_runs),
+                           sort="EXPECTED_START_TIME_ASC", limit=200, offset=offset)
 
 
 def _starts(api: PrefectApi, node: str, since: datetime, until: datetime,
@@ -146,10 +167,8 @@ def _starts(api: PrefectApi, node: str, since: datetime, until: datetime,
     found: list[float] = []
     offset = 0
     while True:
-        runs = api.filter_runs({"flow_runs": {"tags": {"all_": [f"node:{node}",
-                                                                 f"action:{action}"]},
-                                              "state": {"type": {"any_": ["COMPLETED"]}}},
-                                "limit": 200, "offset": offset})
+        runs = _runs(api, offset, tags={"all_": [f"node:{node}", f"action:{action}"]},
+                     state={"type": {"any_": ["COMPLETED"]}})
         for run in runs:
             planned = datetime.fromisoformat(run["expected_start_time"])
             if not since <= planned < until:
@@ -210,13 +229,52 @@ def _max_rss_of(pattern: str, stop: threading.Event, found: list[int]) -> None:
 
 def _spawn_node(config: Path, api_url: str, log: Path, *, cwd: Path = ROOT,
                 old: bool = False) -> subprocess.Popen[bytes]:
+    """Start a node: this checkout's (``python -m sched_node.node``), or with old the node of
+    the tree cwd (a worktree of OLD_COMMIT: ``python -m flows.node``)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SCHED_")}
     env.update({"SCHED_CONFIG": str(config), "PREFECT_API_URL": api_url,
-                "PYTHONPATH": str(cwd), "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,flows"})
-    argv = [sys.executable, "-m", "deployments.serve" if old else "sched_node.node"]
+                "PYTHONPATH": str(cwd), "PREFECT_LOGGING_EXTRA_LOGGERS":
+                    "sched_core,flows" if old else "sched_core,sched_node,flows"})
+    argv = [sys.executable, "-m", "flows.node" if old else "sched_node.node"]
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _planned(log: Path, since: float, timeout_s: float = 900) -> float:
+    """Wait until a node's log says its first plan is done (``planned N windows``); return the
+    seconds since since (``time.monotonic``). A node's first plan of many windows takes
+    minutes on SQLite, and this checkout's recorder waits for it (the planner's lock): the
+    parts measure the node once it has planned."""
+    deadline = since + timeout_s
+    while time.monotonic() < deadline:
+        if log.exists() and PLANNED.search(log.read_text(errors="replace")):
+            return time.monotonic() - since
+        time.sleep(0.5)
+    raise RuntimeError(f"the node did not plan within {timeout_s:.0f} s (see {log})")
+
+
+def _recorded(api: PrefectApi, node: str, since: datetime, until: datetime, expected: int,
+              timeout_s: float = 600, action: str = "stamp") -> int:
+    """Wait until expected runs of node's action in [since, until) are Completed in Prefect
+    (the node's records may lag its jobs), at most timeout_s; return how many are."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    wanted = FlowRunFilter.model_validate({
+        "tags": {"all_": [f"node:{node}", f"action:{action}"]},
+        "state": {"type": {"any_": ["COMPLETED"]}},
+        "expected_start_time": {"after_": since.isoformat(),
+                                "before_": (until - timedelta(microseconds=1)).isoformat()}})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done = int(api.call(lambda c: c.count_flow_runs(flow_run_filter=wanted),
+                                "count the node's records"))
+        except PrefectUnavailable:
+            done = 0
+        if done >= expected or time.monotonic() > deadline:
+            return done
+        time.sleep(5)
 
 
 def _next_minute(after: float = 20.0) -> datetime:
@@ -229,15 +287,18 @@ def _next_minute(after: float = 20.0) -> datetime:
 
 def latency(work: Path, minutes: int) -> dict[str, Any]:
     proc, url = start_server(work / "prefect-new")
-    api = PrefectApi(ApiSettings(url=url))
+    api = PrefectApi(url)
     result: dict[str, Any] = {}
+    node: subprocess.Popen[bytes] | None = None
     try:
         name = f"lat-{uuid.uuid4().hex[:6]}"
         rows = [_row(f"j{n}", jitter=59) for n in range(30)]
         pull = work / "new" / "rows.json"
         config = _config(work / "new", name, str(pull))
         pull.write_text(json.dumps({"schedules": rows}))
+        spawned = time.monotonic()
         node = _spawn_node(config, url, work / "new.log")
+        result["new_first_plan_s"] = _planned(work / "new.log", spawned)
         begin = _next_minute(30)
         idle_end = begin + timedelta(minutes=minutes)
         busy_end = idle_end + timedelta(minutes=minutes)
@@ -255,12 +316,17 @@ def latency(work: Path, minutes: int) -> dict[str, Any]:
         pull.write_text(json.dumps({"schedules": rows + [
             _row(f"h{n}", "hold", every=1, params={"seconds": 55}) for n in range(5)]}))
         rss: list[int] = []
-        sampler = threading.Thread(target=_max_rss_of, args=("sched_node/shim.py", stop, rss),
+        sampler = threading.Thread(target=_max_rss_of, args=(f"{ROOT}/sched_node/shim.py", stop,
+                                                              rss),
                                    daemon=True)
         sampler.start()
         time.sleep(max((busy_end - datetime.now(UTC)).total_seconds(), 0) + 20)
         stop.set()
         cron_thread.join(5)
+        fired = len(_instants(rows, name, begin, idle_end))
+        t0 = time.monotonic()
+        _recorded(api, name, begin, busy_end, len(_instants(rows, name, begin, busy_end)))
+        result["new_records_lag_s"] = time.monotonic() - t0
         jobs_idle = _starts(api, name, begin, idle_end)
         jobs_busy = _starts(api, name, idle_end + timedelta(minutes=1), busy_end)
         stop_group(node)
@@ -268,11 +334,13 @@ def latency(work: Path, minutes: int) -> dict[str, Any]:
         result["new_idle"] = jobs_idle
         result["new_busy"] = jobs_busy
         result["cron"] = cron
-        per_job = (cpu1 - cpu0) / max(len(jobs_idle), 1) - date_cpu
+        per_job = (cpu1 - cpu0) / max(fired, 1) - date_cpu
         result["new_cpu_per_job"] = per_job
         result["new_keeper_rss_mb"] = max(rss) / 1024 if rss else None
         result["new_jobs"] = len(jobs_idle)
+        result["new_fired"] = fired
     finally:
+        stop_group(node)
         api.close()
         stop_group(proc)
     result.update(_old_design(work, minutes))
@@ -289,38 +357,48 @@ def _date_cpu() -> float:
 
 
 def _old_design(work: Path, minutes: int) -> dict[str, Any]:
-    """Run the runner-driven agent of OLD_COMMIT with 10 jittered rows; its latency and cost."""
+    """Run the node of OLD_COMMIT (from a git worktree) with the same 30 jittered rows, for
+    minutes; its latency and its cost per job (CPU beyond the command, the keeper's RSS)."""
     tree = work / "old-tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
                     OLD_COMMIT], check=True, capture_output=True)
     proc, url = start_server(work / "prefect-old")
-    api = PrefectApi(ApiSettings(url=url))
+    api = PrefectApi(url)
+    node: subprocess.Popen[bytes] | None = None
     try:
         name = f"old-{uuid.uuid4().hex[:6]}"
-        rows = [_row(f"j{n}", jitter=59) for n in range(10)]
+        rows = [_row(f"j{n}", jitter=59) for n in range(30)]
         pull = work / "old" / "rows.json"
         config = _config(work / "old", name, str(pull))
-        config.write_text(config.read_text().replace("job_limit = 40", "job_limit = 8"))
         pull.write_text(json.dumps({"schedules": rows}))
+        spawned = time.monotonic()
         node = _spawn_node(config, url, work / "old.log", cwd=tree, old=True)
-        begin = _next_minute(60)
+        first_plan_s = _planned(work / "old.log", spawned)
+        begin = _next_minute(30)
         end = begin + timedelta(minutes=minutes)
         stop = threading.Event()
         rss: list[int] = []
-        sampler = threading.Thread(target=_max_rss_of, args=("prefect.engine", stop, rss),
+        sampler = threading.Thread(target=_max_rss_of, args=(f"{tree}/flows/shim.py", stop, rss),
                                    daemon=True)
         sampler.start()
         while datetime.now(UTC) < begin:
             time.sleep(0.5)
         cpu0 = tree_cpu(node.pid)
-        time.sleep((end - datetime.now(UTC)).total_seconds() + 90)
+        time.sleep((end - datetime.now(UTC)).total_seconds())
         cpu1 = tree_cpu(node.pid)
         stop.set()
+        fired = len(_instants(rows, name, begin, end))
+        t0 = time.monotonic()
+        _recorded(api, name, begin, end, fired)
+        lag = time.monotonic() - t0
         jobs = _starts(api, name, begin, end)
         stop_group(node)
-        return {"old": jobs, "old_cpu_per_job": (cpu1 - cpu0) / max(len(jobs), 1),
-                "old_rss_mb": max(rss) / 1024 if rss else None}
+        return {"old": jobs, "old_commit": OLD_COMMIT, "old_first_plan_s": first_plan_s,
+                "old_cpu_per_job": (cpu1 - cpu0) / max(fired, 1) - _date_cpu(),
+                "old_rss_mb": max(rss) / 1024 if rss else None, "old_fired": fired,
+                "old_records_lag_s": lag}
     finally:
+        stop_group(node)
         api.close()
         stop_group(proc)
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
@@ -393,6 +471,8 @@ class CountingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.requests = 0
+        self.endpoints: dict[str, int] = {}
+        """Requests by ``METHOD /path`` (ids as ``{id}``, the query left out)."""
         self.open = 0
         self.opened = 0
         self._lock = threading.Lock()
@@ -420,7 +500,10 @@ class CountingProxy:
                              daemon=True).start()
 
     def _pipe(self, source: Any, sink: Any, counting: bool) -> None:
-        marker = b" HTTP/1.1\r\n"
+        import re
+
+        line = re.compile(rb"(GET|POST|PUT|PATCH|DELETE|HEAD|OPTIONS) (/\S*) HTTP/1\.1\r\n")
+        ids = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
         tail = b""
         try:
             while True:
@@ -428,10 +511,18 @@ class CountingProxy:
                 if not data:
                     break
                 if counting:
+                    # Each request line counted once: what follows the last one seen is kept
+                    # (its end, at most 4 kB) for the next read, where a line cut in two ends.
                     seen = tail + data
+                    last = 0
                     with self._lock:
-                        self.requests += seen.count(marker)
-                    tail = seen[-(len(marker) - 1):]
+                        for found in line.finditer(seen):
+                            self.requests += 1
+                            path = found.group(2).decode(errors="replace").split("?")[0]
+                            key = f"{found.group(1).decode()} {ids.sub('{id}', path)}"
+                            self.endpoints[key] = self.endpoints.get(key, 0) + 1
+                            last = found.end()
+                    tail = seen[last:][-4096:]
                 sink.sendall(data)
         except OSError:
             pass
@@ -449,59 +540,142 @@ class CountingProxy:
         self.listener.close()
 
 
-def _populate(api: PrefectApi, count: int) -> None:
-    """Create count planned runs for other nodes (Scheduled, a day ahead): a busy fleet's plan.
+FILL_PER_NODE = 30
+"""Planned runs per node of the fill (each node's deployment ``run-job/fill-<n>``)."""
 
-    Resumable: a server already holding some (``--filled``) gets only the rest (each
-    batch's idempotency keys make a batch sent twice the same runs). SQLite answers 503
-    now and then under this write load: the batch is sent again.
+
+def _populate(api: PrefectApi, count: int, database: Path) -> None:
+    """Create count planned runs for other nodes (Scheduled, a day ahead): a busy fleet's plan,
+    as each node's planner makes it: its deployment ``run-job/fill-<n>`` in the work pool, in
+    a queue of its own, and its 30 planned runs in the pool's paused queue ``planned``.
+
+    The first node's are made through the API (the pool, the flow, the deployment and its
+    queue, one bulk create of its runs, as the planner sends it); the others' rows are copies
+    of those, with their own ids, names, keys and tags, written straight into the server's
+    SQLite database (database): through the API each node's deployment and runs take 1-3 s
+    on this machine's two shared cores (the server creates a run in ~50 ms under load), so
+    200,000 runs would take hours. Resumable: a node whose deployment is there is skipped
+    (``--filled`` keeps the server).
     """
-    def have() -> int:
-        return int(api._call("POST", "/flow_runs/count", json={
-            "flow_runs": {"name": {"like_": "fill-"}}}).json())
+    import sqlite3
 
+    from prefect.client.schemas.actions import DeploymentFlowRunCreate
+    from prefect.states import to_state_create
+
+    from sched_node.registration import DEFAULT_POOL, PLANNED_QUEUE, RUN_JOB, pool_and_queue
+
+    if count <= 0 or _fill_count(api) >= count:
+        return
     start = datetime.now(UTC) + timedelta(days=1)
-    flow = api.ensure_flow("run-job")
-    # The bulk create answers per run, and under SQLite's write load some of a batch may
-    # fail while the request succeeds (a first fill came out 165,199 of 200,000): count
-    # after each pass and send every batch again (same keys, same runs) until all are in.
-    first = have() // 30
-    for _ in range(3):
-        for n in range(first, (count + 29) // 30):
-            batch = [{"name": f"fill-{n}-{k}", "parameters": {"schedule_id": f"s{k}"},
-                      "tags": [f"node:fill-{n}", "trigger:schedule"],
-                      "idempotency_key": f"fill-{n}:{k}",
-                      "state": state_body("SCHEDULED",
-                                          scheduled_time=start + timedelta(minutes=k)),
-                      "enforce_parameter_schema": False}
-                     for k in range(min(30, count - 30 * n))]
-            for attempt in range(30):
-                try:
-                    api.create_runs(api.ensure_deployment(flow, f"fill-{n}"), batch)
-                    break
-                except PrefectUnavailable:
-                    if attempt == 29:
-                        raise
-                    time.sleep(10)
-        if have() >= count:
-            return
-        first = 0
-    raise RuntimeError(f"the fill holds {have():,} planned runs of {count:,} after 3 passes")
+    api.call(lambda c: pool_and_queue(c, DEFAULT_POOL), "make the work pool")
+    flow_id = api.call(lambda c: c.create_flow_from_name(RUN_JOB), "make the flow")
+    template = str(api.call(lambda c: c.create_deployment(
+        flow_id=flow_id, name="fill-0", work_pool_name=DEFAULT_POOL, work_queue_name="fill-0",
+        enforce_parameter_schema=False), "deploy run-job/fill-0"))
+    pending = list(range(min(FILL_PER_NODE, count)))
+    for _ in range(30):  # SQLite fails a bulk entry as locked now and then: sent again
+        results = api.create_runs(template, [DeploymentFlowRunCreate(
+            name=f"fill-0-{k}", parameters={"schedule_id": f"s{k}"},
+            tags=["node:fill-0", "trigger:schedule"], idempotency_key=f"fill-0:{k}",
+            state=to_state_create(new_state("SCHEDULED",
+                                            scheduled_time=start + timedelta(minutes=k))),
+            enforce_parameter_schema=False, work_queue_name=PLANNED_QUEUE) for k in pending])
+        pending = [k for k, result in zip(pending, results, strict=True)
+                   if result.get("status") != "CREATED"]
+        if not pending:
+            break
+        time.sleep(1)
+    else:
+        raise RuntimeError("the fill's first node could not make its planned runs")
+
+    def uid() -> str:
+        return str(uuid.uuid4())
+
+    with sqlite3.connect(database, timeout=120) as db:
+        db.row_factory = sqlite3.Row
+
+        def rows(sql: str, *args: Any) -> list[dict[str, Any]]:
+            return [dict(row) for row in db.execute(sql, args).fetchall()]
+
+        def insert(table: str, items: list[dict[str, Any]]) -> None:
+            if items:
+                names = list(items[0])
+                db.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES "
+                               f"({', '.join('?' for _ in names)})",
+                               [[item[name] for name in names] for item in items])
+
+        (deployment,) = rows("SELECT * FROM deployment WHERE id = ?", template)
+        (queue,) = rows("SELECT * FROM work_queue WHERE id = ?", deployment["work_queue_id"])
+        runs = rows("SELECT * FROM flow_run WHERE deployment_id = ? ORDER BY name", template)
+        states = {item["id"]: item for item in rows(
+            "SELECT * FROM flow_run_state WHERE flow_run_id IN (SELECT id FROM flow_run "
+            "WHERE deployment_id = ?)", template)}
+        there = {item["name"] for item in rows(
+            "SELECT name FROM deployment WHERE flow_id = ? AND name LIKE 'fill-%'",
+            deployment["flow_id"])}
+        nodes = (count + FILL_PER_NODE - 1) // FILL_PER_NODE
+        made = 0
+        for n in range(1, nodes):
+            name = f"fill-{n}"
+            if name in there:
+                continue
+            now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+            queue_id, deployment_id = uid(), uid()
+            insert("work_queue", [{**queue, "id": queue_id, "name": name, "created": now,
+                                   "updated": now, "priority": queue["priority"] + n}])
+            labels = json.loads(deployment["labels"] or "{}")
+            insert("deployment", [{**deployment, "id": deployment_id, "name": name,
+                                   "work_queue_name": name, "work_queue_id": queue_id,
+                                   "created": now, "updated": now,
+                                   "labels": json.dumps(labels)}])
+            new_runs, new_states = [], []
+            for run in runs[:min(FILL_PER_NODE, count - FILL_PER_NODE * n)]:
+                k = run["name"].rsplit("-", 1)[1]
+                run_id, state_id = uid(), uid()
+                state = states[run["state_id"]]
+                details = json.loads(state["state_details"])
+                details["flow_run_id"] = run_id
+                run_labels = json.loads(run["labels"] or "{}")
+                run_labels["prefect.deployment.id"] = deployment_id
+                new_runs.append({**run, "id": run_id, "name": f"{name}-{k}",
+                                 "idempotency_key": f"{name}:{k}", "deployment_id": deployment_id,
+                                 "tags": json.dumps([f"node:{name}", "trigger:schedule"]),
+                                 "labels": json.dumps(run_labels), "state_id": state_id,
+                                 "created": now, "updated": now})
+                new_states.append({**state, "id": state_id, "flow_run_id": run_id,
+                                   "state_details": json.dumps(details), "created": now,
+                                   "updated": now})
+            insert("flow_run_state", new_states)
+            insert("flow_run", new_runs)
+            made += 1
+            if made % 500 == 0:
+                db.commit()
+                print(f"  fill: {n + 1:,} of {nodes:,} nodes' planned runs written", flush=True)
+        db.commit()
 
 
-def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
+def _fill_count(api: PrefectApi) -> int:
+    """Return how many of the fill's planned runs the server holds."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    fill = FlowRunFilter.model_validate({"name": {"like_": "fill-"}})
+    return int(api.call(lambda c: c.count_flow_runs(flow_run_filter=fill), "count the fill"))
+
+
+def idle(work: Path, minutes: int, keep: Path | None = None,
+         fill: int = 200_000) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for label, planned in (("0 planned runs", 0), ("200,000 planned runs", 200_000)):
+    for label, planned in (("0 planned runs", 0), (f"{fill:,} planned runs", fill)):
         folder = work / f"idle-{planned}"
         home = keep / f"prefect-{planned}" if planned and keep is not None else folder / "prefect"
         proc, url = start_server(home)
-        api = PrefectApi(ApiSettings(url=url))
+        api = PrefectApi(url)
         controller: Controller | None = None
         node: subprocess.Popen[bytes] | None = None
         proxy = CountingProxy(int(url.rsplit(":", 1)[1].split("/")[0]))
         try:
             t0 = time.monotonic()
-            _populate(api, planned)
+            _populate(api, planned, home / "prefect.db")
             filled = time.monotonic() - t0
             # The server alone first: its own services' cost, which the node's is beside.
             time.sleep(30)
@@ -514,9 +688,14 @@ def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
                 controller.put(name, row)
             config = _config(folder / "node", name, controller.pull_url(name),
                              extra=f'token = "{controller.tokens[name]}"')
+            spawned = time.monotonic()
             node = _spawn_node(config, proxy.url, folder / "node.log")
-            time.sleep(60)  # its start: registration and the first plan
+            _planned(folder / "node.log", spawned)
+            time.sleep(max(60 - (time.monotonic() - spawned), 0))  # its start: registration and
+            # the first plan
+            load0 = os.getloadavg()[0]
             server0, requests0, opened0 = tree_cpu(proc.pid), proxy.requests, proxy.opened
+            endpoints0 = dict(proxy.endpoints)
             samples = []
             deadline = time.monotonic() + minutes * 60
             while time.monotonic() < deadline:
@@ -524,13 +703,19 @@ def idle(work: Path, minutes: int, keep: Path | None = None) -> dict[str, Any]:
                 time.sleep(5)
             server1, requests1, opened1 = tree_cpu(proc.pid), proxy.requests, proxy.opened
             hours = minutes / 60
+            by_endpoint = {key: (count - endpoints0.get(key, 0)) / hours
+                           for key, count in sorted(proxy.endpoints.items())
+                           if count > endpoints0.get(key, 0)}
             results[label] = {
                 "server_cpu_s_per_hour": (server1 - server0) / hours,
                 "server_alone_cpu_s_per_hour": alone,
                 "requests_per_hour": (requests1 - requests0) / hours,
+                "requests_per_hour_by_endpoint": by_endpoint,
                 "connections_opened_per_hour": (opened1 - opened0) / hours,
                 "connections_max": max(samples), "connections_mean": statistics.mean(samples),
-                "filled_s": filled,
+                "filled_s": filled, "minutes": minutes,
+                "planned_runs": _fill_count(api) if planned else 0,
+                "load": [load0, os.getloadavg()[0]],
             }
         finally:
             stop_group(node)
@@ -564,7 +749,7 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
         for name in names:
             config = _config(work / "fleet" / name, name, controller.pull_url(name),
                              extra=f'token = "{controller.tokens[name]}"')
-            node = Node(load_settings(config), api=PrefectApi(ApiSettings(url=url)))
+            node = Node(load_settings(config), api=PrefectApi(url))
             nodes.append(node)
             thread = threading.Thread(target=node.run, daemon=True)
             thread.start()
@@ -625,13 +810,15 @@ def fleet(work: Path, count: int, minutes: int) -> dict[str, Any]:
 def outage(work: Path, minutes: int = 10) -> dict[str, Any]:
     proc, url = start_server(work / "outage-prefect")
     home = work / "outage-prefect"
-    api = PrefectApi(ApiSettings(url=url))
+    api = PrefectApi(url)
     name = f"out-{uuid.uuid4().hex[:6]}"
     pull = work / "outage" / "rows.json"
     config = _config(work / "outage", name, str(pull))
     pull.write_text(json.dumps({"schedules": [_row("a"), _row("b")]}))
+    spawned = time.monotonic()
     node = _spawn_node(config, url, work / "outage.log")
     try:
+        _planned(work / "outage.log", spawned)
         begin = _next_minute(40)
         while datetime.now(UTC) < begin - timedelta(seconds=20):
             time.sleep(0.5)
@@ -643,23 +830,32 @@ def outage(work: Path, minutes: int = 10) -> dict[str, Any]:
         proc = _restart(home, port)
         back = datetime.now(UTC)
         api.close()
-        api = PrefectApi(ApiSettings(url=url))
+        api = PrefectApi(url)
         deadline = time.monotonic() + 300
         finals: dict[str, float] = {}
+        states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            runs = api.filter_runs({"flow_runs": {"tags": {"all_": [f"node:{name}"]}},
-                                    "limit": 200})
+            try:
+                runs = _runs(api, tags={"all_": [f"node:{name}"]},
+                             expected_start_time={"after_": begin.isoformat(),
+                                                  "before_": end.isoformat()})
+            except PrefectUnavailable:
+                runs = []
             window_runs = [run for run in runs if begin <= datetime.fromisoformat(
                 run["expected_start_time"]) < end]
             for run in window_runs:
-                if (run.get("state") or {}).get("type") == "COMPLETED" and run["id"] not in finals:
+                kind = (run.get("state") or {}).get("type")
+                if kind in TERMINAL and run["id"] not in finals:
                     finals[run["id"]] = (datetime.now(UTC) - back).total_seconds()
+                    states[run["id"]] = str(kind)
             if len(finals) >= 2 * minutes and len(window_runs) >= 2 * minutes:
                 break
             time.sleep(1)
         starts = _starts(api, name, begin, end)
         return {"down_s": (back - down).total_seconds(), "windows": 2 * minutes,
-                "starts": starts, "recorded_after_return_s": sorted(finals.values())}
+                "starts": starts, "recorded_after_return_s": sorted(finals.values()),
+                "final_states": {kind: list(states.values()).count(kind)
+                                 for kind in sorted(set(states.values()))}}
     finally:
         stop_group(node)
         api.close()
@@ -715,11 +911,12 @@ def restart(work: Path, rounds: int) -> dict[str, Any]:
             calls0 = len(proxy.calls)
             cpu0 = [tree_cpu(pid) for pid in pids]
             t0 = time.monotonic()
-            node = _spawn_node(config, f"{proxy.base}/api", log, cwd=trees[variant])
+            node = _spawn_node(config, f"{proxy.base}/api", log, cwd=trees[variant],
+                               old=variant == "before")
             try:
                 deadline = time.monotonic() + 120
-                while time.monotonic() < deadline and "planned " not in log.read_bytes()[
-                        mark:].decode(errors="replace"):
+                while time.monotonic() < deadline and not PLANNED.search(log.read_bytes()[
+                        mark:].decode(errors="replace")):
                     time.sleep(0.2)
                 # Its record (the code before sent it after the plan): until 3 s pass quietly.
                 seen, quiet_since = len(proxy.calls), time.monotonic()
@@ -778,29 +975,53 @@ def _busy_text(fleet_found: dict[str, Any]) -> str:
             "no node holds a websocket).")
 
 
+def _when(part: dict[str, Any]) -> str:
+    """When a part was measured, and the machine's load (1-minute average) then."""
+    load = part.get("load")
+    if not load:
+        return str(part.get("measured", ""))
+    return f"{part.get('measured', '')}, load {load[0]:.1f} at its start, {load[1]:.1f} at its end"
+
+
 def report(found: dict[str, Any]) -> str:
     lines = [f"On {machine()}. `.venv/bin/python bench/bench_node.py` (all parts about 110 "
              "minutes; `--parts latency,idle,fleet,outage,restart` runs some, keeping the "
-             "others' last figures, each with the time it was measured).", ""]
+             "others' last figures, each with the time it was measured and the machine's load "
+             "then: the 1-minute average at the part's start and end).", ""]
     lat = found.get("latency")
     if lat:
+        old_commit = lat.get("old_commit")
+        old_row = (f"the node of commit {old_commit} (`flows/`, its own REST client; the same "
+                   "30 rows, alone)" if old_commit else
+                   "the old design (runner polls, a flow-run process per job; 10 rows)")
+        old_cost = (f"the node of commit {old_commit} {lat['old_cpu_per_job']:.3f} s of CPU and "
+                    f"its keeper {lat['old_rss_mb'] or 0:.1f} MB" if old_commit else
+                    f"the old design {lat['old_cpu_per_job']:.2f} s of CPU and "
+                    f"{lat['old_rss_mb'] or 0:.0f} MB per flow-run process")
+        ratio = lat["old_cpu_per_job"] / max(lat["new_cpu_per_job"], 1e-6)
         lines += [
-            f"**Firing latency** ({lat.get('measured', '')}), window (after its jitter) to "
+            f"**Firing latency** ({_when(lat)}), window (after its jitter) to "
             "the command's own first instant (`date +%s.%N`):", "",
             "| what | latency |", "|---|---|",
             f"| the node, 30 rows jittered over each minute | {_stats(lat['new_idle'])} |",
             f"| the node, with 5 long jobs running | {_stats(lat['new_busy'])} |",
             f"| a cron-like fork loop, same instants, same minutes | {_stats(lat['cron'])} |",
-            f"| the old design (runner polls, a flow-run process per job; 10 rows) | "
-            f"{_stats(lat['old'])} |", "",
+            f"| {old_row} | {_stats(lat['old'])} |", "",
             f"**Per job, beyond its command**: the node {lat['new_cpu_per_job']:.3f} s of CPU "
             f"(node and keeper), the keeper {lat['new_keeper_rss_mb'] or 0:.1f} MB (max RSS); "
-            f"the old design {lat['old_cpu_per_job']:.2f} s of CPU and "
-            f"{lat['old_rss_mb'] or 0:.0f} MB per flow-run process "
-            f"({lat['old_cpu_per_job'] / max(lat['new_cpu_per_job'], 1e-6):.0f}x the CPU).", ""]
+            f"{old_cost} ({ratio:.{0 if ratio >= 10 else 2}f}x the CPU)."
+            + (f" The first plan (each row's windows of the next hour), from the node's spawn "
+               f"to its log's `planned`, before the minutes measured: "
+               f"{lat['new_first_plan_s']:.0f} s for this checkout's node, "
+               f"{lat['old_first_plan_s']:.0f} s for the node before."
+               if "new_first_plan_s" in lat and "old_first_plan_s" in lat else ""), ""]
     idle_found = found.get("idle")
     if idle_found:
         when = idle_found.get("measured", "")
+        minutes = next((item["minutes"] for item in idle_found.values()
+                        if isinstance(item, dict) and "minutes" in item), None)
+        if minutes:
+            when += f"; {minutes} minutes each"
         lines += [f"**An idle node's cost on the Prefect server** ({when}), per node-hour "
                   "(10 schedules, "
                   "none due; pulling from a controller that relays Prefect's events to its "
@@ -814,10 +1035,20 @@ def report(found: dict[str, Any]) -> str:
                 continue
             alone = item.get("server_alone_cpu_s_per_hour")
             alone_text = "not measured" if alone is None else f"{alone:.2f} s"
+            held = item.get("planned_runs")
+            if held and f"{held:,}" not in label:
+                label = f"{held:,} planned runs (the fill asked {label.split(' ')[0]})"
+            if item.get("load"):
+                label += f" (load {item['load'][0]:.1f}, {item['load'][1]:.1f})"
             lines.append(f"| {label} | {item['server_cpu_s_per_hour']:.2f} s ({alone_text}) | "
                          f"{item['requests_per_hour']:.1f} | "
                          f"{item['connections_opened_per_hour']:.1f} | "
                          f"{item['connections_max']}, {item['connections_mean']:.2f} |")
+        for label, item in idle_found.items():
+            if isinstance(item, dict) and item.get("requests_per_hour_by_endpoint"):
+                lines += ["", f"Requests per node-hour by endpoint, {label}: " + ", ".join(
+                    f"`{key}` {value:.1f}"
+                    for key, value in item["requests_per_hour_by_endpoint"].items()) + "."]
         lines += ["", "The old design, measured before: 8.5-10 s of server CPU, ~500 requests "
                   "and 4 websockets per idle node-hour; each poll 11.7 ms of server CPU with "
                   "no planned runs, 181 ms with 200,000.", ""]
@@ -845,16 +1076,20 @@ def report(found: dict[str, Any]) -> str:
     out = found.get("outage")
     if out:
         late = out["starts"]
-        lines += [f"**A {out['down_s'] / 60:.0f}-minute outage** ({out.get('measured', '')}; "
+        finals = out["recorded_after_return_s"]
+        states = out.get("final_states")
+        lines += [f"**A {out['down_s'] / 60:.0f}-minute outage** ({_when(out)}; "
                   "the server killed, "
                   f"{out['windows']} windows of two every-minute rows): {len(late)} ran, "
                   f"{_stats(late)}; recorded after the server's return in "
-                  f"{min(out['recorded_after_return_s'] or [0]):.0f}-"
-                  f"{max(out['recorded_after_return_s'] or [0]):.0f} s.", ""]
+                  f"{min(finals or [0]):.0f}-{max(finals or [0]):.0f} s"
+                  + (f" ({len(finals)} of {out['windows']} runs in a final state: "
+                     + ", ".join(f"{count} {kind}" for kind, count in states.items()) + ")"
+                     if states is not None else "") + ".", ""]
     rs = found.get("restart")
     if rs and "before" in rs and "after" in rs:
         b, a = rs["before"], rs["after"]
-        lines += [f"**One node's restart, nothing changed** ({rs.get('measured', '')}; "
+        lines += [f"**One node's restart, nothing changed** ({_when(rs)}; "
                   f"{rs['rounds']} restarts each of the node of commit {rs['before_commit']} "
                   "and of this checkout, in turns, on one SQLite server and one controller; "
                   "medians): requests to Prefect "
@@ -881,25 +1116,41 @@ def main() -> int:
     parser.add_argument("--fleet-minutes", type=int, default=10)
     parser.add_argument("--restart-rounds", type=int, default=10,
                         help="restarts of each node (before, after) in the restart part")
+    parser.add_argument("--fill", type=int, default=200_000,
+                        help="planned runs of other nodes on the idle part's second server")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--keep-work", action="store_true",
+                        help="keep the work folder (servers' homes, the nodes' logs)")
     parser.add_argument("--filled", type=Path, default=None,
                         help="keep the Prefect server with 200,000 planned runs in this folder "
-                             "and reuse it next time (filling it takes ~40 min)")
+                             "and reuse it next time (filling it takes a minute or two)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-node-"))
     # The figures of the parts not run now are the last run's (each part says its date).
     found: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     parts: dict[str, Callable[[], Any]] = {
         "latency": lambda: latency(work, args.minutes),
-        "idle": lambda: idle(work, args.idle_minutes, args.filled),
+        "idle": lambda: idle(work, args.idle_minutes, args.filled, args.fill),
         "fleet": lambda: fleet(work, args.fleet, args.fleet_minutes),
         "outage": lambda: outage(work),
         "restart": lambda: restart(work, args.restart_rounds),
     }
+    failed = []
     try:
         for part in args.parts.split(","):
-            print(f"running {part} ...", flush=True)
-            found[part] = {**parts[part](), "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"}
+            load0 = os.getloadavg()[0]
+            print(f"running {part} ... (load {load_text()}, {datetime.now(UTC):%H:%M:%S} UTC)",
+                  flush=True)
+            try:
+                result = parts[part]()
+            except Exception:  # the other parts still run; this one keeps its last figures
+                traceback.print_exc()
+                failed.append(part)
+                continue
+            found[part] = {**result, "measured": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+                           "load": [load0, os.getloadavg()[0]]}
+            print(f"{part} done (load {load_text()}, {datetime.now(UTC):%H:%M:%S} UTC): "
+                  + json.dumps(found[part], default=str), flush=True)
             (work / "found.json").write_text(json.dumps(found, default=str, indent=1))
     finally:
         print(f"work folder: {work}", flush=True)
@@ -908,8 +1159,11 @@ def main() -> int:
     if not args.no_write:
         RESULTS.write_text(json.dumps(found, default=str, indent=1) + "\n")
         write_section(BEGIN, END, HEADING, text)
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    if failed:
+        print(f"failed parts (their last figures kept): {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ its services included) from before the first request until the server has
 stored everything (the task runs and events it writes from its queue), less
 what the same server uses idle for as long (measured in between).
 
-The old path is the recorder of commit :data:`OLD_COMMIT` (the last before the
-change), loaded from git into modules of its own; the new one is the working
-tree's. The two alternate in rounds of :data:`JOBS` jobs each, on one server, after
-a warm-up round of each that is not counted.
+Each path is a node's recorder in a process of its own (``bench/record_side.py``), one
+client for all its rounds as the node holds one. The old path is the node of commit
+:data:`OLD_COMMIT` (its code under ``flows/``, its hand-written REST client), run from a git
+worktree of that commit under the temporary folder; the new one is the working tree's
+(``sched_node/``, Prefect's client). The two alternate in rounds of :data:`JOBS` jobs each,
+on one server, after a warm-up round of each that is not counted (so a process's first
+requests, Prefect's ``GET /csrf-token`` among them, are not a job's).
 
 With ``--lean`` the two paths are the working tree's recorder as the node runs it by
 default (``full``) and with ``record_task_run`` and ``record_artifact`` off (``lean``).
@@ -28,165 +31,114 @@ installs it). Each is published in a section of its own.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import types
-import uuid
 from collections import Counter
-from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
-from functools import partial
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+from bench.prefect_bench import (
+    ROOT,
+    load_text,
+    machine,
+    start_server,
+    stop_group,
+    tree_cpu,
+    write_section,
+)
 
-from bench.prefect_bench import ROOT, machine, start_server, stop_group, tree_cpu, write_section
-from sched_node.identity import JobRef
-from sched_node.outbox import COMPLETED, JobFolder, JobSpec, Outbox, job_id_for, utc_text
-from sched_node.prefect_api import ApiSettings, PrefectApi, state_body
-from sched_node.recorder import Recorder
-from sched_node.registration import RUN_JOB, Deployments
-
-OLD_COMMIT = "9e32aaf"
-"""main before the record took fewer calls (bulk_set_state, the task run created Running, one
-logs POST per pass)."""
+OLD_COMMIT = "af9e7ab"
+"""main before the node moved to ``sched_node/`` and recorded through Prefect's client (its
+code under ``flows/``: a planned window's run set Running by ``bulk_set_state``, a try's task
+run created Running, one logs POST per pass)."""
 JOBS = 30
 LINES = 20
-"""Command output lines per job (half at the start's record, half at the end's)."""
+"""Command output lines per job (half at the start's record, half at the end's;
+bench/record_side.py's)."""
 SETTLE_S = 8.0
 """Seconds after a round's last request for the server to store what it queued (events,
 task runs: its flush interval is a few seconds); the idle CPU for as long is subtracted."""
 BEGIN, END = "<!-- record:begin -->", "<!-- record:end -->"
 LEAN_BEGIN, LEAN_END = "<!-- record-lean:begin -->", "<!-- record-lean:end -->"
 PARSERS_BEGIN, PARSERS_END = "<!-- record-parsers:begin -->", "<!-- record-parsers:end -->"
+SIDE = Path(__file__).resolve().parent / "record_side.py"
 
 
-def old_recorder() -> type[Recorder]:
-    """Return the Recorder class of OLD_COMMIT (its record_steps with it), loaded from git."""
-    modules: dict[str, types.ModuleType] = {}
-    for name in ("record_steps", "recorder"):
-        source = subprocess.run(["git", "show", f"{OLD_COMMIT}:flows/{name}.py"], cwd=ROOT,
-                                check=True, capture_output=True, text=True).stdout
-        source = source.replace("from flows.record_steps import", "from old_record_steps import")
-        spec = importlib.util.spec_from_loader(f"old_{name}", loader=None)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[f"old_{name}"] = module
-        exec(compile(source, f"{OLD_COMMIT}:flows/{name}.py", "exec"), module.__dict__)
-        modules[name] = module
-    recorder: type[Recorder] = modules["recorder"].Recorder
-    return recorder
+@dataclass
+class Variant:
+    """One path: the tree its node's code comes from, its package there, and its options."""
+
+    tree: Path
+    package: str = "sched_node"
+    lean: bool = False
 
 
-class Counting:
-    """A PrefectApi whose requests are counted by endpoint (ids shown as ``{id}``)."""
+class Side:
+    """A path's recorder process (bench/record_side.py), asked over its stdin and stdout."""
 
-    def __init__(self, url: str) -> None:
-        self.calls: Counter[str] = Counter()
-        base = httpx.URL(url).path.rstrip("/")
+    def __init__(self, name: str, path: Variant, url: str, work: Path) -> None:
+        self.name = name
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("SCHED_", "PREFECT_"))}
+        env.update({"PYTHONPATH": str(path.tree), "PREFECT_API_URL": url,
+                    "PREFECT_HOME": str(work / f"home-{name}")})
+        argv = [sys.executable, str(SIDE), "--package", path.package, "--url", url,
+                "--work", str(work / name)] + (["--lean"] if path.lean else [])
+        self.log = (work / f"side-{name}.log").open("ab")
+        self.proc = subprocess.Popen(argv, cwd=path.tree, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        files = self._read()["files"]
+        wrong = [f for f in files.values() if not Path(f).is_relative_to(path.tree)]
+        if wrong:
+            raise SystemExit(f"{name}: the node's code came from outside {path.tree}: {wrong}")
 
-        def note(request: httpx.Request) -> None:
-            self.calls[f"{request.method} {id_template(request.url.path.removeprefix(base))}"] += 1
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                found: dict[str, Any] = json.loads(line[3:])
+                return found
+        raise SystemExit(f"{self.name}: the recorder process ended (see its log, "
+                         f"{self.log.name})")
 
-        self.client = httpx.Client(base_url=url, event_hooks={"request": [note]}, timeout=30)
-        self.api = PrefectApi(ApiSettings(url=url), client=self.client)
+    def ask(self, **command: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
 
-
-def id_template(path: str) -> str:
-    """Return an API path with each id in it written ``{id}`` (tests/test_record_calls.py's too)."""
-    return "/".join("{id}" if _is_uuid(part) else part for part in path.split("/"))
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _spec(node: str, window: datetime) -> tuple[JobRef, JobSpec]:
-    ref = JobRef(node=node, action="backup", schedule_id="nightly", trigger_key="schedule",
-                 window=window, key=f"nightly@{window.isoformat()}")
-    spec = JobSpec(job_id=job_id_for(window, ref.idempotency_key), kind="job", node=node,
-                   schedule_id="nightly", action="backup", trigger_key="schedule",
-                   window=window, key=ref.key, run_name=ref.name(),
-                   idempotency_key=ref.idempotency_key, flow_run_id=None, planned_start=window,
-                   accepted_at=window, reason="window on time", argv=["restic", "backup"],
-                   timeout_s=3600, tags=ref.tags(), parameters=ref.parameters())
-    return ref, spec
-
-
-def _write_start(folder: JobFolder, at: datetime) -> None:
-    folder.append({"e": "accepted", "at": utc_text(at)})
-    folder.log(at, "start guard: window on time")
-    folder.log(at, "job backup of schedule nightly")
-    folder.append({"e": "launch", "at": utc_text(at), "attempt": 1})
-    folder.append({"e": "spawned", "at": utc_text(at), "attempt": 1, "shim_pid": 4242})
-    folder.attempt_path(1, "started").write_text(json.dumps({"pid": 4243, "at": utc_text(at)}))
-    _output(folder, at, range(LINES // 2))
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        stop_group(self.proc, grace_s=5)  # type: ignore[arg-type]
+        self.log.close()
 
 
-def _output(folder: JobFolder, at: datetime, numbers: range) -> None:
-    with folder.attempt_path(1, "out").open("a") as handle:
-        for n in numbers:
-            stamp = utc_text(at + timedelta(seconds=n))
-            handle.write(json.dumps({"t": stamp, "m": f"processed file {n}"}) + "\n")
-
-
-def _write_end(folder: JobFolder, at: datetime, ended: datetime) -> None:
-    _output(folder, at, range(LINES // 2, LINES))
-    folder.attempt_path(1, "exit").write_text(json.dumps({
-        "exit_code": 0, "timed_out": False, "cancelled": False, "at": utc_text(ended),
-        "lines": LINES}))
-    folder.append({"e": "end", "at": utc_text(ended), "state": COMPLETED,
-                   "message": "restic exited 0"})
-    folder.log(ended, "restic exited 0")
-
-
-def round_of(path: str, recorder_class: Callable[..., Recorder], url: str, server_pid: int,
-             work: Path, jobs: int, idle_rate: float) -> dict[str, Any]:
+def round_of(side: Side, server_pid: int, jobs: int, idle_rate: float) -> dict[str, Any]:
     """Record jobs planned windows' jobs with one path; return its calls and server CPU."""
-    node = f"bench-{path}-{uuid.uuid4().hex[:6]}"
-    counting = Counting(url)
-    api = counting.api
-    outbox = Outbox(work / node, max_bytes=1 << 30)
-    deployments = Deployments(api, node, tags=["sched-agent"])
-    recorder = recorder_class(api, outbox, deployments, node=node,
-                              clock=lambda: datetime.now(UTC),
-                              done=lambda folder: shutil.rmtree(folder.path))
-    base = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)
-    windows = [base + timedelta(minutes=n) for n in range(jobs)]
-    refs = [_spec(node, window) for window in windows]
-    api.create_runs(deployments.get()[RUN_JOB], [{   # the plan, made beforehand: not counted
-        "name": ref.name(), "parameters": ref.parameters(), "tags": ref.tags(),
-        "idempotency_key": ref.idempotency_key,
-        "state": state_body("SCHEDULED", scheduled_time=spec.planned_start),
-        "enforce_parameter_schema": False} for ref, spec in refs])
+    side.ask(op="plan", jobs=jobs)  # the plan, made beforehand: not counted
     time.sleep(SETTLE_S)
-    counting.calls.clear()
     cpu0, wall0 = tree_cpu(server_pid), time.monotonic()
-    for (_ref, spec), window in zip(refs, windows, strict=True):
-        started = window + timedelta(seconds=0.05)
-        folder = outbox.create(spec)
-        _write_start(folder, started)
-        if not recorder.drain():
-            raise SystemExit(f"{path}: the job's start left nothing open")
-        _write_end(folder, started, started + timedelta(seconds=LINES + 5))
-        if recorder.drain():
-            raise SystemExit(f"{path}: a job's record is not complete")
+    found = side.ask(op="record")
     busy = time.monotonic() - wall0
     time.sleep(SETTLE_S)
     cpu = tree_cpu(server_pid) - cpu0 - idle_rate * (time.monotonic() - wall0)
-    counting.client.close()
-    return {"path": path, "jobs": jobs, "calls": dict(counting.calls), "cpu_s": cpu,
-            "busy_s": busy}
+    return {"path": side.name, "jobs": found["jobs"], "calls": found["calls"],
+            "busy_answers": found["busy"], "cpu_s": cpu, "busy_s": busy,
+            "load": os.getloadavg()[0]}
 
 
 def idle(server_pid: int, seconds: float) -> float:
@@ -208,15 +160,21 @@ def main() -> int:
                         "httptools and uvloop")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
-    paths: dict[str, Callable[..., Recorder]] = (
-        {"full": Recorder, "lean": partial(Recorder, task_run=False, artifact=False)}
-        if args.lean else {"h11": Recorder, "httptools": Recorder} if args.parsers
-        else {"old": old_recorder(), "new": Recorder})
     work = Path(tempfile.mkdtemp(prefix="bench-record-"))
+    old_tree = work / f"tree-{OLD_COMMIT}"
+    paths: dict[str, Variant] = (
+        {"full": Variant(ROOT), "lean": Variant(ROOT, lean=True)} if args.lean
+        else {"h11": Variant(ROOT), "httptools": Variant(ROOT)} if args.parsers
+        else {"old": Variant(old_tree, "flows"), "new": Variant(ROOT)})
     servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    sides: dict[str, Side] = {}
     results: dict[str, list[dict[str, Any]]] = {path: [] for path in paths}
     idles: list[float] = []
+    load_start = load_text()
     try:
+        if "old" in paths:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach",
+                            str(old_tree), OLD_COMMIT], check=True, capture_output=True)
         if args.parsers:
             servers["h11"] = start_server(work / "h11", late_runs=False,
                                           uvicorn=("h11", "asyncio"))
@@ -224,26 +182,34 @@ def main() -> int:
                                                 uvicorn=("httptools", "uvloop"))
         else:
             servers = dict.fromkeys(paths, start_server(work / "prefect", late_runs=False))
+        for path, variant in paths.items():
+            sides[path] = Side(path, variant, servers[path][1], work)
         time.sleep(10)  # the server's start-up work
-        for path, recorder_class in paths.items():  # warm-up (first queries, caches): dropped
-            proc, url = servers[path]
-            round_of(path, recorder_class, url, proc.pid, work, 3, idle(proc.pid, 2.0))
+        for path, side in sides.items():  # warm-up (first queries, caches): dropped
+            proc, _url = servers[path]
+            round_of(side, proc.pid, 3, idle(proc.pid, 2.0))
         for number in range(args.rounds):
-            for path, recorder_class in (paths.items() if number % 2 == 0
-                                         else reversed(paths.items())):
-                proc, url = servers[path]
+            for path in (list(paths) if number % 2 == 0 else list(reversed(paths))):
+                proc, _url = servers[path]
                 rate = idle(proc.pid, 2 * SETTLE_S)
                 idles.append(rate)
-                found = round_of(path, recorder_class, url, proc.pid, work, args.jobs, rate)
+                found = round_of(sides[path], proc.pid, args.jobs, rate)
                 results[path].append(found)
-                per_job = sum(found["calls"].values()) / found["jobs"]
-                print(f"round {number + 1} {path}: {per_job:.2f} calls and "
+                per_job = sum(count for key, count in found["calls"].items()
+                              if not key.startswith("WS ")) / found["jobs"]
+                print(f"round {number + 1} {path}: {per_job:.2f} requests and "
                       f"{1000 * found['cpu_s'] / found['jobs']:.1f} ms of server CPU per job "
-                      f"(idle {1000 * rate:.1f} ms/s)", flush=True)
+                      f"(idle {1000 * rate:.1f} ms/s; load {load_text()})", flush=True)
     finally:
+        for side in sides.values():
+            side.close()
         for proc, _url in set(servers.values()):
             stop_group(proc)
+        if "old" in paths:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(old_tree)], check=False, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
+    args.load = (load_start, load_text())
     text = report(results, idles, args, *paths)
     print(text)
     if args.write_docs and args.lean:
@@ -274,33 +240,54 @@ def report(results: dict[str, list[dict[str, Any]]], idles: list[float],
         for item in results[path]:
             calls.update(item["calls"])
         cpu = sum(item["cpu_s"] for item in results[path])
-        return sum(calls.values()) / jobs, 1000 * cpu / jobs, calls
+        requests = sum(count for key, count in calls.items() if not key.startswith("WS "))
+        return requests / jobs, 1000 * cpu / jobs, calls
+
+    def messages(by: Counter[str]) -> float:
+        """Events sent over Prefect's event websocket per job (no HTTP request)."""
+        return sum(count for key, count in by.items() if key.startswith("WS ")) / jobs
 
     old_calls, old_cpu, old_by = totals(a)
     new_calls, new_cpu, new_by = totals(b)
     jobs = sum(item["jobs"] for item in results[a])
     rows = sorted(set(old_by) | set(new_by))
     per_round = "; ".join(
-        f"{1000 * o['cpu_s'] / o['jobs']:.1f} / {1000 * n['cpu_s'] / n['jobs']:.1f}"
+        f"{1000 * o['cpu_s'] / o['jobs']:.1f} / {1000 * n['cpu_s'] / n['jobs']:.1f} "
+        f"(load {o['load']:.1f} / {n['load']:.1f})"
         for o, n in zip(results[a], results[b], strict=True))
+    busy = {path: sum(item["busy_answers"] for item in results[path]) for path in (a, b)}
+    where = (f" The old path is the node of commit {OLD_COMMIT} (`flows/`, its own REST "
+             "client) run from a git worktree of that commit, the new one this checkout's "
+             "(`sched_node/`, Prefect's client); each in a process of its own with one client "
+             "for all its rounds, after a warm-up round not counted."
+             if a == "old" else "")
     servers_text = "two SQLite servers, one per path" if args.parsers else "one SQLite server"
     lines = [
-        f"On {machine()}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. "
+        f"On {machine(start=args.load[0])}; {datetime.now(UTC):%Y-%m-%d %H:%M} UTC. "
         f"`.venv/bin/python bench/bench_record.py --rounds {args.rounds} --jobs {args.jobs}"
         f"{' --lean' if args.lean else ' --parsers' if args.parsers else ''}`: "
         f"{servers_text}; per path {jobs} jobs of planned windows, each recorded as the node "
         f"records it live (its start, then its end; {LINES} output lines and 3 node lines), "
         f"the paths alternating in rounds. Server CPU is the server's process group from the "
         f"first request until it has stored what it queued, less its idle CPU for as long "
-        f"(measured before each round: {1000 * min(idles):.1f}-{1000 * max(idles):.1f} ms/s).",
+        f"(measured before each round: {1000 * min(idles):.1f}-{1000 * max(idles):.1f} ms/s)."
+        f"{where} Busy answers (429/503, each asked again and counted): {busy[a]} {a}, "
+        f"{busy[b]} {b}.",
         "",
         HEADS.get(a, f"| per job | {a} | {b} | {b} / {a} |"),
         "|---|---|---|---|",
         f"| requests to Prefect | {old_calls:.2f} | {new_calls:.2f} | "
         f"{new_calls / old_calls:.2f} |",
         f"| server CPU | {old_cpu:.1f} ms | {new_cpu:.1f} ms | {new_cpu / old_cpu:.2f} |",
+    ]
+    if messages(old_by) or messages(new_by):
+        lines.append(f"| events on Prefect's event websocket (no HTTP request; Prefect's "
+                     f"client opens it and keeps it) | {messages(old_by):g} | "
+                     f"{messages(new_by):g} | |")
+    lines += [
         "",
-        f"Server CPU per job in each round, {a} / {b} (ms): {per_round}.",
+        f"Server CPU per job in each round, {a} / {b} (ms; the 1-minute load average at the "
+        f"round's end): {per_round}.",
         "",
         f"| request | {a} per job | {b} per job |",
         "|---|---|---|",

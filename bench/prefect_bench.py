@@ -69,8 +69,10 @@ def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, st
     runs nobody executes (it would mark them Late while they are measured).
     """
     from deployments.run_local import server_env as make_run_env
+    from sched_node.registration import SERVER_SETTINGS
 
     env = make_run_env(home, port)
+    env.update(SERVER_SETTINGS)  # the nodes' deployments Ready between their polls (make run's)
     env.pop("SCHED_CONFIG", None)
     if not late_runs:
         env["PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED"] = "false"
@@ -117,8 +119,8 @@ def start_server(home: Path, *, late_runs: bool = True, port: int | None = None,
 
 def stop_group(proc: subprocess.Popen[bytes] | None, *, grace_s: float = 20) -> None:
     """SIGTERM proc's process group, wait up to grace_s, then SIGKILL what is left of it."""
-    if proc is None:
-        return
+    if proc is None or proc.returncode is not None:
+        return  # none, or stopped and reaped already: its id may be another process's now
     _stop_group(proc, grace_s, kill_wait_s=10.0)
     try:  # children of the leader (flow-run subprocesses) may outlive it
         os.killpg(proc.pid, signal.SIGKILL)
@@ -166,11 +168,17 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def machine() -> str:
-    """Return a one-line description of the machine and its load."""
-    load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+def load_text(digits: int = 2) -> str:
+    """Return the machine's load averages now (1, 5 and 15 minutes), as ``/proc/loadavg``."""
+    return ", ".join(f"{value:.{digits}f}" for value in os.getloadavg())
+
+
+def machine(*, start: str | None = None) -> str:
+    """Return a one-line description of the machine and its load (at the start too, when
+    given: :func:`load_text` taken then)."""
+    began = f"{start} at the start, " if start else ""
     return (f"Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cores "
-            f"shared with other work, load average {load} at the end")
+            f"shared with other work, load average {began}{load_text(1)} at the end")
 
 
 def publish(section: str, begin: str, end: str, heading: str, *, write: bool) -> None:
