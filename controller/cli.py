@@ -312,6 +312,12 @@ def _serve(o: ServeOptions) -> None:
         _fail(str(exc))
     _check_schema(o.database_url)
     from controller.server import run
+    from controller.settings import ControllerSettings
+
+    try:
+        proxies = ControllerSettings.read().proxy_networks()
+    except ConfigError as exc:
+        _fail(str(exc))
 
     run(
         url=o.database_url,
@@ -331,6 +337,7 @@ def _serve(o: ServeOptions) -> None:
         tokens_check_interval=o.tokens_check_interval,
         fleet_settings=fleet_settings,
         watch_interval=o.watch_interval,
+        trusted_proxies=proxies,
     )
 
 

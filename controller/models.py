@@ -12,23 +12,20 @@ Tables:
   written (the pull answer is built from it).
 - ``node_revision``: one row per node whose schedule list ever changed; its
   revision (and a random epoch) make the list's ETag.
-- ``scheduled_task``: the central scheduler's tasks (unique name, cron or a
-  schedule shape, target, payload, ``next_run_at``, status, lease columns).
-- ``task_dispatch``: one row per (task name, scheduled time) ever dispatched;
-  its unique key is what makes a dispatch happen exactly once.
-- ``node_report``, ``node_report_history``: each node's latest report (what
-  its agent says about itself), and its newest reports (bounded per node).
-- ``node_pull``: each node's latest pull as the controller answered it.
-- ``node_seen``: each node's latest request made with its own token (a pull or a
-  report; never an admin's), and the heartbeat it announced: its liveness.
-- ``node_job``: the job records nodes report, one per (node, window key), the
-  newest ``seq`` kept (bounded per node).
+- ``scheduled_task``: the central scheduler's tasks (unique name, cron or a schedule
+  shape, target, payload, ``next_run_at``, status, lease columns); ``task_dispatch``: one
+  row per (task, scheduled time) dispatched, whose unique key makes it happen once.
+- ``node_report``, ``node_report_history``, ``node_pull``: each node's latest report
+  (what its agent says), its newest reports (bounded), its latest pull as answered.
+- ``node_seen``: each node's latest request with its own token (a pull or a report;
+  never an admin's) and the heartbeat it announced: its liveness. ``node_job``: the
+  job records nodes report, one per (node, window key), the newest ``seq`` (bounded).
 - ``schedule_version``: every version of every row with the span it was in force
   (bounded): what a node was to run at any past instant.
-- ``fleet_alert``: each alert the controller raised (a silent node, a missed or
-  failed window, a recovery), inserted once per (node, kind, subject): the row
-  decides which controller instance sends its event.
-- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire).
+- ``fleet_alert``: each alert raised (a silent node, a missed or failed window, a
+  recovery), once per (node, kind, subject): the row decides which instance sends it.
+- ``revoked_session``: fleet page sessions ended by Log out (refused until they expire);
+  ``login_failure``: the fleet page's failed logins per client, shared by every instance.
 """
 
 from __future__ import annotations
@@ -384,6 +381,16 @@ class RevokedSession(SQLModel, table=True):
     """The SHA-256 (hex) of the session cookie's signature; never the cookie itself."""
     expires_at: datetime = Field(sa_column=Column(UtcDateTime, nullable=False))
     """When the cookie expires anyway: the row is pruned after it."""
+
+
+class LoginFailure(SQLModel, table=True):
+    """One failed fleet page login: the client's key and when (pruned after the window)."""
+
+    __tablename__ = "login_failure"
+    __table_args__ = (Index("ix_login_failure_at", "failed_at"),)
+
+    client: str = Field(primary_key=True, max_length=100)
+    failed_at: datetime = Field(sa_column=Column(UtcDateTime, primary_key=True))
 
 
 class TaskIn(SQLModel):

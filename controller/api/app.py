@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller import claims, schedules, tasks
 from controller.api.access import Auth
 from controller.api.access_log import AccessLogMiddleware
+from controller.api.client import RealClientMiddleware
 from controller.api.fleet import FleetApi, fleet_router
 from controller.api.headers import SecurityHeadersMiddleware
 from controller.api.jsonbody import (
@@ -38,6 +39,7 @@ from controller.api.jsonbody import (
     read_model,
     validation_entries,
 )
+from controller.api.login_limit import LoginLimit
 from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
@@ -51,6 +53,7 @@ from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
 from controller.nodes import PullRecorder
 from controller.report_in import NodeReportIn
+from controller.settings import Network
 from controller.waits import EtagReads, NodeWaits
 from sched_core.model import LocalSchedule
 
@@ -265,6 +268,7 @@ def create_app(
     record_pulls: bool = True,
     clock: Callable[[], datetime] = utc_now,
     waits: NodeWaits | None = None,
+    trusted_proxies: Sequence[Network] = (),
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
 
@@ -281,11 +285,14 @@ def create_app(
     ``clock`` is the fleet's now (status, upcoming, propagation). ``waits`` are the
     nodes' long polls (``app.state.waits``; a relay from Prefect pokes them, see
     :mod:`controller.waits`); a write of a node's schedules wakes its waits.
+    ``trusted_proxies`` are believed when they forward a client's address
+    (:mod:`controller.api.client`; none by default).
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))  # outermost
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
     auth = Auth(tokens)
@@ -305,5 +312,6 @@ def create_app(
     _wait_routes(app, engine, auth, waits, fleet_api)
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
-                                   revocations=SessionRevocations(in_session)))
+                                   revocations=SessionRevocations(in_session),
+                                   login_limit=LoginLimit(in_session)))
     return app
