@@ -680,14 +680,14 @@ def controller(tmp_path: Path) -> Any:
     from controller.api import create_app
     from controller.auth import Tokens
     from controller.db import make_engine, migrate
-    from controller.testing import serve_in_thread
+    from controller.testing import fast_reports, serve_in_thread
 
     url = f"sqlite:///{tmp_path / 'controller.db'}"
     migrate(url)
     engine = make_engine(url)
     tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
     try:
-        with serve_in_thread(create_app(engine, tokens)) as base:
+        with serve_in_thread(create_app(engine, tokens, report_rate=fast_reports())) as base:
             api = Controller(url, base)
             try:
                 yield api

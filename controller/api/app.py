@@ -43,6 +43,7 @@ from controller.api.login_limit import LoginLimit
 from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
+from controller.api.report_rate import ReportRate
 from controller.api.rows import schedule_router
 from controller.api.wait import wait_router
 from controller.auth import Tokens
@@ -269,6 +270,7 @@ def create_app(
     clock: Callable[[], datetime] = utc_now,
     waits: NodeWaits | None = None,
     trusted_proxies: Sequence[Network] = (),
+    report_rate: ReportRate | None = None,
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
 
@@ -286,7 +288,8 @@ def create_app(
     nodes' long polls (``app.state.waits``; a relay from Prefect pokes them, see
     :mod:`controller.waits`); a write of a node's schedules wakes its waits.
     ``trusted_proxies`` are believed when they forward a client's address
-    (:mod:`controller.api.client`; none by default).
+    (:mod:`controller.api.client`; none by default). ``report_rate`` bounds each node's
+    reports (:mod:`controller.api.report_rate`; default: its defaults).
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
@@ -304,7 +307,7 @@ def create_app(
     app.state.waits = waits
     fleet_api = FleetApi(
         in_session, settings=fleet_settings or FleetSettings(), events=events or NoEvents(),
-        recorder=recorder, clock=clock, waits=waits,
+        recorder=recorder, clock=clock, waits=waits, report_rate=report_rate or ReportRate(),
     )
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
