@@ -8,7 +8,7 @@ there is no API), then stops the scheduler and disposes the engine, in that
 order, whatever failed in between. ``SIGHUP`` never stops it: it asks the
 :class:`controller.auth.TokensReloader` to reload the tokens file.
 
-uvicorn runs each connection with :class:`controller.connections.GuardedH11Protocol`
+uvicorn runs each connection with :class:`controller.connections.GuardedConnection`
 (deadlines for slow clients, a ceiling on open connections), optionally over
 TLS (``ssl_certfile``/``ssl_keyfile``), and logs through the root logger like
 everything else (no dictConfig of its own), so one formatter escapes every line.

@@ -88,3 +88,43 @@ def test_a_nodes_reports_past_its_rate_are_refused_before_their_body_is_read(
                      b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{")
         answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 429 "), answer[:200]
+
+
+def test_a_refused_request_frees_its_connection_at_once(base: str) -> None:
+    """Point 6: a 401 on the report route held its socket (~5 s, or the body's 30 s while a
+    body still trickled in). Now every refusal says Connection: close and is closed."""
+    with connect(base) as sock:
+        sock.sendall(b"POST /api/nodes/node-0/report HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+        answer = read_until_closed(sock)  # the server closes it: no body deadline to wait for
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+    with httpx.Client(base_url=base, timeout=LIVENESS) as http:
+        for answer_ in (http.get("/api/nodes"),  # no token
+                        http.get("/api/nodes/node-1/wait", headers=bearer("node-0"))):
+            assert answer_.status_code in (401, 403)
+            assert answer_.headers["connection"] == "close"
+        kept = http.get("/healthz")
+        assert kept.status_code == 200 and "connection" not in kept.headers  # kept alive
+
+
+def test_slow_login_forms_from_one_address_hold_two_connections_at_most(base: str) -> None:
+    """Point 6: 320 slow /login bodies (no token needed) each held a connection for the 30 s
+    body deadline: 18 of 24 probes got 503. Now one address sends 2 forms at once at most
+    (the others get 429 at once and are closed), each within 5 s (else 408, closed)."""
+    slow = []
+    try:
+        for _ in range(5):
+            sock = connect(base)
+            sock.sendall(b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                         b"Content-Type: application/x-www-form-urlencoded\r\n\r\ntoken=")
+            slow.append(sock)
+        answers = [read_until_closed(sock) for sock in slow]
+    finally:
+        for sock in slow:
+            sock.close()
+    statuses = sorted(int(a.split(b" ", 2)[1]) for a in answers)
+    assert statuses == [408, 408, 429, 429, 429], [a[:60] for a in answers]
+    assert all(b"\r\nconnection: close\r\n" in a.lower() for a in answers)
+    late = next(a for a in answers if a.startswith(b"HTTP/1.1 408 "))
+    assert b"the form did not arrive within 5 s" in late

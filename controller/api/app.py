@@ -44,6 +44,7 @@ from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
 from controller.api.report_rate import ReportRate
+from controller.api.request_guard import RequestGuard
 from controller.api.rows import schedule_router
 from controller.api.wait import wait_router
 from controller.auth import Tokens
@@ -295,7 +296,8 @@ def create_app(
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
-    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))  # outermost
+    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))
+    app.add_middleware(RequestGuard)  # outermost: the connection guard's side of the app
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn])
     auth = Auth(tokens)

@@ -39,10 +39,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from controller import schedules
 from controller.api.client import client_key
 from controller.api.login_limit import LOGIN_BODY_S, InFlight, LoginLimit
+from controller.api.request_guard import connection_of
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import (
     AHEAD,
@@ -329,10 +331,17 @@ async def log_in(request: Request, tokens: Tokens, limit: LoginLimit | None,
         if not granted:
             return login_page("logins from your address are already under way: try again in "
                               "a moment", 429, **{"retry-after": "1"})
+        connection = connection_of(request.scope)
+        if connection is not None:  # a form nobody vouched for: its slot may make room
+            connection.may_make_room()
         try:
             form = await asyncio.wait_for(read_form(request), LOGIN_BODY_S)
         except TimeoutError:
             return login_page(f"the form did not arrive within {LOGIN_BODY_S:g} s", 408)
+        except ClientDisconnect:  # closed to make room (or by the client): nobody to answer
+            return Response(status_code=408, headers={"connection": "close"})
+        if connection is not None:  # read: it is a request being answered again
+            connection.request_started()
     if form is None:
         return login_page("the form is too large", 413)
     token = (form.get("token") or [""])[0]
