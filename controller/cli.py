@@ -199,8 +199,9 @@ SslKeyfileOpt = Annotated[str | None, typer.Option(
     "--ssl-keyfile", help="The certificate's PEM private key (chmod 600).")]
 MaxConnectionsOpt = Annotated[int, typer.Option(
     min=1,
-    help="Open connections at most; past it a new one gets 503 and is closed "
-    "(lowered to fit the open-file limit).")]
+    help="Open connections at most (a node's long poll holds one; 1,000 nodes with their "
+    "pulls and reports fit the default); past it a new one takes the place of the oldest "
+    "idle one, else gets 503 and is closed (lowered to fit the open-file limit).")]
 HeaderTimeoutOpt = Annotated[float, typer.Option(
     min=0.1,
     help="Seconds a client has to send its request line and headers (408, then closed).")]
@@ -312,6 +313,12 @@ def _serve(o: ServeOptions) -> None:
         _fail(str(exc))
     _check_schema(o.database_url)
     from controller.server import run
+    from controller.settings import ControllerSettings
+
+    try:
+        proxies = ControllerSettings.read().proxy_networks()
+    except ConfigError as exc:
+        _fail(str(exc))
 
     run(
         url=o.database_url,
@@ -331,6 +338,7 @@ def _serve(o: ServeOptions) -> None:
         tokens_check_interval=o.tokens_check_interval,
         fleet_settings=fleet_settings,
         watch_interval=o.watch_interval,
+        trusted_proxies=proxies,
     )
 
 

@@ -6,23 +6,37 @@ none of this writes a log line per connection. uvicorn's h11 protocol has
 neither: a connection that sends half a header line and waits is kept forever,
 as is one that never sends anything, and a request body that never finishes
 keeps its handler waiting forever (its keep-alive timer only starts after a
-response). :class:`GuardedH11Protocol` is uvicorn's protocol with:
+response). The guard is two small parts that use uvicorn's public surface only
+(nothing of it subclassed, none of its state read):
+
+- :class:`GuardedConnection`, the asyncio protocol uvicorn is given
+  (``http=``): it holds uvicorn's own h11 protocol, built with the arguments
+  uvicorn passes, and hands it every event of the connection; it adds itself
+  to the per-connection state uvicorn copies into each request's scope
+  (``scope["state"]["sched.connection"]``);
+- :class:`RequestGuard`, an ASGI middleware, the outermost: it tells the
+  connection when a request reached the app and when its answer was sent, and
+  keeps the request body's deadline.
 
 1. A ceiling: at ``max_connections`` open connections, a new one takes the place
-   of the oldest connection still waiting for its request headers (that one is
-   answered ``503`` and closed), so slow clients holding every slot cannot keep
-   a client that sends its request at once out; when no connection is waiting
-   for headers (every one is sending a body or being answered), the new one is
-   answered ``503`` and closed at once, before it is read.
+   of the oldest connection that is idle between requests or still waiting for
+   its request headers (a header-waiting one is answered ``503`` and closed; an
+   idle one is closed), so slow clients holding every slot cannot keep a client
+   that sends its request at once out; when every connection is being answered
+   (or sending a body), the new one is answered ``503`` and closed at once,
+   before it is read, and a WARNING says the ceiling is reached.
 2. A header deadline: from the moment a connection opens (or the first byte of
-   its next request after a keep-alive pause) its request line and headers must
-   arrive within ``header_timeout`` seconds, in total, however they trickle in;
-   otherwise ``408`` and close.
-3. A body deadline: once the headers are in, the body must arrive within
-   ``body_timeout`` seconds; otherwise ``408`` (when no answer has started,
-   the handler sees a disconnect) and close. A body still trickling in after
-   an early answer (a ``401`` sent before the body was read) is closed the same way.
-4. A write deadline: a client that stops reading its answer (the transport's
+   its next request after a keep-alive pause) its request must reach the app
+   within ``header_timeout`` seconds, however its bytes trickle in; otherwise
+   ``408`` and close.
+3. A body deadline (the middleware): once the request reached the app, its body
+   must arrive within ``body_timeout`` seconds; otherwise ``408`` (the handler
+   sees a disconnect) and the connection is closed.
+4. A refusal frees its connection: an answer sent before the request's body was
+   all read, and every ``401``, ``403``, ``408``, ``413`` and ``429``, carries
+   ``Connection: close`` (uvicorn then closes the connection after it), so a
+   refused client holds no socket for the keep-alive timeout or its body.
+5. A write deadline: a client that stops reading its answer (the transport's
    buffer stays full) for ``write_timeout`` seconds is cut off.
 
 The waiting between requests stays uvicorn's keep-alive timeout. Each kind of
@@ -44,14 +58,13 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("controller.connections")
 
-DEFAULT_MAX_CONNECTIONS = 1000
+DEFAULT_MAX_CONNECTIONS = 4000
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_WRITE_TIMEOUT = 30.0
@@ -135,9 +148,11 @@ class ConnectionLimits:
 
 
 _REASONS = {
-    "refused": "connections refused: over the open-connection limit",
-    "evicted": "connections closed to make room for new ones: at the open-connection limit, "
-               "the oldest still sending its request headers",
+    "refused": "the open-connection ceiling (--max-connections) is reached and every "
+               "connection is being answered: new connections refused with 503; if this is "
+               "the fleet's own load, raise --max-connections (and the open-file limit)",
+    "evicted": "connections closed to make room for new ones at the open-connection ceiling "
+               "(--max-connections): the oldest idle or still sending its request headers",
     "header_timeout": "connections closed: request headers not received in time",
     "body_timeout": "connections closed: request body not received in time",
     "write_timeout": "connections closed: the client stopped reading its answer",
@@ -251,41 +266,64 @@ def _plain_response(status: int, reason: str, text: str) -> bytes:
     ).encode("ascii") + body
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a connection ceiling and request deadlines (see the module)."""
+CONNECTION_KEY = "sched.connection"
+"""Where a request's scope holds its :class:`GuardedConnection` (``scope["state"]``)."""
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection: uvicorn's h11 protocol inside, the ceiling and deadlines around it."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits()
     notices: ClassVar[Notices] = Notices(DEFAULT_NOTICE_INTERVAL)
-    waiting: ClassVar[dict[GuardedH11Protocol, None]] = {}
-    """The server's connections waiting for request headers, oldest wait first
-    (a dict keeps insertion order: O(1) to add, remove and find the oldest)."""
+    open: ClassVar[set[GuardedConnection]] = set()
+    evictable: ClassVar[dict[GuardedConnection, None]] = {}
+    """The server's connections idle or waiting for a request, oldest first (a dict keeps
+    insertion order: O(1) to add, remove and find the oldest)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, **uvicorn: Any) -> None:
+        # uvicorn copies app_state into each request's scope: this connection rides on it.
+        state = {**(uvicorn.pop("app_state", None) or {}), CONNECTION_KEY: self}
+        self.inner = H11Protocol(app_state=state, **uvicorn)
+        self.loop: asyncio.AbstractEventLoop = uvicorn.get("_loop") or asyncio.get_event_loop()
+        self.transport: asyncio.Transport | None = None
+        self.phase = "new"
+        """``headers`` (its request is due), ``request`` (the app has it), ``idle``."""
         self._deadline: asyncio.TimerHandle | None = None
-        self._phase: str | None = None
         self._write_stall: asyncio.TimerHandle | None = None
         self._refused = False
 
-    # --- opening and closing ----------------------------------------------------------------
+    # --- what the transport says, handed on to uvicorn's protocol -------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
-            victim = next(iter(self.waiting), None)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (asyncio's or uvloop's, which is no asyncio.Transport subclass).
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        if len(self.open) >= self.limits.max_connections:
+            victim = next(iter(self.evictable), None)
             if victim is not None:
                 victim._make_room()
-        if len(self.connections) >= self.limits.max_connections:
-            # Not added to the connection set, nothing parsed: answered and closed.
-            self._refused = True
-            self.transport = transport
+        if len(self.open) >= self.limits.max_connections:
+            self._refused = True  # never handed on: nothing parsed, answered, closed
             transport.write(_plain_response(
-                503, "Service Unavailable", "too many open connections; try again later"
-            ))
+                503, "Service Unavailable", "too many open connections; try again later"))
             transport.close()
             self.notices.note("refused", self.limits, self.loop)
             return
-        super().connection_made(transport)
-        self._arm("header_timeout")
+        self.open.add(self)
+        self.inner.connection_made(transport)
+        self._await_request()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self.phase == "idle":  # the first byte of its next request: the request is due
+            self._await_request()
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if not self._refused:
+            self.inner.eof_received()
+        return None  # the transport closes itself (uvicorn's protocol keeps nothing open)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -294,137 +332,101 @@ class GuardedH11Protocol(H11Protocol):
             self._write_stall = None
         if self._refused:
             return
-        super().connection_lost(exc)
-
-    # --- reading ----------------------------------------------------------------------------
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        if self._phase is None and self.conn.their_state is h11.IDLE:
-            # The first byte of a request after a keep-alive pause: its headers are due.
-            self._arm("header_timeout")
-        super().data_received(data)
-        self._follow_request()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._follow_request()
-
-    def _follow_request(self) -> None:
-        """Move the deadline along with the request: headers, then body, then none."""
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
-            if self._phase != "body_timeout":
-                self._arm("body_timeout")
-        elif state is h11.IDLE:
-            if self._phase == "body_timeout":
-                self._disarm()  # a body that came in after an early answer
-            cycle = self.cycle
-            waiting = cycle is None or cycle.response_complete
-            if self._phase is None and self.timeout_keep_alive_task is None and waiting:
-                # Waiting for a request with no timer on it (uvicorn's keep-alive
-                # timer was cancelled by the late body's bytes): its headers are due.
-                self._arm("header_timeout")
-        else:
-            # DONE (the whole request is in: the handler's time is its own), or
-            # MUST_CLOSE, CLOSED, ERROR: nothing more to wait for.
-            self._disarm()
-
-    def _make_room(self) -> None:
-        """Close this connection (waiting for its headers) for a new one: 503, closed."""
-        self._disarm()
-        # Out of the count now: its connection_lost comes later, on the next loop turn.
-        self.connections.discard(self)
-        if not self.transport.is_closing():
-            self.transport.write(_plain_response(
-                503, "Service Unavailable",
-                "too many open connections: this one had not sent its request headers",
-            ))
-            self.transport.close()
-        self.notices.note("evicted", self.limits, self.loop)
-
-    # --- deadlines --------------------------------------------------------------------------
-
-    def _arm(self, phase: str) -> None:
-        self._disarm()
-        self._phase = phase
-        timeout: float = getattr(self.limits, phase)
-        self._deadline = self.loop.call_later(timeout, self._expired, phase)
-        if phase == "header_timeout":
-            self.waiting[self] = None  # the newest wait: last in line to make room
-
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = None
-        self._phase = None
-        self.waiting.pop(self, None)
-
-    def _expired(self, phase: str) -> None:
-        self._deadline = None
-        self._phase = None
-        self.waiting.pop(self, None)
-        if self.transport.is_closing():
-            return
-        cycle = self.cycle
-        if phase == "header_timeout":
-            # No request of this round yet (cycle, if any, is the previous one, answered).
-            answer = cycle is None or cycle.response_complete
-        else:
-            # Answer unless the handler already did (a 401 sent before the body was read).
-            answer = cycle is not None and not cycle.response_started
-        if answer:
-            if cycle is not None and not cycle.response_complete:
-                # The handler is waiting for the body: it gets a disconnect, and its
-                # own answer (sent after this one) is dropped.
-                cycle.disconnected = True
-                cycle.message_event.set()
-            what = "request headers" if phase == "header_timeout" else "request body"
-            timeout: float = getattr(self.limits, phase)
-            self.transport.write(_plain_response(
-                408, "Request Timeout", f"{what} not received within {timeout:g} s"
-            ))
-        self.transport.close()
-        self.notices.note(phase, self.limits, self.loop)
-
-    # --- writing ----------------------------------------------------------------------------
+        self.open.discard(self)
+        self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
         if self._refused:
             return
-        super().pause_writing()
+        self.inner.pause_writing()
         if self._write_stall is None:
             self._write_stall = self.loop.call_later(
-                self.limits.write_timeout, self._write_stalled
-            )
+                self.limits.write_timeout, self._write_stalled)
 
     def resume_writing(self) -> None:
         if self._refused:
             return
-        super().resume_writing()
+        self.inner.resume_writing()
         if self._write_stall is not None:
             self._write_stall.cancel()
             self._write_stall = None
 
+    # --- what the app's side says (RequestGuard) -----------------------------------------
+
+    def request_started(self) -> None:
+        """The request reached the app: its time is its own (the body has its deadline)."""
+        self._disarm()
+        self.phase = "request"
+
+    def answered(self) -> None:
+        """The request's answer was sent: idle until its next request (may make room)."""
+        self._disarm()
+        self.phase = "idle"
+        self.evictable[self] = None
+
+    def may_make_room(self) -> None:
+        """The app reads a body nobody vouched for (a login form): may make room meanwhile."""
+        self.evictable[self] = None
+
+    # --- the ceiling and the header deadline ---------------------------------------------
+
+    def _await_request(self) -> None:
+        self._disarm()
+        self.phase = "headers"
+        self._deadline = self.loop.call_later(self.limits.header_timeout, self._late)
+        self.evictable[self] = None  # the newest: last in line to make room
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self.evictable.pop(self, None)
+
+    def close(self, answer: bytes | None = None) -> None:
+        """Write answer (if any) and close the connection, out of the count at once."""
+        self._disarm()
+        self.open.discard(self)  # out of the count now: connection_lost comes a turn later
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            if answer is not None:
+                transport.write(answer)
+            transport.close()
+
+    def _make_room(self) -> None:
+        """Close this connection (idle, or waiting for its request) for a new one."""
+        self.close(None if self.phase != "headers" else _plain_response(
+            503, "Service Unavailable",
+            "too many open connections: this one had not sent its request headers"))
+        self.notices.note("evicted", self.limits, self.loop)
+
+    def _late(self) -> None:
+        self._deadline = None
+        self.close(_plain_response(
+            408, "Request Timeout",
+            f"request headers not received within {self.limits.header_timeout:g} s"))
+        self.notices.note("header_timeout", self.limits, self.loop)
+
     def _write_stalled(self) -> None:
         self._write_stall = None
-        if not self.transport.is_closing():
-            sock = self.transport.get_extra_info("socket")
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            sock = transport.get_extra_info("socket")
             if sock is not None:
                 # A reset, not a close: the kernel would otherwise keep trickling the
                 # send buffer (megabytes) to the client that stopped reading it.
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.transport.abort()
+            transport.abort()
             self.notices.note("write_timeout", self.limits, self.loop)
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedConnection]:
     """Return the protocol class uvicorn runs connections with, for these limits.
 
     uvicorn builds one protocol instance per connection from a class, so the
-    limits (and one :class:`Notices` per server) ride on a subclass.
+    limits (and one :class:`Notices` and connection registry per server) ride on
+    a subclass of our own.
     """
-    attributes = {"limits": limits, "notices": Notices(limits.notice_interval), "waiting": {}}
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), attributes)
+    attributes = {"limits": limits, "notices": Notices(limits.notice_interval),
+                  "open": set(), "evictable": {}}
+    return type("GuardedConnection", (GuardedConnection,), attributes)

@@ -374,6 +374,16 @@ class RevokedSession(SQLModel, table=True):
     """When the cookie expires anyway: the row is pruned after it."""
 
 
+class LoginFailure(SQLModel, table=True):
+    """One failed fleet page login: the client's key and when (pruned after the window)."""
+
+    __tablename__ = "login_failure"
+    __table_args__ = (Index("ix_login_failure_at", "failed_at"),)
+
+    client: str = Field(primary_key=True, max_length=100)
+    failed_at: datetime = Field(sa_column=Column(UtcDateTime, primary_key=True))
+
+
 class TaskIn(SQLModel):
     """What a client sends to create or replace a task (validated, never stored as is).
 

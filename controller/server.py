@@ -8,7 +8,7 @@ there is no API), then stops the scheduler and disposes the engine, in that
 order, whatever failed in between. ``SIGHUP`` never stops it: it asks the
 :class:`controller.auth.TokensReloader` to reload the tokens file.
 
-uvicorn runs each connection with :class:`controller.connections.GuardedH11Protocol`
+uvicorn runs each connection with :class:`controller.connections.GuardedConnection`
 (deadlines for slow clients, a ceiling on open connections), optionally over
 TLS (``ssl_certfile``/``ssl_keyfile``), and logs through the root logger like
 everything else (no dictConfig of its own), so one formatter escapes every line.
@@ -24,7 +24,7 @@ import signal
 import socket
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -39,6 +39,7 @@ from controller.connections import ConnectionLimits, guarded_protocol, quiet_rep
 from controller.db import make_engine, safe_url
 from controller.events import PrefectEvents, ScheduleEvents
 from controller.fleet import FleetSettings
+from controller.settings import Network
 from controller.waits import NodeWaits, PrefectRelay
 from sched_core.errors import ConfigError
 
@@ -73,6 +74,9 @@ def uvicorn_config(
         port=port,
         http=guarded_protocol(limits),
         access_log=False,
+        # Forwarded headers are believed from the configured proxies only, by the app
+        # (controller.api.client); uvicorn's own would believe 127.0.0.1's.
+        proxy_headers=False,
         ws="none",
         lifespan="off",
         log_level=log_level,
@@ -279,6 +283,7 @@ def run(
     check_prefect: bool = True,
     fleet_settings: FleetSettings | None = None,
     watch_interval: float = 15.0,
+    trusted_proxies: Sequence[Network] = (),
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM.
 
@@ -291,7 +296,8 @@ def run(
     pull it answers. Unless ``watch_interval`` is 0, it also raises the fleet's
     alerts (:class:`controller.watch.FleetWatch`) every that many seconds, in
     every mode: the database makes each alert's event go out once, however
-    many instances watch.
+    many instances watch. ``trusted_proxies`` may forward a client's address
+    (:mod:`controller.api.client`).
     """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,
@@ -315,7 +321,7 @@ def run(
                                        ssl_keyfile=ssl_keyfile)
             _serve_api(engine, tokens, stop, wake=getattr(central, "wake", None), events=events,
                        pull_cache_bytes=pull_cache_bytes, fleet_settings=fleet_settings,
-                       config=config)
+                       config=config, trusted_proxies=trusted_proxies)
     finally:
         events.close()
         engine.dispose()
@@ -326,6 +332,7 @@ def _serve_api(
     engine: Engine, tokens: Tokens | None, stop: threading.Event, *,
     wake: Callable[[], None] | None, events: ScheduleEvents, pull_cache_bytes: int,
     fleet_settings: FleetSettings | None, config: Callable[[object], uvicorn.Config],
+    trusted_proxies: Sequence[Network] = (),
 ) -> None:
     """Serve the API under uvicorn until stopped (not at all if a signal came first): the
     nodes' waits and their Prefect relay, the app; then close the pull recorder and the relay.
@@ -342,6 +349,7 @@ def _serve_api(
         events=events,
         fleet_settings=fleet_settings,
         waits=waits,
+        trusted_proxies=trusted_proxies,
     )
     settings = config(app)
     quiet_collector()

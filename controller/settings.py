@@ -13,6 +13,7 @@ Prefect's own variables (``PREFECT_API_URL``, ...) are Prefect's settings.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,26 @@ from sched_core.errors import ConfigError
 from sched_core.settings_sources import LayeredSettings
 
 DEFAULT_RETRY_DELAY = 1.0
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str, name: str) -> tuple[Network, ...]:
+    """Return the networks of a comma-separated list of addresses and CIDR networks.
+
+    ``10.0.0.0/8``, ``127.0.0.1`` (one address), ``::1``; a bad item is a ValueError
+    naming ``name`` and the item.
+    """
+    found: list[Network] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            found.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"{name}: {item[:100]!r} is not an IP address or network "
+                             "(e.g. 127.0.0.1 or 10.0.0.0/8)") from None
+    return tuple(found)
 
 
 def problems(exc: ValidationError, *, show_input: bool = True) -> str:
@@ -71,6 +92,12 @@ class ControllerSettings(LayeredSettings):
         "", validation_alias="SCHED_TOKENS_FILE",
         description="a tokens file (TOML, or JSON by its `.json` suffix), merged with the "
         "above; `chmod 600`; reloaded while `serve` runs (below)")
+    trusted_proxies: str = Field(
+        "", validation_alias="SCHED_TRUSTED_PROXIES",
+        description="addresses or networks of the proxies in front (e.g. `127.0.0.1,10.0.0.0/8`) "
+        "whose `X-Forwarded-For` names the client (the rightmost address that is not one of "
+        "them) and whose `X-Forwarded-Proto` the scheme; none: the peer's address is the client "
+        "and no header is believed")
     retry_delay: float = Field(
         DEFAULT_RETRY_DELAY, validation_alias="SCHED_RETRY_DELAY",
         description="seconds before the first reconnect of the listening connection (or retry "
@@ -90,6 +117,16 @@ class ControllerSettings(LayeredSettings):
         if not seconds > 0 or not math.isfinite(seconds):
             raise ValueError(f"{name}={text!r} must be a positive number of seconds")
         return seconds
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _check_trusted_proxies(cls, value: Any) -> Any:
+        parse_networks(str(value), cls.env_name("trusted_proxies"))
+        return str(value)
+
+    def proxy_networks(self) -> tuple[Network, ...]:
+        """Return the trusted proxies as networks (a bare address is a network of one)."""
+        return parse_networks(self.trusted_proxies, self.env_name("trusted_proxies"))
 
     @classmethod
     def env_name(cls, field: str) -> str:

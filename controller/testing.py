@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from controller.api.report_rate import ReportRate
 from controller.claims import Claim
 from controller.connections import ConnectionLimits
 from controller.server import uvicorn_config
@@ -74,6 +75,12 @@ class RecordingDispatcher:
         """Wait until at least count dispatches are recorded; False on timeout."""
         with self.changed:
             return self.changed.wait_for(lambda: len(self.records) >= count, timeout)
+
+
+def fast_reports() -> ReportRate:
+    """Return a report rate no test's node reaches: tests report faster than agents do
+    (the rate itself is tested in tests/test_capacity.py)."""
+    return ReportRate(burst=100_000)
 
 
 @contextmanager

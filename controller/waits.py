@@ -38,6 +38,11 @@ Rules:
    cost a read per batch, not a session and a thread hop per wait. Each read
    is of the database as it is then (never a remembered ETag): a wait answers
    what it did, each of its two reads at most that window later.
+6. A node holds one wait at a time: per (node, holder), a new wait answers the one it
+   replaces at once (its client was lost, or another client holds the node's token),
+   so one token cannot hold more than one connection waiting, and a connection lost
+   without a word is not held until its timeout. The node's own token and the admin's
+   are two holders, so an admin watching a node never ends the node's wait.
 """
 
 from __future__ import annotations
@@ -76,7 +81,11 @@ class NodeWaits:
         self._lock = threading.Lock()
         self._newest: dict[str, int] = {}
         """Per node, the newest Prefect event's time (µs since the epoch) that poked it."""
-        self._events: dict[str, asyncio.Event] = {}
+        self._waits: dict[str, set[_Wait]] = {}
+        """The waits held per node (each set in the loop only)."""
+        self._held: dict[tuple[str, str], _Wait] = {}
+        """Per (node, holder), its held wait (rule 6)."""
+        self.replaced = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.waiting = 0
@@ -93,7 +102,7 @@ class NodeWaits:
                 pass
 
     def _release_all(self) -> None:
-        for node in list(self._events):
+        for node in list(self._waits):
             self._release(node)
 
     def token(self, node: str) -> str:
@@ -131,29 +140,57 @@ class NodeWaits:
             except RuntimeError:  # the loop closed meanwhile: nobody waits
                 pass
 
-    def _release(self, node: str) -> None:
-        event = self._events.pop(node, None)
-        if event is not None:
-            event.set()
+    def _release(self, node: str, why: str = "poked") -> None:
+        for held in self._waits.pop(node, ()):
+            held.answer(why)
 
-    async def wait(self, node: str, timeout: float) -> bool:
-        """Wait for a poke of node, at most timeout s; return whether one came."""
+    async def wait(self, node: str, timeout: float, *, holder: str | None = None) -> str:
+        """Wait for a poke of node, at most timeout s: ``poked``, ``timeout`` or ``replaced``.
+
+        Rule 6: one held wait per (node, holder); a new one answers the one it
+        replaces at once (``replaced``). None holds nothing (never replaced).
+        """
         self._loop = asyncio.get_running_loop()
         if self.closed:
-            return False
-        event = self._events.get(node)
-        if event is None:
-            event = self._events[node] = asyncio.Event()
+            return "timeout"
+        mine = _Wait()
+        self._waits.setdefault(node, set()).add(mine)
+        if holder is not None:
+            older = self._held.get((node, holder))
+            if older is not None:
+                self.replaced += 1
+                older.answer("replaced")
+            self._held[(node, holder)] = mine
         self.waiting += 1
         try:
-            await asyncio.wait_for(event.wait(), timeout)
-            return True
+            await asyncio.wait_for(mine.event.wait(), timeout)
         except TimeoutError:
-            return False
+            pass
         finally:
             self.waiting -= 1
-            if self._events.get(node) is event and not event.is_set() and self.waiting == 0:
-                self._events.pop(node, None)
+            if holder is not None and self._held.get((node, holder)) is mine:
+                del self._held[(node, holder)]
+            held = self._waits.get(node)
+            if held is not None:
+                held.discard(mine)
+                if not held:
+                    del self._waits[node]
+        return mine.why
+
+
+class _Wait:
+    """One held wait: set once, with why (``poked`` or ``replaced``)."""
+
+    __slots__ = ("event", "why")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.why = "timeout"
+
+    def answer(self, why: str) -> None:
+        if not self.event.is_set():
+            self.why = why
+            self.event.set()
 
 
 ETAG_READ_WINDOW_S = 0.02

@@ -23,9 +23,11 @@ Rules:
    reconcile's), and again each heartbeat from the moment the poll
    is lost (the poll is looked at when each heartbeat is up, so the start's
    report, sent before the poll's first answer, is not followed by a second). A
-   report that fails is sent again later (:data:`RETRY_S`); it never holds up a
-   job. The first report of a start waits for the start's reconcile (at most
-   :data:`FIRST_WAIT_S`): one report, not two.
+   report that fails is sent again later (:data:`RETRY_S`; after a ``429`` or ``503``,
+   the answer's ``Retry-After`` when it says more, up to :data:`MAX_RETRY_AFTER_S`),
+   with what came meanwhile (the outbox keeps every job record until a report
+   carrying it is accepted); it never holds up a job. The first report of a start
+   waits for the start's reconcile (at most :data:`FIRST_WAIT_S`): one report, not two.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ AGENT_VERSION = "0.1.0"
 COUNT_WINDOW = timedelta(hours=24)
 DEBOUNCE_S = 1.0
 RETRY_S = 15.0
+MAX_RETRY_AFTER_S = 900.0
+"""The longest ``Retry-After`` a report waits for (a controller's busier answer is capped)."""
 FIRST_WAIT_S = 15.0
 """How long the start's report waits for the start's reconcile (which pokes it when done):
 one report at a start, with the pull's outcome, instead of one at once and one after the
@@ -208,6 +212,8 @@ class Reporter:
         self._contract_sent = False  # the table goes with the first report, and when wanted
         self.sent = 0
         self.failures = 0
+        self.retry_s = RETRY_S
+        """When the last report failed: how long until it is sent again (rule 3)."""
         if self.url is None:
             log.info("no report to a controller: the pull URL is not a controller's /api/ URL "
                      "(set report_url)", extra={"node": settings.node_name})
@@ -262,7 +268,7 @@ class Reporter:
             ok = self.send_now()
             if ok:
                 accepted = time.monotonic()
-            wait = heartbeat if ok else RETRY_S
+            wait = heartbeat if ok else self.retry_s
 
     def _next_seq(self) -> int:
         try:
@@ -361,6 +367,7 @@ class Reporter:
         """POST the report; return the answer's status (None: no answer)."""
         assert self.url is not None
         node = self.settings.node_name
+        self.retry_s = RETRY_S
         try:
             token = self.settings.bearer_token()
             headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -374,12 +381,22 @@ class Reporter:
         if response.headers.get("sched-contract") == "wanted":
             self._contract_sent = False  # the controller lost it: it goes with the next report
             self.poke()
+        self.retry_s = retry_after(response) if response.status_code in (429, 503) else RETRY_S
         if response.status_code != 204:
-            log.warning("the controller refused the node report (%d): %s",
-                        response.status_code, response.text[:300],
+            log.warning("the controller refused the node report (%d; sent again in %g s): %s",
+                        response.status_code, self.retry_s, response.text[:300],
                         extra={"node": node, "report_url": self.url,
                                "status": response.status_code})
         return response.status_code
+
+
+def retry_after(response: httpx.Response) -> float:
+    """Return a busy answer's ``Retry-After`` in seconds, between RETRY_S and
+    MAX_RETRY_AFTER_S (RETRY_S when it has none, or a date, or anything else)."""
+    text = response.headers.get("retry-after", "").strip()
+    if not text.isdigit():
+        return RETRY_S
+    return min(max(float(text), RETRY_S), MAX_RETRY_AFTER_S)
 
 
 def pull_outcome(

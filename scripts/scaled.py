@@ -123,7 +123,7 @@ def parts(layout: Layout) -> tuple[list[Part], list[Part]]:
     for name, port in zip(layout.controller_names(), layout.ports["controller"], strict=True):
         def start_controller(name: str = name, port: int = port) -> dict[str, int]:
             # A layout made before the setting existed has no value: the controller's default.
-            ceiling = layout.config.get("controller_max_connections", 1000)
+            ceiling = layout.config.get("controller_max_connections", 4000)
             return spawn([str(BIN / "sched"), "controller", "serve", "--host", "127.0.0.1",
                           "--port", str(port), "--max-connections", str(ceiling)],
                          controller_env(layout), layout.log(name), layout.dir / "controller")

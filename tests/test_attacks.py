@@ -29,7 +29,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -681,14 +681,14 @@ def controller(tmp_path: Path) -> Any:
     from controller.api import create_app
     from controller.auth import Tokens
     from controller.db import make_engine, migrate
-    from controller.testing import serve_in_thread
+    from controller.testing import fast_reports, serve_in_thread
 
     url = f"sqlite:///{tmp_path / 'controller.db'}"
     migrate(url)
     engine = make_engine(url)
     tokens = Tokens(admin=[ADMIN_TOKEN], nodes={"node-a": [NODE_TOKEN]})
     try:
-        with serve_in_thread(create_app(engine, tokens)) as base:
+        with serve_in_thread(create_app(engine, tokens, report_rate=fast_reports())) as base:
             api = Controller(url, base)
             try:
                 yield api
@@ -1154,22 +1154,33 @@ def test_login_guesses_are_limited_per_address(controller: Controller) -> None:
     assert http.get("/api/nodes", headers=ADMIN).status_code == 200
 
 
-def test_the_login_throttle_forgets_failures_after_its_window() -> None:
-    from controller.api.page import LoginThrottle
+def test_the_login_limit_forgets_failures_after_its_window(engine: Any) -> None:
+    """The limit's window slides, per client, in the database ([sqlite] and [postgres])."""
+    from sqlalchemy import text
+    from sqlmodel import Session
 
-    now = [0.0]
-    throttle = LoginThrottle(failures=3, window=60, clock=lambda: now[0], max_addresses=2)
+    from controller.api.login_limit import LoginLimit
+
+    def in_session(work: Any) -> Any:
+        with Session(engine) as session:
+            found = work(session)
+            session.commit()
+            return found
+
+    start = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    now = [start]
+    limit = LoginLimit(in_session, failures=3, window=60, clock=lambda: now[0])
     for at in (0.0, 10.0, 20.0):
-        now[0] = at
-        assert throttle.wait_s("10.0.0.1") == 0
-        throttle.failed("10.0.0.1")
-    assert throttle.wait_s("10.0.0.1") == 40.0  # the oldest failure leaves the window at 60
-    assert throttle.wait_s("10.0.0.2") == 0     # another address is not held back
-    now[0] = 60.0
-    assert throttle.wait_s("10.0.0.1") == 0
-    throttle.failed("10.0.0.2")
-    throttle.failed("10.0.0.3")                 # a third address: the oldest is forgotten
-    assert throttle.wait_s("10.0.0.1") == 0
+        now[0] = start + timedelta(seconds=at)
+        assert limit.wait_s("10.0.0.1") == 0
+        limit.failed("10.0.0.1")
+    assert limit.wait_s("10.0.0.1") == 40.0  # the oldest failure leaves the window at 60
+    assert limit.wait_s("10.0.0.2") == 0     # another client is not held back
+    now[0] = start + timedelta(seconds=60)
+    assert limit.wait_s("10.0.0.1") == 0
+    limit.failed("10.0.0.2")                 # each failure prunes the ones past the window
+    rows = in_session(lambda s: s.execute(text("SELECT client FROM login_failure")).all())
+    assert sorted(row[0] for row in rows) == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
 
 
 def test_every_answer_carries_nosniff_and_no_referrer(controller: Controller) -> None:

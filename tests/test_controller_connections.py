@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,6 +25,7 @@ from controller.auth import Tokens
 from controller.connections import ConnectionLimits, Notices, QuietRepeats
 from controller.testing import serve_in_thread
 from tests.fixtures_pg import sqlite_engine
+from tests.procs import wait_for
 
 ADMIN_TOKEN = "conn-admin-token-2718"
 LIVENESS = 30.0
@@ -36,9 +38,17 @@ LIMITS = ConnectionLimits(max_connections=40, header_timeout=1.0, body_timeout=1
 @contextmanager
 def serving(folder: Path, limits: ConnectionLimits) -> Iterator[str]:
     """Serve a controller on a migrated SQLite file in folder, with limits; yield its URL."""
-    with sqlite_engine(folder) as engine, serve_in_thread(
-            create_app(engine, Tokens(admin=[ADMIN_TOKEN])), limits=limits) as base_url:
+    with serving_app(folder, limits) as (base_url, _app):
         yield base_url
+
+
+@contextmanager
+def serving_app(folder: Path, limits: ConnectionLimits) -> Iterator[tuple[str, Any]]:
+    """Serve a controller as :func:`serving` does; yield its URL and its app."""
+    with sqlite_engine(folder) as engine:
+        app = create_app(engine, Tokens(admin=[ADMIN_TOKEN]))
+        with serve_in_thread(app, limits=limits) as base_url:
+            yield base_url, app
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +175,17 @@ def test_a_keep_alive_connection_gets_a_header_deadline_for_its_next_request(bas
 
 
 @pytest.fixture()
-def small(tmp_path: Path) -> Iterator[str]:
+def small_app(tmp_path: Path) -> Iterator[tuple[str, Any]]:
     """A server of its own with a ceiling of 30 (no other test's connections in its count)."""
     limits = ConnectionLimits(max_connections=30, header_timeout=6.0, body_timeout=6.0,
                               write_timeout=6.0, notice_interval=3600)
-    with serving(tmp_path, limits) as base_url:
-        yield base_url
+    with serving_app(tmp_path, limits) as served:
+        yield served
+
+
+@pytest.fixture()
+def small(small_app: tuple[str, Any]) -> str:
+    return small_app[0]
 
 
 def test_past_the_ceiling_the_oldest_slow_connections_make_room_logged_once(
@@ -209,8 +224,11 @@ def test_past_the_ceiling_the_oldest_slow_connections_make_room_logged_once(
     assert [r.__dict__["count"] for r in lines] == [1, 1]
 
 
-def test_at_the_ceiling_with_no_slow_connection_a_new_one_is_refused(small: str) -> None:
+def test_at_the_ceiling_with_no_slow_connection_a_new_one_is_refused(
+    small_app: tuple[str, Any],
+) -> None:
     """Every slot holds a request being read or answered: nothing to give up, 503 at once."""
+    small, app = small_app
     ceiling = 30
     held: list[socket.socket] = []
     try:
@@ -222,13 +240,16 @@ def test_at_the_ceiling_with_no_slow_connection_a_new_one_is_refused(small: str)
                 f"Authorization: Bearer {ADMIN_TOKEN}\r\n"
                 "Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{".encode())
             held.append(sock)
-        # One more request, answered, its connection kept open (idle between requests, not
-        # waiting for headers): the server has read the held ones' headers by then (they
-        # were in its socket buffers before this request was sent).
+        # One more request, answered: the server has had the held ones' headers by then
+        # (they were in its socket buffers before this request was sent). Then a long poll
+        # on the same connection, held: every slot is busy (an idle one could make room).
         kept = connect(small)
         held.append(kept)
         kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_response(kept).startswith(b"HTTP/1.1 200 ")
+        kept.sendall(b"GET /api/nodes/node-a/wait?timeout=300 HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\r\n\r\n")
+        wait_for("the long poll held", lambda: app.state.waits.waiting == 1, LIVENESS)
         with connect(small) as extra:
             answer = read_until_closed(extra)
         assert answer.startswith(b"HTTP/1.1 503 Service Unavailable\r\n"), answer

@@ -27,10 +27,11 @@ from sched_core.values import STORED_BEFORE_RULES
 
 TABLES = {"agent_schedule", "node_revision", "scheduled_task", "task_dispatch", "node_report",
           "node_report_history", "node_pull", "revoked_session", "node_seen", "node_job",
-          "schedule_version", "fleet_alert", "watch_turn", "node_contract"}
+          "schedule_version", "fleet_alert", "watch_turn", "node_contract", "login_failure"}
 MORNING_TABLES = {"node_seen", "node_job", "schedule_version", "fleet_alert", "watch_turn",
-                  "node_contract"}
-"""0008's tables, and the later ones (0009's fleet watch turn, 0010's node contracts)."""
+                  "node_contract", "login_failure"}
+"""0008's tables, and the later ones (0009's fleet watch turn, 0010's node contracts, 0011's
+login failures)."""
 HEAD = ScriptDirectory.from_config(db.alembic_config("sqlite://")).get_current_head()
 """The newest revision: every upgrade below must end there."""
 
@@ -457,20 +458,32 @@ def test_revoked_sessions_migration_up_and_down(empty_url: str) -> None:
 def test_the_watch_turn_migration_up_and_down(empty_url: str) -> None:
     """0009: the fleet watch's turn comes and goes; 0008's tables stay."""
     db.migrate(empty_url, "0008")
-    assert _tables(empty_url) == TABLES - {"watch_turn", "node_contract"}
+    later = {"watch_turn", "node_contract", "login_failure"}
+    assert _tables(empty_url) == TABLES - later
     db.migrate(empty_url, "0009")
-    assert _tables(empty_url) == TABLES - {"node_contract"}
+    assert _tables(empty_url) == (TABLES - later) | {"watch_turn"}
     db.downgrade(empty_url, "0008")
-    assert _tables(empty_url) == TABLES - {"watch_turn", "node_contract"}
+    assert _tables(empty_url) == TABLES - later
     _back_to_head(empty_url)
 
 
 def test_the_node_contract_migration_up_and_down(empty_url: str) -> None:
     """0010: the nodes' published action tables come and go; 0009's tables stay."""
     db.migrate(empty_url, "0009")
-    assert _tables(empty_url) == TABLES - {"node_contract"}
+    assert _tables(empty_url) == TABLES - {"node_contract", "login_failure"}
+    db.migrate(empty_url, "0010")
+    assert _tables(empty_url) == TABLES - {"login_failure"}
+    db.downgrade(empty_url, "0009")
+    assert _tables(empty_url) == TABLES - {"node_contract", "login_failure"}
+    _back_to_head(empty_url)
+
+
+def test_the_login_failures_migration_up_and_down(empty_url: str) -> None:
+    """0011: the login limit's failures come and go; 0010's tables stay."""
+    db.migrate(empty_url, "0010")
+    assert _tables(empty_url) == TABLES - {"login_failure"}
     db.migrate(empty_url)
     assert _tables(empty_url) == TABLES
-    db.downgrade(empty_url, "0009")
-    assert _tables(empty_url) == TABLES - {"node_contract"}
+    db.downgrade(empty_url, "0010")
+    assert _tables(empty_url) == TABLES - {"login_failure"}
     _back_to_head(empty_url)

@@ -25,7 +25,7 @@ from controller.api import create_app
 from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.fleet import FleetSettings
-from controller.testing import serve_in_thread
+from controller.testing import fast_reports, serve_in_thread
 from tests.factories import Clock
 
 ADMIN = {"Authorization": "Bearer morning-admin-token"}
@@ -43,7 +43,7 @@ def controller(url: str, clock: Clock, **settings: Any) -> Iterator[httpx.Client
     engine = make_engine(url)
     tokens = Tokens(admin=["morning-admin-token"],
                     nodes={node: [f"{node}-token-0123"] for node in NODES})
-    app = create_app(engine, tokens, clock=clock,
+    app = create_app(engine, tokens, clock=clock, report_rate=fast_reports(),
                      fleet_settings=FleetSettings(pull_interval=300, **settings))
     try:
         with serve_in_thread(app) as base, httpx.Client(base_url=base, timeout=30) as client:

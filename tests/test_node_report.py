@@ -159,3 +159,41 @@ def test_a_covered_heartbeat_due_while_a_reconcile_runs_is_the_reconciles_report
         # no reconcile under way.
         wait_for("the next covered heartbeat report", lambda: reports.count() == 3, 30)
         assert reports.at[2] - reports.at[1] >= 2
+
+
+def test_a_busy_controllers_retry_after_sets_when_the_report_goes_again(tmp_path: Path) -> None:
+    """Issue 36, point 8: a report refused 429 (over the node's report rate) or 503 is sent
+    again after the answer's Retry-After (at least RETRY_S, at most MAX_RETRY_AFTER_S), not
+    after RETRY_S whatever it said; any other failure after RETRY_S."""
+    answers: list[tuple[int, dict[str, str]]] = [
+        (429, {"Retry-After": "120"}), (503, {"Retry-After": "99999"}),
+        (429, {"Retry-After": "2"}), (429, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}),
+        (500, {"Retry-After": "120"}), (204, {})]
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            status, headers = answers.pop(0)
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/api/nodes/n-1/report"
+        reporter = _reporter(tmp_path, url, threading.Event())
+        waits = []
+        for _ in range(6):
+            ok = reporter.send_now()
+            waits.append(None if ok else reporter.retry_s)
+    finally:
+        server.shutdown()
+        server.server_close()
+    retry, most = node_report.RETRY_S, node_report.MAX_RETRY_AFTER_S
+    assert waits == [120.0, most, retry, retry, retry, None]

@@ -16,8 +16,8 @@ from scripts.scaled_parts.services import base_env
 
 
 def test_the_controllers_connection_ceiling_is_a_setting() -> None:
-    # A node's long poll holds a connection: 10,000 nodes need more than serve's 1,000.
-    assert config_from_env({})["controller_max_connections"] == 1000
+    # A node's long poll holds a connection: 10,000 nodes need more than serve's 4,000.
+    assert config_from_env({})["controller_max_connections"] == 4000
     config = config_from_env({"SCALED_CONTROLLER_MAX_CONNECTIONS": "12000"})
     assert config["controller_max_connections"] == 12000
     for bad in ("0", "many"):

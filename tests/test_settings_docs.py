@@ -61,4 +61,4 @@ def test_the_flags_table_is_the_one_the_command_makes(doc: str) -> None:
     assert difference is None, (
         f"{doc}'s flags table is not `sched controller serve`'s: {difference}\n"
         f"change the option's help, then run `{DOCS.REGENERATE}` to rewrite the table")
-    assert any(row.startswith("| `--max-connections` | 1000 |") for row in made)
+    assert any(row.startswith("| `--max-connections` | 4000 |") for row in made)

@@ -163,6 +163,45 @@ def test_a_write_wakes_the_wait_with_the_new_etag(center: Center) -> None:
     assert found and found[0]["etag"] == center.etag(node) != etag
 
 
+def test_a_new_wait_of_a_node_replaces_its_held_one(center: Center) -> None:
+    """Issue 36, point 6: 320 waits with one node's token were all held (each a connection,
+    up to 300 s), filling the connection ceiling. Now one is held per node and token kind:
+    a new one answers the older at once (409, its connection closed); the admin's wait on
+    the same node is another holder."""
+    node = NODES[2]
+    center.put(node, "s-1")
+    etag = center.etag(node)
+    waits = center.app.state.waits
+    url = f"/api/nodes/{node}/wait"
+    answers: dict[str, httpx.Response] = {}
+
+    def hold(name: str, headers: dict[str, str]) -> threading.Thread:
+        def ask() -> None:
+            with httpx.Client(base_url=str(center.client.base_url), timeout=400) as client:
+                answers[name] = client.get(url, params={"etag": etag, "timeout": 300},
+                                           headers=headers)
+        thread = threading.Thread(target=ask)
+        thread.start()
+        return thread
+
+    first = hold("first", token(node))
+    wait_for("the first wait held", lambda: waits.waiting == 1, 30)
+    admin = hold("admin", ADMIN)
+    wait_for("the admin's wait held beside it", lambda: waits.waiting == 2, 30)
+    second = hold("second", token(node))
+    first.join(30)
+    assert not first.is_alive(), "the first wait is still held"
+    assert answers["first"].status_code == 409
+    assert answers["first"].headers["connection"] == "close"
+    assert "replaced by a newer one" in answers["first"].json()["detail"]
+    assert waits.waiting == 2 and "admin" not in answers  # the admin's is still held
+    center.put(node, "s-2")  # a change answers both held waits
+    for thread in (admin, second):
+        thread.join(30)
+    assert answers["second"].status_code == answers["admin"].status_code == 200
+    assert answers["second"].json()["etag"] == center.etag(node) != etag
+
+
 # -- EtagReads: the batching, in one event loop --------------------------------------------
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controller import claims, schedules, tasks
 from controller.api.access import Auth
 from controller.api.access_log import AccessLogMiddleware
+from controller.api.client import RealClientMiddleware
 from controller.api.fleet import FleetApi, fleet_router
 from controller.api.headers import SecurityHeadersMiddleware
 from controller.api.jsonbody import (
@@ -38,9 +39,12 @@ from controller.api.jsonbody import (
     read_model,
     validation_entries,
 )
+from controller.api.login_limit import LoginLimit
 from controller.api.openapi import install_openapi, json_body
 from controller.api.page import FleetApiSource, SessionRevocations, page_router
 from controller.api.pull import PULL_CACHE_BYTES, PullCache
+from controller.api.report_rate import ReportRate
+from controller.api.request_guard import RequestGuard
 from controller.api.rows import schedule_router
 from controller.api.vouch import VoucherRequest, voucher_router
 from controller.api.wait import wait_router
@@ -52,6 +56,7 @@ from controller.logtext import printable
 from controller.models import NodeRevision, ScheduledTask, TaskIn, utc_now
 from controller.nodes import PullRecorder
 from controller.report_in import NodeReportIn
+from controller.settings import Network
 from controller.waits import EtagReads, NodeWaits
 from sched_core.model import LocalSchedule
 
@@ -266,6 +271,8 @@ def create_app(
     record_pulls: bool = True,
     clock: Callable[[], datetime] = utc_now,
     waits: NodeWaits | None = None,
+    trusted_proxies: Sequence[Network] = (),
+    report_rate: ReportRate | None = None,
 ) -> FastAPI:
     """Return the API app over engine, authenticating with tokens.
 
@@ -282,11 +289,16 @@ def create_app(
     ``clock`` is the fleet's now (status, upcoming, propagation). ``waits`` are the
     nodes' long polls (``app.state.waits``; a relay from Prefect pokes them, see
     :mod:`controller.waits`); a write of a node's schedules wakes its waits.
+    ``trusted_proxies`` are believed when they forward a client's address
+    (:mod:`controller.api.client`; none by default). ``report_rate`` bounds each node's
+    reports (:mod:`controller.api.report_rate`; default: its defaults).
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
     app.add_middleware(AccessLogMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))
+    app.add_middleware(RequestGuard)  # outermost: the connection guard's side of the app
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn, VoucherRequest])
     auth = Auth(tokens)
@@ -298,7 +310,7 @@ def create_app(
     app.state.waits = waits
     fleet_api = FleetApi(
         in_session, settings=fleet_settings or FleetSettings(), events=events or NoEvents(),
-        recorder=recorder, clock=clock, waits=waits,
+        recorder=recorder, clock=clock, waits=waits, report_rate=report_rate or ReportRate(),
     )
     app.include_router(schedule_router(in_session, auth, PullCache(pull_cache_bytes), fleet_api))
     app.include_router(fleet_router(fleet_api, auth))
@@ -307,5 +319,6 @@ def create_app(
     app.include_router(task_router(in_session, auth, on_task_saved))
     app.include_router(voucher_router(auth, clock))
     app.include_router(page_router(tokens, FleetApiSource(fleet_api), clock=clock,
-                                   revocations=SessionRevocations(in_session)))
+                                   revocations=SessionRevocations(in_session),
+                                   login_limit=LoginLimit(in_session)))
     return app

@@ -2,7 +2,8 @@
 
 Endpoints (the fleet contract):
 
-- ``POST /api/nodes/{node}/report`` (admin, node): 204; latest kept, history bounded.
+- ``POST /api/nodes/{node}/report`` (admin, node): 204; latest kept, history bounded;
+  ``429`` past the node's report rate (:mod:`controller.api.report_rate`).
 - ``GET /api/status`` (admin): ``{"stale_after_s", "list_versions", "nodes"}``.
 - ``GET /api/nodes/{node}/status`` (admin, node): the node's row and its schedules.
 - ``GET /api/upcoming?hours=24[&node=N]`` (admin, node N): ``{"windows": [...]}``.
@@ -24,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -59,6 +61,7 @@ from controller.api.jsonbody import (
     read_object,
 )
 from controller.api.openapi import json_body
+from controller.api.report_rate import ReportRate
 from controller.errors import InvalidInput, NotFound
 from controller.events import Announced, ScheduleEvents
 from controller.fleet import FleetSettings
@@ -134,6 +137,7 @@ class FleetApi:
     recorder: nodes.PullRecorder | None
     clock: Callable[[], datetime]
     waits: NodeWaits | None = None
+    report_rate: ReportRate = dataclasses.field(default_factory=ReportRate)
 
     def record_pull(self, node: str, status: int, etag: str, *, own: bool = True) -> None:
         """Remember a pull answered (rule 1): 200 or 304, the version served (ETag, unquoted).
@@ -204,6 +208,8 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
     """Add a node's report (POST): refused ones counted and logged once a minute at most."""
     in_session = api.in_session
     refused_reports = RefusalLog("node reports")
+    refused_rate = RefusalLog("node reports (over the report rate)")
+    rate = api.report_rate
 
     @router.post(
         "/api/nodes/{node}/report", status_code=204,
@@ -212,6 +218,13 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
     async def post_report(request: Request, node: str) -> Response:
         principal = auth.require_node(request, node)
         check_node(("path", "node"), node, storing=True)
+        wait = rate.take(node)  # before the body is read (controller.api.report_rate)
+        if wait:
+            refused_rate.note(node, [{"field": "node", "msg": f"over its report rate: "
+                                      f"{rate.burst} at once, then one every {rate.every:g} s"}])
+            return JSONResponse(
+                {"detail": f"too many reports from node {node!r}: send it again in {wait} s"},
+                status_code=429, headers={"Retry-After": str(wait), "Connection": "close"})
         received = api.clock()
         own = auth.is_own(principal, node)
         try:

@@ -20,14 +20,13 @@ outcomes, windows in each node's zone.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import logging
 import math
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -40,8 +39,12 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from controller import schedules
+from controller.api.client import client_key
+from controller.api.login_limit import LOGIN_BODY_S, InFlight, LoginLimit
+from controller.api.request_guard import connection_of
 from controller.auth import Principal, Tokens, bearer_token, sign
 from controller.fleetpage import (
     AHEAD,
@@ -240,54 +243,6 @@ class SessionRevocations:
         return found is not None
 
 
-LOGIN_FAILURES = 10
-"""Failed logins one client address may make within LOGIN_WINDOW_S before it must wait."""
-LOGIN_WINDOW_S = 60.0
-"""The sliding window of LOGIN_FAILURES (seconds)."""
-
-
-class LoginThrottle:
-    """Failed logins per client address: past ``failures`` within ``window`` seconds, wait.
-
-    While an address must wait, its logins are answered 429 without looking at
-    the token (a guess is not even tried), the right token included. Kept in
-    memory per controller process, for at most ``max_addresses`` addresses (the
-    oldest forgotten first). Behind a proxy every client has the proxy's address.
-    """
-
-    def __init__(self, failures: int = LOGIN_FAILURES, window: float = LOGIN_WINDOW_S, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 max_addresses: int = 10_000) -> None:
-        self.failures = failures
-        self.window = window
-        self.clock = clock
-        self.max_addresses = max_addresses
-        self._seen: dict[str, deque[float]] = {}
-        self._lock = threading.Lock()
-
-    def wait_s(self, address: str) -> float:
-        """Return how long address must wait before its next login (0: it may try now)."""
-        now = self.clock()
-        with self._lock:
-            times = self._seen.get(address)
-            if not times:
-                return 0.0
-            while times and times[0] <= now - self.window:
-                times.popleft()
-            if len(times) < self.failures:
-                return 0.0
-            return times[-self.failures] + self.window - now
-
-    def failed(self, address: str) -> None:
-        """Count one failed login of address."""
-        with self._lock:
-            times = self._seen.pop(address, None) or deque(maxlen=self.failures)
-            times.append(self.clock())
-            self._seen[address] = times  # re-inserted: the newest last
-            while len(self._seen) > self.max_addresses:
-                del self._seen[next(iter(self._seen))]
-
-
 def prefect_ui_url() -> str | None:
     """Return the Prefect UI for links: ``PREFECT_UI_URL``, else the API's URL minus ``/api``."""
     try:
@@ -358,24 +313,43 @@ async def read_form(request: Request) -> dict[str, list[str]] | None:
     return parse_qs(body.decode("utf-8", "replace"), max_num_fields=5)
 
 
-async def log_in(request: Request, tokens: Tokens, throttle: LoginThrottle) -> Response:
-    """Answer the login form: a session cookie for the admin's token, else the form again."""
-    address = request.client.host if request.client else "-"
-    wait = throttle.wait_s(address)
+async def log_in(request: Request, tokens: Tokens, limit: LoginLimit | None,
+                 in_flight: InFlight) -> Response:
+    """Answer the login form: a session cookie for the admin's token, else the form again.
+
+    The limit is asked first and the form read after (:mod:`controller.api.login_limit`).
+    """
+    client = client_key(request.client.host if request.client else "-")
+    wait = 0.0 if limit is None else await run_in_threadpool(limit.wait_s, client)
     if wait > 0:
         retry = max(1, math.ceil(wait))
         log.warning("fleet page login refused: too many failed logins",
-                    extra={"client": printable(address), "retry_after_s": retry})
+                    extra={"client": printable(client), "retry_after_s": retry})
         return login_page(f"too many failed logins from your address: try again in {retry} s",
                           429, **{"retry-after": str(retry)})
-    form = await read_form(request)
+    with in_flight.slot(client) as granted:
+        if not granted:
+            return login_page("logins from your address are already under way: try again in "
+                              "a moment", 429, **{"retry-after": "1"})
+        connection = connection_of(request.scope)
+        if connection is not None:  # a form nobody vouched for: its slot may make room
+            connection.may_make_room()
+        try:
+            form = await asyncio.wait_for(read_form(request), LOGIN_BODY_S)
+        except TimeoutError:
+            return login_page(f"the form did not arrive within {LOGIN_BODY_S:g} s", 408)
+        except ClientDisconnect:  # closed to make room (or by the client): nobody to answer
+            return Response(status_code=408, headers={"connection": "close"})
+        if connection is not None:  # read: it is a request being answered again
+            connection.request_started()
     if form is None:
         return login_page("the form is too large", 413)
     token = (form.get("token") or [""])[0]
     principal = await run_in_threadpool(tokens.authenticate, token or None)
     request.state.principal = principal
     if principal is None or not principal.is_admin:
-        throttle.failed(address)
+        if limit is not None:
+            await run_in_threadpool(limit.failed, client)
         log.info("fleet page login refused", extra={
             "principal": principal.label if principal else "-"})
         return login_page("that token is not the admin's" if principal is not None
@@ -405,14 +379,16 @@ def page_router(
     clock: Clock = lambda: datetime.now(UTC),
     prefect_ui: Callable[[], str | None] = prefect_ui_url,
     revocations: SessionRevocations | None = None,
+    login_limit: LoginLimit | None = None,
 ) -> APIRouter:
     """Return the routes of the fleet page: ``GET /``, ``POST /login``, ``POST /logout``.
 
     With ``revocations``, Log out ends the session on every instance at once
     (the cookie stops working); without, it only deletes the browser's cookie.
+    ``login_limit`` counts failed logins (:mod:`controller.api.login_limit`; None: none).
     """
     router = APIRouter(include_in_schema=False)
-    throttle = LoginThrottle()
+    in_flight = InFlight()
 
     @router.get("/", response_class=HTMLResponse)
     def fleet_page(request: Request) -> Response:
@@ -427,7 +403,7 @@ def page_router(
 
     @router.post("/login")
     async def login(request: Request) -> Response:
-        return await log_in(request, tokens, throttle)
+        return await log_in(request, tokens, login_limit, in_flight)
 
     @router.post("/logout")
     def logout(request: Request) -> Response:

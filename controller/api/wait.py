@@ -9,6 +9,12 @@ not 0: ``{"etag": <the list's ETag now>, "prefect": <counter>,
 "relay": <whether this instance follows Prefect's events>}``. A node's wait with
 its own token is its heartbeat (it is recorded as it pull); an admin may wait
 too (to watch a node) and is recorded as nothing.
+
+One wait is held per node and token kind (:mod:`controller.waits`, rule 6): a new one
+answers the one it replaces at once with ``409`` (and closes its connection), so one
+token cannot hold a connection per request, and two agents sharing a token each back
+off (the node backs off after any answer but 200) instead of replacing each other in a
+loop.
 """
 
 from __future__ import annotations
@@ -57,7 +63,12 @@ def wait_router(
         # looked for now (sched_node.control, "At the node's start"); else it is held.
         changed = stale or (waits.newer(node, seen) if seen else waits.poked(node))
         if not changed:
-            await waits.wait(node, timeout)
+            holder = principal.label if principal is not None else "-"
+            if await waits.wait(node, timeout, holder=holder) == "replaced":
+                return JSONResponse(
+                    {"detail": f"this wait of node {node!r} was replaced by a newer one with "
+                     "the same token (one wait per node: is a second agent using it?)"},
+                    status_code=409, headers={"Cache-Control": "no-store", "Connection": "close"})
             now = await etags.etag(node)
         return JSONResponse({"etag": now, "prefect": waits.token(node), "relay": waits.relay},
                             headers={"Cache-Control": "no-store"})

@@ -65,18 +65,21 @@ CHECK_TIMEOUT_S = 15
 
 
 def _balanced(name: str, bind: str, maxconn: object, health: str,
-              servers: list[tuple[str, int]], hold_s: int | None = None) -> str:
+              servers: list[tuple[str, int]], hold_s: int | None = None,
+              forward_for: bool = False) -> str:
     """One HAProxy frontend and its backend: least connections, servers checked on health.
 
     ``hold_s``: how long an answer may take (the defaults' 120 s otherwise). A health check
     may take :data:`CHECK_TIMEOUT_S` to be answered: a dead process (connection refused)
     is still out after two checks (~4 s), but one busy for less is not taken out. With the check's
     own 2 s, both API processes of a 10,000-node fleet's peak were marked down in turn and
-    HAProxy answered 503 itself (``<NOSRV>``), ~1,600 in 3 minutes.
+    HAProxy answered 503 itself (``<NOSRV>``), ~1,600 in 3 minutes. ``forward_for``: add the
+    client's address to ``X-Forwarded-For`` (the controllers trust it from loopback only).
     """
     lines = "\n".join(f"    server {server} 127.0.0.1:{port} check" for server, port in servers)
     client = f"\n    timeout client {hold_s}s" if hold_s else ""
     server = f"\n    timeout server {hold_s}s" if hold_s else ""
+    server += "\n    option forwardfor" if forward_for else ""
     return f"""
 frontend {name}
     bind {bind}
@@ -104,7 +107,8 @@ def haproxy_conf(layout: Layout, name: str = "haproxy") -> Path:
     controllers = list(zip(layout.controller_names(), ports["controller"], strict=True))
     # A node's long poll is held up to 300 s (a heartbeat that long): 30 s more to answer.
     controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
-                                "/healthz", controllers, hold_s=330) if controllers else ""
+                                "/healthz", controllers, hold_s=330,
+                                forward_for=True) if controllers else ""
     first = name == "haproxy"
     # The stats page names every server and its traffic: loopback only, and behind a
     # password (HTTP Basic; the file is 0600 for it).

@@ -37,7 +37,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "SCALED_LB_PROCESSES": (
         "1", "HAProxy processes on the same ports (each has its own open-file limit)"),
     "SCALED_CONTROLLER_MAX_CONNECTIONS": (
-        "1000", "each controller's --max-connections (a node's long poll holds one)"),
+        "4000", "each controller's --max-connections (a node's long poll holds one)"),
 }
 # Port offsets from SCALED_PORT_BASE, and the variable that sets each port alone.
 PORTS: dict[str, tuple[int, str]] = {

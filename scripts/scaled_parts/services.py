@@ -77,6 +77,8 @@ def controller_env(layout: Layout) -> dict[str, str]:
     env = base_env(layout, layout.dir / "prefect" / "controller-client")
     env.update({"SCHED_DATABASE_URL": layout.pg_url("sched", "postgresql"),
                 "SCHED_TOKENS_FILE": str(tokens_file(layout)),
+                # HAProxy (on this machine) names each client in X-Forwarded-For.
+                "SCHED_TRUSTED_PROXIES": "127.0.0.1",
                 "PREFECT_API_URL": layout.prefect_url,
                 "PREFECT_API_AUTH_STRING": layout.secret("prefect_auth")})
     return env
