@@ -178,7 +178,9 @@ def up(layout: Layout) -> None:
 def _settle_config(layout: Layout, env: dict[str, str]) -> None:
     """Check env against the layout's kept settings, or keep them at the first ``up``."""
     if layout.exists:
-        layout.check_env(env)
+        running = any(alive(layout.proc(name)) for name in layout.state["processes"])
+        if resized := layout.check_env(env, running):
+            _say_size(layout.config, f" ({', '.join(resized)} changed)")
         return
     config = config_from_env(env)
     taken = [f"{part} {port}" for part, port in _all_ports(config) if not port_free(port)]
@@ -187,6 +189,13 @@ def _settle_config(layout: Layout, env: dict[str, str]) -> None:
             f"ports in use: {', '.join(taken)}; set {PORT_BASE_ENV} (default 27200) or the"
             " per-part variable (docs/scaled.md) to free ones")
     layout.create(config)
+    _say_size(config)
+
+
+def _say_size(config: dict[str, Any], why: str = "") -> None:
+    say(f"sized for {config['fleet']:,} nodes (SCALED_FLEET): each controller "
+        f"--max-connections {config['controller_max_connections']:,}, HAProxy maxconn "
+        f"{config['lb_maxconn']:,} in {config['lb_processes']} process(es){why}")
 
 
 def _settle_secrets(layout: Layout) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts.scaled_parts.balancer import CHECK_TIMEOUT_S, haproxy_conf
-from scripts.scaled_parts.config import DEFAULT_DIR, ROOT, Layout, config_from_env
+from scripts.scaled_parts.config import DEFAULT_DIR, ROOT, Layout, config_from_env, sized_for
 from scripts.scaled_parts.procs import LayoutError
 from scripts.scaled_parts.services import base_env
 
@@ -96,3 +96,41 @@ def test_the_layout_and_its_servers_run_this_checkouts_code(tmp_path: Path) -> N
     assert len(files) == 3
     for file in files:
         assert file.is_relative_to(ROOT), file
+
+
+def test_one_number_sizes_the_layout_for_its_fleet() -> None:
+    # 10,000 nodes: each controller carries the whole fleet's long polls when the other is
+    # gone; HAProxy's descriptors (two per connection) spread over processes.
+    assert sized_for(10_000, open_files=20_000) == {
+        "fleet": 10_000, "controller_max_connections": 11_000, "lb_maxconn": 12_000,
+        "lb_processes": 2}
+    assert sized_for(1_000, open_files=20_000)["lb_processes"] == 1
+    assert sized_for(10_000, open_files=1 << 20)["lb_processes"] == 1
+    config = config_from_env({"SCALED_FLEET": "10000"})
+    assert config["controller_max_connections"] == 11_000
+    # A size set alone wins over the fleet's.
+    assert config_from_env({"SCALED_FLEET": "10000", "SCALED_LB_PROCESSES": "4"})[
+        "lb_processes"] == 4
+    with pytest.raises(LayoutError, match="SCALED_FLEET"):
+        config_from_env({"SCALED_FLEET": "lots"})
+
+
+def test_a_layout_is_resized_after_down_and_keeps_everything_else(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    layout.create(config_from_env({}))
+    kept = dict(layout.config)
+    # While it runs: refused, saying to run `down` first; nothing changes.
+    with pytest.raises(LayoutError, match="run `down` first"):
+        layout.check_env({"SCALED_FLEET": "10000"}, running=True)
+    assert Layout(tmp_path).config == kept
+    # Stopped: the sizes change and are kept; nothing else does.
+    changed = layout.check_env({"SCALED_FLEET": "10000"}, running=False)
+    assert set(changed) <= {"fleet", "controller_max_connections", "lb_maxconn",
+                            "lb_processes"} and "fleet" in changed
+    again = Layout(tmp_path).config
+    assert again["fleet"] == 10_000 and again["controller_max_connections"] == 11_000
+    assert {k: v for k, v in again.items() if k not in changed} == {
+        k: v for k, v in kept.items() if k not in changed}
+    # Anything else still needs `clean`.
+    with pytest.raises(LayoutError, match="clean"):
+        layout.check_env({"SCALED_API_COUNT": "3"}, running=False)

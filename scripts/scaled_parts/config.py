@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import pwd
 import re
+import resource
 import secrets
 import shutil
 import stat
@@ -26,6 +28,7 @@ START_TIMEOUT_ENV = "SCALED_START_TIMEOUT"  # seconds `up` waits for the parts t
 # Every setting a user may give at the first `up`: (variable, default, what it is).
 PORT_BASE_ENV = "SCALED_PORT_BASE"
 SETTINGS: dict[str, tuple[str, str]] = {
+    "SCALED_FLEET": ("1000", "nodes the layout is to carry: sizes the three settings below it"),
     "SCALED_BIND": ("127.0.0.1", "address the two balancer frontends listen on"),
     "SCALED_API_COUNT": ("2", "Prefect API processes"),
     "SCALED_CONTROLLER_COUNT": ("2", "controller instances (0: none)"),
@@ -33,12 +36,41 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "SCALED_DB_MAX_OVERFLOW": ("20", "SQLAlchemy overflow of each Prefect process"),
     "SCALED_PG_MAX_CONNECTIONS": ("", "Postgres max_connections (default: computed)"),
     "SCALED_REDIS_MAXMEMORY": ("512mb", "Redis maxmemory (noeviction past it)"),
-    "SCALED_LB_MAXCONN": ("10000", "HAProxy maxconn per frontend"),
+    "SCALED_LB_MAXCONN": ("", "HAProxy maxconn per frontend (default: from the fleet)"),
     "SCALED_LB_PROCESSES": (
-        "1", "HAProxy processes on the same ports (each has its own open-file limit)"),
+        "", "HAProxy processes on the same ports, each with its own open-file limit "
+        "(default: from the fleet)"),
     "SCALED_CONTROLLER_MAX_CONNECTIONS": (
-        "4000", "each controller's --max-connections (a node's long poll holds one)"),
+        "", "each controller's --max-connections; a node's long poll holds one (default: "
+        "from the fleet)"),
 }
+SIZED = ("lb_maxconn", "lb_processes", "controller_max_connections", "fleet")
+"""The settings the fleet size derives: changed at an ``up`` after ``down``, data kept."""
+
+
+def sized_for(fleet: int, open_files: int) -> dict[str, int]:
+    """Return the connection settings that carry fleet nodes, open_files a process's limit.
+
+    Each node holds one long poll at a controller, through HAProxy; when one instance
+    is gone the other holds them all, so each instance's ceiling is the whole fleet and
+    1,000 more for pulls, reports and people (never below ``serve``'s 4,000). Each
+    frontend takes the fleet and 2,000 more (never below 10,000); a proxied connection
+    is two descriptors, so HAProxy runs as many processes as keep each within 90 % of
+    its open-file limit.
+    """
+    frontend = max(10_000, fleet + 2_000)
+    return {
+        "fleet": fleet,
+        "controller_max_connections": max(4_000, fleet + 1_000),
+        "lb_maxconn": frontend,
+        "lb_processes": max(1, math.ceil(2 * (fleet + 2_000) / (0.9 * open_files))),
+    }
+
+
+def open_file_limit() -> int:
+    """Return the hard open-file limit the layout's processes get (HAProxy raises to it)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return 1 << 20 if hard == resource.RLIM_INFINITY else int(hard)
 # Port offsets from SCALED_PORT_BASE, and the variable that sets each port alone.
 PORTS: dict[str, tuple[int, str]] = {
     "prefect_lb": (0, "SCALED_PREFECT_PORT"),
@@ -206,12 +238,21 @@ def config_from_env(env: dict[str, str]) -> dict[str, Any]:
         "bind": values["SCALED_BIND"], "apis": apis, "controllers": controllers,
         "pool_size": pool, "max_overflow": overflow, "pg_max_connections": max_conn,
         "redis_maxmemory": values["SCALED_REDIS_MAXMEMORY"],
-        "lb_maxconn": int_setting("SCALED_LB_MAXCONN", values["SCALED_LB_MAXCONN"], 100),
-        "lb_processes": int_setting("SCALED_LB_PROCESSES", values["SCALED_LB_PROCESSES"], 1),
-        "controller_max_connections": int_setting("SCALED_CONTROLLER_MAX_CONNECTIONS",
-                                           values["SCALED_CONTROLLER_MAX_CONNECTIONS"], 1),
+        **_sizes(values),
         "ports": ports,
     }
+
+
+def _sizes(values: dict[str, str]) -> dict[str, int]:
+    """Return the fleet's sizes (:func:`sized_for`), any set alone taking its own value."""
+    sizes = sized_for(int_setting("SCALED_FLEET", values["SCALED_FLEET"], 1), open_file_limit())
+    for key, name, least in (("lb_maxconn", "SCALED_LB_MAXCONN", 100),
+                             ("lb_processes", "SCALED_LB_PROCESSES", 1),
+                             ("controller_max_connections",
+                              "SCALED_CONTROLLER_MAX_CONNECTIONS", 1)):
+        if values[name]:
+            sizes[key] = int_setting(name, values[name], least)
+    return sizes
 
 
 class Layout:
@@ -255,17 +296,28 @@ class Layout:
             self.state["secrets"][name] = SECRETS[name][0]()
         self.save()
 
-    def check_env(self, env: dict[str, str]) -> None:
-        """Refuse an environment that asks for another layout than the one in the folder."""
+    def check_env(self, env: dict[str, str], running: bool) -> list[str]:
+        """Refuse an environment that asks for another layout than the one in the folder.
+
+        The fleet's sizes (:data:`SIZED`) may change while nothing runs: they are kept and
+        their names returned. Anything else (ports, processes, pools) needs ``clean``.
+        """
         given = config_from_env(env)
         kept = self.state["config"]
         asked = {PORT_BASE_ENV, *SETTINGS, *(v for _, v in PORTS.values()),
                  "SCALED_API_PORTS", "SCALED_CONTROLLER_PORTS"} & set(env)
-        if asked and given != kept:
-            diff = [k for k in kept if kept[k] != given.get(k)]
-            raise LayoutError(
-                f"{self.dir} holds a layout made with other settings ({', '.join(diff)} differ"
-                f" from {', '.join(sorted(asked))}); unset them, or run `clean` first")
+        if not asked or given == kept:
+            return []
+        diff = sorted(k for k in {*kept, *given} if kept.get(k) != given.get(k))
+        if set(diff) <= set(SIZED) and not running:
+            self.state["config"] = given
+            self.save()
+            return diff
+        hint = ("run `down` first" if set(diff) <= set(SIZED)
+                else "unset them, or run `clean` first")
+        raise LayoutError(
+            f"{self.dir} holds a layout made with other settings ({', '.join(diff)} differ"
+            f" from {', '.join(sorted(asked))}); {hint}")
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
