@@ -67,7 +67,28 @@ TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
 
 
 class PrefectUnavailable(SchedError, ConnectionError):
-    """The Prefect server could not be reached or did not answer well: try again later."""
+    """The Prefect server could not be reached or did not answer well: try again later.
+
+    ``retry_after``: the seconds a busy answer's ``Retry-After`` asked for (the scaled
+    layout's balancer sends one with its 503s), None when it gave none.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+MAX_RETRY_AFTER_S = 600.0
+"""The longest ``Retry-After`` believed (a larger one is cut to this)."""
+
+
+def retry_after_s(response: httpx.Response) -> float | None:
+    """Return a busy answer's ``Retry-After`` in seconds (at most MAX_RETRY_AFTER_S), or None
+    when it has none or one that is not a number of seconds."""
+    text = response.headers.get("retry-after", "").strip()
+    if not text.isdigit():
+        return None
+    return min(float(text), MAX_RETRY_AFTER_S)
 
 
 class PrefectRefused(SchedError, ValueError):
@@ -218,6 +239,14 @@ class PrefectApi:
                                      f"{what} ({exc})", 404) from None
             except httpx.HTTPStatusError as exc:
                 status = exc.response.status_code
+                later = retry_after_s(exc.response) if status in BUSY else None
+                # The server (or its balancer) says when: not at once. (Prefect's client has
+                # slept that long once already, even with its retries off.)
+                if later is not None:
+                    self.busy += 1
+                    raise PrefectUnavailable(
+                        f"the Prefect API at {self.shown_url} is busy ({status}) to {what}: "
+                        f"asked to come back in {later:g} s", later) from None
                 if status in BUSY and delay is not None:
                     self.busy += 1
                     time.sleep(delay)  # the server was busy and did nothing: ask again

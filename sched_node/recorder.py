@@ -31,14 +31,16 @@ recorded after its end 7 (docs/agent.md, "The record"); with ``record_task_run``
 Each step is noted in the job's ``record.json`` when it is done, and as
 ``inflight`` just before it is sent; a step found in flight after a restart is
 checked against the server before it is sent again, so a kill in mid-drain
-creates nothing twice. While the server cannot be reached, the recorder waits
-(1 s doubling to :data:`BACKOFF_MAX_S`) and the jobs go on: a slow or absent
-server delays the record, never a job.
+creates nothing twice. While the server cannot be reached or is too busy, the recorder
+waits (1 s doubling to :data:`BACKOFF_MAX_S`, or the server's ``Retry-After`` when longer,
+jittered; new jobs do not cut it short) and the jobs go on: a slow or absent server delays
+the record, never a job, and a fleet refused together does not come back together.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +70,13 @@ BACKOFF_MAX_S = 30.0
 TRIM_EVERY_S = 60.0
 IDLE_WAIT_S = 30.0
 """How long the recorder sleeps with nothing to send (a new job wakes it at once)."""
+
+def backoff_wait(backoff: float, retry_after: float | None,
+                 draw: Callable[[float, float], float] = random.uniform) -> float:
+    """Return how long the recorder waits after a failed pass: its back-off, or the server's
+    ``Retry-After`` when longer, times a random 1 to 1.5."""
+    return max(backoff, retry_after or 0.0) * draw(1.0, 1.5)
+
 
 class Recorder:
     """Drain the outbox into Prefect (the module's steps), in a thread, until stopped.
@@ -159,7 +168,9 @@ class Recorder:
                                 "wait in the outbox: %s", exc, extra={"node": self.node})
                 self.reachable = False
                 self._trim()
-                self._worker.woken.wait(backoff)
+                # New jobs do not cut the wait short (a fleet must not storm a busy server);
+                # jittered so that nodes refused together do not come back together.
+                self._worker.stopping.wait(backoff_wait(backoff, exc.retry_after))
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             except Exception:  # a bug must not end the thread: the outbox keeps everything

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.scaled_parts.balancer import CHECK_TIMEOUT_S, haproxy_conf
+from scripts.scaled_parts.balancer import (
+    CHECK_TIMEOUT_S,
+    NODE_AGENT,
+    QUEUE_S,
+    RETRY_AFTER_S,
+    haproxy_conf,
+)
 from scripts.scaled_parts.config import DEFAULT_DIR, ROOT, Layout, config_from_env, sized_for
 from scripts.scaled_parts.procs import LayoutError
 from scripts.scaled_parts.services import base_env
@@ -57,8 +64,9 @@ def test_a_busy_server_is_not_taken_out_but_a_dead_one_is(tmp_path: Path) -> Non
     layout.create(config_from_env({}))
     text = haproxy_conf(layout).read_text()
     backends = text.split("\nbackend ")[1:]
-    assert [b.split()[0] for b in backends] == ["prefect_api", "controller_api"]
-    for backend in backends:
+    assert [b.split()[0] for b in backends] == ["prefect_api", "prefect_streams",
+                                                "controller_api"]
+    for backend in (backends[0], backends[2]):  # the streams' servers track prefect_api's
         lines = [line.strip() for line in backend.split("\nfrontend ")[0].splitlines()]
         assert f"timeout check {CHECK_TIMEOUT_S}s" in lines
         assert "default-server inter 2s fall 2 rise 2" in lines
@@ -134,3 +142,28 @@ def test_a_layout_is_resized_after_down_and_keeps_everything_else(tmp_path: Path
     # Anything else still needs `clean`.
     with pytest.raises(LayoutError, match="clean"):
         layout.check_env({"SCALED_API_COUNT": "3"}, running=False)
+
+
+def test_prefects_balancer_queues_nodes_behind_people_and_never_queues_health(
+        tmp_path: Path) -> None:
+    # Each API process takes as many requests as its database pool has connections; the rest
+    # wait in HAProxy (a 503 with Retry-After after QUEUE_S), the nodes' after everyone's.
+    layout = Layout(tmp_path)
+    layout.create(config_from_env({"SCALED_DB_POOL_SIZE": "10", "SCALED_DB_MAX_OVERFLOW": "5"}))
+    conf = haproxy_conf(layout)
+    text = conf.read_text()
+    prefect = text[text.index("frontend prefect"):text.index("frontend controller")]
+    api = prefect[prefect.index("\nbackend prefect_api"):prefect.index("\nbackend prefect_streams")]
+    assert api.count("check maxconn 15") == 2 and f"timeout queue {QUEUE_S}s" in api
+    assert f"-m beg {NODE_AGENT} }}" in prefect and "set-priority-class int(1)" in prefect
+    assert f"set-header Retry-After {RETRY_AFTER_S} if {{ status 503 }}" in prefect
+    # Event websockets are held for hours: not bound, their servers' health tracked.
+    streams = prefect[prefect.index("\nbackend prefect_streams"):]
+    assert "use_backend prefect_streams if { path_beg /api/events/in /api/events/out }" in prefect
+    assert "maxconn" not in streams and streams.count("track prefect_api/") == 2
+    # The controllers' long polls are not bound this way.
+    assert "maxconn 15" not in text[text.index("frontend controller"):]
+    if shutil.which("haproxy") is None:
+        pytest.skip("no haproxy to check the file with (make test installs it)")
+    checked = subprocess.run(["haproxy", "-c", "-f", str(conf)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr

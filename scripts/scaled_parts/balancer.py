@@ -64,35 +64,73 @@ CHECK_TIMEOUT_S = 15
 """How long HAProxy waits for a server's health answer (its ``timeout check``)."""
 
 
+QUEUE_S = 20
+"""How long a request waits in HAProxy's queue for a free slot on a Prefect API process
+before HAProxy answers 503 with ``Retry-After`` (a node's records wait in its outbox)."""
+RETRY_AFTER_S = 30
+"""The ``Retry-After`` of HAProxy's own 503s: nodes come back later, not at once."""
+NODE_AGENT = "sched-agent"
+"""The User-Agent of the nodes' Prefect client (sched_node/prefect_api.py): their requests
+queue behind everyone else's."""
+
+
 def _balanced(name: str, bind: str, maxconn: object, health: str,
               servers: list[tuple[str, int]], hold_s: int | None = None,
-              forward_for: bool = False) -> str:
+              forward_for: bool = False, inflight: int | None = None) -> str:
     """One HAProxy frontend and its backend: least connections, servers checked on health.
 
     ``hold_s``: how long an answer may take (the defaults' 120 s otherwise). A health check
     may take :data:`CHECK_TIMEOUT_S` to be answered: a dead process (connection refused)
-    is still out after two checks (~4 s), but one busy for less is not taken out. With the check's
-    own 2 s, both API processes of a 10,000-node fleet's peak were marked down in turn and
-    HAProxy answered 503 itself (``<NOSRV>``), ~1,600 in 3 minutes. ``forward_for``: add the
-    client's address to ``X-Forwarded-For`` (the controllers trust it from loopback only).
+    is still out after two checks (~4 s), but one busy for less is not taken out.
+    ``forward_for``: add the client's address to ``X-Forwarded-For`` (the controllers trust
+    it from loopback only).
+
+    ``inflight``: at most this many requests at once on each server; the rest wait in
+    HAProxy's queue (up to :data:`QUEUE_S`, then a 503 with ``Retry-After``), people's
+    and tools' requests ahead of the nodes' (priority class by User-Agent). Health checks
+    are not queued, so a busy server is never taken out for its queue. Prefect's event
+    websockets (``/api/events/in``, ``/out``: held for hours) go to a backend of their own
+    with no such bound.
     """
     lines = "\n".join(f"    server {server} 127.0.0.1:{port} check" for server, port in servers)
     client = f"\n    timeout client {hold_s}s" if hold_s else ""
     server = f"\n    timeout server {hold_s}s" if hold_s else ""
     server += "\n    option forwardfor" if forward_for else ""
-    return f"""
+    rules = "" if inflight is None else f"""
+    http-request set-priority-class int(1) if {{ req.hdr(user-agent) -m beg {NODE_AGENT} }}
+    http-after-response set-header Retry-After {RETRY_AFTER_S} if {{ status 503 }}
+    use_backend {name}_streams if {{ path_beg /api/events/in /api/events/out }}"""
+    front = f"""
 frontend {name}
     bind {bind}
-    maxconn {maxconn}{client}
+    maxconn {maxconn}{client}{rules}
     default_backend {name}_api
-
-backend {name}_api
-    balance leastconn{server}
-    option httpchk GET {health}
+"""
+    check = f"""    option httpchk GET {health}
     http-check expect status 200
     timeout check {CHECK_TIMEOUT_S}s
-    default-server inter 2s fall 2 rise 2
+    default-server inter 2s fall 2 rise 2"""
+    if inflight is None:
+        return f"""{front}
+backend {name}_api
+    balance leastconn{server}
+{check}
 {lines}
+"""
+    bounded = "\n".join(f"    server {server} 127.0.0.1:{port} check maxconn {inflight}"
+                        for server, port in servers)
+    tracked = "\n".join(f"    server {server} 127.0.0.1:{port} track {name}_api/{server}"
+                        for server, port in servers)
+    return f"""{front}
+backend {name}_api
+    balance leastconn{server}
+    timeout queue {QUEUE_S}s
+{check}
+{bounded}
+
+backend {name}_streams
+    balance leastconn{server}
+{tracked}
 """
 
 
@@ -102,8 +140,12 @@ def haproxy_conf(layout: Layout, name: str = "haproxy") -> Path:
     folder = layout.dir / "haproxy"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     ports, bind, maxconn = layout.ports, layout.config["bind"], layout.config["lb_maxconn"]
+    # Each API process takes at most as many requests at once as its database pool holds
+    # connections (more only wait inside it for one); the rest wait in HAProxy's queue.
+    inflight = int(layout.config["pool_size"]) + int(layout.config["max_overflow"])
     prefect_part = _balanced("prefect", f"{bind}:{ports['prefect_lb']}", maxconn, "/api/health",
-                             list(zip(layout.api_names(), ports["api"], strict=True)))
+                             list(zip(layout.api_names(), ports["api"], strict=True)),
+                             inflight=inflight)
     controllers = list(zip(layout.controller_names(), ports["controller"], strict=True))
     # A node's long poll is held up to 300 s (a heartbeat that long): 30 s more to answer.
     controller_part = _balanced("controller", f"{bind}:{ports['controller_lb']}", maxconn,
