@@ -46,7 +46,6 @@ from bench.bench_controller_fleet import node_token as token_of
 from bench.bench_controller_fleet import (
     once,
     pct,
-    populate,
     proc_cpu,
     raise_nofile,
     request_bytes,
@@ -268,7 +267,11 @@ def storm(tree: str, port: int, pid: int, url: str, tokens: Path,
 def run_tree(tree: str, code: Path, folder: Path, args: argparse.Namespace
              ) -> tuple[list[Outcome], str]:
     url = f"sqlite:///{folder / (tree.replace(' ', '-') + '.db')}"
-    populate(url, args.nodes)
+    # The tree's own code makes its database: its migrations, not this tree's.
+    subprocess.run([sys.executable, "-c", "import sys; from bench.bench_controller_fleet "
+                    "import populate; populate(sys.argv[1], int(sys.argv[2]))", url,
+                    str(args.nodes)], cwd=code, env={**os.environ, "PYTHONPATH": str(code)},
+                   check=True)
     tokens = folder / "tokens.toml"
     write_private(tokens, tokens_toml([ADMIN], args.nodes))
     outcomes = []
