@@ -44,7 +44,7 @@ from zoneinfo import ZoneInfo
 from controller.events import Announced
 from controller.jobs import JobRecord
 from controller.models import DEFAULT_TIMEZONE
-from controller.nodes import JobKeep, Pull, Seen, StoredReport, utc_text
+from controller.nodes import JobKeep, Pull, Seen, StoredReport
 from controller.report_in import DEFAULT_HEARTBEAT_S, FAILING_STATES
 from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
@@ -61,7 +61,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
-from sched_core.values import local_text, parse_go_time
+from sched_core.values import local_text, parse_go_time, utc_text
 
 DEFAULT_PULL_INTERVAL = 900.0
 """Seconds between a node's periodic pulls unless told otherwise: the agents' default

@@ -30,6 +30,7 @@ from sqlalchemy.engine import CursorResult
 from sqlmodel import Session
 
 from controller.models import NodeJob
+from sched_core.values import utc_text
 
 if TYPE_CHECKING:
     from controller.nodes import JobKeep
@@ -73,8 +74,6 @@ class JobRecord:
 
     def as_json(self) -> dict[str, Any]:
         """Return the record as JSON data (times RFC 3339 UTC)."""
-        from controller.nodes import utc_text
-
         duration = self.duration
         return {
             "key": self.key, "schedule_id": self.schedule_id, "window": utc_text(self.window),

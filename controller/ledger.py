@@ -16,6 +16,7 @@ from sqlmodel import Session
 
 from controller import fleet, jobs, morning, nodes, schedules
 from controller.fleet import FleetSettings
+from sched_core.values import utc_text
 
 
 def node_grace(report: nodes.StoredReport | None, settings: FleetSettings) -> timedelta:
@@ -80,7 +81,7 @@ def fleet_report(
             item["windows"] = item["windows"][:max(budget, 0)]
             budget -= len(item["windows"])
     return {
-        "now": nodes.utc_text(now), "since": nodes.utc_text(since),
-        "until": nodes.utc_text(until), "summary": morning.summary(ordered),
+        "now": utc_text(now), "since": utc_text(since),
+        "until": utc_text(until), "summary": morning.summary(ordered),
         "nodes": ordered, "truncated": truncated,
     }

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
+from controller.cron import check_cron
 from sched_core.matcher import DEFAULT_TZ, zone
 from sched_core.model import Schedule
 from sched_core.values import NAME_MAX_LENGTH, check_text, check_zone_name
@@ -442,8 +443,6 @@ class TaskIn(SQLModel):
     @classmethod
     def _valid_cron(cls, value: str | None) -> str | None:
         if value is not None:
-            from controller.timing import check_cron
-
             check_cron(value)  # a ValueError naming the expression and what is wrong
         return value
 

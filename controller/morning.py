@@ -48,7 +48,6 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from controller.jobs import FAILED_STATES, JobRecord
-from controller.nodes import utc_text
 from controller.schedules import RowVersion
 from sched_core.matcher import fire_times, window_key
 from sched_core.model import LocalSchedule
@@ -60,7 +59,7 @@ from sched_core.policies import (
     window_block,
     window_starts,
 )
-from sched_core.values import TICK
+from sched_core.values import TICK, utc_text
 
 REPORT_SLACK_S = 60.0
 """Seconds a node has, past a window's grace, for the report of its job's start to arrive."""

@@ -49,7 +49,7 @@ from controller.models import (
     NodeSeen,
 )
 from controller.report_in import JobRecordIn
-from sched_core.values import format_go_time
+from sched_core.values import utc_text
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +62,6 @@ _PULL: Table = NodePull.__table__  # type: ignore[attr-defined]
 _SCHEDULE: Table = AgentSchedule.__table__  # type: ignore[attr-defined]
 _REVISION: Table = NodeRevision.__table__  # type: ignore[attr-defined]
 _SEEN: Table = NodeSeen.__table__  # type: ignore[attr-defined]
-
-
-def utc_text(value: datetime | None) -> str | None:
-    """Return an instant as RFC 3339 in UTC (``2026-12-03T07:30:00Z``), or None."""
-    return None if value is None else format_go_time(value)
 
 
 def _insert(session: Session, table: Table) -> Any:

@@ -83,7 +83,7 @@ from controller.db import db_now, transaction
 from controller.fleet import FleetSettings
 from controller.logtext import printable
 from controller.models import FleetAlert, WatchTurn, utc_now
-from controller.nodes import utc_text
+from sched_core.values import utc_text
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from zoneinfo import ZoneInfo
 from controller.alert_rules import AlertFact
 from controller.jobs import JobRecord
 from controller.morning import NEW_ROW_S, REPORT_SLACK_S, record_detail, status_of
-from controller.nodes import utc_text
 from controller.schedules import RowVersion
 from sched_core.explain import dst_note, schedule_words
 from sched_core.matcher import fire_times, window_key
@@ -45,7 +44,7 @@ from sched_core.policies import (
     run_start,
     window_block,
 )
-from sched_core.values import TICK
+from sched_core.values import TICK, utc_text
 
 _SCAN = timedelta(hours=3)
 

@@ -68,6 +68,11 @@ def format_go_time(value: datetime | None) -> str:
     return text + "Z"
 
 
+def utc_text(value: datetime | None) -> str | None:
+    """Return an instant as RFC 3339 in UTC (``2026-12-03T07:30:00Z``), or None."""
+    return None if value is None else format_go_time(value)
+
+
 def parse_go_time(value: object) -> datetime | None:
     """Return an aware UTC datetime from Go's RFC 3339 text; None for the zero time."""
     if value is None:

@@ -19,9 +19,8 @@ import pytest
 from cronsim import CronSim
 
 from controller.claims import Claim
+from controller.cron import check_cron, next_cron
 from controller.timing import (
-    check_cron,
-    next_cron,
     next_run,
     next_shape,
     plan_after_dispatch,
