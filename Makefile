@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 typecheck: setup
-	$(VENV)/bin/mypy sched_core sched_node flows deployments controller sched_ops sched_cli.py scripts
+	$(VENV)/bin/mypy sched_core sched_node flows ops controller sched_ops sched_cli.py scripts
 
 # Three test files at a time on two cores: the longest tests wait on real minutes (the suite
 # keeps 2 cores 40 % busy on two workers), so a third worker fills the wait (8:00 -> 5:52 here;
@@ -41,7 +41,7 @@ test: lint typecheck
 	$(VENV)/bin/pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 run: $(BASE)
-	$(PY) -m deployments.run_local
+	$(PY) -m ops.run_local
 
 # BENCH_PREFECT=1 also runs the node's benchmark (its own Prefect servers; ~75 min).
 bench: setup

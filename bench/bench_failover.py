@@ -55,7 +55,7 @@ from sqlmodel import Session
 from bench.prefect_bench import answers, free_port, wait_until, write_section
 from controller import claims, db, tasks
 from controller.models import ScheduledTask, TaskIn
-from deployments.run_local import stop_group
+from ops.run_local import stop_group
 
 BEGIN, END = "<!-- failover:begin -->", "<!-- failover:end -->"
 SCHED = str(Path(sys.executable).parent / "sched")

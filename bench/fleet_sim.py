@@ -63,7 +63,7 @@ from typing import Any
 
 from bench import prefect_bench as pb
 from bench.bench_node import Controller, _config, _spawn_node
-from deployments.run_local import wait_healthy
+from ops.run_local import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 

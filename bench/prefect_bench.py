@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from deployments.run_local import stop_group as _stop_group
-from deployments.run_local import wait_healthy
+from ops.run_local import stop_group as _stop_group
+from ops.run_local import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -63,12 +63,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def server_env(home: Path, port: int, *, late_runs: bool = True) -> dict[str, str]:
-    """Return the environment ``make run`` gives its server (deployments/run_local.py).
+    """Return the environment ``make run`` gives its server (ops/run_local.py).
 
     ``late_runs=False`` turns the late-runs service off, for benchmarks whose
     runs nobody executes (it would mark them Late while they are measured).
     """
-    from deployments.run_local import server_env as make_run_env
+    from ops.run_local import server_env as make_run_env
     from sched_node.registration import SERVER_SETTINGS
 
     env = make_run_env(home, port)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from deployments import run_local
+from ops import run_local
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float, *,
 
 def stop_group(proc: subprocess.Popen[bytes] | None, *, grace: float = 20.0) -> None:
     """Stop a process started in its own session: SIGTERM its group, wait up to grace s, then
-    SIGKILL it (deployments.run_local's stop); grace 0: SIGKILL at once, as a crash would."""
+    SIGKILL it (ops.run_local's stop); grace 0: SIGKILL at once, as a crash would."""
     if proc is None:
         return
     if grace > 0:

@@ -19,13 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 FORBIDDEN = {
-    "sched_core": {"flows", "sched_node", "deployments", "controller", "sched_cli", "sched_ops"},
-    "controller": {"flows", "sched_node", "deployments", "sched_cli", "sched_ops"},
+    "sched_core": {"flows", "sched_node", "ops", "scripts", "controller", "sched_cli", "sched_ops"},
+    "controller": {"flows", "sched_node", "ops", "scripts", "sched_cli", "sched_ops"},
     # The operator's commands are a client: HTTP to the controller, Prefect's client.
-    "sched_ops": {"flows", "sched_node", "deployments", "controller", "sched_cli"},
+    "sched_ops": {"flows", "sched_node", "ops", "scripts", "controller", "sched_cli"},
     # The node and the flows are the agent: neither reaches the center's code.
-    "sched_node": {"deployments", "controller", "sched_cli", "sched_ops"},
-    "flows": {"deployments", "controller", "sched_cli", "sched_ops"},
+    "sched_node": {"ops", "scripts", "controller", "sched_cli", "sched_ops"},
+    "flows": {"ops", "scripts", "controller", "sched_cli", "sched_ops"},
 }
 
 
@@ -64,9 +64,9 @@ def imported_names(source: str) -> set[str]:
 def test_the_static_check_sees_each_kind_of_import() -> None:
     source = (
         "import controller.api\nfrom flows import agent\nimport importlib\n"
-        "importlib.import_module('deployments.serve')\nfrom . import sibling\n"
+        "importlib.import_module('ops.serve')\nfrom . import sibling\n"
     )
-    assert imported_names(source) >= {"controller", "flows", "deployments"}
+    assert imported_names(source) >= {"controller", "flows", "ops"}
     assert "sibling" not in imported_names(source)
 
 

@@ -1,4 +1,4 @@
-"""deployments.redis_messaging: an event retried after a failure is published once; no trim
+"""ops.redis_messaging: an event retried after a failure is published once; no trim
 removes what a consumer group has not read.
 
 On a real Redis (Debian's ``redis-server``; skipped, naming the package, where it is missing).
@@ -29,7 +29,7 @@ import redis
 from prefect_redis.client import clear_cached_clients, get_async_redis_client
 from prefect_redis.messaging import _deduplication_key
 
-from deployments import redis_messaging
+from ops import redis_messaging
 
 
 def _free_port() -> int:

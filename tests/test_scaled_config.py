@@ -97,7 +97,7 @@ def test_the_layout_and_its_servers_run_this_checkouts_code(tmp_path: Path) -> N
                            tmp_path, env)
     layout = Layout(tmp_path)
     layout.create(config_from_env({}))
-    in_server = ("import deployments.redis_messaging as a, sched_cli as b;"
+    in_server = ("import ops.redis_messaging as a, sched_cli as b;"
                  " print(a.__file__); print(b.__file__)")
     files += _imported_from([sys.executable, "-c", in_server], tmp_path,
                             base_env(layout, tmp_path / "home"))

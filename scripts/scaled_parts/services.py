@@ -14,7 +14,7 @@ from scripts.scaled_parts.procs import SERVER_UMASK, LayoutError, alive, open_lo
 def base_env(layout: Layout, home: Path) -> dict[str, str]:
     """The environment of a process we start: ours, less any Prefect or sched setting.
 
-    ``PYTHONPATH`` is this checkout: the servers run its code (``deployments.redis_messaging``,
+    ``PYTHONPATH`` is this checkout: the servers run its code (``ops.redis_messaging``,
     the controller), not that of another checkout the venv's editable install may point at.
     """
     env = {k: v for k, v in os.environ.items()
@@ -45,7 +45,7 @@ def prefect_server_env(layout: Layout, home: Path) -> dict[str, str]:
         # prefect-redis's broker, but an event's deduplication key and its stream entry are
         # written by one script: in two steps, a Redis restart or a dead API process between
         # them made the client's retry of the event look like a duplicate, and it was lost.
-        "PREFECT_MESSAGING_BROKER": "deployments.redis_messaging",
+        "PREFECT_MESSAGING_BROKER": "ops.redis_messaging",
         "PREFECT_MESSAGING_CACHE": "prefect_redis.messaging",
         "PREFECT_SERVER_EVENTS_CAUSAL_ORDERING": "prefect_redis.ordering",
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect_redis.lease_storage",
