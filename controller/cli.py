@@ -365,5 +365,8 @@ def migrate(
         typer.echo(f"downgraded {db.safe_url(url)} to {revision}")
         return
     target = revision or "head"
-    db.migrate(url, target)
+    try:
+        db.migrate(url, target)
+    except ConfigError as exc:  # a schema these migrations do not know
+        _fail(str(exc))
     typer.echo(f"migrated {db.safe_url(url)} to {target}")

@@ -42,6 +42,7 @@ from sqlmodel import Session, create_engine
 
 from controller.models import UtcDateTime, utc_now
 from controller.settings import ControllerSettings
+from sched_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +293,8 @@ def schema_problem(url: str | URL | None = None) -> str | None:
     current = _current_heads(url)
     if current == heads:
         return None
+    if unknown := _unknown_revisions(config, url):
+        return _unknown_text(url, unknown)
     where = safe_url(database_url(url))
     now = ", ".join(sorted(current)) or "no schema at all"
     return (f"the database {where} is at {now}, and this controller needs "
@@ -308,7 +311,22 @@ def migrate(url: str | URL | None = None, revision: str = "head") -> None:
     config = alembic_config(url)
     if _already_at(config, url, revision):
         return
+    if unknown := _unknown_revisions(config, url):
+        raise ConfigError(_unknown_text(url, unknown))
     command.upgrade(config, revision)
+
+
+def _unknown_revisions(config: Config, url: str | URL | None) -> list[str]:
+    """Return the revisions the database says it is at that these migrations do not have."""
+    script = ScriptDirectory.from_config(config)
+    known = {rev.revision for rev in script.walk_revisions()}
+    return sorted(set(_current_heads(url)) - known)
+
+
+def _unknown_text(url: str | URL | None, unknown: list[str]) -> str:
+    return (f"the database {safe_url(database_url(url))} is at {', '.join(unknown)}, a schema "
+            "this controller does not know (a pre-release one, or a newer controller's): keep "
+            "using the controller that made it, or start from a new, empty database")
 
 
 def downgrade(url: str | URL | None = None, revision: str = "base") -> None:

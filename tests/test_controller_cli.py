@@ -113,10 +113,20 @@ def test_serve_refuses_a_database_not_at_the_latest_schema(tmp_path: Path) -> No
     assert empty.returncode == 2
     assert f"is at no schema at all, and this controller needs {head}" in empty.stderr
     assert "run `sched controller migrate` first" in empty.stderr
-    assert run_cli("migrate", "--revision", "0005", env=env).returncode == 0
+    assert run_cli("migrate", env=env).returncode == 0
+    # A database a pre-release controller made: named, and nothing is changed by migrate.
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "c.db") as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '0011'")
     older = run_cli("serve", "--api-only", "--port", str(free_port()), env=env)
     assert older.returncode == 2
-    assert f"is at 0005, and this controller needs {head}" in older.stderr
+    assert "is at 0011, a schema this controller does not know" in older.stderr
+    refused = run_cli("migrate", env=env)
+    assert refused.returncode == 2 and "is at 0011, a schema" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    with sqlite3.connect(tmp_path / "c.db") as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [("0011",)]
 
 
 def test_serve_refuses_a_bad_token_configuration_without_echoing_it(tmp_path: Path) -> None:
