@@ -23,7 +23,7 @@ Rules:
    latest job): a job's start changes no status. Its ``status`` is the first that holds
    of cannot-start (its agent said so since its last own request, :func:`start_error`),
    never-seen, silent, failing, else ok: a node silent for that long may be failing too,
-   but that is old news. (``stale`` is kept in the answers as the old name of silent.)
+   but that is old news. (``stale`` in the answers means silent.)
 3. A write's ``_propagation`` says when the row's next window is and whether the node is
    likely to have the row by then: it must have pulled the row by the end of the
    window's minute (a node never fires a window earlier than the minute it first saw the

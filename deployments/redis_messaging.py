@@ -26,7 +26,7 @@ read (``XTRIM MINID``). prefect-redis (0.3.0) takes that lowest id with ``min()`
 as text, so ``1000-12`` comes before ``1000-3``: with ten or more messages in one millisecond
 and one group behind another, it trims messages the slower group has not read yet, and that
 group never sees them (``tests/test_redis_messaging.py`` shows it). :class:`Consumer` trims
-to the lowest id as Redis orders them (milliseconds, then sequence); the rest is as before:
+to the lowest id as Redis orders them (milliseconds, then sequence); the rest is prefect-redis's:
 groups that read nothing yet, and groups whose consumers are all idle past
 ``trim_idle_threshold``, do not hold the trim back.
 """
