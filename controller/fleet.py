@@ -15,9 +15,9 @@ Rules:
 2. Liveness comes only from the node's own requests (a pull or a report made with its
    own token; an admin's read of its list never counts). A node is **silent** when its
    latest own request is older than :data:`SILENT_HEARTBEATS` times the heartbeat it
-   announced (``heartbeat_s`` in its report); a node that never announced one (an older
-   agent, which only promised its periodic pull) gets the longer of 3 x 300 s and
-   ``stale_after`` (3 pull intervals). It is **never-seen** when it never made one, and
+   announced (``heartbeat_s`` in its report); a node that announced none gets the longer
+   of 3 x 300 s and ``stale_after`` (3 pull intervals). It is **never-seen** when it never
+   made one, and
    **failing** when the latest job that ended of one of its current schedules failed,
    crashed or timed out (its latest job record, else, while that one runs, its report's
    latest job): a job's start changes no status. Its ``status`` is the first that holds

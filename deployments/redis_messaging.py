@@ -9,8 +9,8 @@ Why. prefect-redis (0.3.0) publishes an event in two steps: ``SET NX`` of the ev
 deduplication key (kept 5 minutes), then ``XADD`` to the stream. When Redis goes away between
 the two (a restart) or the API process dies between them, the key stays and the message is
 not in the stream; the client's retry of the same event (same id) is then taken for a
-duplicate: answered 204, never stored. Measured here: one event in about 500 lost across a
-Redis restart (``tests/test_redis_messaging.py`` shows the two steps apart, live).
+duplicate: answered 204, never stored (``tests/test_redis_messaging.py`` shows the two steps
+apart, live).
 
 The change. One Lua script does both, atomically on the server: if the key exists the
 message was published (nothing to do); else ``XADD``, then ``SET`` of the key. A retry after
