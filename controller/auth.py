@@ -1,20 +1,12 @@
 """Bearer tokens: who is calling, and what they may touch.
 
-Rule: a token is never logged, never put in an error message, and never
-compared with ``==``. Each presented token is hashed (SHA-256) and its digest
-looked up in a table of the configured tokens' digests: one lookup, whatever
-the number of tokens (10,000 nodes' tokens compared one by one cost 0.4-0.6 ms of
-CPU per request, twice for a pull). The lookup's time can depend only on the
-presented token's *digest* (how much of it matched a stored one), which tells
-an attacker nothing without a SHA-256 preimage; which principal the token
-belongs to does not change it.
+Rule: a token is never logged, never put in an error message, and never compared with
+``==``. Each presented token is hashed (SHA-256) and its digest looked up among the
+configured tokens' digests: one lookup whatever their number, whose time can depend only on
+the digest, which tells an attacker nothing without a preimage.
 
-Two kinds of principal:
-
-- the **admin** (``SCHED_ADMIN_TOKEN``) reads and writes everything;
-- a **node** (``SCHED_NODE_TOKENS="node-a=tok1,node-b=tok2"``) reads only its
-  own schedules.
-
+Two kinds of principal: the **admin** (``SCHED_ADMIN_TOKEN``) reads and writes everything;
+a **node** (``SCHED_NODE_TOKENS="node-a=tok1,node-b=tok2"``) reads only its own schedules.
 Tokens may also come from a TOML or JSON file named by ``SCHED_TOKENS_FILE``::
 
     admin = ["admin-token-1", "admin-token-2"]   # or one string
@@ -22,14 +14,11 @@ Tokens may also come from a TOML or JSON file named by ``SCHED_TOKENS_FILE``::
     node-a = "tok1"
     node-b = ["tok2", "tok2-next"]                # several, for rotation
 
-The file and the environment are merged. A token that maps to two principals
-is a configuration error, as is an empty token, and so is a tokens file that
-its group or other users may read or write (``chmod 600`` it).
-
-The file is reloaded while the controller runs (:class:`TokensReloader`): when
-it changes on disk (checked every few seconds) or on ``SIGHUP``, one mechanism.
-A new file that fails to load keeps the tokens in force and logs an error
-naming the file and the problem.
+The file and the environment are merged. A token that maps to two principals, an empty
+token, and a tokens file its group or other users may read or write are configuration
+errors. The file is reloaded while the controller runs (:class:`TokensReloader`), when it
+changes on disk or on ``SIGHUP``; a new file that fails to load keeps the tokens in force
+and logs an error naming the file and the problem.
 """
 
 from __future__ import annotations

@@ -1,44 +1,28 @@
 """The central scheduler: claims due tasks from the store and dispatches each exactly once.
 
-Rule: the database is the only shared state. Any number of instances may run
-against one Postgres; the claim protocol (see :mod:`controller.claims`)
-decides who dispatches each (task, scheduled time), and the database's clock
-decides when something is due.
+Rule: the database is the only shared state. Any number of instances may run against one
+Postgres; the claim protocol (:mod:`controller.claims`) decides who dispatches each (task,
+scheduled time), and the database's clock decides when something is due.
 
 Each instance runs two threads:
 
-- the loop: claim a batch, dispatch each claim, complete or fail it, then wait
-  for the earliest ``next_run_at``, a wake-up, or the poll interval, whichever
-  comes first;
-- on Postgres, the listener (:mod:`controller.listener`): its own psycopg
-  connection doing ``LISTEN sched_task``, kept up whatever happens to it. On a
-  notification it runs a pass itself, claiming on that connection (its
-  backend is awake already), then wakes the loop; if the loop is mid-pass it
-  only wakes it. After a reconnect it wakes the loop, so tasks saved while it
-  was away are picked up at once.
+- the loop: claim a batch, dispatch each claim, complete or fail it, then wait for the
+  earliest ``next_run_at``, a wake-up, or the poll interval;
+- on Postgres, the listener (:mod:`controller.listener`): ``LISTEN sched_task`` on its own
+  connection; on a notification it runs a pass itself (its backend is awake), then wakes
+  the loop; after a reconnect it wakes the loop. SQLite polls, and a save in the same
+  process wakes it (:func:`controller.wakeups.subscribe_saves`).
 
-SQLite has no notifications: the loop polls, and a save in the same process
-wakes it (:func:`controller.wakeups.subscribe_saves`).
+What a finished claim's task becomes is the pure
+:func:`controller.timing.plan_after_dispatch`'s answer; the store only writes it. On
+Postgres a claim commits with ``synchronous_commit = off`` and its completion durably (which
+flushes the claim too); a claim lost in a database crash is claimed again and dispatched
+with the same idempotency key, which Prefect deduplicates. ``durable_claims=True`` makes the
+claim wait for the flush.
 
-What a finished claim's task becomes is decided here, by the pure
-:func:`controller.timing.plan_after_dispatch`; the store only writes it.
-
-Commits on Postgres: the claim (lease + dispatch record) commits asynchronously
-(``synchronous_commit = off`` on the two connections that claim), so a
-dispatch starts without waiting for the disk's flush; the completion and a
-failure commit durably, and that flush also makes the earlier claim durable
-(the WAL is written in order). Only a crash of the database server between a
-claim and its completion can lose the claim, and that is safe: the
-(task, scheduled time) is claimed again and dispatched with the same
-idempotency key, which Prefect deduplicates (one event per id, one flow run
-per key), exactly as after a durable claim whose worker died mid-dispatch.
-Concurrent instances see an asynchronous commit at once, so it changes
-nothing for them. ``durable_claims=True`` makes the claim wait for the flush too.
-
-The parts: :class:`CentralScheduler` here is a thin facade (threads, the loop, start
-and stop) over :class:`controller.central_db.SchedulerConnections` (the connections),
-:class:`controller.central_pass.DispatchPass` (one pass: claim, dispatch, complete)
-and its :class:`~controller.central_pass.InFlight` leases, and the
+:class:`CentralScheduler` is a thin facade (threads, the loop, start and stop) over
+:class:`controller.central_db.SchedulerConnections`, :class:`controller.central_pass.DispatchPass`
+(one pass) with its :class:`~controller.central_pass.InFlight` leases, and the
 :class:`controller.listener.Listener`.
 """
 

@@ -32,13 +32,9 @@ The two databases differ in how steps 1 and 2 run, and only there: a
 write lock), chosen once per dialect by :func:`backend_for`; they, and what a
 claim is, live in :mod:`controller.claim_store`.
 
-Crash window: a worker that dies after recording a dispatch and before
-completing it leaves the record "dispatching" and stops renewing it; once
-neither its start nor its last renewal is within ``stale_after`` (and its
-lease has run out), another worker takes it over and dispatches again with the
-same idempotency key (a deployment run with that key is not created twice; an
-event carries an id derived from it). A worker still renewing is never
-doubled, whatever its lease says.
+Crash window: a worker that dies mid-dispatch stops renewing its record; once neither its
+start nor its last renewal is within ``stale_after``, another worker takes it over and
+dispatches again under the same idempotency key. A worker still renewing is never doubled.
 """
 
 from __future__ import annotations

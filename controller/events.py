@@ -2,9 +2,9 @@
 
 Every PUT, PATCH or DELETE of a node's row sends one event, resource
 ``sched.agent.<node>``, payload ``{"node", "schedule_id", "version", "op"}``;
-the node's ``reconcile`` deployment has a trigger on it (``prefect.yaml`` and
-``deployments/serve.py``), so the node pulls within seconds instead of at its
-next periodic pull.
+every controller instance's relay follows it (:mod:`controller.waits`) and wakes the
+node's long poll, and a node that follows Prefect's events itself sees it there, so the
+node pulls within seconds, not at its next periodic pull.
 
 Rules:
 

@@ -15,15 +15,15 @@ Rules:
 2. Liveness comes only from the node's own requests (a pull or a report made with its
    own token; an admin's read of its list never counts). A node is **silent** when its
    latest own request is older than :data:`SILENT_HEARTBEATS` times the heartbeat it
-   announced (``heartbeat_s`` in its report); a node that never announced one (an older
-   agent, which only promised its periodic pull) gets the longer of 3 x 300 s and
-   ``stale_after`` (3 pull intervals). It is **never-seen** when it never made one, and
+   announced (``heartbeat_s`` in its report); a node that announced none gets the longer
+   of 3 x 300 s and ``stale_after`` (3 pull intervals). It is **never-seen** when it never
+   made one, and
    **failing** when the latest job that ended of one of its current schedules failed,
    crashed or timed out (its latest job record, else, while that one runs, its report's
    latest job): a job's start changes no status. Its ``status`` is the first that holds
    of cannot-start (its agent said so since its last own request, :func:`start_error`),
    never-seen, silent, failing, else ok: a node silent for that long may be failing too,
-   but that is old news. (``stale`` is kept in the answers as the old name of silent.)
+   but that is old news. (``stale`` in the answers means silent.)
 3. A write's ``_propagation`` says when the row's next window is and whether the node is
    likely to have the row by then: it must have pulled the row by the end of the
    window's minute (a node never fires a window earlier than the minute it first saw the

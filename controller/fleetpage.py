@@ -13,7 +13,7 @@ anyone with a token wrote: the environment escapes each where it lands
 that is a UUID.
 
 The templates' line breaks and the indentation after them are layout, not
-output (:class:`_LayoutLines`): the page is served as before, on one line.
+output (:class:`_LayoutLines`): the page is served on one line.
 
 The data are the API's shapes (FLEET-CONTRACT.md): the rows of ``GET
 /api/status``, each node's ``schedules`` from ``GET /api/nodes/{node}/status``,

@@ -24,10 +24,9 @@ Rules:
    ``skipped``, ``running``); else, once its run's start (the window plus the
    row's jitter) plus the node's grace plus :data:`REPORT_SLACK_S` has passed,
    **missed: no report from the node**; before that it is ``due``. A node
-   that makes requests but never announced a heartbeat runs an agent that
-   does not report its jobs (an older one): its windows without a record are
-   ``unreported``, never missed (its report's latest job per schedule is all
-   there is); a node never seen at all ran nothing, and its windows are missed.
+   that never announced a heartbeat does not report its jobs: its windows
+   without a record are ``unreported``, never missed; a node never seen at all
+   ran nothing, and its windows are missed.
 4. **Other jobs** (chain stages, ad hoc runs, windows no row version has, such
    as a recovery of an older window) are listed as the node reported them,
    not expected.

@@ -7,7 +7,7 @@ Rules:
   exactly when the list does;
 - a row is stored in one column per Go field, plus its set policy fields
   (:data:`POLICY_FIELDS`) in one JSON column, so a row without policies is
-  stored (and served) exactly as before;
+  stored (and served) exactly as the Go kit's;
 - every write also keeps the row's version history (``schedule_version``) in
   the same transaction: the version written is in force from the write's
   ``now`` until the next write or the delete, so the controller can tell which

@@ -1,48 +1,30 @@
 """Nodes' long polls: wake a node when its schedules change or Prefect has a run for it.
 
 Each node holds one long poll, ``GET /api/nodes/<node>/wait`` (:mod:`controller.api.wait`),
-and the controller answers it when there is something for the node, so a node needs
-no connection of its own to the Prefect server between its windows.
+answered when there is something for the node, so a node needs no connection of its own to
+the Prefect server between its windows.
 
 Rules:
 
 1. A write of a node's schedules through this process wakes its waits at once
-   (:meth:`NodeWaits.poke` with ``schedules``); a write through another
-   instance reaches this one as the write's Prefect event (the relay), or at
-   the latest when the wait times out and answers the current ETag.
-2. The relay (:class:`PrefectRelay`) follows Prefect's event stream once for
-   the whole fleet and pokes ``prefect`` for a run of ``run-job/<node>``,
-   ``reconcile/<node>`` or ``chain/<node>`` created (Scheduled), retried from the UI
-   (AwaitingRetry) or asked to cancel (Cancelling), leaving out the runs the node made
-   itself (its plan and its records carry a ``trigger:`` tag of their own) and its own
-   retries between two tries.
-3. A ``prefect`` poke carries its event's time; a wait's answer carries the
-   newest such time this process saw for the node (microseconds since the
-   epoch, ``0`` for none) as the node's counter. Every instance follows the
-   same events, so every instance gives a node the same counter, and a node
-   whose wait the balancer sends to the other instance is held there as
-   anywhere (with a counter of its own per instance, each such switch was
-   answered at once and the node asked Prefect again for nothing: about one
-   wait in five with two instances). A wait whose ``seen`` is older than the
-   counter is answered at once, so a node never misses a poke made while it was
-   between two waits; an instance that missed an event (it started after it)
-   holds a node that saw it, and the next event moves both on. A node's first
-   wait after its start (no ``seen``) is answered at once when the counter is
-   not 0, so a node back from a restart looks for the runs made while it was
-   away, and is held when there were none.
+   (:meth:`NodeWaits.poke` with ``schedules``); a write through another instance reaches
+   this one as the write's Prefect event, or when the wait times out.
+2. The relay (:class:`PrefectRelay`) follows Prefect's event stream once for the whole
+   fleet and pokes ``prefect`` for a run of the node's deployments created, retried
+   (AwaitingRetry) or asked to cancel, leaving out the node's own runs (a ``trigger:`` tag)
+   and its own retries.
+3. A wait's answer carries the node's counter: the time of the newest ``prefect`` poke this
+   process saw for it (microseconds, ``0`` for none). Every instance follows the same
+   events, so every instance gives a node the same counter. A wait whose ``seen`` is older
+   is answered at once; a first wait (no ``seen``) is answered at once when the counter is
+   not 0, so a node back from a restart looks for the runs made while it was away.
 4. The waits live in this process's event loop; pokes come from any thread.
-5. A wait reads its node's ETag when it starts and when it answers, and the
-   waits of all nodes read theirs together (:class:`EtagReads`): the reads
-   asked for within :data:`ETAG_READ_WINDOW_S` of each other are one
-   statement on one connection, in one worker thread, so a fleet's heartbeats
-   cost a read per batch, not a session and a thread hop per wait. Each read
-   is of the database as it is then (never a remembered ETag): a wait answers
-   what it did, each of its two reads at most that window later.
-6. A node holds one wait at a time: per (node, holder), a new wait answers the one it
-   replaces at once (its client was lost, or another client holds the node's token),
-   so one token cannot hold more than one connection waiting, and a connection lost
-   without a word is not held until its timeout. The node's own token and the admin's
-   are two holders, so an admin watching a node never ends the node's wait.
+5. A wait reads its node's ETag when it starts and when it answers; the reads asked for
+   within :data:`ETAG_READ_WINDOW_S` of each other are one statement (:class:`EtagReads`),
+   each of the database as it is then.
+6. One wait per (node, holder): a new wait answers the one it replaces at once, so one token
+   cannot hold more than one connection waiting. The node's token and the admin's are two
+   holders.
 """
 
 from __future__ import annotations

@@ -1,63 +1,33 @@
 """The controller's alerts: a silent node, a missed or failed window, and their recovery.
 
-Every ``interval`` seconds each controller instance reads the fleet's report of
-the last :data:`LOOKBACK` at its first pass, then of the time since its last
-pass plus the longest grace of any node plus :data:`MARGIN` (a window is
-judged once its grace is over, so that covers every window that became missed
-or completed since) (:func:`controller.ledger.fleet_report`), and decides,
-with the pure :func:`controller.alert_rules.plan_alerts`, which alerts to raise
-and which earlier ones a success resolves:
+Every ``interval`` seconds one instance takes the fleet's turn (:func:`take_turn`, a
+compare-and-set on the ``watch_turn`` row with the database's clock; the first instance to
+ask once 0.9 of an interval has passed) and reads the fleet's report
+(:func:`controller.ledger.fleet_report`) since its own previous pass plus the longest grace
+plus :data:`MARGIN` (:data:`LOOKBACK` at its first pass). The pure
+:func:`controller.alert_rules.plan_alerts` decides which alerts to raise and which a
+success resolves:
 
-- ``node-silent`` (event ``sched.node.silent``): a node silent past its
-  heartbeats (:mod:`controller.fleet` rule 2), or never seen and with a missed
-  window; subject ``silent@<last seen>`` (or ``never-seen``), so a node that
-  falls silent again later is a new alert;
-- ``window-missed`` (``sched.node.window-missed``): a window with no report
-  from the node past its grace (:mod:`controller.morning` rule 3); subject its key;
-- ``window-failed`` (``sched.node.window-failed``): a window whose job record
-  is Failed or Crashed; subject its key;
-- of those two, one open alert per (node, schedule, kind): while a schedule's
-  missed (or failed) alert is not resolved, its later missed (failed) windows
-  raise no more (an every-minute schedule of a dead node is one alert, not
-  sixty an hour; ``sched report`` lists every window);
-- ``node-recovered`` (``sched.node.recovered``): a silent node made a request
-  again; it resolves the silence;
-- ``window-recovered`` (``sched.node.window-recovered``): a later window of the
-  same schedule completed (or the missed window's job was reported after
-  all); it resolves the schedule's earlier open alerts.
-
-These are not the agent's own ``sched.window.missed`` (a node's planner counting
-windows it never planned): the controller's events are about the node, on the
-resource ``sched.node.<node>``, with the schedule as a related resource
-``sched.schedule.<node>.<id>``.
+- ``node-silent`` (``sched.node.silent``): a node silent past its heartbeats
+  (:mod:`controller.fleet` rule 2), or never seen with a missed window;
+- ``window-missed`` / ``window-failed``: a window with no report past its grace
+  (:mod:`controller.morning` rule 3), or whose job is Failed or Crashed; one open alert
+  per (node, schedule, kind);
+- ``node-recovered`` / ``window-recovered``: the node made a request again; a later
+  window of the schedule completed (or the missed job was reported after all).
 
 Exactly once, whatever the number of instances (the database decides):
 
-1. An alert is a row of ``fleet_alert``, unique per (node, kind, subject): each
-   instance inserts what it found with ``ON CONFLICT DO NOTHING``; the one whose
-   insert wins logs it (a WARNING). Resolutions are an ``UPDATE`` of
-   ``resolved_at`` that only sets it once.
-2. A row not yet sent is claimed by a compare-and-set on its lease
-   (``lease_until``, the database's clock), like the central scheduler's claims:
-   only the instance whose ``UPDATE`` matched sends it.
-3. It sends the event (its id derived from the row's key, so even a resend
-   after a lost lease is one event in Prefect) and marks the row sent; a failed
-   send keeps the row unsent, and it is claimed again once its lease (growing
-   with each attempt, at most 10 min) has run out.
+1. An alert is a row of ``fleet_alert``, unique per (node, kind, subject): each instance
+   inserts what it found with ``ON CONFLICT DO NOTHING``; the one whose insert wins logs it.
+   A resolution sets ``resolved_at`` once.
+2. A row not yet sent is claimed by a compare-and-set on its lease (``lease_until``, the
+   database's clock): only the instance whose ``UPDATE`` matched sends it.
+3. It sends the event (its id derived from the row's key, so a resend is one event) and
+   marks the row sent; a failed send is claimed again once its lease (growing, at most
+   10 min) has run out. Without a Prefect API the alert is only logged.
 
-Without a Prefect API the alert is only logged (and kept in ``fleet_alert``).
-
-One pass per interval, whatever the number of instances: before its pass, an
-instance takes the fleet's turn (:func:`take_turn`, a compare-and-set on the
-``watch_turn`` row with the database's clock); the turn goes to the first
-instance asking once 0.9 of an interval has passed since the last one was taken,
-and an instance that does not get it only sends what is pending (steps 2 and 3).
-The pass's cost then does not grow with the instances (each of them read every
-node's state every interval before: 3 s of CPU a pass at 10,000 nodes of ten rows); an
-instance that stops leaves the turn to the others after one interval, and a pass
-always looks back to its own instance's previous pass (:meth:`FleetWatch.look_back`),
-so windows judged by another instance in between are judged again, never skipped
-(the alerts stay once each: step 1).
+An instance without the turn only sends what is pending (steps 2 and 3).
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ Why. prefect-redis (0.3.0) publishes an event in two steps: ``SET NX`` of the ev
 deduplication key (kept 5 minutes), then ``XADD`` to the stream. When Redis goes away between
 the two (a restart) or the API process dies between them, the key stays and the message is
 not in the stream; the client's retry of the same event (same id) is then taken for a
-duplicate: answered 204, never stored. Measured here: one event in about 500 lost across a
-Redis restart (``tests/test_redis_messaging.py`` shows the two steps apart, live).
+duplicate: answered 204, never stored (``tests/test_redis_messaging.py`` shows the two steps
+apart, live).
 
 The change. One Lua script does both, atomically on the server: if the key exists the
 message was published (nothing to do); else ``XADD``, then ``SET`` of the key. A retry after
@@ -26,7 +26,7 @@ read (``XTRIM MINID``). prefect-redis (0.3.0) takes that lowest id with ``min()`
 as text, so ``1000-12`` comes before ``1000-3``: with ten or more messages in one millisecond
 and one group behind another, it trims messages the slower group has not read yet, and that
 group never sees them (``tests/test_redis_messaging.py`` shows it). :class:`Consumer` trims
-to the lowest id as Redis orders them (milliseconds, then sequence); the rest is as before:
+to the lowest id as Redis orders them (milliseconds, then sequence); the rest is prefect-redis's:
 groups that read nothing yet, and groups whose consumers are all idle past
 ``trim_idle_threshold``, do not hold the trim back.
 """

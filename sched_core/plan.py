@@ -28,13 +28,8 @@ The design, in four rules:
    (:func:`missed`): at most the latest one gets a recovery run, policy
    permitting, and every one of them is reported.
 
-Each row's policies (:mod:`sched_core.policies`) apply at every step: the
-row's zone for its windows and keys; a window that ``paused``,
-``not_before``/``not_after``, a blackout or ``min_interval`` skips is not
-planned, its planned run is pruned, a run of it that starts anyway skips
-with the reason, and it is neither missed nor recovered; a run starts at its
-window plus the row's jitter, and lateness counts from that start; the row's
-``catchup_window`` replaces the 24 h look-back.
+Each row's policies (:mod:`sched_core.policies`) apply at every step: a window
+they skip is not planned, not run, and neither missed nor recovered.
 """
 
 from __future__ import annotations

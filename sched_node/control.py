@@ -1,53 +1,29 @@
 """What reaches a node from the center between its windows: changes, ad hoc runs, cancels.
 
-The node is a worker of its work pool (:mod:`sched_node.registration`), in Prefect's own
-terms: it heartbeats to the pool (the Workers tab lists it) and polls its own queue
-(:meth:`Control.poll`, every ``worker_poll`` and when woken), which keeps its deployments
-Ready. What it finds there, and what :meth:`Control.look` finds among its deployments' runs,
-it takes (Pending, as a worker does) and acts on:
+The node is a worker of its work pool (:mod:`sched_node.registration`): it heartbeats to the
+pool and polls its own queue (:meth:`Control.poll`, every ``worker_poll`` and when woken),
+which keeps its deployments Ready. What it finds there, and what :meth:`Control.look` finds
+among its deployments' runs, it takes (Pending, as a worker does) and acts on:
 
-1. a ``run-job`` run in its queue (a Run from the UI, ``prefect deployment run``,
-   ``run_deployment``, ``sched run``): a job of the cached row it names, started now and
+1. a ``run-job`` run in its queue: a job of the cached row it names, started now and
    recorded into that run;
-2. a run of its deployments that the UI's Retry put back in AwaitingRetry (the planned
-   run of a window, in the paused queue, or one in its own queue): that run's job again,
-   now, recorded into the same run (its run count goes up, as Prefect shows a retry);
+2. a run the UI's Retry put back in AwaitingRetry: that run's job again, recorded into the
+   same run;
 3. a ``reconcile`` run: a reconcile now, recorded into it;
-4. a ``chain`` run: run by Prefect's engine on the node's host (the flow hands each stage's
-   jobs back to the node), as a process worker would;
-5. a Cancelling run: its job is stopped (its keeper stops the command), or the run is marked
-   Cancelled when the node has no job for it.
+4. a ``chain`` run: run by Prefect's engine on the node's host, as a process worker would;
+5. a Cancelling run: its job is stopped, or the run marked Cancelled when the node has no
+   job for it.
 
-The node's own runs (its plan, its records: an idempotency key ``<node>:...``) are never
-taken, nor a run whose job the node still has, nor one in another queue of the pool (its
-workers', which run it through Prefect's engine: the flow hands the job to the node).
+The node's own runs (an idempotency key ``<node>:...``), runs whose job the node still has,
+and runs in another queue of the pool are never taken.
 
-The node holds at most one idle connection for its wakes:
-
-- **through the controller** (the pull URL is a controller's ``/api/``): a long
-  poll, ``GET /api/nodes/<node>/wait?etag=...&seen=...`` (:class:`ControllerWait`),
-  which answers when the node's schedules change, when the controller sees a
-  Prefect run for the node created, retried or asked to cancel (it follows Prefect's
-  events once for the whole fleet), or after ``heartbeat`` seconds; each
-  answer is also the node's heartbeat;
-- **straight from Prefect** when the pull URL is a file, or the controller
-  has no ``wait``: one websocket on Prefect's event stream, filtered to the
-  node's deployments and its own ``sched.agent.<node>`` resource
-  (:class:`PrefectStream`).
-
-Either only says "look": the node then polls its queue and looks at its runs (two
-requests). A look also runs at every reconcile, so a wake that was lost costs at most
-``reconcile_interval``.
-
-**At the node's start** (a restart asks Prefect nothing when nothing changed,
-:mod:`sched_node.reconcile`), the controller's wait decides whether the node looks: the
-node's first wait carries no ``seen``, and the controller answers it at once when it has
-poked the node since it started (a run made or cancelled while the node was away),
-otherwise it holds it as any wait. The node checks when that first answer carries such a
-poke, or says the controller follows no Prefect events, or when the wait fails before any
-answer (the controller is away, or has no wait): so after a restart a run made while the
-node was down is taken at once, unless the controller instance the node reaches was
-itself started after that run was made (then at its first poll, within ``worker_poll``).
+The node holds at most one idle connection for its wakes: the controller's long poll
+(:class:`ControllerWait`, also the node's heartbeat) when it pulls from a controller, else
+one websocket on Prefect's event stream (:class:`PrefectStream`). Either only says "look":
+the node then polls its queue and looks at its runs. A look also runs at every reconcile,
+so a lost wake costs at most ``reconcile_interval``. At the node's start, it looks when the
+controller's answer to its first wait carries a poke, says the controller follows no
+Prefect events, or fails.
 """
 
 from __future__ import annotations

@@ -24,13 +24,10 @@ One turn of the loop (:meth:`FiringLoop.turn`), at ``now``:
    past :data:`MAX_SLEEP_S` (the wall clock may jump), and wake early when the
    schedules change. A window never starts before its start: the loop checks
    the wall clock after waking and sleeps on until it is there.
-5. A window that cannot start (its stamp or its job cannot be written: a full or
-   read-only state folder) is neither run nor stamped, and holds up no other
-   window: it is tried again every :data:`RETRY_S` while within its grace, then
-   ends with its reason (``fail``: a Failed record saying "not started: the
-   node's state folder is full ...", its event, the node's report and alerts),
-   written as soon as the disk takes it. A ``decided.json`` the disk refuses is
-   kept in memory and written at a later turn.
+5. A window that cannot start (a full or read-only state folder) is neither run
+   nor stamped and holds up no other window: it is tried again every
+   :data:`RETRY_S` within its grace, then ends Failed with its reason, recorded
+   as soon as the disk takes it.
 """
 
 from __future__ import annotations

@@ -18,12 +18,9 @@ Rules:
    :data:`DEBOUNCE_S`, so a burst is one report), after a reconcile, and at
    least every ``heartbeat`` (the interval it announces; the controller calls a
    node silent after a few of them). While the controller's long poll is open it
-   is the node's heartbeat: a heartbeat report then goes every
-   :data:`COVERED_EVERY` only (one due while a reconcile runs waits for the
-   reconcile's), and again each heartbeat from the moment the poll
-   is lost (the poll is looked at when each heartbeat is up, so the start's
-   report, sent before the poll's first answer, is not followed by a second). A
-   report that fails is sent again later (:data:`RETRY_S`; after a ``429`` or ``503``,
+   is the node's heartbeat, and a heartbeat report goes only every
+   :data:`COVERED_EVERY`. A report that fails is sent again later (:data:`RETRY_S`;
+   after a ``429`` or ``503``,
    the answer's ``Retry-After`` when it says more, up to :data:`MAX_RETRY_AFTER_S`),
    with what came meanwhile (the outbox keeps every job record until a report
    carrying it is accepted); it never holds up a job. The first report of a start

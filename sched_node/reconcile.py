@@ -9,13 +9,12 @@ firing); wake the firing loop; plan (:mod:`sched_node.planner`) and look for ad 
 added, removed, changed or rejected), when the plan deleted or moved runs, when the pull
 failed, or into the run that asked for it. A reconcile that changed nothing records
 nothing (an idle node's only cost), the one at the node's start included: a restart with
-its list as cached and its plan as recorded sends no reconcile run (it used to, whatever
-changed: 6 requests and 3 state changes per node restart). A first start records one
+its list as cached and its plan as recorded sends no reconcile run. A first start records one
 when its pull adds rows. Nothing reads these runs but people (the operator's page
 and CLI read the controller's node reports); a restart shows in the node's log. A plan the
 Prefect server could not take is made again every :data:`PLAN_RETRY_S`.
 
-**A restart asks Prefect nothing** when its list, plan and deployments are as before (a
+**A restart asks Prefect nothing** when its list, plan and deployments are as it left them (a
 fleet-wide restart is every node at once): the deployments' kept ids are used unread
 (:mod:`sched_node.registration`) and read back at the first periodic reconcile; the start's
 control check is the controller's to ask for when its long poll carries Prefect's wakes

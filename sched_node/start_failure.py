@@ -6,7 +6,7 @@ environment (``SCHED_*``) or, raw, from the config file; when they name a contro
 report goes there with ``start_error`` (the refusal's text), so the controller's view
 shows the node cannot start, and why, instead of waiting for it to turn silent. It never
 counts as a sign of life. Best effort: any failure here is one log line, and the node
-exits 2 as before. ``sched agent check CONFIG`` says the same before a restart.
+exits 2. ``sched agent check CONFIG`` says the same before a restart.
 """
 
 from __future__ import annotations

@@ -1,40 +1,20 @@
 """The fleet's alerts as Prefect automations, kept in place by ``sched alerts install``.
 
-The controller is the source: its fleet watch (``controller/watch.py``) raises an
-alert for every node from the moment the node has a row, whether or not it ever
-pulled, reported or completed anything, and sends it as a Prefect event on the
-node's resource ``sched.node.<node>`` (the schedule as a related resource
-``sched.schedule.<node>.<id>``), once, whatever the number of controller
-instances. Five automations, each named ``<prefix>: ...`` and found again by
-that name, each reactive (it fires on the event, for every node, including
-nodes added later):
+The controller's fleet watch (``controller/watch.py``) raises each alert once, as a Prefect
+event on the node's resource ``sched.node.<node>`` (the schedule as a related resource),
+for every node from its first row on. Five automations, each named ``<prefix>: ...`` and
+found again by that name, each reactive (for every node, including nodes added later):
 
-1. **a node went silent**: ``sched.node.silent`` (no request of the node's own
-   for 3 of its announced heartbeats; or never seen and a window missed);
-2. **a window was missed**: ``sched.node.window-missed`` (no report from the
-   node past the window's grace);
-3. **a window failed**: ``sched.node.window-failed`` (its job record is Failed
-   or Crashed, whether it ran online or offline);
-4. **resolved**: ``sched.node.recovered`` (a silent node is back) and
-   ``sched.node.window-recovered`` (a later window of the schedule completed, or
-   the missed window's job was reported after all): it says which alerts it
-   resolves;
-5. **task gave up**: every ``sched.task.gave-up`` the controller's central
-   scheduler emits when it stops retrying a (task, scheduled time).
+1. **a node went silent**: ``sched.node.silent``;
+2. **a window was missed**: ``sched.node.window-missed``;
+3. **a window failed**: ``sched.node.window-failed``;
+4. **resolved**: ``sched.node.recovered`` and ``sched.node.window-recovered``;
+5. **task gave up**: ``sched.task.gave-up`` from the central scheduler.
 
-Each event's payload names the node, the schedule, the window (UTC and the
-node's local time), the reason and the run. Earlier installs' automations of
-the same prefix that are no longer among these (the per-node proactive "no
-completed wave job" and "no completed reconcile", which watched a node only
-from its first completion) are deleted.
-
-Action: with ``block``, each sends a notification through that notification
-block (``SendNotification`` needs the block document's id, looked up by name);
-otherwise ``DoNothing``. Open-source Prefect 3.9.1 has no action that emits an
-event, and needs none: every firing is recorded as a
-``prefect.automation.triggered`` event (resource ``prefect.automation.<id>``,
-``prefect.resource.name`` the automation's name), which the UI's event feed
-shows and anything can watch.
+Any other automation of the prefix is deleted. Action: with ``block``, a notification through
+that block (``SendNotification`` needs the block document's id, looked up by name);
+otherwise ``DoNothing``: every firing is recorded as a ``prefect.automation.triggered``
+event anyway, which the UI's event feed shows.
 """
 
 from __future__ import annotations
