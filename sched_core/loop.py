@@ -294,16 +294,19 @@ class FiringLoop:
             except Exception as exc:  # the window is neither run nor stamped: tried again
                 outcomes[index] = exc
 
-        if len(batch) == 1:
-            act(0)
-        else:
-            threads = [threading.Thread(target=act, args=(index,), daemon=True,
-                                        name=f"start-{due.row.id}")
-                       for index, (due, _) in enumerate(batch)]
-            for thread in threads:
+        threads: list[threading.Thread] = []
+        for index, (due, _) in enumerate(batch[1:], start=1):
+            thread = threading.Thread(target=act, args=(index,), daemon=True,
+                                      name=f"start-{due.row.id}")
+            try:
                 thread.start()
-            for thread in threads:
-                thread.join()
+            except RuntimeError:  # no thread to be had: this one starts here, in turn
+                act(index)
+                continue
+            threads.append(thread)
+        act(0)  # the first in this thread, beside the others
+        for thread in threads:
+            thread.join()
         for (due, recovery), outcome in zip(batch, outcomes, strict=True):
             self._settle(due, now, view, done, recovery=recovery, outcome=outcome)
 

@@ -330,3 +330,23 @@ def test_ten_windows_of_one_instant_are_decided_together_and_start_together(
     assert batches == [10], "decided in one step (one write of the cache)"
     assert sorted(fired) == sorted(row.id for row in rows) and loop.failing == {}
     assert report.failed == [] and len(report.fired) == 10
+
+
+def test_windows_start_in_the_loops_thread_when_no_thread_can_be_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows = [_row(f"s-{n}") for n in range(3)]
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    fired: list[str] = []
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    loop = _loop(lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=start), lambda: start,
+                 start=lambda fire: fired.append(fire.schedule.id))
+    for row in rows:
+        loop.decided.note(row.id, start - timedelta(hours=1))
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    report = loop.turn(start)
+    assert sorted(fired) == ["s-0", "s-1", "s-2"] and report.failed == []
