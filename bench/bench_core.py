@@ -322,7 +322,7 @@ def write_docs(table: list[str], notes: list[str]) -> None:
     body = "\n".join(
         [
             f"Measured by `bench/bench_core.py` on {datetime.now(UTC):%Y-%m-%d} ({machine()}); "
-            f"{FLEET:,} random schedules (seed {SEED}) in America/New_York, tick at "
+            f"{FLEET:,} random schedules (seed {SEED}) in America/New_York, deciding at "
             f"{TICK:%Y-%m-%dT%H:%MZ}. Best of 1-7 repeats; baselines measured in the same run; "
             "ratios use CPU time, which the other work on the machine disturbs less than "
             "wall time.",
