@@ -3,7 +3,7 @@
 Rule: this is the kit's only firing loop. It reads the clock it is given and sleeps; every
 decision is pure code that takes ``now`` (:mod:`sched_core.firing`, :mod:`sched_core.plan`,
 :mod:`sched_core.guard`). :class:`~sched_core.scheduler.Scheduler` runs it (``start``,
-``run``; one turn: ``tick``) and gives it its hands: the cache as it is now, the start guard
+``run``; one turn: ``turn``) and gives it its hands: the cache as it is now, the start guard
 (decide and stamp in one locked step), and the agent's callbacks. Nobody else is in the
 firing path: the controller and Prefect may both be gone.
 
