@@ -1,4 +1,5 @@
-"""Benchmark the pure time core: DueIndex against plain loops, next/last_fire against cron libs.
+"""Benchmark the time core: the firing loop's decision and turn over a fleet, next/last_fire
+against cron libs.
 
 Run: ``.venv/bin/python bench/bench_core.py [--no-write]``.  Every baseline is measured
 in the same run (the machine is shared and noisy); each timing is the best of a few
@@ -16,7 +17,6 @@ import logging
 import random
 import tempfile
 import time
-import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -27,7 +27,7 @@ from croniter import croniter
 from cronsim import CronSim
 
 from bench.prefect_bench import machine, write_section
-from sched_core.index import DueIndex
+from sched_core.firing import due_now
 from sched_core.matcher import last_fire, matches, next_fire
 from sched_core.model import (
     DAY_NAMES,
@@ -37,6 +37,7 @@ from sched_core.model import (
     Schedule,
 )
 from sched_core.scheduler import Config, Scheduler
+from sched_core.view import NodeView
 
 TZ = ZoneInfo("America/New_York")
 SEED = 20261202
@@ -175,74 +176,56 @@ def main() -> None:
     fleet = make_fleet(FLEET)
     print(f"made {FLEET:,} random schedules in {time.perf_counter() - started:.1f} s")
 
-    # 1. Index build: timed without tracing, then the peak traced allocation.
-    build = best_of(3, lambda: DueIndex.build(fleet, TZ))
-    gc.collect()
-    tracemalloc.start()
-    index = DueIndex.build(fleet, TZ)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    table.add(f"DueIndex.build, {FLEET:,} schedules", build, "target < 1 s")
-    table.add("DueIndex.build, tracemalloc peak", f"{peak / 2**20:.1f} MB", "target < 50 MB")
-
-    # 2. Which schedules are due in a 5-minute grace window (6 whole minutes).
+    # 1. What the firing loop decides at one instant over the whole fleet: every row's due
+    # window in the 5-minute grace (sched_core.firing.due_now), against a loop over matches().
+    seen = TICK - timedelta(minutes=GRACE_MINUTES - 1)  # first seen at the grace's start
+    view = NodeView(rows=fleet, last_fired={}, first_seen={item.id: seen for item in fleet},
+                    tz=TZ, node="bench", grace=timedelta(minutes=GRACE_MINUTES - 1))
     minutes = [TICK - timedelta(minutes=k) for k in range(GRACE_MINUTES)]
 
-    def by_index() -> int:
-        return sum(len(index.due_at(minute)) for minute in minutes)
+    def by_loop() -> int:
+        return len(due_now(view, now=TICK, decided={}))
 
     def by_matches() -> int:
         return sum(
             1
-            for minute in minutes
             for item in fleet
-            if item.enabled and matches(item.schedule, minute, TZ)
+            if item.enabled and any(matches(item.schedule, minute, TZ) for minute in minutes)
         )
 
-    due = by_index()
+    due = by_loop()
     loop = best_of(1, by_matches)
-    assert due == by_matches(), "DueIndex disagrees with matches() on an ordinary day"
-    window = best_of(7, by_index)
-    minute = window / GRACE_MINUTES
-    table.add(
-        f"due_at, one minute ({due / GRACE_MINUTES:,.0f} due on average)",
-        minute,
-        "target < 1 ms",
-    )
-    table.add(f"due_at, the {GRACE_MINUTES} minutes of a 5-min grace window", window, "1x")
+    assert due == by_matches(), "due_now disagrees with matches() on an ordinary day"
+    window = best_of(3, by_loop)
+    table.add(f"due_now, the {GRACE_MINUTES} minutes of a 5-min grace ({due:,} due)", window,
+              "1x")
     table.add(
         f"loop over matches(), the {GRACE_MINUTES} minutes",
         loop,
-        f"{loop.cpu / window.cpu:,.0f}x slower",
+        f"{loop.cpu / window.cpu:,.2f}x the CPU of due_now",
     )
 
-    # The Scheduler's whole tick over the fleet: decide (index + last-fire stamps), fire
-    # (a no-op callback), stamp and write the cache; and loading the cache it starts from.
+    # The Scheduler's whole turn over the fleet: decide, the start guard (stamp and write the
+    # cache once), start each window (a no-op callback); and loading the cache it starts from.
     logging.getLogger("sched_core").setLevel(logging.ERROR)  # no per-fire log lines
     with tempfile.TemporaryDirectory() as tmp:
         cache_path = Path(tmp) / "cache.json"
-        seen = TICK - timedelta(days=1)
-        cache_path.write_text(Cache(schedules=fleet, last_fetched_at=seen).model_dump_json())
+        cache_path.write_text(Cache(schedules=fleet, last_fetched_at=seen,
+                                    first_seen_at=dict(view.first_seen)).model_dump_json())
         config = Config(
             pull_url="file:///dev/null", node_name="bench", cache_path=cache_path,
-            fire=lambda fire: None, timezone=TZ,
+            fire=lambda fire: None, timezone=TZ, fire_grace=view.grace,
         )
         load = best_of(1, lambda: Scheduler(config, now=TICK))
         scheduler = Scheduler(config, now=TICK)
-        decide = best_of(5, lambda: scheduler.due(TICK))
-        fired = scheduler.tick(now=TICK)
-        scheduler = Scheduler(config, now=TICK)
-        scheduler.store.cache.last_fired_at.clear()  # the same tick again, from a clean slate
-        tick = best_of(1, lambda: scheduler.tick(now=TICK))
+        turn = best_of(1, lambda: scheduler.turn(TICK))
+        fired = len(Scheduler(config, now=TICK).turn(TICK).fired)  # decided: starts nothing
     table.add(
-        f"Scheduler.due at a tick ({fired:,} due), index built", decide,
-        f"{loop.cpu / decide.cpu:,.0f}x faster than the matches() loop",
+        f"Scheduler.turn: decide, guard and start {due:,} windows (no-op), write the cache",
+        turn, f"{turn.cpu / loop.cpu:.2f}x the CPU of the matches() loop alone",
     )
-    table.add(
-        f"Scheduler.tick: decide, fire {fired:,} (no-op), write the cache", tick,
-        f"{tick.cpu / loop.cpu:.2f}x the CPU of the matches() loop alone",
-    )
-    table.add(f"Scheduler start: load a {FLEET:,}-row cache and build the index", load, "")
+    table.add(f"Scheduler start: load a {FLEET:,}-row cache", load, "")
+    assert fired == 0, "a restart starts no window twice"
 
     # croniter.match per schedule on a sample (far too slow for the whole fleet).
     exprs = [(item, cron_expr(item.schedule)) for item in fleet if item.enabled]
@@ -339,7 +322,7 @@ def write_docs(table: list[str], notes: list[str]) -> None:
     body = "\n".join(
         [
             f"Measured by `bench/bench_core.py` on {datetime.now(UTC):%Y-%m-%d} ({machine()}); "
-            f"{FLEET:,} random schedules (seed {SEED}) in America/New_York, tick at "
+            f"{FLEET:,} random schedules (seed {SEED}) in America/New_York, deciding at "
             f"{TICK:%Y-%m-%dT%H:%MZ}. Best of 1-7 repeats; baselines measured in the same run; "
             "ratios use CPU time, which the other work on the machine disturbs less than "
             "wall time.",

@@ -19,7 +19,7 @@ from sched_core.values import check_identifier
 
 if TYPE_CHECKING:
     from sched_core.chain import Chain, Spec, Stage
-    from sched_core.config import Config, Fire, TickReport
+    from sched_core.config import Config, Fire, TurnReport
     from sched_core.scheduler import PullResult, Scheduler
 
 _LAZY = {
@@ -30,7 +30,7 @@ _LAZY = {
     "Fire": "sched_core.config",
     "PullResult": "sched_core.scheduler",
     "Scheduler": "sched_core.scheduler",
-    "TickReport": "sched_core.config",
+    "TurnReport": "sched_core.config",
 }
 
 
@@ -60,7 +60,7 @@ __all__ = [
     "Scheduler",
     "Spec",
     "Stage",
-    "TickReport",
+    "TurnReport",
     "WireError",
     "check_identifier",
     "fire_times",

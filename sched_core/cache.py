@@ -389,7 +389,7 @@ def _dump_times(times: dict[str, datetime]) -> str:
 def dump_cache(cache: Cache, rows_json: str | None = None, generation: int | None = None) -> str:
     """Return ``cache.model_dump_json()``, reusing the rows' JSON when it is given.
 
-    A tick changes only the last fired times, so the scheduler keeps the rows'
+    A start changes only the last fired times, so the scheduler keeps the rows'
     JSON from the last change of the list instead of encoding every row again.
     With a generation, ``{"generation":N,`` opens the file (see the module's rule 1).
     """

@@ -1,7 +1,7 @@
 """What a node fires now, and when it must look again: the firing loop's decisions.
 
-Pure: no clock reads, no I/O; every function takes ``now``. The node's loop
-(``sched_node.firing``) wakes at each window's start, asks :func:`due_now`, hands each
+Pure: no clock reads, no I/O; every function takes ``now``. The firing loop
+(:mod:`sched_core.loop`) wakes at each window's start, asks :func:`due_now`, hands each
 answer to the start guard (:func:`sched_core.guard.decide_start`, which decides
 and stamps under the cache's lock), and sleeps until :func:`next_start`.
 

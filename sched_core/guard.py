@@ -7,9 +7,8 @@ planner it answers to:
 - :func:`decide_start`: the row must still have the window, the window must
   not have run, the row's policies must let it fire, and a run first tried
   more than ``grace`` after its start is late and left to the miss policy.
-  The caller stamps the window in the same locked step. Every engine the kit
-  offers decides through it: the node's firing loop, ``Scheduler.start_window``
-  and ``Scheduler.tick``.
+  The caller stamps the window in the same locked step. The kit's firing loop
+  (the node's) decides through it, by ``Scheduler.start_windows``.
 - :func:`retry_allowed`, :func:`stage_retry_allowed`: whether an interrupted
   job or chain stage runs once more.
 """

@@ -3,9 +3,9 @@
 Pure: no clock reads, no I/O; every function takes ``now``.
 
 A window is eligible when it is later than the schedule's last fire and not
-earlier than the minute in which this agent first saw the schedule. The tick
-owns eligible windows in ``[now - grace, now]``; older ones are missed and
-belong to the miss policy (:func:`sched_core.plan.missed`, for every engine), which
+earlier than the minute in which this agent first saw the schedule. The firing loop
+starts eligible windows in ``[now - grace, now]``; older ones are missed and
+belong to the miss policy (:func:`sched_core.plan.missed`), which
 looks back 24 hours unless the row sets its own catch-up window.
 """
 

@@ -10,6 +10,7 @@ fields it does not know).
 
 from __future__ import annotations
 
+import copy
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Self
@@ -329,6 +330,19 @@ class LocalSchedule(_WireModel):
     @model_serializer(mode="wrap")
     def _omit_empty(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
         return omit_empty(self, handler(self), ("storage", "params"))
+
+
+def copy_row(row: LocalSchedule) -> LocalSchedule:
+    """Return a copy of row an agent's callback may change without touching the cache."""
+    return row.model_copy(
+        update={
+            "schedule": row.schedule.model_copy(deep=True),
+            "params": copy.deepcopy(row.params) if row.params else row.params,
+            "paused": row.paused.model_copy() if row.paused else None,
+            "blackouts": [item.model_copy(deep=True) for item in row.blackouts]
+            if row.blackouts else row.blackouts,
+        }
+    )
 
 
 class Cache(_WireModel):

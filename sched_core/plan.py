@@ -40,14 +40,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
-from sched_core.matcher import fire_times, last_fire, window_key
+from sched_core.matcher import fire_times, window_key
 from sched_core.misses import LOOKBACK, eligible_after
 from sched_core.model import LocalSchedule, MissPolicy
 from sched_core.policies import (
     catchup,
     interval_block,
     latest_window,
-    plain,
     policy_block,
     row_zone,
     run_start,
@@ -310,7 +309,6 @@ def missed(
     now: datetime,
     have: Collection[tuple[str, datetime]] = (),
     lookback: timedelta = LOOKBACK,
-    listed: bool = True,
 ) -> list[Missed]:
     """Return, per schedule, the windows older than the grace that never had a run (rule 4).
 
@@ -325,53 +323,16 @@ def missed(
     A window whose run would start within the grace (its jitter) is the
     planner's, not missed; a window the row's policies skip is not missed
     either (it was never to run); the look-back is the row's catch-up window.
-
-    ``listed=False`` is for a caller that wants the recoveries only (the kit's
-    missed-run check over a large cache): a row without policies and without a
-    record is judged from its latest window alone (:func:`_recovery_only`), not by
-    listing every window it missed; what it recovers is the same.
     """
     found: list[Missed] = []
     for row in view.rows:
         if not row.enabled or row.schedule.is_event:
-            continue
-        if not listed and not have and row.id not in planned_through and plain(row):
-            quick = _recovery_only(view, row, now=now, lookback=lookback)
-            if quick is not None:
-                found.append(quick)
             continue
         windows = _unrun_windows(view, row, planned_through.get(row.id), now=now, have=have,
                                  lookback=lookback)
         if windows:
             found.append(_missed_of(view, row, windows, now=now, lookback=lookback))
     return found
-
-
-def _recovery_only(view: NodeView, row: LocalSchedule, *, now: datetime,
-                   lookback: timedelta) -> Missed | None:
-    """Return what :func:`missed` recovers for a plain row, from its latest window alone.
-
-    The latest window at or before now must be older than the grace (else it is the
-    tick's, and recovering an older one would run the row twice in a row), inside the
-    catch-up window, and eligible; ``run-all`` counts the older ones it drops. A
-    ``skip`` row recovers nothing: None.
-    """
-    if row.miss_policy is MissPolicy.SKIP:
-        return None
-    start = now - catchup(row, lookback) + TICK
-    floor = eligible_after(view.last_fired.get(row.id), view.first_seen.get(row.id))
-    if floor is not None:
-        start = max(start, floor)
-    latest = last_fire(row.schedule, now, view.tz)
-    if latest is None or latest < start or latest >= now - view.grace:
-        return None
-    older = 0
-    if row.miss_policy is MissPolicy.RUN_ALL:
-        older = sum(1 for _ in fire_times(row.schedule, start, latest, view.tz))
-    recover = Window(start=latest, schedule_id=row.id, window=latest,
-                     key=window_key(row.id, latest, view.tz), action=row.action)
-    return Missed(schedule_id=row.id, windows=[latest], count=older + 1, recover=recover,
-                  truncated=older, latest=latest)
 
 
 def _unrun_windows(view: NodeView, row: LocalSchedule, done: datetime | None, *,

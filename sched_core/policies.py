@@ -131,12 +131,6 @@ def own_clock(row: LocalSchedule) -> bool:
     return bool(row.timezone) or row.jitter > 0
 
 
-def plain(row: LocalSchedule) -> bool:
-    """Whether no policy moves or holds back any of the row's windows (the Go kit's row)."""
-    return not (own_clock(row) or row.paused or row.not_before or row.not_after
-                or row.blackouts or row.min_interval)
-
-
 def local_text(instant: datetime, tz: ZoneInfo) -> str:
     """Return an instant as ``2026-11-30 02:30 EST`` in tz: the model's, without the weekday."""
     return model_local_text(instant, tz, "%Y-%m-%d %H:%M %Z")

@@ -1,43 +1,45 @@
-"""The per-node scheduler: lock, reload, plan, fire, stamp, save.
+"""The per-node scheduler: the cache, the start guard, the firing loop and the pulls.
 
 The controller is not in the firing path: schedules keep firing from the on-disk cache
-while it is down. Every public method takes ``now`` (default: the wall clock, read
-visibly with :func:`~sched_core.clock.utcnow`) and runs one procedure under the cache
-file's lock: lock (the in-process mutex and the file's ``flock``); reload if another
-process saved since (salvaging bad parts, clamping times in the future); plan (the pure
-decision of :mod:`sched_core.due`, :mod:`sched_core.pull`); fire (the agent's ``fire``
-per window); stamp each window whose fire returned (never one that raised); save
-atomically.
+while it is down. :class:`Scheduler` is a thin facade (the Go kit's API: ``start``,
+``stop``, ``pull``, ``fire_matching``, ``cache``, ``schedules``) over its parts:
+:class:`sched_core.store.CacheStore` (the file: lock, reload, save),
+:class:`sched_core.loop.FiringLoop` (the only firing loop: it wakes at each window's
+start, decides through the start guard, starts the windows of one instant together,
+handles missed windows) and :mod:`sched_core.pull` (a pull's fetch, parse and merge).
 
-A window fires at most once: stamps happen only after ``fire`` returned, and
-``Fire.key`` is a stable idempotency key for the window, so a crash between
-the fire and its stamp is deduplicated downstream. A pull is accepted only
-together with its save: if the file cannot be written, memory and file stay as
-they were and the pull is a ``PullError``.
+Every public method takes ``now`` (default: ``Config.clock``, the wall clock) and runs one
+procedure under the cache file's lock: lock (the in-process mutex and the file's
+``flock``); reload if another process saved since; decide (pure:
+:func:`sched_core.guard.decide_start`, :mod:`sched_core.pull`); stamp; save atomically.
 
-The parts: :class:`Scheduler` is a thin facade (the Go kit's API) over
-:class:`sched_core.store.CacheStore` (lock, reload, save), :mod:`sched_core.ticking`
-(what a tick and the miss check fire), :mod:`sched_core.pull` (a pull's fetch, parse and
-merge) and :class:`sched_core.runner.Runner` (the loops).
+A window runs at most once: the start guard decides and stamps it in one locked step
+(:meth:`Scheduler.start_windows`), so two processes sharing the cache can never both start
+it; a start that raised takes its stamp back (:meth:`Scheduler.unstamp`) and is tried again
+within its grace. ``Fire.key`` is a stable idempotency key for the window. A pull is
+accepted only together with its save: if the file cannot be written, memory and file stay
+as they were and the pull is a ``PullError``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from zoneinfo import ZoneInfo
 
 from sched_core.cache import validate_rows
-from sched_core.clock import as_utc, floor_minute, now_or_clock, utcnow
-from sched_core.config import Config, Fire, FireFunc, TickReport
-from sched_core.due import DueRow
+from sched_core.clock import as_utc, floor_minute, utcnow
+from sched_core.config import Config, Fire, FireFunc, TurnReport
 from sched_core.errors import PullError
 from sched_core.facade import Forward
+from sched_core.firing import Due
 from sched_core.guard import StartDecision, decide_start
-from sched_core.model import Cache, LocalSchedule
-from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, missed
+from sched_core.loop import Decided, FiringLoop, Guarded, log_fail, log_missed, log_skip
+from sched_core.model import Cache, LocalSchedule, copy_row
+from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE
 from sched_core.policies import policy_block
 from sched_core.pull import (
     MAX_PAYLOAD,
@@ -48,15 +50,7 @@ from sched_core.pull import (
     parse_schedule_list,
     redact_url,
 )
-from sched_core.runner import Runner
 from sched_core.store import CacheStore
-from sched_core.ticking import (
-    call_fire,
-    copy_row,
-    decide_due,
-    held_missed,
-    window_fire,
-)
 from sched_core.view import NodeView
 
 __all__ = [  # the old import paths of names that moved out stay valid
@@ -68,7 +62,7 @@ __all__ = [  # the old import paths of names that moved out stay valid
     "FireFunc",
     "PullResult",
     "Scheduler",
-    "TickReport",
+    "TurnReport",
     "as_utc",
     "floor_minute",
     "redact_url",
@@ -84,18 +78,20 @@ class Scheduler:
     def __init__(self, config: Config, *, now: datetime | None = None) -> None:
         self._config = config
         self._tz = config.tz
-        self._held_logged: dict[str, str] = {}
         self._stamped: dict[tuple[str, datetime], datetime | None] = {}
         """Each window start_window stamped, and the stamp it replaced (for unstamp)."""
-        self.store = CacheStore(config.path, config.tz, now=now_or_clock(now))
-        self._runner = Runner(
-            tick=self.tick,
-            pull=self.pull,
-            missed_run_check=self.missed_run_check,
-            fire_interval=config.fire_interval,
-            pull_interval=config.pull_interval,
-            node_name=config.node_name,
-        )
+        now = self._now(now)
+        self.store = CacheStore(config.path, config.tz, now=now)
+        self.loop = FiringLoop(
+            view=self._loop_view, guard=self._guard, start=self._start, clock=config.clock,
+            skip=config.skip or log_skip, missed=config.missed or log_missed,
+            fail=config.fail or log_fail, decided=Decided(config.decided, now=now))
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _now(self, now: datetime | None, name: str = "now") -> datetime:
+        """Return now as a plain UTC datetime; the config's clock when None."""
+        return as_utc(self._config.clock() if now is None else now, name)
 
     @contextmanager
     def _current(self, now: datetime) -> Iterator[Cache]:
@@ -111,7 +107,7 @@ class Scheduler:
 
     node_name: Forward[str] = Forward("_config.node_name", "The node this scheduler runs for.")
     fire_grace: Forward[timedelta] = Forward(
-        "_config.fire_grace", "How late a tick may still fire a window.")
+        "_config.fire_grace", "How late the loop may still start a window.")
 
     def schedules(self) -> list[LocalSchedule]:
         """Return deep copies of the cached schedules, sorted by name."""
@@ -124,14 +120,20 @@ class Scheduler:
         with self.store.mutex:
             return self.store.cache.model_copy(deep=True)
 
-    # -- decide, fire and stamp ------------------------------------------------
+    # -- the firing loop and its hands -------------------------------------------
 
-    def due(self, now: datetime) -> list[DueRow]:
-        """Return (schedule, window, older windows coalesced) for each schedule due at now.
+    def turn(self, now: datetime) -> TurnReport:
+        """Run one turn of the firing loop at now and return what it did (the loop's own
+        thread calls it with its clock; tests and agents that drive their own clock, here)."""
+        return self.loop.turn(as_utc(now, "now"))
 
-        Pure over the loaded cache: :func:`sched_core.ticking.decide_due`.
-        """
-        return self._decide_due(as_utc(now))[0]
+    def run(self, stop: threading.Event) -> None:
+        """Run the firing loop in this thread until stop is set (then call :meth:`wake`)."""
+        self.loop.run(stop)
+
+    def wake(self) -> None:
+        """Make the firing loop look again now (the schedules changed, or it is to stop)."""
+        self.loop.wake()
 
     def _view(self, cache: Cache) -> NodeView:
         """Return cache as the decisions read it (references: only under the lock)."""
@@ -139,106 +141,35 @@ class Scheduler:
                         first_seen=cache.first_seen_at, tz=self._tz,
                         node=self._config.node_name, grace=self._config.fire_grace)
 
-    def _decide_due(self, now: datetime) -> tuple[list[DueRow], dict[str, str]]:
-        return decide_due(self.store.index, self._view(self.store.cache), now=now)
-
-    def _fire_windows(
-        self, windows: list[tuple[LocalSchedule, datetime]], *, recovery: bool
-    ) -> tuple[list[Fire], list[tuple[Fire, str]]]:
-        """Fire each (schedule, window), stamp those that fired and save; the caller holds the lock.
-
-        A stamp is written only after ``fire`` returned: a crash in between
-        leaves the window unstamped, and its key deduplicates the second fire.
-        """
-        fired: list[Fire] = []
-        failed: list[tuple[Fire, str]] = []
-        for row, window in windows:
-            fire = window_fire(row, window, self._tz, recovery=recovery)
-            error = call_fire(self._config, fire)
-            if error is not None:
-                failed.append((fire, error))
-                continue
-            self.store.cache.last_fired_at[row.id] = window
-            fired.append(fire)
-        if fired:
-            self.store.save()
-        return fired, failed
-
-    def due_fires(self, now: datetime | None = None) -> list[Fire]:
-        """Return the fires a tick at now would make, without firing or stamping anything.
-
-        For callers that prepare the work in bulk first (the Prefect tick creates
-        the runs in one request) and then run ``tick`` with the same keys.
-        """
-        now = now_or_clock(now)
-        with self._current(now):
-            return [window_fire(row, w, self._tz, recovery=False) for row, w, _ in self.due(now)]
-
-    def tick(self, now: datetime | None = None) -> int:
-        """Fire each enabled schedule's latest unfired window in the grace; return the count."""
-        return len(self.tick_report(now).fired)
-
-    def tick_report(self, now: datetime | None = None) -> TickReport:
-        """Run one tick and return what it fired, coalesced and failed."""
-        now = now_or_clock(now)
-        coalesced: dict[str, int] = {}
-        with self._current(now):
-            due, held = self._decide_due(as_utc(now))
-            for schedule_id, reason in held.items():
-                if self._held_logged.get(schedule_id) != reason:
-                    self._held_logged[schedule_id] = reason  # once per window, not per tick
-                    log.info("not firing %s: %s", schedule_id, reason,
-                             extra={"schedule_id": schedule_id, "reason": reason})
-            for row, window, older in due:
-                if older:
-                    coalesced[row.id] = older
-                    log.warning(
-                        "coalesced %d older pending windows of %s into %s", older, row.id, window,
-                        extra={"schedule_id": row.id, "coalesced": older, "window": str(window)},
-                    )
-            fired, failed = self._fire_windows([(row, w) for row, w, _ in due], recovery=False)
-        return TickReport(fired=fired, failed=failed, coalesced=coalesced, held=held)
-
-    def missed_run_check(self, now: datetime | None = None) -> int:
-        """Apply each schedule's miss policy to its latest missed window; return fires."""
-        return len(self.missed_run_report(now).fired)
-
-    def missed_run_report(self, now: datetime | None = None) -> TickReport:
-        """Run the missed-run check and return what it fired and failed.
-
-        The agent's rule (:func:`sched_core.plan.missed`): per row, the latest missed
-        window of its catch-up window is recovered once, policy permitting; ``run-all``
-        reports the older ones it drops (in ``coalesced``).
-        """
-        now = now_or_clock(now)
+    def _loop_view(self, now: datetime) -> NodeView:
+        """Return the cache as it is now (reloaded) as the loop's decisions read it: copies of
+        its maps; the rows are the cache's own (the loop copies one before a callback)."""
         with self._current(now) as cache:
             view = self._view(cache)
-            recoveries = [item for item in missed(view, planned_through={}, now=now, listed=False)
-                          if item.recover is not None]
-            truncated = {item.schedule_id: item.truncated for item in recoveries
-                         if item.truncated}
-            for schedule_id, dropped in truncated.items():
-                log.warning("run-all of %s truncated to the latest missed window: %d dropped",
-                            schedule_id, dropped,
-                            extra={"schedule_id": schedule_id, "truncated": dropped})
-            held = held_missed(view, {item.schedule_id for item in recoveries}, now=now)
-            for schedule_id, reason in held.items():
-                log.info("not firing %s: %s", schedule_id, reason,
-                         extra={"schedule_id": schedule_id, "reason": reason})
-            wanted = {item.schedule_id for item in recoveries}
-            rows = {row.id: row for row in cache.schedules if row.id in wanted} if wanted else {}
-            fired, failed = self._fire_windows(
-                [(rows[item.schedule_id], item.recover.window) for item in recoveries
-                 if item.recover is not None],
-                recovery=True,
-            )
-        return TickReport(fired=fired, failed=failed, coalesced=truncated, held=held)
+            return NodeView(rows=list(view.rows), last_fired=dict(view.last_fired),
+                            first_seen=dict(view.first_seen), tz=view.tz, node=view.node,
+                            grace=view.grace)
 
-    def fire_matching(self, trigger_key: str, pred: Callable[[LocalSchedule], bool], *,
-                      now: datetime | None = None, key: str | None = None) -> int:
-        """Fire every enabled schedule pred selects, on demand; return how many fired."""
-        fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
-        return len(fired)
+    def _guard(self, batch: list[tuple[Due, bool]], now: datetime) -> list[Guarded | Exception]:
+        """The start guard of every window due now, in one write of the cache."""
+        return self.start_windows([(due.row.id, due.window, False) for due, _ in batch], now=now)
+
+    def _start(self, fire: Fire) -> None:
+        """Start a window the guard stamped: the agent's fire; a fire that raised did not
+        start, and its stamp goes (the loop tries the window again, or ends it)."""
+        assert self._config.fire is not None and fire.window is not None
+        try:
+            self._config.fire(fire)
+        except Exception:
+            try:
+                self.unstamp(fire.schedule.id, fire.window)
+            except OSError as exc:
+                log.error("the stamp of window %s of %s cannot be taken back: %r",
+                          fire.window.isoformat(), fire.schedule.id, exc,
+                          extra={"schedule_id": fire.schedule.id, "error": repr(exc)})
+            raise
+
+    # -- the start guard: decide and stamp -------------------------------------
 
     def start_window(
         self,
@@ -277,7 +208,7 @@ class Scheduler:
         write the disk refuses takes back every stamp of the step and is every stamped
         window's answer.
         """
-        now = now_or_clock(now)
+        now = self._now(now)
         first = now if first_try is None else as_utc(first_try, "first_try")
         answers: list[tuple[StartDecision, LocalSchedule | None] | Exception] = []
         stamped: list[tuple[int, str, datetime, datetime | None]] = []
@@ -316,7 +247,7 @@ class Scheduler:
     def unstamp(self, schedule_id: str, window: datetime, *, now: datetime | None = None) -> None:
         """Take back the stamp :meth:`start_window` made for window, when what the caller was
         to start did not start (OSError when the file cannot be written either)."""
-        now = now_or_clock(now)
+        now = self._now(now)
         window = as_utc(window, "window")
         if (schedule_id, window) not in self._stamped:
             return
@@ -325,6 +256,14 @@ class Scheduler:
             if cache.last_fired_at.get(schedule_id) == window:
                 _restore(cache.last_fired_at, schedule_id, before)
                 self.store.save()
+
+    # -- on demand --------------------------------------------------------------
+
+    def fire_matching(self, trigger_key: str, pred: Callable[[LocalSchedule], bool], *,
+                      now: datetime | None = None, key: str | None = None) -> int:
+        """Fire every enabled schedule pred selects, on demand; return how many fired."""
+        fired, _ = self.fire_matching_report(trigger_key, pred, now=now, key=key)
+        return len(fired)
 
     def fire_matching_report(
         self,
@@ -344,7 +283,7 @@ class Scheduler:
         blackout, or fired less than ``min_interval`` ago) is not fired, and
         the reason is logged (:func:`sched_core.policies.policy_block`).
         """
-        now = now_or_clock(now)
+        now = self._now(now)
         suffix = key or f"{trigger_key}@{floor_minute(now).strftime('%Y-%m-%dT%H:%MZ')}"
         fired: list[Fire] = []
         failed: list[tuple[Fire, str]] = []
@@ -369,7 +308,7 @@ class Scheduler:
                     window=None,
                     key=f"{row.id}@{suffix}",
                 )
-                error = call_fire(self._config, fire)
+                error = _call_fire(self._config, fire)
                 if error is not None:
                     failed.append((fire, error))
                     continue
@@ -409,7 +348,7 @@ class Scheduler:
            empty cache such a list is accepted, its rows reported rejected;
         6. the cache file cannot be written.
         """
-        now = now_or_clock(now)
+        now = self._now(now)
         shown = redact_url(self._config.pull_url)
         with self.store.mutex:
             cache = self.store.cache
@@ -434,6 +373,8 @@ class Scheduler:
             )
             raise
         _log_accepted(result, good, rejected, old, shown, self._config.node_name)
+        if result.changed_anything:
+            self.wake()
         return result
 
     def _not_modified(self, now: datetime) -> PullResult:
@@ -447,15 +388,42 @@ class Scheduler:
         )
         return PullResult(added=[], removed=[], changed=[], rejected=[], kept_last_good=[])
 
-    # -- loops -------------------------------------------------------------
+    # -- the threads -----------------------------------------------------------
 
     def start(self) -> None:
-        """Start the fire loop, the pull loop and an initial pull plus missed-run check."""
-        self._runner.start()
+        """Start the firing loop and the pull loop (a pull at once, then every
+        ``pull_interval``), each in a thread of its own; a second call does nothing."""
+        if self._threads:
+            return
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self.run, args=(self._stop,), name="sched-fire",
+                             daemon=True),
+            threading.Thread(target=self._pull_loop, args=(self._stop,), name="sched-pull",
+                             daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
-        """Stop the loops and wait for them; safe to call more than once."""
-        self._runner.stop()
+        """Stop the loops and wait for them (and the starts in progress); safe to call more
+        than once, or without :meth:`start`."""
+        self._stop.set()
+        self.wake()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def _pull_loop(self, stop: threading.Event) -> None:
+        """Pull now and every ``pull_interval`` until stop; a failed pull changes nothing."""
+        while not stop.is_set():
+            try:
+                self.pull()
+            except PullError:
+                pass  # logged by pull; the cache keeps firing
+            except Exception:
+                log.exception("pull failed", extra={"node": self._config.node_name})
+            stop.wait(self._config.pull_interval.total_seconds())
 
 
 STAMPS_KEPT = 1000
@@ -497,3 +465,25 @@ def _log_accepted(result: PullResult, good: list[LocalSchedule], rejected: list[
             "rejected": len(result.rejected),
         },
     )
+
+
+def _call_fire(config: Config, fire: Fire) -> str | None:
+    """Call the agent's fire on demand; return None on success or the error (logged)."""
+    assert config.fire is not None
+    try:
+        config.fire(fire)
+    except Exception as exc:
+        log.error(
+            "fire of %s (%s) failed; it stays unfired: %r", fire.schedule.id, fire.trigger_key,
+            exc, extra={"schedule_id": fire.schedule.id, "trigger_key": fire.trigger_key,
+                        "node": config.node_name, "error": repr(exc)},
+        )
+        return repr(exc)
+    log.info(
+        "fired %s (%s, %s) as %s", fire.schedule.id, fire.schedule.action, fire.trigger_key,
+        fire.key, extra={"schedule_id": fire.schedule.id, "action": fire.schedule.action,
+                         "trigger_key": fire.trigger_key, "key": fire.key,
+                         "node": config.node_name},
+    )
+    return None
+

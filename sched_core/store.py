@@ -10,7 +10,7 @@ Steps 1, 2 and 6 of :class:`sched_core.scheduler.Scheduler`'s procedure, for one
    a new cache (a pull's) is adopted only together with its save
    (:meth:`CacheStore.adopt`), so memory and file never disagree.
 
-The due index and the rows' JSON follow the schedule list: rebuilt only when it changed.
+The rows' JSON follows the schedule list: made again only when it changed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from sched_core.cache import (
     stamp_of,
 )
 from sched_core.errors import PullError
-from sched_core.index import DueIndex
 from sched_core.model import Cache, LocalSchedule
 from sched_core.statefile import locked, remove_stale_temporaries
 
@@ -50,8 +49,7 @@ class CacheStore:
         self.cache = Cache()
         self.stamp: FileStamp | None = None
         self.generation: int | None = None
-        self.index = DueIndex.build([], tz)
-        self._indexed: list[LocalSchedule] | None = None
+        self._dumped: list[LocalSchedule] | None = None
         self._rows_json: str | None = None  # the cached rows' JSON, None when stale
         with self.locked():
             remove_stale_temporaries(path)
@@ -86,7 +84,7 @@ class CacheStore:
         self.cache = cache
         self.generation = loaded.generation
         self.stamp = stamp_of(self.path)
-        self._reindex()
+        self._follow_rows()
         if loaded.dropped or clamped:
             self._rewrite_salvaged(loaded.dropped + clamped)
 
@@ -110,11 +108,10 @@ class CacheStore:
             extra={"path": str(self.path), "dropped": dropped},
         )
 
-    def _reindex(self) -> None:
-        """Rebuild the due index and forget the rows' JSON if the schedule list changed."""
-        if self._indexed != self.cache.schedules:
-            self.index = DueIndex.build(self.cache.schedules, self.tz)
-            self._indexed = list(self.cache.schedules)
+    def _follow_rows(self) -> None:
+        """Forget the rows' JSON if the schedule list changed."""
+        if self._dumped != self.cache.schedules:
+            self._dumped = list(self.cache.schedules)
             self._rows_json = None
 
     def save(self) -> None:
@@ -132,7 +129,7 @@ class CacheStore:
         Nothing is adopted that cannot be written: if encoding or writing
         fails, memory and file stay as they were and the failure is a PullError.
         """
-        same_rows = cache.schedules == self._indexed and self._rows_json is not None
+        same_rows = cache.schedules == self._dumped and self._rows_json is not None
         generation = (self.generation or 0) + 1
         try:
             rows_json = self._rows_json if same_rows else dump_rows(cache.schedules)
@@ -145,5 +142,5 @@ class CacheStore:
         self.cache = cache
         self.generation = generation
         self.stamp = stamp_of(self.path)
-        self._reindex()
+        self._follow_rows()
         self._rows_json = rows_json

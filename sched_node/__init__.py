@@ -1,7 +1,7 @@
 """The agent node on Prefect: the node fires its windows itself, Prefect records them.
 
 ``python -m sched_node.node`` runs one node (:mod:`sched_node.node`, a thin facade over
-the parts: :mod:`sched_node.firing`, :mod:`sched_node.jobs` with
+the parts: the kit's firing loop (:mod:`sched_core.loop`), :mod:`sched_node.jobs` with
 :mod:`sched_node.launcher` and :mod:`sched_node.shim`, :mod:`sched_node.outbox`,
 :mod:`sched_node.recorder`, :mod:`sched_node.planner`, :mod:`sched_node.reconcile`,
 :mod:`sched_node.channel` and :mod:`sched_node.control`, :mod:`sched_node.chain`,

@@ -6,8 +6,8 @@ part is a class of its own, given what it needs):
 =====================  ==============================================================
 part                   what it does
 =====================  ==============================================================
-``Scheduler`` (kit)    the cache: pull, start guard (decide and stamp), chain fires
-``FiringLoop``         wakes at each window's start; decides; starts the job
+``Scheduler`` (kit)    the cache, pull, chain fires, and the firing loop: it wakes at each
+                       window's start, decides through the start guard, starts the job
 ``Jobs``               slots, order, overlap, attempts in keeper processes, restarts
 ``Outbox``             every job on disk first, so nothing is lost or doubled
 ``Recorder``           the outbox into Prefect: runs, states, logs, artifacts, events
@@ -19,8 +19,9 @@ part                   what it does
 ``Handoff``            the local door: jobs that flows run by Prefect's engine hand over
 =====================  ==============================================================
 
-The constructor assembles them in order (state on disk; the record; jobs, chain and firing;
-reconcile, control, report and the local door). :meth:`Node.run` takes up the outbox's
+The constructor assembles them in order (state on disk and the kit's Scheduler, with the
+node's job start as its fire callback; the record; jobs and chain; reconcile, control,
+report and the local door). :meth:`Node.run` takes up the outbox's
 unfinished jobs, starts the threads, and fires windows in its own thread until stopped;
 stopping leaves running jobs to their keepers, which the next start follows again.
 
@@ -42,10 +43,10 @@ import httpx
 
 from sched_core import Config, ConfigError, Fire, LocalSchedule, Scheduler
 from sched_core.chain import FOLLOW_WINDOW
-from sched_core.firing import Due, NodeView
-from sched_core.guard import StartDecision, retry_allowed, stage_retry_allowed
+from sched_core.firing import NodeView
+from sched_core.guard import retry_allowed, stage_retry_allowed
 from sched_core.matcher import window_key
-from sched_core.plan import TRIGGER_RECOVERY, TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
+from sched_core.plan import TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
 from sched_core.policies import row_zone
 from sched_core.render import render_argv
 from sched_node.actions import job_environment
@@ -55,7 +56,6 @@ from sched_node.chain_run import ChainRuns
 from sched_node.channel import NodeChannel
 from sched_node.control import Control
 from sched_node.engine import EngineRuns
-from sched_node.firing import Decided, FiringLoop
 from sched_node.handoff import Handoff
 from sched_node.history import History
 from sched_node.identity import AGENT_TAG, JobRef
@@ -104,7 +104,6 @@ class Node:
         self.api = api
         self._clock = clock
         self._stopping = threading.Event()
-        self._guard_rows: dict[tuple[str, datetime], LocalSchedule] = {}
         self._last_pull: dict[str, Any] | None = None
         now = clock()
         self._state(now)
@@ -119,7 +118,6 @@ class Node:
                              node=self.node)
         self.history = History(state / "history.json", now=now)
         self.scheduler = self._build_scheduler(now)
-        self.decided = Decided(state / "decided.json", now=now)
 
     def _record(self, now: datetime) -> None:
         """Step 2: Prefect, the record."""
@@ -141,8 +139,7 @@ class Node:
                                retries_of=self._retries_of)
 
     def _work(self) -> None:
-        """Steps 3 and 4: jobs (warm keepers started ahead take them), the chain, the firing
-        loop."""
+        """Steps 3 and 4: jobs (warm keepers started ahead take them), the chain."""
         settings, clock = self.settings, self._clock
         self.keepers = WarmKeepers()
         self.jobs = Jobs(self.outbox, slots=settings.job_limit, clock=clock,
@@ -152,10 +149,6 @@ class Node:
         self.chain = NodeChain(settings, self.scheduler, self.jobs, self.history, clock)
         self.chain_runs = ChainRuns(self.outbox, node=self.node, clock=clock,
                                     stages={stage.key(): stage.name for stage in settings.stages})
-        self.firing = FiringLoop(view=self.view, decided=self.decided, clock=clock,
-                                 guard=self._guard, fire=self._fire, skip=self._skip,
-                                 on_missed=self._missed, fail=self._fail,
-                                 guard_many=self._guard_many)
 
     def _talk(self) -> None:
         """Steps 5 and 6: reconcile, control, report; the local door, where flows that Prefect's
@@ -204,8 +197,10 @@ class Node:
                 timeout=settings.pull_timeout.total_seconds(), follow_redirects=True)
         self._pull_client = client
         return Scheduler(Config(pull_url=settings.pull_url, node_name=self.node,
-                                cache_path=settings.cache_path, fire=self._stage_fire,
-                                http_client=client, timezone=settings.tz,
+                                cache_path=settings.cache_path, fire=self._fire,
+                                skip=self._skip, missed=self._missed, fail=self._fail,
+                                decided_path=settings.state_dir / "decided.json",
+                                clock=self._clock, http_client=client, timezone=settings.tz,
                                 fire_grace=settings.grace), now=now)
 
     # -- what the parts read ------------------------------------------------------------
@@ -232,31 +227,6 @@ class Node:
 
     def _row(self, schedule_id: str) -> LocalSchedule | None:
         return next((row for row in self.scheduler.schedules() if row.id == schedule_id), None)
-
-    # -- the firing loop's hands --------------------------------------------------------
-
-    def _guard(self, schedule_id: str, window: datetime, now: datetime,
-               recovery: bool) -> StartDecision:
-        decision, row = self.scheduler.start_window(schedule_id, window, first_try=now, now=now)
-        if row is not None:
-            self._guard_rows[(schedule_id, window)] = row
-        return decision
-
-    def _guard_many(self, batch: list[tuple[Due, bool]],
-                    now: datetime) -> list[StartDecision | BaseException]:
-        """The start guard of every window due now, in one write of the cache."""
-        answers = self.scheduler.start_windows(
-            [(due.row.id, due.window, False) for due, _ in batch], now=now)
-        decisions: list[StartDecision | BaseException] = []
-        for (due, _), answer in zip(batch, answers, strict=True):
-            if isinstance(answer, Exception):
-                decisions.append(answer)
-                continue
-            decision, row = answer
-            if row is not None:
-                self._guard_rows[(due.row.id, due.window)] = row
-            decisions.append(decision)
-        return decisions
 
     def _spec(self, row: LocalSchedule, *, trigger: str, window: datetime | None, key: str,
               start: datetime | None, reason: str, now: datetime,
@@ -317,32 +287,34 @@ class Node:
         spec = JobSpec(**{**spec.__dict__, "argv": argv})
         return self.jobs.accept(spec, lines=[*lines, f"running {argv}"])
 
-    def _fire(self, due: Due, decision: StartDecision, recovery: bool) -> None:
-        now = self._clock()
-        row = self._guard_rows.pop((due.row.id, due.window), due.row)
-        spec = self._window_spec(row, due.window, start=due.start, reason=decision.reason,
-                                 now=now, trigger=TRIGGER_RECOVERY if recovery else None)
-        late = (now - due.start).total_seconds()
-        try:
-            self.start_job(row, spec, [f"start guard: {decision.reason} (the node decided "
-                                       f"{late:.3f} s after the start)"])
-        except Exception:
-            # Not started (the outbox cannot be written): the window's stamp goes, so the
-            # firing loop tries it again, or ends it with the reason.
-            self.scheduler.unstamp(row.id, due.window, now=self._clock())
-            raise
+    # -- the firing loop's callbacks (the kit's loop calls them, several at once) -------
 
-    def _skip(self, due: Due, window: datetime, reason: str) -> None:
+    def _fire(self, fire: Fire) -> None:
+        """A window the start guard runs (or a chain stage) becomes a job now; raise when it
+        did not start (the outbox cannot be written): the kit takes the stamp back, and
+        tries the window again or ends it with the reason."""
+        if fire.window is None:
+            self._stage_fire(fire)
+            return
         now = self._clock()
-        row = self._guard_rows.pop((due.row.id, window), due.row)
-        spec = self._window_spec(row, window, start=None, reason=reason, now=now)
-        self.jobs.end_without_running(spec, SKIPPED, reason)
+        spec = self._window_spec(fire.schedule, fire.window, start=fire.start,
+                                 reason=fire.reason, now=now, trigger=fire.trigger_key)
+        late = (now - (fire.start or fire.window)).total_seconds()
+        self.start_job(fire.schedule, spec, [f"start guard: {fire.reason} (the node decided "
+                                             f"{late:.3f} s after the start)"])
 
-    def _fail(self, due: Due, reason: str) -> None:
-        """A window that could not start within its grace: a Failed record with the reason."""
-        spec = self._window_spec(due.row, due.window, start=due.start, reason=reason,
+    def _skip(self, fire: Fire) -> None:
+        assert fire.window is not None
+        spec = self._window_spec(fire.schedule, fire.window, start=None, reason=fire.reason,
                                  now=self._clock())
-        self.jobs.end_without_running(spec, FAILED, reason, error=reason)
+        self.jobs.end_without_running(spec, SKIPPED, fire.reason)
+
+    def _fail(self, fire: Fire) -> None:
+        """A window that could not start within its grace: a Failed record with the reason."""
+        assert fire.window is not None
+        spec = self._window_spec(fire.schedule, fire.window, start=fire.start,
+                                 reason=fire.reason, now=self._clock())
+        self.jobs.end_without_running(spec, FAILED, fire.reason, error=fire.reason)
 
     def _missed(self, items: list[Missed], view: NodeView) -> None:
         """Windows the node never decided (it was stopped): skip the planned ones, count all."""
@@ -452,7 +424,7 @@ class Node:
     def stop(self) -> None:
         """Ask the node to stop (from a signal handler or another thread)."""
         self._stopping.set()
-        self.firing.wake()
+        self.scheduler.wake()
 
     def run(self) -> None:
         """Run until :meth:`stop` (step 6)."""
@@ -466,7 +438,7 @@ class Node:
         self.channel.start()
         self.door.start()
         try:
-            self.firing.run(stop)
+            self.scheduler.run(stop)
         finally:
             self.shutdown()
 

@@ -1,6 +1,6 @@
 """The plan in Prefect: each coming window as a named Scheduled run, so the Upcoming tab is true.
 
-The node fires its windows itself (:mod:`sched_node.firing`); these runs are what it
+The node fires its windows itself (the kit's loop, :mod:`sched_core.loop`); these runs are what it
 will do, shown ahead, and the runs its jobs are recorded into (by the same
 idempotency key). Nobody starts them: they wait in the pool's paused queue ``planned``
 (:mod:`sched_node.registration`), which no worker polls; each carries its action's retries

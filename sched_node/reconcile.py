@@ -181,7 +181,7 @@ class Reconciler:
         n._last_pull = pull_outcome(now, ok=error is None, error=error,
                                     status=None if result is None
                                     else "304" if result is NOT_MODIFIED else "200")
-        n.firing.wake()
+        n.scheduler.wake()
         view = n.view(now)
         report: PlanReport | None = None
         plan_error: str | None = None

@@ -24,7 +24,7 @@ from sched_core.model import Cache
 from sched_core.scheduler import Scheduler
 from sched_core.statefile import stamp_of
 from sched_core.values import format_go_time, parse_go_time
-from tests.test_scheduler import T0, Agent, row
+from tests.test_scheduler import T0, Agent, row, started
 
 
 def _write(path: Path, text: str) -> None:
@@ -75,7 +75,7 @@ def test_a_row_breaking_a_wire_rule_is_dropped_alone(
     caplog.clear()
     agent.restart(now=T0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert agent.scheduler.tick(now=T0) == 2
+    assert started(agent.scheduler, now=T0) == 2
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_a_field_entry_breaking_a_wire_rule_is_dropped_alone(
     cache = agent.scheduler.cache()
     assert cache.etag is None
     assert load_cache(agent.cache_path, now=T0) == cache
-    assert agent.scheduler.tick(now=T0) == 1
+    assert started(agent.scheduler, now=T0) == 1
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_a_cache_that_cannot_be_parsed_is_moved_aside_byte_for_byte(
     assert agent.scheduler.schedules() == []
     (aside,) = tmp_path.glob("cache.json.corrupt-*")
     assert aside.read_text() == content
-    assert agent.scheduler.tick(now=T0) == 0
+    assert started(agent.scheduler, now=T0) == 0
     agent.scheduler.pull(now=T0)
     assert [s.id for s in agent.scheduler.schedules()] == ["a"]
 
@@ -173,7 +173,7 @@ def test_a_time_in_the_future_is_clamped_to_now_with_a_warning(
                for r in caplog.records)
     assert cache.last_fired_at["a"] == T0 and cache.first_seen_at["b"] == T0
     # The schedules fire again from the next window on, and the file says so.
-    assert agent.scheduler.tick(now=T0 + timedelta(hours=1)) == 2
+    assert started(agent.scheduler, now=T0 + timedelta(hours=1)) == 2
     assert load_cache(agent.cache_path, now=T0).last_fired_at == {
         "a": T0 + timedelta(hours=1), "b": T0 + timedelta(hours=1)}
 
@@ -183,7 +183,7 @@ def test_every_save_raises_the_generation_at_the_head_of_the_file(tmp_path: Path
     assert read_generation(agent.cache_path) is None  # nothing written yet
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
     assert agent.cache_path.read_bytes().startswith(b'{"generation":1,"schedules":[')
-    agent.scheduler.tick(now=T0)
+    started(agent.scheduler, now=T0)
     assert read_generation(agent.cache_path) == 2
     assert load_cache_file(agent.cache_path, now=T0).generation == 2
     # Go ignores the field; the Go kit's own fields are all there.
@@ -198,12 +198,12 @@ def test_a_save_reusing_inode_mtime_and_size_is_still_reloaded(tmp_path: Path) -
     cache_path = tmp_path / "cache.json"
     a = Agent(tmp_path, [row("s")])
     a.scheduler.pull(now=T0 - timedelta(hours=2))
-    assert a.scheduler.tick(now=T0 - timedelta(hours=1)) == 1  # stamps 14:00Z
+    assert started(a.scheduler, now=T0 - timedelta(hours=1)) == 1  # stamps 14:00Z
     seen = os.stat(cache_path)
     keep = tmp_path / "keep"
     os.link(cache_path, keep)  # keeps the inode A saw alive, to be reused
     b = Scheduler(a.config, now=T0)
-    assert b.tick(now=T0) == 1  # B fires the 15:00Z window and saves a new file
+    assert started(b, now=T0) == 1  # B fires the 15:00Z window and saves a new file
     new = cache_path.read_bytes()
     assert len(new) == seen.st_size  # 14:00Z and 15:00Z stamps: the same size
     with keep.open("r+b") as handle:  # B's bytes in A's inode...
@@ -211,7 +211,7 @@ def test_a_save_reusing_inode_mtime_and_size_is_still_reloaded(tmp_path: Path) -
     os.replace(keep, cache_path)
     os.utime(cache_path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # ...in the same tick
     assert stamp_of(cache_path) == a.scheduler.store.stamp  # A's stamp cannot tell
-    assert a.scheduler.tick(now=T0 + timedelta(seconds=30)) == 0
+    assert started(a.scheduler, now=T0 + timedelta(seconds=30)) == 0
     # A's 14:00Z and B's 15:00Z (both call the same fire): 15:00Z once, not twice.
     assert [f.window for f in a.fired] == [T0 - timedelta(hours=1), T0]
     assert a.scheduler.cache().last_fired_at == {"s": T0}
@@ -223,5 +223,5 @@ def test_a_cache_without_a_generation_is_judged_by_its_stamp(tmp_path: Path) -> 
     go = json.dumps({"schedules": [row("a")], "last_fired_at": {},
                      "last_fetched_at": "2026-11-30T14:00:00Z"})
     _write(agent.cache_path, go)
-    assert agent.scheduler.tick(now=T0) == 1  # reloaded: a stamp it had never seen
+    assert started(agent.scheduler, now=T0) == 1  # reloaded: a stamp it had never seen
     assert read_generation(agent.cache_path) is not None  # and now it is ours

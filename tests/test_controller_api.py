@@ -1056,7 +1056,7 @@ def test_agent_scheduler_pulls_fires_and_follows_deletes(
                 served["schedules"], key=lambda s: s["name"]
             )
 
-            assert scheduler.tick(now=datetime(2026, 11, 30, 7, 30, 5, tzinfo=UTC)) == 1
+            assert len(scheduler.turn(datetime(2026, 11, 30, 7, 30, 5, tzinfo=UTC)).fired) == 1
             assert [f.schedule.id for f in fires] == ["a-hourly"]
             assert fires[0].window == datetime(2026, 11, 30, 7, 30, tzinfo=UTC)
 

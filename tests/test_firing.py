@@ -1,4 +1,5 @@
-"""What the node fires now and when it looks again (sched_core.firing), and the loop around it.
+"""What fires now and when to look again (sched_core.firing), and the kit's loop around it
+(sched_core.loop).
 
 Pure tests at pinned instants. America/New_York: DST began 2026-03-08 at 02:00
 EST (07:00 UTC, the clock jumped to 03:00 EDT) and ends 2026-11-01 at 02:00 EDT
@@ -8,16 +9,19 @@ EST (07:00 UTC, the clock jumped to 03:00 EDT) and ends 2026-11-01 at 02:00 EDT
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
 
+from sched_core.config import Fire
 from sched_core.firing import Due, NodeView, due_now, next_start
 from sched_core.guard import StartDecision, Verdict
+from sched_core.loop import Decided, FiringLoop, Guarded
 from sched_core.model import LocalSchedule
-from sched_node.firing import Decided, FiringLoop
 from tests.factories import Clock
 
 NY = ZoneInfo("America/New_York")
@@ -108,6 +112,20 @@ def test_a_paused_row_has_no_next_start_and_nothing_due() -> None:
     assert next_start(_view(row), now=now, decided={}) is None
 
 
+def _runs(batch: list[tuple[Due, bool]], now: datetime) -> list[Guarded | Exception]:
+    """A start guard that runs every window."""
+    return [(StartDecision(Verdict.RUN, "on time", stamp=True), None) for _ in batch]
+
+
+def _loop(view: Callable[[datetime], NodeView], decided: Decided,
+          clock: Callable[[], datetime], **hands: Any) -> FiringLoop:
+    """Return a loop whose hands default to: run everything, note nothing."""
+    return FiringLoop(view=view, decided=decided, clock=clock,
+                      **{"guard": _runs, "start": lambda fire: None, "skip": lambda fire: None,
+                         "missed": lambda items, view: None, "fail": lambda fire: None,
+                         **hands})
+
+
 def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
     tmp_path: Path,
 ) -> None:
@@ -116,20 +134,12 @@ def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
     row = _row(interval_minutes=1)
     start = datetime(2026, 12, 4, 15, 0, 0, tzinfo=UTC)
     clock = Clock(start - timedelta(seconds=1))
-    fired: list[datetime] = []
-    skipped: list[tuple[datetime, str]] = []
-
-    def guard(sid: str, window: datetime, now: datetime, recovery: bool) -> StartDecision:
-        return StartDecision(Verdict.RUN, "on time", stamp=True)
-
-    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
-        fired.append(due.window)
-
-    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
-                      decided=Decided(tmp_path / "decided.json", now=clock.now), clock=clock,
-                      guard=guard, fire=fire,
-                      skip=lambda due, window, reason: skipped.append((window, reason)),
-                      on_missed=lambda items, view: None)
+    fired: list[datetime | None] = []
+    skipped: list[tuple[datetime | None, str]] = []
+    loop = _loop(lambda now: _view(row, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=clock.now), clock,
+                 start=lambda fire: fired.append(fire.window),
+                 skip=lambda fire: skipped.append((fire.window, fire.reason)))
     loop.decided.note("s-1", start - timedelta(minutes=1))
     for minute in range(3):
         clock.now = start + timedelta(minutes=minute, milliseconds=5)
@@ -140,6 +150,17 @@ def test_the_loop_decides_each_window_at_its_start_even_while_slots_are_busy(
         "s-1": start + timedelta(minutes=2)}, "a restart decides nothing twice"
 
 
+def test_the_decided_record_keeps_the_nodes_format(tmp_path: Path) -> None:
+    # Existing state folders keep working: one JSON object, schedule id -> Go time text.
+    path = tmp_path / "decided.json"
+    path.write_text('{"s-1":"2026-12-04T14:59:00Z","bad":"x"}')
+    decided = Decided(path, now=datetime(2026, 12, 4, 15, 0, tzinfo=UTC))
+    assert decided.values() == {"s-1": datetime(2026, 12, 4, 14, 59, tzinfo=UTC)}
+    decided.note("s-1", datetime(2026, 12, 4, 15, 0, tzinfo=UTC))
+    decided.save({"s-1"})
+    assert path.read_text() == '{"s-1":"2026-12-04T15:00:00Z"}'
+
+
 def test_the_loop_skips_the_older_windows_a_stop_left_and_reports_the_missed(
     tmp_path: Path,
 ) -> None:
@@ -148,33 +169,32 @@ def test_the_loop_skips_the_older_windows_a_stop_left_and_reports_the_missed(
     last = datetime(2026, 12, 4, 14, 0, tzinfo=UTC)
     now = datetime(2026, 12, 4, 15, 1, 30, tzinfo=UTC)  # back after an hour
     calls: list[tuple[str, datetime, bool]] = []
-    skipped: list[datetime] = []
+    skipped: list[datetime | None] = []
     missed: list[int] = []
 
-    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
-        calls.append((sid, window, recovery))
-        return StartDecision(Verdict.RUN, "ok", stamp=True)
+    def guard(batch: list[tuple[Due, bool]], at: datetime) -> list[Guarded | Exception]:
+        calls.extend((due.row.id, due.window, recovery) for due, recovery in batch)
+        return _runs(batch, at)
 
-    loop = FiringLoop(view=lambda at: _view(row, fired={"s-1": last}, seen=last), clock=lambda: now,
-                      decided=Decided(tmp_path / "d.json", now=now), guard=guard,
-                      fire=lambda due, decision, recovery: None,
-                      skip=lambda due, window, reason: skipped.append(window),
-                      on_missed=lambda items, view: missed.extend(item.count for item in items))
-    loop.turn(now)
+    loop = _loop(lambda at: _view(row, fired={"s-1": last}, seen=last),
+                 Decided(tmp_path / "d.json", now=now), lambda: now, guard=guard,
+                 skip=lambda fire: skipped.append(fire.window),
+                 missed=lambda items, view: missed.extend(item.count for item in items))
+    report = loop.turn(now)
     # 14:02 .. 14:56 are older than the grace: missed (policy: the latest is the 15:00 one
     # inside the grace, which runs as a window, so none is recovered); 14:58 and 15:00 are
     # due: the latest runs, the older is coalesced into it.
     assert calls == [("s-1", datetime(2026, 12, 4, 15, 0, tzinfo=UTC), False)]
     assert skipped == [datetime(2026, 12, 4, 14, 58, tzinfo=UTC)]
-    assert missed == [28]
+    assert missed == [28] and report.coalesced == {"s-1": 1}
 
 
 def test_the_loop_sleeps_until_the_next_start_and_wakes_early_when_told(tmp_path: Path) -> None:
     row = _row(hours=["3"], minute="0")
     now = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
-    loop = FiringLoop(view=lambda at: _view(row), decided=Decided(tmp_path / "d.json", now=now),
-                      clock=lambda: now, guard=lambda *a: StartDecision(Verdict.SKIP, "x"),
-                      fire=lambda *a: None, skip=lambda *a: None, on_missed=lambda *a: None)
+    loop = _loop(lambda at: _view(row), Decided(tmp_path / "d.json", now=now), lambda: now,
+                 guard=lambda batch, at: [(StartDecision(Verdict.SKIP, "x"), None)
+                                          for _ in batch])
     stop = threading.Event()
     thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
     thread.start()
@@ -202,35 +222,31 @@ def test_a_window_that_cannot_start_holds_up_no_other_and_ends_with_its_reason(
     fired: list[str] = []
     failed: list[tuple[str, str]] = []
 
-    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
-        return StartDecision(Verdict.RUN, "on time", stamp=True)
-
-    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
-        if due.row.id == "s-2":
+    def begin(fire: Fire) -> None:
+        if fire.schedule.id == "s-2":
             raise OSError(28, "No space left on device", "/state/outbox/x/job.json")
-        fired.append(due.row.id)
+        fired.append(fire.schedule.id)
 
-    loop = FiringLoop(view=lambda now: _view(*rows, seen=start - timedelta(hours=1)),
-                      decided=Decided(tmp_path / "decided.json", now=clock.now), clock=clock,
-                      guard=guard, fire=fire, skip=lambda *a: None,
-                      on_missed=lambda items, view: None,
-                      fail=lambda due, reason: failed.append((due.row.id, reason)))
+    loop = _loop(lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=clock.now), clock, start=begin,
+                 fail=lambda fire: failed.append((fire.schedule.id, fire.reason)))
     for row in rows:
         loop.decided.note(row.id, start - timedelta(hours=1))
-    upcoming = loop.turn(clock.now)
-    assert fired == ["s-1", "s-3"], "the failing start held up the one after it"
-    assert upcoming == clock.now + timedelta(seconds=1), "tried again in a second"
+    report = loop.turn(clock.now)
+    assert sorted(fired) == ["s-1", "s-3"], "the failing start held up the one after it"
+    assert report.upcoming == clock.now + timedelta(seconds=1), "tried again in a second"
     assert list(loop.failing) == [("s-2", start)]
     loop.turn(clock.now + timedelta(seconds=1))
-    assert fired == ["s-1", "s-3"] and failed == [], "tried again within its grace"
+    assert sorted(fired) == ["s-1", "s-3"] and failed == [], "tried again within its grace"
     # Past its grace: it ends with its reason, once, and is not missed or tried again.
     clock.now = start + GRACE + timedelta(seconds=1)
-    loop.turn(clock.now)
+    report = loop.turn(clock.now)
     ((sid, reason),) = failed
     assert sid == "s-2" and reason.startswith(
         "not started: the node's state folder is full (No space left on device: "
         "/state/outbox/x/job.json)")
-    assert loop.failing == {}
+    assert loop.failing == {} and [fire.schedule.id for fire in report.ended] == ["s-2"]
+    assert report.missed == []
     loop.turn(clock.now + timedelta(seconds=1))
     assert len(failed) == 1
 
@@ -243,17 +259,16 @@ def test_a_window_whose_start_fails_once_runs_at_the_next_try_and_a_read_only_di
     clock = Clock(start)
     tries: list[datetime] = []
 
-    def guard(sid: str, window: datetime, at: datetime, recovery: bool) -> StartDecision:
+    def guard(batch: list[tuple[Due, bool]], at: datetime) -> list[Guarded | Exception]:
         tries.append(at)
         if len(tries) == 1:
             raise OSError(30, "Read-only file system", "/state/cache.json")
-        return StartDecision(Verdict.RUN, "on time", stamp=True)
+        return _runs(batch, at)
 
-    fired: list[datetime] = []
-    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
-                      decided=Decided(tmp_path / "decided.json", now=start), clock=clock,
-                      guard=guard, fire=lambda due, decision, recovery: fired.append(due.window),
-                      skip=lambda *a: None, on_missed=lambda *a: None)
+    fired: list[datetime | None] = []
+    loop = _loop(lambda now: _view(row, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=start), clock, guard=guard,
+                 start=lambda fire: fired.append(fire.window))
     loop.decided.note("s-1", start - timedelta(minutes=1))
     loop.turn(start)
     (item,) = loop.failing.values()
@@ -268,12 +283,9 @@ def test_a_decided_file_the_disk_refuses_is_kept_in_memory_and_written_later(
     decided = Decided(tmp_path / "decided.json", now=datetime(2026, 12, 4, tzinfo=UTC))
     row = _row(interval_minutes=1)
     start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
-    fired: list[datetime] = []
-    loop = FiringLoop(view=lambda now: _view(row, seen=start - timedelta(hours=1)),
-                      decided=decided, clock=lambda: start,
-                      guard=lambda *a: StartDecision(Verdict.RUN, "ok", stamp=True),
-                      fire=lambda due, decision, recovery: fired.append(due.window),
-                      skip=lambda *a: None, on_missed=lambda *a: None)
+    fired: list[datetime | None] = []
+    loop = _loop(lambda now: _view(row, seen=start - timedelta(hours=1)), decided,
+                 lambda: start, start=lambda fire: fired.append(fire.window))
     decided.note("s-1", start - timedelta(minutes=1))
     real_save = Decided.save
 
@@ -297,28 +309,44 @@ def test_ten_windows_of_one_instant_are_decided_together_and_start_together(
     # the first waits alone and its barrier breaks.
     rows = [_row(f"s-{n}") for n in range(10)]
     start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
-    together = threading.Barrier(10, timeout=10)
+    together = threading.Barrier(10, timeout=30)
     batches: list[int] = []
     fired: list[str] = []
 
-    def guard_many(batch: list[tuple[Due, bool]],
-                   now: datetime) -> list[StartDecision | BaseException]:
+    def guard(batch: list[tuple[Due, bool]], now: datetime) -> list[Guarded | Exception]:
         batches.append(len(batch))
-        return [StartDecision(Verdict.RUN, "on time", stamp=True) for _ in batch]
+        return _runs(batch, now)
 
-    def fire(due: Due, decision: StartDecision, recovery: bool) -> None:
+    def begin(fire: Fire) -> None:
         together.wait()
-        fired.append(due.row.id)
+        fired.append(fire.schedule.id)
 
-    def single(*args: object) -> StartDecision:
-        raise AssertionError("each window decided alone")
-
-    loop = FiringLoop(view=lambda now: _view(*rows, seen=start - timedelta(hours=1)),
-                      decided=Decided(tmp_path / "decided.json", now=start), clock=lambda: start,
-                      guard=single, guard_many=guard_many, fire=fire, skip=lambda *a: None,
-                      on_missed=lambda *a: None)
+    loop = _loop(lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=start), lambda: start, guard=guard,
+                 start=begin)
     for row in rows:
         loop.decided.note(row.id, start - timedelta(hours=1))
-    loop.turn(start)
+    report = loop.turn(start)
     assert batches == [10], "decided in one step (one write of the cache)"
     assert sorted(fired) == sorted(row.id for row in rows) and loop.failing == {}
+    assert report.failed == [] and len(report.fired) == 10
+
+
+def test_windows_start_in_the_loops_thread_when_no_thread_can_be_had(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows = [_row(f"s-{n}") for n in range(3)]
+    start = datetime(2026, 12, 4, 15, 0, tzinfo=UTC)
+    fired: list[str] = []
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    loop = _loop(lambda now: _view(*rows, seen=start - timedelta(hours=1)),
+                 Decided(tmp_path / "decided.json", now=start), lambda: start,
+                 start=lambda fire: fired.append(fire.schedule.id))
+    for row in rows:
+        loop.decided.note(row.id, start - timedelta(hours=1))
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    report = loop.turn(start)
+    assert sorted(fired) == ["s-0", "s-1", "s-2"] and report.failed == []

@@ -7,10 +7,10 @@ and byte flips):
 1. only ``PullError`` escapes ``Scheduler.pull``;
 2. a refused pull changes neither the cache file nor the scheduler's memory;
 3. an accepted pull writes a file that loads back, strictly, equal to memory;
-4. the scheduler still ticks, and a new one constructed from the file ticks.
+4. the scheduler's firing loop still turns, and so does a new one constructed from the file.
 
 For every generated cache file (the same injections, into a cache): a
-``Scheduler`` constructs, ticks, runs its missed-run check and pulls (only
+``Scheduler`` constructs, turns its firing loop (due and missed windows) and pulls (only
 ``PullError`` may escape), and after that pull the file loads back equal to memory.
 
 Deterministic (``derandomize``, no example database) and bounded, so the
@@ -268,7 +268,7 @@ def test_no_pull_crashes_or_leaves_file_and_memory_apart(workdir: Path, payload:
     (folder / "list.json").write_text(json.dumps([row("a"), row("b")]))
     scheduler = Scheduler(config, now=T0 - timedelta(hours=2))
     scheduler.pull(now=T0 - timedelta(hours=2))
-    scheduler.tick(now=T0 - timedelta(hours=1))
+    scheduler.turn(T0 - timedelta(hours=1))
     before_file, before = config.path.read_bytes(), scheduler.cache()
     (folder / "list.json").write_bytes(payload)
     try:
@@ -280,10 +280,10 @@ def test_no_pull_crashes_or_leaves_file_and_memory_apart(workdir: Path, payload:
     else:
         event("pull accepted")
         _assert_file_is_memory(scheduler, config.path)
-    scheduler.tick(now=T0)
-    scheduler.missed_run_check(now=T0 + timedelta(minutes=10))
+    scheduler.turn(T0)
+    scheduler.turn(T0 + timedelta(minutes=10))
     _assert_file_is_memory(scheduler, config.path)
-    Scheduler(config, now=T0 + timedelta(minutes=11)).tick(now=T0 + timedelta(hours=1))
+    Scheduler(config, now=T0 + timedelta(minutes=11)).turn(T0 + timedelta(hours=1))
 
 
 @FUZZ
@@ -307,8 +307,8 @@ def test_no_cache_file_stops_a_scheduler(workdir: Path, content: bytes) -> None:
     aside = list(folder.glob("cache.json.corrupt-*"))
     event("cache moved aside" if not config.path.exists() else
           "cache salvaged" if aside or config.path.read_bytes() != content else "cache kept")
-    scheduler.tick(now=T0)
-    scheduler.missed_run_check(now=T0 + timedelta(minutes=10))
+    scheduler.turn(T0)
+    scheduler.turn(T0 + timedelta(minutes=10))
     scheduler.fire_matching("manual", lambda s: True, now=T0 + timedelta(minutes=11))
     try:
         scheduler.pull(now=T0 + timedelta(minutes=12))
@@ -316,5 +316,5 @@ def test_no_cache_file_stops_a_scheduler(workdir: Path, content: bytes) -> None:
         pass  # e.g. refused because every cached row is invalid; nothing else may escape
     else:
         _assert_file_is_memory(scheduler, config.path)
-    scheduler.tick(now=T0 + timedelta(hours=1))
-    Scheduler(config, now=T0 + timedelta(hours=1)).tick(now=T0 + timedelta(hours=2))
+    scheduler.turn(T0 + timedelta(hours=1))
+    Scheduler(config, now=T0 + timedelta(hours=1)).turn(T0 + timedelta(hours=2))

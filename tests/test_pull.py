@@ -17,7 +17,7 @@ from sched_core.cache import load_cache
 from sched_core.model import Cache
 from sched_core.pull import merge_pull, parse_schedule_list
 from sched_core.scheduler import Config, Scheduler
-from tests.test_scheduler import T0, Agent, row
+from tests.test_scheduler import T0, Agent, row, started
 
 
 def _with(sid: str, **raw: str) -> str:
@@ -67,7 +67,7 @@ def test_a_payload_breaking_a_wire_rule_is_refused_naming_where(
     assert agent.list_path.as_uri() in str(info.value) and len(str(info.value)) < 600
     assert agent.cache_path.read_bytes() == before_file
     assert agent.scheduler.cache() == before
-    assert agent.scheduler.tick(now=T0) == 2
+    assert started(agent.scheduler, now=T0) == 2
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_a_pull_whose_save_fails_changes_neither_memory_nor_file(
             agent.scheduler.pull(now=T0)
         assert agent.scheduler.cache() == before
         assert agent.cache_path.read_bytes() == before_file
-    assert agent.scheduler.tick(now=T0) == 1  # the old list fires (the disk has room again)
+    assert started(agent.scheduler, now=T0) == 1  # the old list fires (the disk has room again)
     result = agent.scheduler.pull(now=T0 + timedelta(minutes=1))
     assert result.added == ["b"] and result.changed == ["a"]
     assert load_cache(agent.cache_path, now=T0) == agent.scheduler.cache()

@@ -1,4 +1,4 @@
-"""The per-node Scheduler: pull, tick, missed-run check, cache sharing.
+"""The per-node Scheduler: pull, the firing loop's turn at a given now, cache sharing.
 
 Times are explicit: the New York spring-forward day 2026-03-08 jumps from
 02:00 EST (07:00Z) to 03:00 EDT; the fall-back day 2026-11-01 repeats 01:00-01:59
@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import re
 import stat
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ T0 = datetime(2026, 11, 30, 15, 0, tzinfo=UTC)  # Monday 10:00 EST
 
 def clock(days: list[str], hours: list[str], minute: str) -> dict[str, Any]:
     return {"days": days, "hours": hours, "minute": minute}
+
+
+def started(scheduler: Scheduler, *, now: datetime) -> int:
+    """Run one turn of the firing loop at now; return how many windows it started."""
+    return len(scheduler.turn(now).fired)
 
 
 class Agent:
@@ -114,11 +120,11 @@ def test_pull_replaces_the_list_and_writes_a_private_cache(tmp_path: Path) -> No
 def test_pull_keeps_last_fired_for_surviving_ids(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a"), row("b")])
     agent.scheduler.pull(now=T0)
-    assert agent.scheduler.tick(now=T0) == 2
+    assert started(agent.scheduler, now=T0) == 2
     agent.write([row("a", version=2)])
     agent.scheduler.pull(now=T0 + timedelta(seconds=20))
     assert agent.scheduler.cache().last_fired_at == {"a": T0}
-    assert agent.scheduler.tick(now=T0 + timedelta(seconds=30)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(seconds=30)) == 0
 
 
 @pytest.mark.parametrize(
@@ -150,13 +156,13 @@ def test_bad_payload_rejects_the_whole_pull(tmp_path: Path, payload: str, reason
     assert agent.cache_path.read_bytes() == before
     assert [s.id for s in agent.scheduler.schedules()] == ["a", "b"]
     assert any(agent.list_path.as_uri() == getattr(r, "url", None) for r in caplog.records)
-    assert agent.scheduler.tick(now=T0) == 2  # still firing from the last good list
+    assert started(agent.scheduler, now=T0) == 2  # still firing from the last good list
 
 
 def test_junk_pull_keeps_fire_history_and_windows_keep_firing(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a")])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 1
+    assert started(agent.scheduler, now=T0) == 1
     before = agent.scheduler.cache()
     # The controller serves junk from 10:05 to 12:30 EST: the cache keeps firing.
     agent.write('{"schedules": [{"error": "db down"}]}')
@@ -164,10 +170,10 @@ def test_junk_pull_keeps_fire_history_and_windows_keep_firing(tmp_path: Path) ->
         agent.scheduler.pull(now=T0 + timedelta(minutes=5))
     assert agent.scheduler.cache() == before
     for minute in range(6, 150):
-        agent.scheduler.tick(now=T0 + timedelta(minutes=minute))
+        started(agent.scheduler, now=T0 + timedelta(minutes=minute))
     agent.write([row("a")])
     agent.scheduler.pull(now=T0 + timedelta(hours=2, minutes=30))
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(hours=2, minutes=30)) == 0
     assert [w for _, w in agent.windows()] == [
         (T0 + timedelta(hours=h)).isoformat() for h in range(3)
     ]
@@ -198,7 +204,7 @@ def test_list_of_only_invalid_rows_is_refused_while_schedules_are_cached(
 ) -> None:
     agent = Agent(tmp_path, [row("a"), row("b")])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 2
+    assert started(agent.scheduler, now=T0) == 2
     before = agent.cache_path.read_bytes()
     all_bad = [row("a", schedule=clock(["Mon"], ["2"], "0")), row("c", miss_policy="often")]
     agent.write(all_bad)
@@ -245,7 +251,7 @@ def test_invalid_row_is_dropped_and_its_last_good_version_kept(
 ) -> None:
     agent = Agent(tmp_path, [row("a"), row("b", version=1)])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 2
+    assert started(agent.scheduler, now=T0) == 2
     bad_b = row("b", version=2, schedule=clock(["Mon"], ["2"], "0"))
     bad_c = row("c", schedule=clock(["mon"], ["24"], "0"))
     no_action = {k: v for k, v in row("d").items() if k != "action"}
@@ -307,77 +313,90 @@ def test_http_timeout_is_a_pull_error(tmp_path: Path) -> None:
     assert [s.id for s in agent.scheduler.schedules()] == ["a"]
 
 
-# -- tick ------------------------------------------------------------------------
+# -- the firing loop's turn -------------------------------------------------------
 
 
 def test_due_window_fires_once_even_across_restarts(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a")])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0 + timedelta(seconds=1)) == 1
-    assert agent.scheduler.tick(now=T0 + timedelta(seconds=2)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(seconds=1)) == 1
+    assert started(agent.scheduler, now=T0 + timedelta(seconds=2)) == 0
     agent.restart(now=T0 + timedelta(seconds=3))
-    assert agent.scheduler.tick(now=T0 + timedelta(seconds=4)) == 0
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=30)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(seconds=4)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(minutes=30)) == 0
     (fire,) = agent.fired
     assert fire.trigger_key == "schedule" and not fire.missed_recovery
     assert fire.window == T0 and fire.key == "a@2026-11-30T10:00-05:00"
 
 
-def test_tick_fires_late_and_early_windows_inside_the_grace_only(tmp_path: Path) -> None:
+def test_turn_fires_late_and_early_windows_inside_the_grace_only(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a")])
-    agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    # A worker may start the tick half a second early: the window is not due yet.
-    assert agent.scheduler.tick(now=T0 - timedelta(seconds=0.5)) == 0
-    assert agent.scheduler.tick(now=T0 + timedelta(minutes=5)) == 1  # the grace is inclusive
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    # Half a second early: the window is not due yet.
+    assert started(agent.scheduler, now=T0 - timedelta(seconds=0.5)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(minutes=5)) == 1  # the grace is inclusive
     (tmp_path / "late").mkdir()
     agent2 = Agent(tmp_path / "late", [row("a")])
-    agent2.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent2.scheduler.tick(now=T0 + timedelta(minutes=5, seconds=1)) == 0
+    agent2.scheduler.pull(now=T0 - timedelta(minutes=30))
+    report = agent2.scheduler.turn(T0 + timedelta(minutes=5, seconds=1))
+    # Past the grace: missed, and the miss policy's (which recovers it here).
+    assert [(item.schedule_id, item.windows) for item in report.missed] == [("a", [T0])]
+    assert [(f.window, f.trigger_key) for f in report.fired] == [(T0, "schedule-recovery")]
 
 
-def test_older_pending_windows_are_coalesced(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_older_pending_windows_are_coalesced(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a", schedule=every(1))])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 1
-    report = agent.scheduler.tick_report(now=T0 + timedelta(minutes=4, seconds=10))
+    assert started(agent.scheduler, now=T0) == 1
+    report = agent.scheduler.turn(T0 + timedelta(minutes=4, seconds=10))
     assert [f.window for f in report.fired] == [T0 + timedelta(minutes=4)]
     assert report.coalesced == {"a": 3}
-    assert any(getattr(r, "coalesced", None) == 3 for r in caplog.records)
+    assert [f.window for f in report.skipped] == [T0 + timedelta(minutes=m) for m in (1, 2, 3)]
+    assert all(f.reason.startswith("coalesced into") for f in report.skipped)
 
 
 def test_failed_fire_is_not_stamped_and_is_retried(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a"), row("b")], fail={"a"})
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    report = agent.scheduler.tick_report(now=T0)
+    report = agent.scheduler.turn(T0)
     assert [f.schedule.id for f in report.fired] == ["b"]
     assert [f.schedule.id for f, _ in report.failed] == ["a"]
     assert "a" not in agent.scheduler.cache().last_fired_at
     agent.fail.clear()
     assert agent.windows() == [("b", T0.isoformat())]
-    assert agent.scheduler.tick(now=T0 + timedelta(minutes=2)) == 1
+    assert started(agent.scheduler, now=T0 + timedelta(minutes=2)) == 1
     assert agent.windows()[-1] == ("a", T0.isoformat())
 
 
-def test_failed_fire_older_than_grace_goes_to_the_miss_policy(tmp_path: Path) -> None:
+def test_a_window_that_cannot_start_within_its_grace_ends_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    ended: list[Fire] = []
     agent = Agent(tmp_path, [row("a")], fail={"a"})
-    agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 0
+    agent.scheduler = Scheduler(Config(pull_url=agent.list_path.as_uri(), node_name="node-a",
+                                       cache_path=agent.cache_path, fire=agent._fire,
+                                       fail=ended.append), now=T0)
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    report = agent.scheduler.turn(T0)
+    assert report.fired == [] and [f.window for f, _ in report.failed] == [T0]
+    assert report.upcoming == T0 + timedelta(seconds=1)  # tried again soon, within the grace
+    assert [f.window for f, _ in agent.scheduler.turn(T0 + timedelta(minutes=5)).failed] == [T0]
     agent.fail.clear()
-    assert agent.scheduler.tick(now=T0 + timedelta(minutes=6)) == 0
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=6)) == 1
-    (fire,) = agent.fired
-    assert fire.trigger_key == "schedule-recovery" and fire.missed_recovery
-    assert fire.key == "a@2026-11-30T10:00-05:00"  # the same key as the normal fire
+    report = agent.scheduler.turn(T0 + timedelta(minutes=5, seconds=1))
+    assert report.fired == [] and report.missed == []  # ended, not missed: never recovered
+    (fire,) = ended
+    assert report.ended == ended and fire.window == T0 and fire.key == "a@2026-11-30T10:00-05:00"
+    assert fire.reason.startswith("not started: RuntimeError: cannot start a (tried from")
+    assert started(agent.scheduler, now=T0 + timedelta(minutes=30)) == 0
+    assert agent.fired == []
 
 
 def test_disabled_and_event_schedules_never_tick(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("off", enabled=False),
                              row("ev", schedule={"on": "after_wave"}, action="prune")])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 0
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2)) == 0
+    assert started(agent.scheduler, now=T0) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(hours=2)) == 0
 
 
 def test_fresh_agent_fires_the_window_of_the_minute_it_first_saw_the_schedule(
@@ -385,14 +404,14 @@ def test_fresh_agent_fires_the_window_of_the_minute_it_first_saw_the_schedule(
 ) -> None:
     agent = Agent(tmp_path, [row("a")])
     agent.scheduler.pull(now=T0 + timedelta(seconds=30))
-    assert agent.scheduler.tick(now=T0 + timedelta(seconds=40)) == 1
+    assert started(agent.scheduler, now=T0 + timedelta(seconds=40)) == 1
 
     late = tmp_path / "late"
     late.mkdir()
     agent = Agent(late, [row("a")])
     agent.scheduler.pull(now=T0 + timedelta(minutes=1))
-    assert agent.scheduler.tick(now=T0 + timedelta(minutes=1, seconds=5)) == 0
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=2)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(minutes=1, seconds=5)) == 0
+    assert agent.scheduler.turn(T0 + timedelta(minutes=10)).missed == []
 
 
 # -- DST -------------------------------------------------------------------------
@@ -404,27 +423,27 @@ FALL_EST = datetime(2026, 11, 1, 6, 30, tzinfo=UTC)  # 01:30 EST, second copy
 
 def test_spring_forward_gap_window_fires_at_three(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a", schedule=clock(["*"], ["2"], "30"))])
-    agent.scheduler.pull(now=SPRING - timedelta(days=1))
-    assert agent.scheduler.tick(now=SPRING - timedelta(seconds=1)) == 0
-    assert agent.scheduler.tick(now=SPRING + timedelta(seconds=1)) == 1
+    agent.scheduler.pull(now=SPRING - timedelta(hours=1))
+    assert started(agent.scheduler, now=SPRING - timedelta(seconds=1)) == 0
+    assert started(agent.scheduler, now=SPRING + timedelta(seconds=1)) == 1
     assert agent.fired[0].window == SPRING
     assert agent.fired[0].key == "a@2026-03-08T03:00-04:00"
-    assert agent.scheduler.tick(now=SPRING + timedelta(minutes=30)) == 0
+    assert started(agent.scheduler, now=SPRING + timedelta(minutes=30)) == 0
 
 
 def test_fall_back_fixed_hour_fires_once_wildcard_twice(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("fixed", schedule=clock(["*"], ["1"], "30")),
                              row("wild", schedule=clock(["*"], ["*"], "30"))])
     agent.scheduler.pull(now=FALL_EDT - timedelta(days=1))
-    assert agent.scheduler.tick(now=FALL_EDT) == 2
-    assert agent.scheduler.tick(now=FALL_EST) == 1
-    assert agent.windows() == [
+    assert started(agent.scheduler, now=FALL_EDT) == 2
+    assert started(agent.scheduler, now=FALL_EST) == 1
+    assert sorted(agent.windows()) == [  # the two of one instant start together: any order
         ("fixed", FALL_EDT.isoformat()), ("wild", FALL_EDT.isoformat()),
         ("wild", FALL_EST.isoformat()),
     ]
-    keys = [f.key for f in agent.fired]
-    assert keys[1] == "wild@2026-11-01T01:30-04:00" and keys[2] == "wild@2026-11-01T01:30-05:00"
-    assert agent.scheduler.missed_run_check(now=FALL_EST + timedelta(hours=1)) == 0
+    keys = sorted(f.key for f in agent.fired if f.schedule.id == "wild")
+    assert keys == ["wild@2026-11-01T01:30-04:00", "wild@2026-11-01T01:30-05:00"]
+    assert started(agent.scheduler, now=FALL_EST + timedelta(minutes=30)) == 0
 
 
 # -- miss policy -----------------------------------------------------------------
@@ -439,37 +458,38 @@ def test_miss_policy_after_downtime(tmp_path: Path, policy: str, expected: list[
                                     caplog: pytest.LogCaptureFixture) -> None:
     agent = Agent(tmp_path, [row("a", miss_policy=policy)])
     agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    assert agent.scheduler.tick(now=T0) == 1
+    assert started(agent.scheduler, now=T0) == 1
     # Down from 10:01 to 13:30: the 11:00, 12:00 and 13:00 windows were missed.
     agent.restart(now=T0 + timedelta(hours=3, minutes=30))
     with caplog.at_level(logging.WARNING):
-        assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=3, minutes=30)) == len(
+        assert started(agent.scheduler, now=T0 + timedelta(hours=3, minutes=30)) == len(
             expected
         )
     assert [f.window for f in agent.fired[1:]] == expected
     truncated = [getattr(r, "truncated", None) for r in caplog.records]
     assert (2 in truncated) == (policy == "run-all")
     # Recovery happens once.
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=3, minutes=40)) == 0
+    assert started(agent.scheduler, now=T0 + timedelta(hours=3, minutes=40)) == 0
 
 
-def test_missed_check_leaves_a_window_inside_the_grace_to_the_tick(tmp_path: Path) -> None:
+def test_a_window_inside_the_grace_is_fired_not_recovered(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a")])
     agent.scheduler.pull(now=T0 - timedelta(hours=5))
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(minutes=2)) == 0
-    assert agent.scheduler.tick(now=T0 + timedelta(minutes=2)) == 1
-    assert agent.fired[0].trigger_key == "schedule"
+    report = agent.scheduler.turn(T0 + timedelta(minutes=2))
+    assert [(f.window, f.trigger_key) for f in report.fired] == [(T0, "schedule")]
+    (item,) = report.missed  # the five older windows: reported, none recovered (a later ran)
+    assert item.count == 5 and item.recover is None
 
 
 def test_recovery_looks_back_24_hours_only(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a", schedule=clock(["mon"], ["10"], "0"))])
     agent.scheduler.pull(now=T0 - timedelta(days=2))
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=23, minutes=59)) == 1
+    assert started(agent.scheduler, now=T0 + timedelta(hours=23, minutes=59)) == 1
     agent2_dir = tmp_path / "b"
     agent2_dir.mkdir()
     agent2 = Agent(agent2_dir, [row("a", schedule=clock(["mon"], ["10"], "0"))])
     agent2.scheduler.pull(now=T0 - timedelta(days=2))
-    assert agent2.scheduler.missed_run_check(now=T0 + timedelta(hours=24)) == 0
+    assert started(agent2.scheduler, now=T0 + timedelta(hours=24)) == 0
 
 
 # -- the cache on disk -----------------------------------------------------------
@@ -501,7 +521,7 @@ def test_cache_written_by_the_go_kit_is_used(tmp_path: Path) -> None:
     assert [s.id for s in cache.schedules] == ["a"]
     assert cache.first_seen_at == {"a": datetime(2026, 11, 30, 14, 30, 0, 123456, tzinfo=UTC)}
     # 15:00Z to 17:00Z were missed after the Go kit's last fetch: the latest is recovered.
-    fired = agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30))
+    fired = started(agent.scheduler, now=T0 + timedelta(hours=2, minutes=30))
     assert fired == 1 and agent.fired[0].window == T0 + timedelta(hours=2)
 
 
@@ -593,9 +613,9 @@ def test_bad_time_entry_in_cache_still_recovers_missed_windows(tmp_path: Path) -
     bad = {"last_fired_at": {"a": "2026-11-30T13:00:00Z", "b": "yesterday"}}
     (tmp_path / "cache.json").write_text(json.dumps(_go_cache(**bad)))
     agent = Agent(tmp_path, "{down", now=T0 + timedelta(hours=2, minutes=30))
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 2
-    assert agent.windows() == [("a", "2026-11-30T17:00:00+00:00"),
-                               ("b", "2026-11-30T17:00:00+00:00")]
+    assert started(agent.scheduler, now=T0 + timedelta(hours=2, minutes=30)) == 2
+    assert sorted(agent.windows()) == [("a", "2026-11-30T17:00:00+00:00"),
+                                       ("b", "2026-11-30T17:00:00+00:00")]
 
 
 def test_cache_whose_schedules_is_not_a_list_keeps_its_fire_history(
@@ -614,7 +634,7 @@ def test_cache_whose_schedules_is_not_a_list_keeps_its_fire_history(
     assert len(list(tmp_path.glob("cache.json.corrupt-*"))) == 1  # rewritten: copied once
     # The next pull brings the row back with its history: 14:00-17:00Z were missed.
     agent.scheduler.pull(now=T0 + timedelta(hours=2, minutes=30))
-    assert agent.scheduler.missed_run_check(now=T0 + timedelta(hours=2, minutes=30)) == 1
+    assert started(agent.scheduler, now=T0 + timedelta(hours=2, minutes=30)) == 1
     assert agent.windows() == [("a", "2026-11-30T17:00:00+00:00")]
 
 
@@ -665,21 +685,22 @@ def test_fire_matching_uses_the_given_key_and_stamps(tmp_path: Path) -> None:
 
 def test_start_pulls_and_stop_is_idempotent(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a"), row("b", name="aaa")],
-                  fire_interval=timedelta(milliseconds=20), pull_interval=timedelta(seconds=30))
+                  pull_interval=timedelta(seconds=30))
     agent.scheduler.start()
-    threads = list(agent.scheduler._runner.threads)
+    agent.scheduler.start()  # a second start does nothing
+    threads = list(agent.scheduler._threads)
     assert len(threads) == 2
     try:
         for _ in range(500):
             if agent.scheduler.schedules():
                 break
-            agent.scheduler._runner.stop_event.wait(0.01)
+            threading.Event().wait(0.01)
     finally:
         agent.scheduler.stop()
     agent.scheduler.stop()
     assert [s.id for s in agent.scheduler.schedules()] == ["b", "a"]  # sorted by name
     assert all(not t.is_alive() for t in threads)
-    assert agent.scheduler._runner.threads == []
+    assert agent.scheduler._threads == []
 
 
 def test_unchanged_list_costs_a_304(tmp_path: Path) -> None:
@@ -716,34 +737,47 @@ def test_datetime_subclasses_and_naive_times(tmp_path: Path) -> None:
     from prefect.types._datetime import DateTime
 
     agent = Agent(tmp_path, [row("a")])
-    agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    early = DateTime(2026, 11, 30, 15, 0, 0, tzinfo=UTC)  # a tick started on the dot
-    assert agent.scheduler.due_fires(early)[0].key == "a@2026-11-30T10:00-05:00"
-    assert agent.scheduler.tick(now=early) == 1
-    assert type(agent.fired[0].window) is datetime
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    early = DateTime(2026, 11, 30, 15, 0, 0, tzinfo=UTC)  # a turn on the dot
+    (fire,) = agent.scheduler.turn(early).fired
+    assert fire.key == "a@2026-11-30T10:00-05:00" and type(fire.window) is datetime
     with pytest.raises(ValueError, match="is naive"):
-        agent.scheduler.tick(now=datetime(2026, 11, 30, 15, 1))
+        started(agent.scheduler, now=datetime(2026, 11, 30, 15, 1))
 
 
-# --- The tick decides through the agent's own start guard (one rule for every engine) ---
+# --- The loop decides through the agent's own start guard (one rule, one engine) ---
 
 
-def test_tick_holds_a_paused_row_with_the_guards_reason_and_fires_after_the_pause(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_paused_row_does_not_fire_and_fires_after_the_pause(tmp_path: Path) -> None:
     until = (T0 + timedelta(hours=1, minutes=30)).isoformat()
     agent = Agent(tmp_path, [row("a", paused={"note": "disk swap", "until": until}), row("b")])
-    agent.scheduler.pull(now=T0 - timedelta(hours=1))
-    with caplog.at_level(logging.INFO, logger="sched_core.scheduler"):
-        report = agent.scheduler.tick_report(now=T0)
-        agent.scheduler.tick(now=T0 + timedelta(seconds=30))  # the same window: logged once
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    report = agent.scheduler.turn(T0)
     assert [f.schedule.id for f in report.fired] == ["b"]
-    assert "paused" in report.held["a"] and "disk swap" in report.held["a"], report.held
-    assert sum("not firing a" in r.getMessage() for r in caplog.records) == 1
-    assert agent.scheduler.tick(now=T0 + timedelta(hours=1)) == 1  # b only: a is still paused
-    fired = agent.scheduler.tick_report(now=T0 + timedelta(hours=2)).fired
-    assert sorted(f.schedule.id for f in fired) == ["a", "b"]  # the pause is over
-    assert "a" not in agent.scheduler.missed_run_report(now=T0 + timedelta(hours=2)).held
+    assert report.skipped == [] and report.missed == []  # never to run: neither one
+    assert started(agent.scheduler, now=T0 + timedelta(hours=1)) == 1  # b only: a is still paused
+    report = agent.scheduler.turn(T0 + timedelta(hours=2))
+    assert sorted(f.schedule.id for f in report.fired) == ["a", "b"]  # the pause is over
+    assert report.missed == []  # the paused windows are not missed either
+
+
+def test_the_guard_skips_a_window_a_pause_holds_back_with_its_reason(tmp_path: Path) -> None:
+    # The pause arrives between the decision that the window is due and its guard (another
+    # process shares the cache): the guard reads the row as it is then, and says why.
+    agent = Agent(tmp_path, [row("a")])
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    guard = agent.scheduler.loop.guard
+
+    def pause_first(batch: Any, now: datetime) -> Any:
+        agent.write([row("a", paused={"note": "disk swap", "until": None})])
+        agent.scheduler.pull(now=now)
+        return guard(batch, now)
+
+    agent.scheduler.loop.guard = pause_first
+    report = agent.scheduler.turn(T0)
+    assert report.fired == [] and agent.fired == []
+    (fire,) = report.skipped
+    assert fire.window == T0 and "paused" in fire.reason and "disk swap" in fire.reason
 
 
 def test_tick_holds_min_interval_and_fires_a_jittered_row_at_its_start(tmp_path: Path) -> None:
@@ -751,41 +785,40 @@ def test_tick_holds_min_interval_and_fires_a_jittered_row_at_its_start(tmp_path:
 
     agent = Agent(tmp_path, [row("m", schedule=every(1), min_interval=600),
                              row("j", jitter=240)])
-    agent.scheduler.pull(now=T0 - timedelta(hours=1))
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
     offset = timedelta(seconds=jitter_offset("node-a", "j", 240))
-    assert [f.schedule.id for f in agent.scheduler.tick_report(now=T0).fired] == ["m"]
-    held = agent.scheduler.tick_report(now=T0 + timedelta(minutes=1)).held
-    assert "min_interval" in held["m"] or "minimum interval" in held["m"], held
+    assert [f.schedule.id for f in agent.scheduler.turn(T0).fired] == ["m"]
+    assert agent.scheduler.turn(T0 + timedelta(minutes=1)).fired == []  # min_interval
     assert offset > timedelta(0)  # stable: a hash of the node and the row
-    report = agent.scheduler.tick_report(now=T0 + offset - timedelta(seconds=1))
+    report = agent.scheduler.turn(T0 + offset - timedelta(seconds=1))
     assert "j" not in [f.schedule.id for f in report.fired]  # not before its start
-    fired = agent.scheduler.tick_report(now=T0 + offset).fired
+    fired = agent.scheduler.turn(T0 + offset).fired
     assert [(f.schedule.id, f.window) for f in fired if f.schedule.id == "j"] == [("j", T0)]
-    later = agent.scheduler.tick_report(now=T0 + timedelta(minutes=10)).fired
+    later = agent.scheduler.turn(T0 + timedelta(minutes=10)).fired
     assert [f.schedule.id for f in later] == ["m"]  # m's next allowed window; j ran once
 
 
-def test_missed_run_check_holds_a_paused_row(tmp_path: Path) -> None:
+def test_a_paused_row_recovers_no_missed_window(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a", paused={"note": "maintenance", "until": None})])
     agent.scheduler.pull(now=T0 - timedelta(hours=3))
-    report = agent.scheduler.missed_run_report(now=T0 + timedelta(minutes=30))
-    assert report.fired == [] and "maintenance" in report.held["a"], report.held
+    report = agent.scheduler.turn(T0 + timedelta(minutes=30))
+    assert report.fired == [] and report.missed == []
 
 
-def test_tick_fires_a_row_with_its_own_zone_at_that_zones_wall_clock(tmp_path: Path) -> None:
+def test_turn_fires_a_row_with_its_own_zone_at_that_zones_wall_clock(tmp_path: Path) -> None:
     # 10:00 in Berlin on 2026-11-30 is 09:00Z; the node runs in New York (04:00 there).
     berlin_ten = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
     agent = Agent(tmp_path, [row("z", schedule=clock(["*"], ["10"], "0"),
                                 timezone="Europe/Berlin"),
                              row("n", schedule=clock(["*"], ["10"], "0"))])
     agent.scheduler.pull(now=berlin_ten - timedelta(hours=2))
-    fired = agent.scheduler.tick_report(now=berlin_ten).fired
+    fired = agent.scheduler.turn(berlin_ten).fired
     assert [(f.schedule.id, f.window) for f in fired] == [("z", berlin_ten)]
-    fired = agent.scheduler.tick_report(now=T0).fired  # 10:00 in New York
+    fired = agent.scheduler.turn(T0).fired  # 10:00 in New York
     assert [(f.schedule.id, f.window) for f in fired] == [("n", T0)]
 
 
-def test_missed_run_check_recovers_a_row_with_its_own_zone_at_that_zones_window(
+def test_turn_recovers_a_row_with_its_own_zone_at_that_zones_window(
     tmp_path: Path,
 ) -> None:
     # Down over Berlin's 10:00 (09:00Z) on 2026-11-30: the recovery is that window, keyed in
@@ -794,7 +827,7 @@ def test_missed_run_check_recovers_a_row_with_its_own_zone_at_that_zones_window(
     agent = Agent(tmp_path, [row("z", schedule=clock(["*"], ["10"], "0"),
                                 timezone="Europe/Berlin", miss_policy="run-once-within-24h")])
     agent.scheduler.pull(now=berlin_ten - timedelta(hours=2))
-    fired = agent.scheduler.missed_run_report(now=berlin_ten + timedelta(hours=2)).fired
+    fired = agent.scheduler.turn(berlin_ten + timedelta(hours=2)).fired
     assert [(f.schedule.id, f.window, f.missed_recovery) for f in fired] == [
         ("z", berlin_ten, True)]
     assert fired[0].key == "z@2026-11-30T10:00+01:00"
@@ -859,3 +892,24 @@ def test_many_windows_are_decided_and_stamped_in_one_write_or_none_is(
                                             now=later)
     assert all(isinstance(answer, OSError) for answer in refused)
     assert agent.scheduler.cache().last_fired_at == {"a": T0, "b": T0}
+
+
+def test_windows_of_one_instant_start_concurrently(tmp_path: Path) -> None:
+    # Each start waits until all ten have entered: a loop that starts them one after another
+    # never gets past the first (its wait breaks, and nine windows fail).
+    ids = [f"r{n}" for n in range(10)]
+    entered = threading.Barrier(len(ids), timeout=30)
+    fired: list[str] = []
+
+    def fire(fire: Fire) -> None:
+        entered.wait()
+        fired.append(fire.schedule.id)
+
+    agent = Agent(tmp_path, [row(sid) for sid in ids])
+    agent.scheduler = Scheduler(Config(pull_url=agent.list_path.as_uri(), node_name="node-a",
+                                       cache_path=agent.cache_path, fire=fire), now=T0)
+    agent.scheduler.pull(now=T0 - timedelta(minutes=30))
+    report = agent.scheduler.turn(T0)
+    assert report.failed == [] and not entered.broken
+    assert sorted(f.schedule.id for f in report.fired) == sorted(fired) == ids
+    assert agent.scheduler.cache().last_fired_at == dict.fromkeys(ids, T0)
