@@ -260,8 +260,25 @@ def storm(tree: str, port: int, pid: int, url: str, tokens: Path,
          "--storm-minutes", str(args.storm_minutes), "--share", "0.05"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
         text=True, timeout=3600, check=True)
-    body = done.stdout[done.stdout.index("`bench/bench_controller_fleet.py fleet`"):]
-    return f"#### The {args.nodes:,}-node storm, {tree}\n\n" + body.strip()
+    return storm_line(tree, args.nodes, done.stdout)
+
+
+def storm_line(tree: str, nodes: int, text: str) -> str:
+    """Return the storm's figures in one sentence (its full report is the fleet bench's)."""
+    rows = {cells[0]: cells[1:] for line in text.splitlines()
+            if line.startswith("| ") and len(cells := [c.strip() for c in
+                                                       line.strip("|").split("|")]) == 4}
+    parts = [f"{what} p50 {rows[key][1]} / p99 {rows[key][2]} ms"
+             for key, what in (("storm: all pulls", "pulls"), ("storm: report", "reports"),
+                               ("storm: change to pulled (PUT sent to the 200)",
+                                "a change to its pull")) if key in rows]
+    extra = [line.strip("- ").rstrip(".") for line in text.splitlines()
+             if line.startswith(("- Answers over the whole run", "- Changes not pulled"))]
+    fivexx = [e.split("5xx: ", 1)[1].split(";")[0].strip() for e in extra if "5xx: " in e]
+    late = [e.split(": ", 1)[1] for e in extra if e.startswith("Changes not pulled")]
+    return (f"The {nodes:,}-node change storm of `bench/bench_controller_fleet.py fleet` "
+            f"({tree}): {'; '.join(parts)}; 5xx: {fivexx[0] if fivexx else '?'}; changes not "
+            f"pulled within 20 s of its end: {late[0] if late else '?'}.")
 
 
 def run_tree(tree: str, code: Path, folder: Path, args: argparse.Namespace
