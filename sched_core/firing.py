@@ -22,12 +22,16 @@ Rules:
 4. The next start is the earliest start after ``now`` of any row's next window
    that rule 1 would let fire (policies and eligibility applied), within 8
    days; the loop wakes then, or earlier when the schedules change.
+5. Between turns each row's next start is kept (:class:`Starts`) for as long as what it
+   was computed from holds (the row object, its last fire, first-seen time and latest
+   decided window): a turn looks at the windows of the rows whose start has come, so an
+   idle turn costs next to nothing however many rows the node has.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from sched_core.misses import eligible_after
@@ -36,7 +40,7 @@ from sched_core.policies import policy_block, window_starts
 from sched_core.values import TICK
 from sched_core.view import NodeView
 
-__all__ = ["LOOK_AHEAD", "Due", "NodeView", "due_now", "next_start"]
+__all__ = ["LOOK_AHEAD", "Due", "NodeView", "Starts", "due_now", "next_start"]
 
 LOOK_AHEAD = timedelta(days=8)
 """How far ahead :func:`next_start` looks (the matcher's horizon)."""
@@ -116,3 +120,122 @@ def next_start(
                 best = start
                 break
     return best
+
+
+@dataclass
+class _Kept:
+    """A row's next start, and what it was computed from (rule 5)."""
+
+    row: LocalSchedule
+    facts: tuple[datetime | None, datetime | None, datetime | None]
+    start: datetime | None
+    until: datetime
+    """When the answer must be worked out again (a row with no start within LOOK_AHEAD)."""
+
+
+class Starts:
+    """Each clock row's next start, kept between turns (rule 5); the loop's one instance.
+
+    :meth:`due` answers :func:`due_now` for the rows whose start has come (or is not
+    known, or is named in ``also``: windows tried again); :meth:`next` answers
+    :func:`next_start` from what it keeps, working a row out again only when its start has
+    come or what it was computed from changed. Both answer what the functions answer on
+    the whole view.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, _Kept] = {}
+        self._node: tuple[object, str, timedelta] | None = None
+        self._basis: tuple[list[LocalSchedule], dict[str, datetime], dict[str, datetime],
+                           dict[str, datetime]] | None = None
+        """What the last whole pass of :meth:`next` read (rows by identity, the maps)."""
+        self._soonest: datetime | None = None
+        self._until: datetime | None = None
+        """Until when every kept answer holds (the earliest start, or re-check)."""
+        self._at: datetime | None = None
+        """When the last whole pass was made: a clock that goes back forgets everything."""
+
+    def _forget_if_earlier(self, now: datetime) -> None:
+        if self._at is not None and now < self._at:
+            self._kept.clear()
+            self._basis = self._until = self._at = None
+
+    def _unchanged(self, view: NodeView, decided: Mapping[str, datetime],
+                   now: datetime) -> bool:
+        """Whether nothing the kept answers were computed from changed, and none expired."""
+        basis = self._basis
+        if basis is None or self._until is None or now >= self._until:
+            return False
+        rows, last_fired, first_seen, through = basis
+        return (len(rows) == len(view.rows)
+                and all(a is b for a, b in zip(rows, view.rows, strict=True))
+                and (view.tz, view.node, view.grace) == self._node
+                and last_fired == view.last_fired and first_seen == view.first_seen
+                and through == decided)
+
+    def _valid(self, view: NodeView, row: LocalSchedule, decided: Mapping[str, datetime],
+               now: datetime) -> _Kept | None:
+        kept = self._kept.get(row.id)
+        if kept is None or kept.row is not row or kept.facts != _facts(view, row, decided):
+            return None
+        return kept if now < kept.until else None
+
+    def _same_node(self, view: NodeView) -> None:
+        node = (view.tz, view.node, view.grace)
+        if node != self._node:
+            self._kept.clear()
+            self._node = node
+
+    def due(self, view: NodeView, *, now: datetime, decided: Mapping[str, datetime],
+            through: Mapping[str, datetime], also: Iterable[str] = ()) -> list[Due]:
+        """Return :func:`due_now`'s answer, looking only at rows that may have one.
+
+        ``through`` is what :meth:`next` was last given (the windows decided or being tried).
+        """
+        self._forget_if_earlier(now)
+        again = set(also)
+        if not again and self._unchanged(view, through, now):
+            return []
+        self._same_node(view)
+        rows = []
+        for row in _clock_rows(view):
+            kept = self._valid(view, row, through, now)
+            if row.id in again or kept is None or (kept.start is not None and kept.start <= now):
+                rows.append(row)
+        return due_now(replace(view, rows=rows), now=now, decided=decided) if rows else []
+
+    def next(self, view: NodeView, *, now: datetime,
+             decided: Mapping[str, datetime]) -> datetime | None:
+        """Return :func:`next_start`'s answer, working out only the rows that need it."""
+        self._forget_if_earlier(now)
+        if self._unchanged(view, decided, now):
+            return self._soonest
+        self._same_node(view)
+        best: datetime | None = None
+        until: datetime | None = None
+        seen = set()
+        for row in _clock_rows(view):
+            seen.add(row.id)
+            kept = self._valid(view, row, decided, now)
+            if kept is None or (kept.start is not None and kept.start <= now):
+                start = next_start(replace(view, rows=[row]), now=now, decided=decided)
+                kept = _Kept(row=row, facts=_facts(view, row, decided), start=start,
+                             until=start if start is not None else now + timedelta(days=1))
+                self._kept[row.id] = kept
+            if kept.start is not None and (best is None or kept.start < best):
+                best = kept.start
+            until = kept.until if until is None else min(until, kept.until)
+        for gone in set(self._kept) - seen:
+            del self._kept[gone]
+        self._basis = (list(view.rows), dict(view.last_fired), dict(view.first_seen),
+                       dict(decided))
+        self._soonest = best
+        self._until = until if until is not None else now + timedelta(days=1)
+        self._at = now
+        return best
+
+
+def _facts(view: NodeView, row: LocalSchedule,
+           decided: Mapping[str, datetime]) -> tuple[datetime | None, datetime | None,
+                                                     datetime | None]:
+    return (view.last_fired.get(row.id), view.first_seen.get(row.id), decided.get(row.id))

@@ -45,7 +45,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from sched_core.config import Fire, FireFunc, MissedFunc, TurnReport
-from sched_core.firing import Due, due_now, next_start
+from sched_core.firing import Due, Starts
 from sched_core.guard import StartDecision
 from sched_core.jsonwire import MAX_DEPTH
 from sched_core.matcher import window_key
@@ -209,6 +209,10 @@ class FiringLoop:
     _wake: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _turning: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _unsaved: str = field(default="", init=False, repr=False)
+    _starts: Starts = field(default_factory=Starts, init=False, repr=False)
+    _looked: tuple[datetime, list[LocalSchedule]] | None = field(default=None, init=False,
+                                                                 repr=False)
+    """The last turn's time and rows: the miss policy looks only when windows may be missed."""
 
     def wake(self) -> None:
         """Look again now (the schedules changed, or the loop is to stop)."""
@@ -224,7 +228,9 @@ class FiringLoop:
         view = self.view(now)
         self._expire(view, now, done)
         batch = self._missed(view, now, done)
-        for due in due_now(view, now=now, decided=self.decided.values()):
+        retried = {schedule_id for schedule_id, _ in self.failing}
+        for due in self._starts.due(view, now=now, decided=self.decided.values(),
+                                    through=self._through(), also=retried):
             if due.coalesced:
                 done.coalesced[due.row.id] = len(due.coalesced)
             for older in due.coalesced:
@@ -234,14 +240,27 @@ class FiringLoop:
             self._start(batch, now, view, done)
         self._save(view)
         self.turns += 1
-        upcoming = next_start(view, now=now, decided=self._through())
+        upcoming = self._starts.next(view, now=now, decided=self._through())
         if self.failing:  # step 5: tried again soon, each on its own
             soon = now + timedelta(seconds=RETRY_S)
             upcoming = soon if upcoming is None else min(upcoming, soon)
         return done.report(upcoming)
 
+    def _may_have_missed(self, view: NodeView, now: datetime) -> bool:
+        """Return whether a window may have been missed since the last turn: the first turn,
+        a turn more than the grace after the last (stopped, suspended, a clock jump), or new
+        or changed rows. Otherwise every window since was decided at its start."""
+        looked, self._looked = self._looked, (now, list(view.rows))
+        if looked is None or not timedelta(0) <= now - looked[0] <= view.grace:
+            return True
+        rows = looked[1]
+        return len(rows) != len(view.rows) or any(a is not b for a, b in zip(rows, view.rows,
+                                                                             strict=True))
+
     def _missed(self, view: NodeView, now: datetime, done: _Turn) -> list[tuple[Due, bool]]:
         """Report the windows missed while stopped; return the recoveries to start (step 1)."""
+        if not self._may_have_missed(view, now):
+            return []
         items = missed(view, planned_through=self._through(), now=now)
         if not items:
             return []
