@@ -122,6 +122,10 @@ def tls_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
 
 
+def _import_client() -> None:
+    import prefect.client.orchestration  # noqa: F401
+
+
 class PrefectEvents:
     """Send each write's event to the Prefect server at api_url (rules 2 and 3)."""
 
@@ -143,6 +147,9 @@ class PrefectEvents:
         self._pending = 0
         self._lock = threading.Lock()
         self._tls = tls_context()
+        # Prefect's client takes 1-3 s to import: at start, so the first write's event is not
+        # late for its answer (wait_s) on a busy machine.
+        self._pool.submit(_import_client)
 
     @classmethod
     def from_settings(cls, **kwargs: Any) -> ScheduleEvents:
