@@ -141,7 +141,7 @@ def compile_schedule(schedule: Schedule) -> Compiled:
     )
 
 
-@lru_cache(maxsize=16_384)
+@lru_cache(maxsize=1 << 17)  # a 100,000-node fleet has ~61,000 shapes
 def _compile(
     days: tuple[str, ...], hours: tuple[str, ...], minute: str, interval: int | None
 ) -> Compiled:
