@@ -43,11 +43,13 @@ test: lint typecheck
 run: $(BASE)
 	$(PY) -m ops.run_local
 
-# BENCH_PREFECT=1 also runs the node's benchmark (its own Prefect servers; ~75 min).
+# BENCH_PREFECT=1 also runs the node's benchmarks (their own Prefect servers; ~75 min, then
+# ~30 min for bench_limit: the node against APScheduler 4 and a warm loop).
 bench: setup
 	$(PY) bench/bench_core.py
 ifneq ($(BENCH_PREFECT),)
 	$(PY) bench/bench_node.py
+	$(PY) bench/bench_limit.py --write
 endif
 
 # The scaled layout (docs/scaled.md): PostgreSQL, Redis, two Prefect API processes and one
