@@ -250,15 +250,16 @@ def scenario(tree: str, kind: str, port: int, pid: int, tags: dict[int, str],
     return outcome
 
 
-def storm(tree: str, port: int, pid: int, url: str, tokens: Path,
+def storm(tree: str, code: Path, port: int, pid: int, url: str, tokens: Path,
           args: argparse.Namespace) -> str:
+    """The fleet bench's storm, run with the tree's own code (it reads the tree's database)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_controller_fleet.py"), "fleet",
+        [sys.executable, str(code / "bench" / "bench_controller_fleet.py"), "fleet",
          "--controller", f"http://{HOST}:{port}", "--admin-token", ADMIN,
          "--database-url", url, "--tokens-file", str(tokens), "--pids", str(pid),
          "--nodes", str(args.nodes), "--ramp", "30", "--settle", "20",
          "--storm-minutes", str(args.storm_minutes), "--share", "0.05"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+        cwd=code, env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True,
         text=True, timeout=3600, check=True)
     return storm_line(tree, args.nodes, done.stdout)
 
@@ -297,7 +298,7 @@ def run_tree(tree: str, code: Path, folder: Path, args: argparse.Namespace
         for kind in ("baseline", *ATTACKS):
             outcomes.append(scenario(tree, kind, port, pid, tags, args))
             print(render([outcomes[-1]], outcomes[0]), flush=True)
-        section = storm(tree, port, pid, url, tokens, args) if args.storm_minutes else ""
+        section = storm(tree, code, port, pid, url, tokens, args) if args.storm_minutes else ""
     return outcomes, section
 
 
