@@ -69,7 +69,9 @@ class Config:
     window the start guard does not run, or one coalesced into a later one;
     ``missed`` of the windows missed while the loop was not running (its recovery,
     if any, comes to ``fire``); ``fail`` of a window that could not start within its
-    grace. Without ``skip``, ``missed`` or ``fail`` the kit logs them.
+    grace. Without ``skip``, ``missed`` or ``fail`` the kit logs them. ``ahead(n)``,
+    when given, hears before the loop's last sleep ahead of a start (at most 30 s) how
+    many windows start then, so an agent can have that many workers ready.
     ``decided_path`` (default ``<cache stem>.decided.json`` beside the cache) keeps
     the windows the loop decided, so a restart neither decides one twice nor loses
     one. ``clock`` is the loop's clock (the wall clock, :func:`~sched_core.clock.utcnow`).
@@ -82,6 +84,7 @@ class Config:
     skip: FireFunc | None = None
     missed: MissedFunc | None = None
     fail: FireFunc | None = None
+    ahead: Callable[[int], None] | None = None
     decided_path: str | Path = ""
     http_client: httpx.Client | None = None
     timezone: ZoneInfo | str = field(default_factory=lambda: DEFAULT_TZ)
@@ -95,7 +98,7 @@ class Config:
                 raise ConfigError(f"Config.{name} is required")
         if self.fire is None or not callable(self.fire):
             raise ConfigError("Config.fire is required and must be callable")
-        for name in ("skip", "missed", "fail", "clock"):
+        for name in ("skip", "missed", "fail", "ahead", "clock"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise ConfigError(f"Config.{name} must be callable")
         scheme = urlsplit(self.pull_url).scheme
@@ -157,3 +160,5 @@ class TurnReport:
     """Per schedule, how many older due windows were coalesced into its latest."""
     upcoming: datetime | None
     """When the loop looks again (the next start, or a retry), or None."""
+    starting: int = 0
+    """How many windows start at ``upcoming`` (0 for a retry, or none)."""

@@ -235,6 +235,13 @@ class Starts:
         return best
 
 
+    def starting_at(self, when: datetime | None) -> int:
+        """Return how many rows' kept next start is when (after :meth:`next`)."""
+        if when is None:
+            return 0
+        return sum(1 for kept in self._kept.values() if kept.start == when)
+
+
 def _facts(view: NodeView, row: LocalSchedule,
            decided: Mapping[str, datetime]) -> tuple[datetime | None, datetime | None,
                                                      datetime | None]:

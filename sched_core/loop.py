@@ -167,10 +167,10 @@ class _Turn:
     missed: list[Missed] = field(default_factory=list)
     coalesced: dict[str, int] = field(default_factory=dict)
 
-    def report(self, upcoming: datetime | None) -> TurnReport:
+    def report(self, upcoming: datetime | None, starting: int) -> TurnReport:
         return TurnReport(fired=self.fired, skipped=self.skipped, failed=self.failed,
                           ended=self.ended, missed=self.missed, coalesced=self.coalesced,
-                          upcoming=upcoming)
+                          upcoming=upcoming, starting=starting)
 
 
 def window_fire(row: LocalSchedule, due: Due, view: NodeView, *, recovery: bool,
@@ -203,6 +203,7 @@ class FiringLoop:
     fail: FireFunc
     decided: Decided
     clock: Callable[[], datetime]
+    ahead: Callable[[int], None] | None = None
     turns: int = field(default=0, init=False)
     failing: dict[tuple[str, datetime], Failing] = field(default_factory=dict, init=False)
     """Windows that could not start yet (step 5), by schedule and window."""
@@ -241,10 +242,12 @@ class FiringLoop:
         self._save(view)
         self.turns += 1
         upcoming = self._starts.next(view, now=now, decided=self._through())
+        starting = self._starts.starting_at(upcoming)
         if self.failing:  # step 5: tried again soon, each on its own
             soon = now + timedelta(seconds=RETRY_S)
-            upcoming = soon if upcoming is None else min(upcoming, soon)
-        return done.report(upcoming)
+            if upcoming is None or soon < upcoming:
+                upcoming, starting = soon, 0
+        return done.report(upcoming, starting)
 
     def _may_have_missed(self, view: NodeView, now: datetime) -> bool:
         """Return whether a window may have been missed since the last turn: the first turn,
@@ -417,12 +420,24 @@ class FiringLoop:
         while not stop.is_set():
             self._wake.clear()
             try:
-                upcoming = self.turn(self.clock()).upcoming
+                report = self.turn(self.clock())
             except Exception:  # a bug must not stop the firing: look again soon
                 log.exception("the firing loop failed a turn; trying again in 5 s")
                 stop.wait(5.0)
                 continue
-            self._sleep_until(upcoming, stop)
+            self._get_ready(report)
+            self._sleep_until(report.upcoming, stop)
+
+    def _get_ready(self, report: TurnReport) -> None:
+        """Tell ``ahead`` how many windows start at the next start, when it is this sleep's."""
+        upcoming = report.upcoming
+        if (self.ahead is None or upcoming is None or report.starting < 1
+                or (upcoming - self.clock()).total_seconds() > MAX_SLEEP_S):
+            return
+        try:
+            self.ahead(report.starting)
+        except Exception:  # getting ready is an optimisation: the windows start anyway
+            log.exception("ahead(%d) failed", report.starting)
 
     def _sleep_until(self, upcoming: datetime | None, stop: threading.Event) -> None:
         while not stop.is_set() and not self._wake.is_set():

@@ -85,7 +85,8 @@ class Scheduler:
         self.loop = FiringLoop(
             view=self._loop_view, guard=self._guard, start=self._start, clock=config.clock,
             skip=config.skip or log_skip, missed=config.missed or log_missed,
-            fail=config.fail or log_fail, decided=Decided(config.decided, now=now))
+            fail=config.fail or log_fail, decided=Decided(config.decided, now=now),
+            ahead=config.ahead)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 

@@ -108,9 +108,22 @@ class WarmKeepers:
 
     def __init__(self, size: int = WARM_KEEPERS) -> None:
         self.size = size
+        self._wanted = 0
+        """Keepers wanted for the next instant's windows (:meth:`want`), beyond ``size``."""
         self._ready: list[_Warm] = []
         self._lock = threading.Lock()
         self._filling = False
+
+    def want(self, count: int) -> None:
+        """Have count keepers ready for the windows of the next instant (then back to size)."""
+        with self._lock:
+            if self.size == 0 or count <= max(self._wanted, self.size):
+                return
+            self._wanted = count
+            self._fill_later()
+
+    def _target(self) -> int:
+        return max(self.size, self._wanted) if self.size else 0
 
     def take(self) -> _Warm | None:
         """Return a live warm keeper, if one is ready (and start filling up again)."""
@@ -118,6 +131,7 @@ class WarmKeepers:
             while self._ready:
                 warm = self._ready.pop(0)
                 if alive(warm.keeper.pid, warm.keeper.start_ticks):
+                    self._wanted = max(self._wanted - 1, 0)
                     self._fill_later()
                     return warm
                 os.close(warm.handoff)
@@ -133,7 +147,7 @@ class WarmKeepers:
         try:
             while True:
                 with self._lock:
-                    if len(self._ready) >= self.size:
+                    if len(self._ready) >= self._target():
                         return
                 try:
                     made = waiting_keeper()

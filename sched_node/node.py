@@ -199,6 +199,7 @@ class Node:
         return Scheduler(Config(pull_url=settings.pull_url, node_name=self.node,
                                 cache_path=settings.cache_path, fire=self._fire,
                                 skip=self._skip, missed=self._missed, fail=self._fail,
+                                ahead=lambda n: self.keepers.want(min(n, settings.job_limit)),
                                 decided_path=settings.state_dir / "decided.json",
                                 clock=self._clock, http_client=client, timezone=settings.tz,
                                 fire_grace=settings.grace), now=now)

@@ -384,3 +384,26 @@ def test_the_keeper_is_journalled_before_it_has_the_job_and_ends_unused_without_
         assert not other.attempt_path(1, "started").exists(), "a keeper ran a job it never got"
     finally:
         keepers.close()
+
+
+def test_keepers_wanted_for_an_instant_are_started_then_the_pool_goes_back_to_its_size() -> None:
+    keepers = launcher.WarmKeepers(size=1)
+    try:
+        keepers.want(3)  # three windows start at the next instant
+        wait_for("three warm keepers", lambda: len(keepers._ready) == 3, 60)
+        taken = [keepers.take() for _ in range(3)]
+        assert all(item is not None for item in taken)
+        # Back to its size: one keeper again, not three.
+        wait_for("the pool refilled to its size", lambda: len(keepers._ready) == 1, 60)
+        time.sleep(1.0)
+        assert len(keepers._ready) == 1
+        for item in taken:
+            assert item is not None
+            os.close(item.handoff)
+            launcher.wait(item.keeper)
+    finally:
+        keepers.close()
+    off = launcher.WarmKeepers(size=0)
+    off.want(5)  # a node without warm keepers starts none
+    time.sleep(0.5)
+    assert off._ready == []
