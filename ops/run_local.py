@@ -50,7 +50,10 @@ def server_env(home: Path, port: int) -> dict[str, str]:
         "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": env.get(
             "SCHED_VACUUM_RETENTION", str(7 * 24 * 3600)
         ),
+        # The node's and the flows' lines go to a flow run's logs when Prefect's engine runs
+        # them; the node's own lines, outside any run, stay on its console without a warning.
         "PREFECT_LOGGING_EXTRA_LOGGERS": "sched_core,sched_node,flows",
+        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
         **SERVER_SETTINGS,  # the node's deployments Ready between its polls
     })
     env.setdefault("SCHED_CONFIG", str(ROOT / "examples" / "agent.toml"))
