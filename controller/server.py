@@ -287,17 +287,13 @@ def run(
 ) -> None:
     """Run the API and/or the central scheduler until SIGINT or SIGTERM.
 
-    ``environ`` (default ``os.environ``) names the tokens file to watch; a
-    ``tokens`` built with ``insecure`` has none. With the scheduler on and
-    ``check_prefect``, the Prefect API is checked once in the background and a
-    warning names it if it does not answer. The API announces every write of a
-    node's schedules as a Prefect event when ``PREFECT_API_URL`` is set (else it
-    says so here, at start-up, and in every write's answer), and records every
-    pull it answers. Unless ``watch_interval`` is 0, it also raises the fleet's
-    alerts (:class:`controller.watch.FleetWatch`) every that many seconds, in
-    every mode: the database makes each alert's event go out once, however
-    many instances watch. ``trusted_proxies`` may forward a client's address
-    (:mod:`controller.api.client`).
+    ``environ`` (default ``os.environ``) names the tokens file to watch (an ``insecure``
+    ``tokens`` has none). With the scheduler on and ``check_prefect``, a warning names a
+    Prefect API that does not answer. The API announces each write of a node's schedules as
+    a Prefect event when ``PREFECT_API_URL`` is set, and records every pull it answers.
+    Unless ``watch_interval`` is 0, every instance raises the fleet's alerts
+    (:class:`controller.watch.FleetWatch`), each sent once by the database's rule.
+    ``trusted_proxies`` may forward a client's address (:mod:`controller.api.client`).
     """
     engine = make_engine(url)
     log.info("controller starting", extra={"database": safe_url(engine), "api": api,

@@ -243,6 +243,18 @@ def _undeclared(action: str, name: str) -> str:
     )
 
 
+def _check_declared(spec: ActionSpec, schedule: LocalSchedule, where: str) -> None:
+    """Refuse a param the action does not declare (unless its params are not strict)."""
+    if spec.strict_params is False:
+        return
+    for name in sorted(schedule.params or {}):
+        if name not in spec.params:
+            raise ValueRefused(
+                f"{where}: params.{_name(name)} refused: "
+                f"{_undeclared(schedule.action, _name(name))}"
+            )
+
+
 def render_argv(
     spec: ActionSpec,
     schedule: LocalSchedule,
@@ -267,13 +279,7 @@ def render_argv(
     naming the schedule, the field and the rule a value broke.
     """
     where = f"schedule {_show(schedule.id)} ({schedule.action})"
-    if spec.strict_params is not False:
-        for name in sorted(schedule.params or {}):
-            if name not in spec.params:
-                raise ValueRefused(
-                    f"{where}: params.{_name(name)} refused: "
-                    f"{_undeclared(schedule.action, _name(name))}"
-                )
+    _check_declared(spec, schedule, where)
     fixed = {"state_dir": lambda: str(state_dir), "window": lambda: window_stamp(window, now=now)}
     argv: list[str] = []
     for index, template in enumerate(spec.argv):

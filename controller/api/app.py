@@ -260,6 +260,14 @@ def _wait_routes(app: FastAPI, engine: Engine, auth: Auth, waits: NodeWaits,
                                    lambda node, etag: fleet_api.record_pull(node, 304, etag)))
 
 
+def _install_middleware(app: FastAPI, trusted_proxies: Sequence[Network]) -> None:
+    """The middleware, innermost first; the last added is the outermost."""
+    app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))
+    app.add_middleware(RequestGuard)  # outermost: the connection guard's side of the app
+
+
 def create_app(
     engine: Engine,
     tokens: Tokens,
@@ -295,10 +303,7 @@ def create_app(
     """
     # No /docs: FastAPI's page loads its assets from a CDN (see controller.api.openapi).
     app = FastAPI(title="sched controller", version="1", docs_url=None, redoc_url=None)
-    app.add_middleware(AccessLogMiddleware)
-    app.add_middleware(SecurityHeadersMiddleware)
-    app.add_middleware(RealClientMiddleware, proxies=tuple(trusted_proxies))
-    app.add_middleware(RequestGuard)  # outermost: the connection guard's side of the app
+    _install_middleware(app, trusted_proxies)
     _install_error_handlers(app)
     install_openapi(app, [LocalSchedule, TaskIn, NodeReportIn, VoucherRequest])
     auth = Auth(tokens)

@@ -204,6 +204,18 @@ def fleet_router(api: FleetApi, auth: Any) -> APIRouter:
     return router
 
 
+def _over_rate(rate: ReportRate, refused: RefusalLog, node: str) -> JSONResponse | None:
+    """Return the 429 of a report over node's rate (controller.api.report_rate), else None."""
+    wait = rate.take(node)
+    if not wait:
+        return None
+    refused.note(node, [{"field": "node", "msg": f"over its report rate: {rate.burst} at "
+                         f"once, then one every {rate.every:g} s"}])
+    return JSONResponse(
+        {"detail": f"too many reports from node {node!r}: send it again in {wait} s"},
+        status_code=429, headers={"Retry-After": str(wait), "Connection": "close"})
+
+
 def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
     """Add a node's report (POST): refused ones counted and logged once a minute at most."""
     in_session = api.in_session
@@ -218,13 +230,9 @@ def _report_route(router: APIRouter, api: FleetApi, auth: Any) -> None:
     async def post_report(request: Request, node: str) -> Response:
         principal = auth.require_node(request, node)
         check_node(("path", "node"), node, storing=True)
-        wait = rate.take(node)  # before the body is read (controller.api.report_rate)
-        if wait:
-            refused_rate.note(node, [{"field": "node", "msg": f"over its report rate: "
-                                      f"{rate.burst} at once, then one every {rate.every:g} s"}])
-            return JSONResponse(
-                {"detail": f"too many reports from node {node!r}: send it again in {wait} s"},
-                status_code=429, headers={"Retry-After": str(wait), "Connection": "close"})
+        over = _over_rate(rate, refused_rate, node)  # before the body is read
+        if over is not None:
+            return over
         received = api.clock()
         own = auth.is_own(principal, node)
         try:
