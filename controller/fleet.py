@@ -17,8 +17,7 @@ Rules:
    latest own request is older than :data:`SILENT_HEARTBEATS` times the heartbeat it
    announced (``heartbeat_s`` in its report); a node that announced none gets the longer
    of 3 x 300 s and ``stale_after`` (3 pull intervals). It is **never-seen** when it never
-   made one, and
-   **failing** when the latest job that ended of one of its current schedules failed,
+   made one, and **failing** when the latest job that ended of one of its current schedules failed,
    crashed or timed out (its latest job record, else, while that one runs, its report's
    latest job): a job's start changes no status. Its ``status`` is the first that holds
    of cannot-start (its agent said so since its last own request, :func:`start_error`),
@@ -27,10 +26,9 @@ Rules:
 3. A write's ``_propagation`` says when the row's next window is and whether the node is
    likely to have the row by then: it must have pulled the row by the end of the
    window's minute (a node never fires a window earlier than the minute it first saw the
-   row). With the event accepted by Prefect the node pulls within :data:`EVENT_PULL_S`;
-   without it, at its next periodic pull (its last pull plus the pull interval). A node
-   that never made a request of its own, or is silent, is not counted on, and the answer
-   says so.
+   row). With its long poll here answered by the write, or the event accepted by Prefect,
+   the node pulls within :data:`EVENT_PULL_S`; else at its next periodic pull. A node
+   silent or never seen is not counted on, and the answer says so.
 """
 
 from __future__ import annotations
@@ -450,11 +448,12 @@ def propagation(
     settings: FleetSettings,
     last_fired: datetime | None = None,
     seen: Seen | None = None,
+    woken: bool = False,
 ) -> dict[str, Any]:
     """Return a write's ``_propagation`` (the contract's point 6), per rule 3.
 
-    ``seen`` is the node's latest own request: a node silent or never seen is
-    not counted on, and the answer names the silence.
+    ``seen`` is the node's latest own request: a node silent or never seen is not counted
+    on, and the answer names the silence. ``woken``: the write answered the node's long poll.
     """
     found = upcoming(row, now=now, last_fired=last_fired, count=1, node=node, tz=tz,
                      ahead=NEXT_WINDOWS_AHEAD).windows
@@ -485,9 +484,11 @@ def propagation(
         back = "" if seen is None else "; it gets the change when it is back"
         return {**answer, "likely_in_time": False,
                 "reason": f"{silence}{back}; {said}"}
-    if announced.sent:
+    if woken or announced.sent:
         expected = now + timedelta(seconds=EVENT_PULL_S)
-        how = f"{said}: node {node} pulls within about {EVENT_PULL_S:g} s"
+        soon = f"node {node} pulls within about {EVENT_PULL_S:g} s"
+        how = (f"node {node}'s long poll on this controller was answered: {soon}; {said}"
+               if woken else f"{said}: {soon}")
     else:
         last = pull.at if pull is not None else seen.at if seen is not None else now
         expected = max(now, last + timedelta(seconds=settings.pull_interval))

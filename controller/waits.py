@@ -99,6 +99,10 @@ class NodeWaits:
             newest = self._newest.get(node, 0)
         return not seen.isdigit() or newest > int(seen)
 
+    def holds(self, node: str) -> bool:
+        """Return whether a wait of node is held in this process now (a write answers it)."""
+        return bool(self._waits.get(node))
+
     def poked(self, node: str) -> bool:
         """Return whether this process saw a Prefect event for node since it started."""
         with self._lock:

@@ -52,7 +52,7 @@ class Center:
         self.clock = clock
         self.app = app
 
-    def put(self, node: str, schedule_id: str) -> None:
+    def put(self, node: str, schedule_id: str) -> dict[str, Any]:
         data = {"id": schedule_id, "name": f"nightly {schedule_id}", "repo_id": "r-9",
                 "action": "backup", "storage": "b2",
                 "schedule": {"days": ["*"], "hours": ["2"], "minute": "30"},
@@ -60,6 +60,8 @@ class Center:
         answer = self.client.put(f"/api/nodes/{node}/schedules/{schedule_id}", json=data,
                                  headers=ADMIN)
         assert answer.status_code == 200, answer.text
+        written: dict[str, Any] = answer.json()
+        return written
 
     def etag(self, node: str) -> str:
         answer = self.client.get(f"/api/schedules?node={node}", headers=ADMIN)
@@ -158,9 +160,12 @@ def test_a_write_wakes_the_wait_with_the_new_etag(center: Center) -> None:
     thread.start()
     waits = center.app.state.waits
     wait_for("the wait registered", lambda: waits.waiting == 1, 30)
-    center.put(node, "s-2")
+    spread = center.put(node, "s-2")["_propagation"]
     thread.join(60)
     assert found and found[0]["etag"] == center.etag(node) != etag
+    # The write's answer counts on the wait it answered, with or without a Prefect event.
+    assert spread["likely_in_time"] is True, spread
+    assert f"node {node}'s long poll on this controller was answered" in spread["reason"]
 
 
 def test_a_new_wait_of_a_node_replaces_its_held_one(center: Center) -> None:

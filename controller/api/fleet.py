@@ -170,6 +170,7 @@ class FleetApi:
         """Return a PUT's or PATCH's answer: the stored row plus ``_propagation`` (rule 3),
         with what checked the row against its node's action table (``checked``, ``check``:
         :func:`controller.contracts.check_row`)."""
+        woken = self.waits is not None and self.waits.holds(node)  # answered by announce
         announced = self.announce(node, stored.id, stored.version, op)
         now = self.clock()
 
@@ -185,7 +186,7 @@ class FleetApi:
         spread = fleet.propagation(
             stored, node=node, tz=tz, now=now, pull=pull, announced=announced,
             settings=self.settings, last_fired=fleet.last_fires(report).get(stored.id),
-            seen=seen,
+            seen=seen, woken=woken,
         )
         spread.update(check or {})
         # The row's bytes as GET serves them (the Go kit's JSON), then the one extra key.
