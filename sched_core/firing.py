@@ -166,15 +166,22 @@ class Starts:
         basis = self._basis
         if basis is None or self._until is None or now >= self._until:
             return False
-        rows, last_fired, first_seen, through = basis
-        return (len(rows) == len(view.rows)
-                and all(a is b for a, b in zip(rows, view.rows, strict=True))
+        _, last_fired, first_seen, through = basis
+        return (self.same_rows(view)
                 and (view.tz, view.node, view.grace) == self._node
                 and last_fired == view.last_fired and first_seen == view.first_seen
                 and through == decided)
 
+    def same_rows(self, view: NodeView) -> bool:
+        """Whether view's rows are, object for object, those the last whole pass read (the
+        rows of the loop's last turn: a turn always ends with :meth:`next`)."""
+        rows = self._basis[0] if self._basis is not None else None
+        return (rows is not None and len(rows) == len(view.rows)
+                and all(a is b for a, b in zip(rows, view.rows, strict=True)))
+
     def _valid(self, view: NodeView, row: LocalSchedule, decided: Mapping[str, datetime],
                now: datetime) -> _Kept | None:
+        """Return row's kept answer while it holds (now before its start or re-check)."""
         kept = self._kept.get(row.id)
         if kept is None or kept.row is not row or kept.facts != _facts(view, row, decided):
             return None
@@ -199,8 +206,7 @@ class Starts:
         self._same_node(view)
         rows = []
         for row in _clock_rows(view):
-            kept = self._valid(view, row, through, now)
-            if row.id in again or kept is None or (kept.start is not None and kept.start <= now):
+            if row.id in again or self._valid(view, row, through, now) is None:
                 rows.append(row)
         return due_now(replace(view, rows=rows), now=now, decided=decided) if rows else []
 
@@ -217,7 +223,7 @@ class Starts:
         for row in _clock_rows(view):
             seen.add(row.id)
             kept = self._valid(view, row, decided, now)
-            if kept is None or (kept.start is not None and kept.start <= now):
+            if kept is None:
                 start = next_start(replace(view, rows=[row]), now=now, decided=decided)
                 kept = _Kept(row=row, facts=_facts(view, row, decided), start=start,
                              until=start if start is not None else now + timedelta(days=1))
@@ -233,7 +239,6 @@ class Starts:
         self._until = until if until is not None else now + timedelta(days=1)
         self._at = now
         return best
-
 
     def starting_at(self, when: datetime | None) -> int:
         """Return how many rows' kept next start is when (after :meth:`next`)."""

@@ -211,9 +211,8 @@ class FiringLoop:
     _turning: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _unsaved: str = field(default="", init=False, repr=False)
     _starts: Starts = field(default_factory=Starts, init=False, repr=False)
-    _looked: tuple[datetime, list[LocalSchedule]] | None = field(default=None, init=False,
-                                                                 repr=False)
-    """The last turn's time and rows: the miss policy looks only when windows may be missed."""
+    _looked: datetime | None = field(default=None, init=False, repr=False)
+    """The last turn's time: the miss policy looks only when windows may have been missed."""
 
     def wake(self) -> None:
         """Look again now (the schedules changed, or the loop is to stop)."""
@@ -253,12 +252,10 @@ class FiringLoop:
         """Return whether a window may have been missed since the last turn: the first turn,
         a turn more than the grace after the last (stopped, suspended, a clock jump), or new
         or changed rows. Otherwise every window since was decided at its start."""
-        looked, self._looked = self._looked, (now, list(view.rows))
-        if looked is None or not timedelta(0) <= now - looked[0] <= view.grace:
+        looked, self._looked = self._looked, now
+        if looked is None or not timedelta(0) <= now - looked <= view.grace:
             return True
-        rows = looked[1]
-        return len(rows) != len(view.rows) or any(a is not b for a, b in zip(rows, view.rows,
-                                                                             strict=True))
+        return not self._starts.same_rows(view)
 
     def _missed(self, view: NodeView, now: datetime, done: _Turn) -> list[tuple[Due, bool]]:
         """Report the windows missed while stopped; return the recoveries to start (step 1)."""
