@@ -226,6 +226,15 @@ def local_text(instant: datetime | None, tz: ZoneInfo, fmt: str = "%a %Y-%m-%d %
     return "-" if instant is None else instant.astimezone(tz).strftime(fmt)
 
 
+def retry_after_seconds(header: str | None, *, most: float) -> float | None:
+    """Return a ``Retry-After`` header's delay in seconds, at most ``most``; None when there is
+    none, or it is an HTTP date or anything else than whole seconds (read as not said)."""
+    text = (header or "").strip()
+    if not text.isdigit():
+        return None
+    return min(float(text), most)
+
+
 def hh_mm_minutes(value: str) -> int:
     """Return ``HH:MM`` (``24:00`` allowed) as minutes since midnight."""
     if value == "24:00":

@@ -44,7 +44,7 @@ import httpx
 
 from sched_core.model import Cache
 from sched_core.plan import upcoming
-from sched_core.values import format_go_time
+from sched_core.values import format_go_time, retry_after_seconds
 from sched_core.worker import Worker
 from sched_node.history import Ended
 from sched_node.outbox import SKIPPED, JobFolder, JobView, Outbox, utc_text
@@ -390,10 +390,8 @@ class Reporter:
 def retry_after(response: httpx.Response) -> float:
     """Return a busy answer's ``Retry-After`` in seconds, between RETRY_S and
     MAX_RETRY_AFTER_S (RETRY_S when it has none, or a date, or anything else)."""
-    text = response.headers.get("retry-after", "").strip()
-    if not text.isdigit():
-        return RETRY_S
-    return min(max(float(text), RETRY_S), MAX_RETRY_AFTER_S)
+    seconds = retry_after_seconds(response.headers.get("retry-after"), most=MAX_RETRY_AFTER_S)
+    return RETRY_S if seconds is None else max(seconds, RETRY_S)
 
 
 def pull_outcome(

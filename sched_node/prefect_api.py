@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 
 from sched_core import ConfigError, SchedError
+from sched_core.values import retry_after_seconds
 
 if TYPE_CHECKING:
     from prefect.client.orchestration import SyncPrefectClient
@@ -80,15 +81,6 @@ class PrefectUnavailable(SchedError, ConnectionError):
 
 MAX_RETRY_AFTER_S = 600.0
 """The longest ``Retry-After`` believed (a larger one is cut to this)."""
-
-
-def retry_after_s(response: httpx.Response) -> float | None:
-    """Return a busy answer's ``Retry-After`` in seconds (at most MAX_RETRY_AFTER_S), or None
-    when it has none or one that is not a number of seconds."""
-    text = response.headers.get("retry-after", "").strip()
-    if not text.isdigit():
-        return None
-    return min(float(text), MAX_RETRY_AFTER_S)
 
 
 class PrefectRefused(SchedError, ValueError):
@@ -239,7 +231,8 @@ class PrefectApi:
                                      f"{what} ({exc})", 404) from None
             except httpx.HTTPStatusError as exc:
                 status = exc.response.status_code
-                later = retry_after_s(exc.response) if status in BUSY else None
+                later = (retry_after_seconds(exc.response.headers.get("retry-after"),
+                                             most=MAX_RETRY_AFTER_S) if status in BUSY else None)
                 # The server (or its balancer) says when: not at once. (Prefect's client has
                 # slept that long once already, even with its retries off.)
                 if later is not None:
