@@ -92,7 +92,10 @@ def _balanced(name: str, bind: str, maxconn: object, health: str,
     websockets (``/api/events/in``, ``/out``: held for hours) go to a backend of their own
     with no such bound.
     """
-    lines = "\n".join(f"    server {server} 127.0.0.1:{port} check" for server, port in servers)
+    def lines(how: str) -> str:  # how: each server's options; {server} names it
+        return "\n".join(f"    server {server} 127.0.0.1:{port} {how.format(server=server)}"
+                         for server, port in servers)
+
     client = f"\n    timeout client {hold_s}s" if hold_s else ""
     server = f"\n    timeout server {hold_s}s" if hold_s else ""
     server += "\n    option forwardfor" if forward_for else ""
@@ -115,22 +118,18 @@ frontend {name}
 backend {name}_api
     balance leastconn{server}
 {check}
-{lines}
+{lines('check')}
 """
-    bounded = "\n".join(f"    server {server} 127.0.0.1:{port} check maxconn {inflight}"
-                        for server, port in servers)
-    tracked = "\n".join(f"    server {server} 127.0.0.1:{port} track {name}_api/{server}"
-                        for server, port in servers)
     return f"""{front}
 backend {name}_api
     balance leastconn{server}
     timeout queue {QUEUE_S}s
 {check}
-{bounded}
+{lines(f'check maxconn {inflight}')}
 
 backend {name}_streams
     balance leastconn{server}
-{tracked}
+{lines(f'track {name}_api/{{server}}')}
 """
 
 
