@@ -269,8 +269,9 @@ def _current_heads(url: str | URL | None) -> set[str]:
         engine.dispose()
 
 
-def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
-    """Return True when the database is exactly at revision (read without a write lock)."""
+def _already_at(config: Config, current: set[str], revision: str) -> bool:
+    """Return True when current (the database's revisions, read without a write lock) is
+    exactly revision."""
     script = ScriptDirectory.from_config(config)
     if revision == "head":
         targets = set(script.get_heads())
@@ -279,7 +280,7 @@ def _already_at(config: Config, url: str | URL | None, revision: str) -> bool:
         if found is None:
             return False
         targets = {found.revision}
-    return _current_heads(url) == targets
+    return current == targets
 
 
 def schema_problem(url: str | URL | None = None) -> str | None:
@@ -293,7 +294,7 @@ def schema_problem(url: str | URL | None = None) -> str | None:
     current = _current_heads(url)
     if current == heads:
         return None
-    if unknown := _unknown_revisions(config, url):
+    if unknown := _unknown_revisions(config, current):
         return _unknown_text(url, unknown)
     where = safe_url(database_url(url))
     now = ", ".join(sorted(current)) or "no schema at all"
@@ -309,18 +310,19 @@ def migrate(url: str | URL | None = None, revision: str = "head") -> None:
     wait for behind a running controller's writes.
     """
     config = alembic_config(url)
-    if _already_at(config, url, revision):
+    current = _current_heads(url)
+    if _already_at(config, current, revision):
         return
-    if unknown := _unknown_revisions(config, url):
+    if unknown := _unknown_revisions(config, current):
         raise ConfigError(_unknown_text(url, unknown))
     command.upgrade(config, revision)
 
 
-def _unknown_revisions(config: Config, url: str | URL | None) -> list[str]:
-    """Return the revisions the database says it is at that these migrations do not have."""
+def _unknown_revisions(config: Config, current: set[str]) -> list[str]:
+    """Return the revisions of current (the database's) that these migrations do not have."""
     script = ScriptDirectory.from_config(config)
     known = {rev.revision for rev in script.walk_revisions()}
-    return sorted(set(_current_heads(url)) - known)
+    return sorted(current - known)
 
 
 def _unknown_text(url: str | URL | None, unknown: list[str]) -> str:
