@@ -6,14 +6,20 @@ store's batch API, as the scheduler does: a single claim is a batch of one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlmodel import Session
 
 from controller import claims
+from controller.api import create_app
+from controller.auth import Tokens
 from controller.claims import Claim
+from controller.db import make_engine, migrate
 from controller.models import TaskIn
+from controller.testing import serve_in_thread
 from controller.timing import plan_after_dispatch
 from sched_core.model import LocalSchedule
 
@@ -106,3 +112,16 @@ def complete_all(session: Session, batch: list[Claim], *, now: datetime) -> int:
     return claims.complete_many(
         session, [plan_after_dispatch(found, now) for found in batch], now=now
     )
+
+
+@contextmanager
+def served_controller(url: str, tokens: Tokens) -> Iterator[str]:
+    """A controller's API on url's database (migrated first), served on loopback in a thread
+    for the block; yields its base URL."""
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        with serve_in_thread(create_app(engine, tokens)) as base:
+            yield base
+    finally:
+        engine.dispose()

@@ -20,16 +20,14 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import text
 
-from controller.api import create_app
 from controller.auth import Tokens
-from controller.db import make_engine, migrate
-from controller.testing import serve_in_thread
+from controller.db import make_engine
 from sched_core.model import LocalSchedule
 from sched_core.render import ValueRefused, render_argv
 from sched_node.node_report import Reporter
 from sched_node.outbox import Outbox
 from sched_node.settings import AgentSettings, load_settings
-from tests.factories import nightly
+from tests.factories import nightly, served_controller
 
 ADMIN = "admin-secret-token-0123456789"
 NODE = "node-a"
@@ -81,16 +79,10 @@ class Center:
 @pytest.fixture
 def center(tmp_path: Path) -> Iterator[Center]:
     url = f"sqlite:///{tmp_path / 'controller.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    app = create_app(engine, Tokens(admin=[ADMIN], nodes={NODE: [NODE_TOKEN]}))
-    try:
-        with serve_in_thread(app) as base:
-            center = Center(base, url)
-            yield center
-            center.admin.close()
-    finally:
-        engine.dispose()
+    with served_controller(url, Tokens(admin=[ADMIN], nodes={NODE: [NODE_TOKEN]})) as base:
+        center = Center(base, url)
+        yield center
+        center.admin.close()
 
 
 def _settings(tmp_path: Path, report_url: str) -> AgentSettings:
@@ -126,10 +118,16 @@ def _nodes_message(tmp_path: Path, row: dict[str, Any]) -> str:
     return str(refused.value)
 
 
-def test_a_row_the_node_would_refuse_is_refused_when_written_with_the_nodes_own_message(
-        tmp_path: Path, center: Center) -> None:
+def _reported(tmp_path: Path, center: Center) -> Reporter:
+    """The node's reporter on center, its first report (the table with it) sent."""
     reporter = _reporter(tmp_path, f"{center.base}/api/nodes/{NODE}/report")
     assert reporter.send_now()
+    return reporter
+
+
+def test_a_row_the_node_would_refuse_is_refused_when_written_with_the_nodes_own_message(
+        tmp_path: Path, center: Center) -> None:
+    _reported(tmp_path, center)
 
     typo = center.put(_row("s-typo", action="bakup"))
     assert typo.status_code == 422, typo.text
@@ -165,8 +163,7 @@ def test_a_row_the_node_would_refuse_is_refused_when_written_with_the_nodes_own_
 
 def test_the_table_is_published_without_any_env_and_its_pattern_rules_stay_the_nodes(
         tmp_path: Path, center: Center) -> None:
-    reporter = _reporter(tmp_path, f"{center.base}/api/nodes/{NODE}/report")
-    assert reporter.send_now()
+    _reported(tmp_path, center)
     stored = center.stored_contract()
     assert stored is not None
     assert SECRET not in stored[1] and "RESTIC_PASSWORD" not in stored[1]
@@ -188,8 +185,7 @@ def test_a_row_for_a_node_never_seen_is_accepted_and_its_answer_says_it_was_not_
 
 def test_a_controller_that_lost_the_table_asks_for_it_and_the_next_report_brings_it(
         tmp_path: Path, center: Center) -> None:
-    reporter = _reporter(tmp_path, f"{center.base}/api/nodes/{NODE}/report")
-    assert reporter.send_now()
+    reporter = _reported(tmp_path, center)
     first = center.stored_contract()
     assert first is not None
     engine = make_engine(center.url)

@@ -18,11 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from controller.api import create_app
 from controller.auth import Tokens
-from controller.db import make_engine, migrate
-from controller.testing import serve_in_thread
-from tests.factories import nightly
+from tests.factories import nightly, served_controller
 from tests.procs import ROOT
 
 ADMIN = "admin-secret-token-0123456789"
@@ -32,15 +29,9 @@ TOKEN = "node-b-secret-token-0123456789"
 
 @pytest.fixture
 def base(tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path / 'controller.db'}"
-    migrate(url)
-    engine = make_engine(url)
-    app = create_app(engine, Tokens(admin=[ADMIN], nodes={NODE: [TOKEN]}))
-    try:
-        with serve_in_thread(app) as found:
-            yield found
-    finally:
-        engine.dispose()
+    with served_controller(f"sqlite:///{tmp_path / 'controller.db'}",
+                           Tokens(admin=[ADMIN], nodes={NODE: [TOKEN]})) as found:
+        yield found
 
 
 def _admin(base: str, path: str) -> dict[str, Any]:
