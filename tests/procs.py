@@ -105,3 +105,16 @@ class PrefectServer:
         """Stop the server (its database stays for the next start); kill: SIGKILL at once."""
         stop_group(self.proc, grace=0.0 if kill else 20.0)
         self.proc = None
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 30.0) -> bytes:
+    """Return everything the server sends on sock until it closes the connection (each read
+    waits at most timeout)."""
+    sock.settimeout(timeout)
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)

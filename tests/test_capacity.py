@@ -21,6 +21,7 @@ from controller.api import create_app
 from controller.auth import Tokens
 from controller.testing import serve_in_thread
 from tests.fixtures_pg import sqlite_engine
+from tests.procs import read_until_closed
 
 ADMIN_TOKEN = "capacity-admin-token-0123456789"
 TOKENS = {f"node-{i}": f"node-{i}-capacity-token-0123456789" for i in range(3)}
@@ -43,17 +44,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def connect(base_url: str) -> socket.socket:
     host, port = base_url.removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=LIVENESS)
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    """Return everything the server sends until it closes the connection."""
-    chunks = []
-    try:
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    except ConnectionResetError:
-        pass
-    return b"".join(chunks)
 
 
 def report() -> bytes:

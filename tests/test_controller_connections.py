@@ -25,7 +25,7 @@ from controller.auth import Tokens
 from controller.connections import ConnectionLimits, Notices, QuietRepeats
 from controller.testing import serve_in_thread
 from tests.fixtures_pg import sqlite_engine
-from tests.procs import wait_for
+from tests.procs import read_until_closed, wait_for
 
 ADMIN_TOKEN = "conn-admin-token-2718"
 LIVENESS = 30.0
@@ -81,18 +81,6 @@ def read_response(sock: socket.socket, timeout: float = LIVENESS) -> bytes:
             break
         body += chunk
     return head + b"\r\n\r\n" + body
-
-
-def read_until_closed(sock: socket.socket, timeout: float = LIVENESS) -> bytes:
-    """Return everything the server sends until it closes the connection."""
-    sock.settimeout(timeout)
-    chunks = []
-    try:
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    except ConnectionResetError:
-        pass
-    return b"".join(chunks)
 
 
 def test_an_idle_connection_is_answered_408_and_closed(base: str) -> None:
