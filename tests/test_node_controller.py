@@ -47,6 +47,15 @@ class Center:
         answer = self.admin.put(f"/api/nodes/{self.node}/schedules/{data['id']}", json=data)
         assert answer.status_code == 200, answer.text
 
+    def node_of(self, folder: Path, prefect_server: str, settings: str = "") -> NodeUnderTest:
+        """The center's node (not started), pulling from it with its own token."""
+        node = NodeUnderTest(folder, prefect_server, name=self.node, rows=[],
+                             settings=f'token = "{self.token}"' + settings)
+        node.config.write_text(node.config.read_text().replace(
+            'pull_url = "schedules.json"',
+            f'pull_url = "{self.base}/api/schedules?node={self.node}"'))
+        return node
+
     def wait(self, **params: Any) -> tuple[dict[str, Any], float]:
         started = time.monotonic()
         answer = httpx.get(f"{self.base}/api/nodes/{self.node}/wait", params=params,
@@ -122,11 +131,7 @@ def test_an_ad_hoc_run_reaches_the_node_through_its_controller(
     tmp_path: Path, center: Center, prefect_server: str,
 ) -> None:
     center.put(row("q-1", every=None, minute="7", hours=["3"]))
-    node = NodeUnderTest(tmp_path / "node", prefect_server, name=center.node, rows=[],
-                         settings=f'token = "{center.token}"')
-    node.config.write_text(node.config.read_text().replace(
-        'pull_url = "schedules.json"',
-        f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
+    node = center.node_of(tmp_path / "node", prefect_server)
     prefect = Prefect(prefect_server)
     started = node.start()
     try:
@@ -177,11 +182,7 @@ def test_a_restart_asks_prefect_nothing_and_takes_a_run_made_while_it_was_away(
     prefect = Prefect(prefect_server)
 
     def start() -> tuple[NodeUnderTest, Any, list[str]]:
-        node = NodeUnderTest(tmp_path / "node", prefect_server, name=center.node, rows=[],
-                             settings=f'token = "{center.token}"')
-        node.config.write_text(node.config.read_text().replace(
-            'pull_url = "schedules.json"',
-            f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
+        node = center.node_of(tmp_path / "node", prefect_server)
         built = node.build()
         sent: list[str] = []
         built.api.watch(lambda request: sent.append(request.url.path))

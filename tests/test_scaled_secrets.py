@@ -27,19 +27,13 @@ from scripts.scaled_parts.config import SECRETS, Layout, config_from_env, make_p
 from scripts.scaled_parts.procs import LayoutError, alive, record_of, spawn, stop
 from scripts.scaled_parts.services import controller_env, prefect_server_env
 from tests.scaledkit import free_ports, wait
+from tests.test_private_files import shell_umask  # noqa: F401  (the fixture)
 
 # The layout starts its servers detached and follows them by pid (``spawn``), so Python's
 # handle of each is dropped while the server runs, which it warns about.
-pytestmark = pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning")
-
-@pytest.fixture(autouse=True)
-def shell_umask() -> Iterator[None]:
-    """The usual umask of 022 (files 0644), whatever the test process was given."""
-    before = os.umask(0o022)
-    try:
-        yield
-    finally:
-        os.umask(before)
+# Every test under the usual umask of 022 (files 0644), whatever the test process was given.
+pytestmark = [pytest.mark.filterwarnings("ignore:subprocess .* is still running:ResourceWarning"),
+              pytest.mark.usefixtures("shell_umask")]
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from sched_core.vouchers import VoucherRefused, issue, token_key, verify
 from sched_node.handoff import Handoff
 from sched_node.prefect_api import new_state
 from sched_node.vouch import CONTROLLER, PREFECT, Vouchers
-from tests.nodekit import NodeUnderTest, Prefect, final, row
+from tests.nodekit import Prefect, final, row
 from tests.procs import wait_for
 from tests.test_node_controller import ADMIN_TOKEN, Center, center  # noqa: F401
 
@@ -120,11 +120,7 @@ def test_a_node_taking_only_vouched_runs_refuses_the_uis_and_takes_sched_runs_an
     monkeypatch.setenv("PREFECT_API_URL", prefect_server)
     center.put(row("q-1", every=None, minute="7", hours=["3"]))
     center.put(row("q-long", every=None, minute="7", hours=["3"], sleep=120))
-    node = NodeUnderTest(tmp_path / "node", prefect_server, name=center.node, rows=[],
-                         settings=f'token = "{center.token}"\nad_hoc_runs = "controller"')
-    node.config.write_text(node.config.read_text().replace(
-        'pull_url = "schedules.json"',
-        f'pull_url = "{center.base}/api/schedules?node={center.node}"'))
+    node = center.node_of(tmp_path / "node", prefect_server, '\nad_hoc_runs = "controller"')
     prefect = Prefect(prefect_server)
     started = node.start()
     try:
