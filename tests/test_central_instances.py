@@ -51,10 +51,11 @@ class _FileDispatcher:
 
 def _scheduler_process(url: str, worker_id: str, out: str, start: Any, stop: Any) -> None:
     # The lease is short and a slow dispatch outlasts it, so only its renewal keeps the
-    # claim; not so short that a process the machine starves for a moment loses it.
-    dispatcher = _FileDispatcher(Path(out), worker_id, slow_suffix="77", slow=1.5)
+    # claim; not so short that a process the machine starves for a moment loses it (at 1 s,
+    # a whole batch went out twice once in five full runs of the suite on a loaded machine).
+    dispatcher = _FileDispatcher(Path(out), worker_id, slow_suffix="77", slow=3.0)
     scheduler = CentralScheduler(
-        url, CentralSettings(poll_interval=0.2, lease=1.0, batch_size=20, retry_delay=0.05),
+        url, CentralSettings(poll_interval=0.2, lease=2.0, batch_size=20, retry_delay=0.05),
         worker_id=worker_id, dispatcher=dispatcher,
     )
     start.wait()
