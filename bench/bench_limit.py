@@ -4,7 +4,7 @@ Three contenders fire the same every-minute rows in the same minutes, each job r
 the same command, which stamps its own start (:func:`bench.limit_loops.command`:
 ``sh -c 'date +%s.%N >> FILE'``, a file per contender):
 
-- the node: the real node process (``python -m sched_node.node``), recording to a
+- the node: the real node process (``python -m sched_node``), recording to a
   throwaway ``prefect server start`` on SQLite (bench/bench_node.py's helpers);
 - APScheduler 4 (``apscheduler==4.0.0a6``, a pre-release): a ``CronTrigger`` per row, a job
   that ``posix_spawn``s the command (bench/limit_loops.py, a process of its own);

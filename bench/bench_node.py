@@ -229,13 +229,13 @@ def _max_rss_of(pattern: str, stop: threading.Event, found: list[int]) -> None:
 
 def _spawn_node(config: Path, api_url: str, log: Path, *, cwd: Path = ROOT,
                 old: bool = False) -> subprocess.Popen[bytes]:
-    """Start a node: this checkout's (``python -m sched_node.node``), or with old the node of
+    """Start a node: this checkout's (``python -m sched_node``), or with old the node of
     the tree cwd (a worktree of OLD_COMMIT: ``python -m flows.node``)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("SCHED_")}
     env.update({"SCHED_CONFIG": str(config), "PREFECT_API_URL": api_url,
                 "PYTHONPATH": str(cwd), "PREFECT_LOGGING_EXTRA_LOGGERS":
                     "sched_core,flows" if old else "sched_core,sched_node,flows"})
-    argv = [sys.executable, "-m", "flows.node" if old else "sched_node.node"]
+    argv = [sys.executable, "-m", "flows.node" if old else "sched_node"]
     with log.open("ab") as out:
         return subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

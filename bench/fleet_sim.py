@@ -1,6 +1,6 @@
 """A fleet simulator: N simulated nodes in one process, making the calls a real node makes.
 
-1. **Record.** One real node (``python -m sched_node.node``) runs against a throwaway Prefect
+1. **Record.** One real node (``python -m sched_node``) runs against a throwaway Prefect
    server and controller, each behind a logging proxy (method, path, query, the request's
    JSON and replayed headers, the status, the answer's JSON and ETag, the client's
    connection): start-up, idle reconciles, a restart, a schedule change, jobs.
@@ -1427,7 +1427,7 @@ def report(found: dict[str, Any]) -> str:
         "processes of 20 + 20, the services process, HAProxy, 2 controllers). The sqlite and "
         "postgres layouts have one controller on SQLite. A size the layout does not carry (its "
         "start does not finish within `--start-timeout-s`) is a row of its own: where that "
-        "layout ends. A real node (`python -m sched_node.node`) is recorded (by default at "
+        "layout ends. A real node (`python -m sched_node`) is recorded (by default at "
         "the start of each run; the figures below replay one recording made minutes before "
         "them by the same code, `--recording`) through logging proxies in front of Prefect "
         "and the controller (start-up, "

@@ -4,7 +4,7 @@
    (``.prefect/``, git-ignored), its log in ``.prefect/server.log``, and the
    database vacuum on so the runs' history does not grow without bound.
 2. Wait until ``/api/health`` answers.
-3. Start the node (``python -m sched_node.node``) with ``SCHED_CONFIG`` (default:
+3. Start the node (``python -m sched_node``) with ``SCHED_CONFIG`` (default:
    ``examples/agent.toml``) and print the UI address.
 4. Keep both running: a child that exits is started again (5 s later,
    doubling to 60 s while it keeps exiting), so a crashed server or node
@@ -135,7 +135,7 @@ def start_server(
 def start_agent(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start the node in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "sched_node.node"],
+        [sys.executable, "-m", "sched_node"],
         env=env, cwd=ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
     )
 

@@ -1,6 +1,6 @@
 """The agent node on Prefect: the node fires its windows itself, Prefect records them.
 
-``python -m sched_node.node`` runs one node (:mod:`sched_node.node`, a thin facade over
+``python -m sched_node`` runs one node (:mod:`sched_node.node`, a thin facade over
 the parts: the kit's firing loop (:mod:`sched_core.loop`), :mod:`sched_node.jobs` with
 :mod:`sched_node.launcher` and :mod:`sched_node.shim`, :mod:`sched_node.outbox`,
 :mod:`sched_node.recorder`, :mod:`sched_node.planner`, :mod:`sched_node.reconcile`,

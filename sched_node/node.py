@@ -25,14 +25,13 @@ report and the local door). :meth:`Node.run` takes up the outbox's
 unfinished jobs, starts the threads, and fires windows in its own thread until stopped;
 stopping leaves running jobs to their keepers, which the next start follows again.
 
-``python -m sched_node.node`` (or ``sched agent``) runs it: settings from
+``python -m sched_node`` (or ``sched agent``) runs it: settings from
 ``SCHED_CONFIG`` and ``SCHED_*``, Prefect from ``PREFECT_API_URL``.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -464,9 +463,3 @@ class Node:
         self.api.close()
         if self._pull_client is not None:
             self._pull_client.close()
-
-
-if __name__ == "__main__":
-    from sched_node.process import main
-
-    sys.exit(main())

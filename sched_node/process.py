@@ -1,4 +1,4 @@
-"""The node's process: ``python -m sched_node.node`` (or ``sched agent``) runs one node.
+"""The node's process: ``python -m sched_node`` (or ``sched agent``) runs one node.
 
 Settings from ``SCHED_CONFIG`` and ``SCHED_*`` (:mod:`sched_node.settings`), Prefect from
 ``PREFECT_API_URL`` (or Prefect's profile); it runs until SIGTERM or SIGINT, which leave the

@@ -1,6 +1,6 @@
 """The real node process with a test's clock: ``python -m tests.node_proc``.
 
-The same as ``python -m sched_node.node`` (settings from ``SCHED_CONFIG``, Prefect from
+The same as ``python -m sched_node`` (settings from ``SCHED_CONFIG``, Prefect from
 ``PREFECT_API_URL``, stopped by SIGTERM), with the node's clock shifted by
 ``SCHED_TEST_OFFSET_S`` seconds, so a test that kills the process puts its windows
 a few real seconds ahead. Only the tests run this module.

@@ -1,6 +1,6 @@
 """A node that cannot start on its settings says so in the controller's view.
 
-A real controller on loopback and a real node process (``python -m sched_node.node``)
+A real controller on loopback and a real node process (``python -m sched_node``)
 started on a config with a typo: it exits 2 as before, and the controller's status, its
 report and the fleet's summary say the node cannot start, and why, at once (not minutes
 later as "silent"); its next good report clears it. The failure is no sign of life.
@@ -47,7 +47,7 @@ def _start_node(tmp_path: Path, config_text: str) -> subprocess.CompletedProcess
     env = {key: value for key, value in os.environ.items() if not key.startswith("SCHED_")}
     env.update({"SCHED_CONFIG": str(config), "SCHED_TOKEN": TOKEN, "PYTHONPATH": str(ROOT),
                 "PREFECT_API_URL": "http://127.0.0.1:9/api"})
-    return subprocess.run([sys.executable, "-m", "sched_node.node"], env=env, cwd=tmp_path,
+    return subprocess.run([sys.executable, "-m", "sched_node"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
 
 
