@@ -325,7 +325,7 @@ def scheduler_wake_latency(
     latencies = []
     scheduler.start()
     try:
-        scheduler.listening.wait(30)
+        scheduler.listener.listening.wait(30)
         for i in range(samples):
             # Measure a wake-up from idle: the previous pass must have finished.
             scheduler.waiting.wait(30)

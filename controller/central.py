@@ -52,7 +52,6 @@ from controller.claims import Claim
 from controller.db import database_url, db_now
 from controller.dispatch import EVENT_GAVE_UP, PrefectDispatcher, TaskDispatcher, emit_gave_up
 from controller.listener import Listener, backoff
-from sched_core.facade import Forward
 from sched_core.worker import Running
 
 log = logging.getLogger(__name__)
@@ -109,26 +108,6 @@ class CentralScheduler(Running):
 
     # ------------------------------------------------------------ what it shows
 
-    is_postgres: Forward[bool] = Forward("db.is_postgres")
-    on_give_up: Forward[Callable[[Claim, str, int], None] | None] = Forward(
-        "passes.on_give_up",
-        "Called with (claim, message, attempts) after giving up (default: the Prefect event).")
-    dispatched: Forward[int] = Forward(
-        "passes.dispatched", "How many dispatches this instance made.")
-    gave_up: Forward[int] = Forward(
-        "passes.gave_up", "How many (task, scheduled time) this instance gave up on.")
-    skipped: Forward[int] = Forward(
-        "passes.skipped", "How many claims this instance skipped under the catch-up rule.")
-    renewals: Forward[int] = Forward(
-        "passes.in_flight.renewals",
-        "How many lease renewals this instance wrote (tests wait on it).")
-    listening: Forward[threading.Event] = Forward(
-        "listener.listening", "Set while a LISTEN connection is up (tests wait on it).")
-    listen_connects: Forward[int] = Forward(
-        "listener.connects", "How many times the listener connected (1 + reconnects).")
-    application_name: Forward[str] = Forward("db.application_name")
-    listen_application_name: Forward[str] = Forward("db.listen_application_name")
-
     @property
     def dispatcher(self) -> TaskDispatcher:
         return self.passes.dispatcher
@@ -150,7 +129,7 @@ class CentralScheduler(Running):
         self.listener.reset()
         self.db.engine()
         targets = [("loop", self._run_loop), ("heartbeat", self._run_heartbeat)]
-        if self.is_postgres:
+        if self.db.is_postgres:
             targets.insert(0, ("listen", self.listener.run))
         for role, target in targets:
             thread = threading.Thread(

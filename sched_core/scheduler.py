@@ -27,14 +27,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from sched_core.cache import validate_rows
 from sched_core.clock import as_utc, floor_minute, utcnow
 from sched_core.config import Config, Fire, FireFunc, TurnReport
 from sched_core.errors import PullError
-from sched_core.facade import Forward
 from sched_core.firing import Due
 from sched_core.guard import StartDecision, decide_start
 from sched_core.loop import Decided, FiringLoop, Guarded, log_fail, log_missed, log_skip
@@ -105,10 +104,6 @@ class Scheduler:
     def timezone(self) -> ZoneInfo:
         """The timezone schedules are matched in."""
         return self._tz
-
-    node_name: Forward[str] = Forward("_config.node_name", "The node this scheduler runs for.")
-    fire_grace: Forward[timedelta] = Forward(
-        "_config.fire_grace", "How late the loop may still start a window.")
 
     def schedules(self) -> list[LocalSchedule]:
         """Return deep copies of the cached schedules, sorted by name."""

@@ -126,9 +126,9 @@ def test_after_max_attempts_a_recurring_task_gives_up_on_that_time_and_moves_on(
         assert scheduler.run_once(now=T0) == 1
         assert scheduler.run_once(now=T0 + timedelta(seconds=11)) == 1
         assert _task(engine, "hourly").attempts == 2
-        assert scheduler.gave_up == 0
+        assert scheduler.passes.gave_up == 0
         assert scheduler.run_once(now=T0 + timedelta(seconds=32)) == 1  # the third: give up
-        assert scheduler.gave_up == 1
+        assert scheduler.passes.gave_up == 1
         task = _task(engine, "hourly")
         assert (task.status, task.next_run_at, task.attempts) == (
             TaskStatus.ACTIVE, T0 + timedelta(hours=1), 0)
@@ -396,7 +396,7 @@ def test_a_notify_from_another_process_wakes_the_loop(
     other = db.make_engine(postgres_url, application_name="sched-test-other")
     try:
         scheduler.start()
-        assert scheduler.listening.wait(DEADLINE)
+        assert scheduler.listener.listening.wait(DEADLINE)
         time.sleep(0.05)
         _save(other, {"name": "remote", "run_at": datetime.now(UTC), "event": "x"})
         assert recorder.wait_for(1, DEADLINE)
@@ -413,7 +413,7 @@ def test_stop_closes_every_connection_it_opened(postgres_url: str, pg_admin_url:
         dispatcher=RecordingDispatcher(),
     )
     scheduler.start()
-    assert scheduler.listening.wait(DEADLINE)
+    assert scheduler.listener.listening.wait(DEADLINE)
     time.sleep(0.2)  # a few passes
     assert _connections(pg_admin_url, "w-close") >= 2
     scheduler.stop()
@@ -560,10 +560,11 @@ def test_the_heartbeat_renews_a_slow_dispatch_so_nobody_takes_it_over(
     try:
         first.start()
         _save(engine, {"name": "slow", "run_at": datetime.now(UTC), "event": "x"})
-        assert _wait_until(lambda: first.renewals >= 5)  # 5 renewals: 3+ leases long
+        # 5 renewals: 3+ leases long
+        assert _wait_until(lambda: first.passes.in_flight.renewals >= 5)
         second.start()
         assert _wait_until(lambda: second.waiting.is_set())
-        assert _wait_until(lambda: first.renewals >= 10)
+        assert _wait_until(lambda: first.passes.in_flight.renewals >= 10)
         assert quick.keys() == []
         release.set()
         assert slow.wait_for(1, DEADLINE)

@@ -182,7 +182,7 @@ def _listen_pid(admin_url: str, scheduler: CentralScheduler) -> int | None:
     with psycopg.connect(db.libpq_conninfo(admin_url), autocommit=True) as conn:
         row = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
-            (scheduler.listen_application_name,),
+            (scheduler.db.listen_application_name,),
         ).fetchone()
     return int(row[0]) if row else None
 
@@ -191,7 +191,7 @@ def _scheduler_connections(admin_url: str, scheduler: CentralScheduler) -> int:
     with psycopg.connect(db.libpq_conninfo(admin_url), autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name IN (%s, %s)",
-            (scheduler.application_name, scheduler.listen_application_name),
+            (scheduler.db.application_name, scheduler.db.listen_application_name),
         ).fetchone()
     return int(row[0]) if row else 0
 
@@ -223,7 +223,8 @@ def test_listener_killed_50_times_loses_no_task_and_leaks_no_connection(
                 pid = None
                 while time.monotonic() < end:
                     pid = _listen_pid(pg_admin_url, scheduler)
-                    if pid is not None and pid not in killed and scheduler.listening.is_set():
+                    listening = scheduler.listener.listening.is_set()
+                    if pid is not None and pid not in killed and listening:
                         break
                     time.sleep(0.005)
                 assert pid is not None and pid not in killed
@@ -236,12 +237,12 @@ def test_listener_killed_50_times_loses_no_task_and_leaks_no_connection(
                     tasks.save_task(session, task)  # saved while the listener is down
                 most = max(most, _scheduler_connections(pg_admin_url, scheduler))
         assert recorder.wait_for(50, DEADLINE)
-        assert scheduler.listening.wait(DEADLINE)
+        assert scheduler.listener.listening.wait(DEADLINE)
     finally:
         scheduler.stop()
         saver.dispose()
     assert sorted(name for name, _ in recorder.keys()) == [f"t{i:02d}" for i in range(50)]
-    assert scheduler.listen_connects >= 51
+    assert scheduler.listener.connects >= 51
     # The pool (2), the claim connection, the listener, and at most one backend exiting.
     assert most <= 5
     end = time.monotonic() + DEADLINE
