@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -26,7 +27,9 @@ from sched_node.prefect_api import PrefectUnavailable
 from sched_node.reconcile import FIRST_SPREAD
 
 if TYPE_CHECKING:
-    from sched_node.node import Node
+    from sched_node.control import Control
+    from sched_node.registration import Deployments
+    from sched_node.settings import AgentSettings
 
 log = logging.getLogger("sched_node.node")
 
@@ -39,8 +42,14 @@ FILE_WATCH_S = 2.0
 class NodeChannel:
     """The node's channel from the center (the module's rules)."""
 
-    def __init__(self, node: Node) -> None:
-        self.n = node
+    def __init__(self, settings: AgentSettings, *, control: Control, deployments: Deployments,
+                 api_url: str, etag: Callable[[], str | None],
+                 changed: Callable[[str], None]) -> None:
+        """``etag``: the cached list's (the long poll's); ``changed``: asks for a reconcile,
+        with its reason."""
+        self.settings, self.node, self.control = settings, settings.node_name, control
+        self.deployments, self.api_url = deployments, api_url
+        self._etag, self._changed = etag, changed
         self.wait: ControllerWait | None = None
         self.stream: PrefectStream | None = None
         self._control_wake = threading.Event()
@@ -50,7 +59,7 @@ class NodeChannel:
         """Return whether the controller's long poll decides the start's control check
         (:class:`sched_node.control.ControllerWait`): the node pulls from a controller and
         listens; else the start's reconcile checks."""
-        return bool(self.n.settings.listen and controller_url(self.n.settings, "wait"))
+        return bool(self.settings.listen and controller_url(self.settings, "wait"))
 
     def covered(self) -> bool:
         """Return whether the controller's long poll is open (it is the node's heartbeat)."""
@@ -58,18 +67,17 @@ class NodeChannel:
 
     def start(self) -> None:
         """Open the channel, watch a pull file, and start the control checks."""
-        n = self.n
-        if n.settings.pull_url.startswith("file://"):
+        settings = self.settings
+        if settings.pull_url.startswith("file://"):
             threading.Thread(target=self._watch_file, name="pull-file-watch",
                              daemon=True).start()
-        url = controller_url(n.settings, "wait") if n.settings.listen else None
+        url = controller_url(settings, "wait") if settings.listen else None
         if url is not None:
             self.wait = ControllerWait(
-                url, token=n.settings.bearer_token, etag=lambda: n.scheduler.cache().etag,
-                heartbeat=n.settings.heartbeat,
-                on_schedules=lambda: n.reconciler.poke("controller"),
+                url, token=settings.bearer_token, etag=self._etag, heartbeat=settings.heartbeat,
+                on_schedules=lambda: self._changed("controller"),
                 on_prefect=self.wake_control, on_unsupported=self._stream).start()
-        elif n.settings.listen:
+        elif settings.listen:
             self._stream()
         threading.Thread(target=self._control_main, name="control", daemon=True).start()
 
@@ -83,8 +91,7 @@ class NodeChannel:
             self.stream.stop()
 
     def _watch_file(self) -> None:
-        n = self.n
-        path = Path(urlsplit(n.settings.pull_url).path)
+        path = Path(urlsplit(self.settings.pull_url).path)
 
         def stamp() -> tuple[int, int] | None:
             try:
@@ -98,15 +105,14 @@ class NodeChannel:
             now = stamp()
             if now != seen:
                 seen = now
-                log.info("the pull file changed: pulling now", extra={"node": n.node})
-                n.reconciler.poke("the pull file changed")
+                log.info("the pull file changed: pulling now", extra={"node": self.node})
+                self._changed("the pull file changed")
 
     def _stream(self) -> None:
-        n = self.n
         self.stream = PrefectStream(
-            node=n.node, api_url=n.api.url,
-            deployment_ids=lambda: list(n.deployments.get().values()),
-            on_schedules=lambda: n.reconciler.poke("event"),
+            node=self.node, api_url=self.api_url,
+            deployment_ids=lambda: list(self.deployments.get().values()),
+            on_schedules=lambda: self._changed("event"),
             on_prefect=self.wake_control).start()
 
     def wake_control(self) -> None:
@@ -117,7 +123,7 @@ class NodeChannel:
         """The node as its pool's worker: a heartbeat every ``worker_heartbeat``, a poll of its
         queue every ``worker_poll``, and a poll and a look at its runs when woken (a failed
         one is tried again after CONTROL_RETRY_S)."""
-        settings = self.n.settings
+        settings = self.settings
         poll_s = settings.worker_poll.total_seconds()
         beat_s = settings.worker_heartbeat.total_seconds()
         # A restart asks Prefect nothing at once (a fleet-wide restart is every node at once):
@@ -126,7 +132,7 @@ class NodeChannel:
         # at a random point of their interval's second half. A first start (no deployments
         # kept from an earlier one) looks at once.
         now = time.monotonic()
-        kept = self.n.deployments.cache_path
+        kept = self.deployments.cache_path
         spread = 1.0 if kept is not None and kept.exists() else 0.0
         next_poll = now + spread * poll_s * (1 - FIRST_SPREAD * random.random())
         next_beat = now + spread * beat_s * (1 - FIRST_SPREAD * random.random())
@@ -135,13 +141,13 @@ class NodeChannel:
             now = time.monotonic()
             try:
                 if now >= next_beat:
-                    self.n.control.heartbeat()
+                    self.control.heartbeat()
                     next_beat = now + beat_s
                 if woken:
-                    self.n.control.check()
+                    self.control.check()
                     next_poll = time.monotonic() + poll_s
                 elif now >= next_poll:
-                    self.n.control.poll()
+                    self.control.poll()
                     next_poll = time.monotonic() + poll_s
                 woken = False
             except PrefectUnavailable as exc:

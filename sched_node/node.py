@@ -103,7 +103,6 @@ class Node:
         self.api = api
         self._clock = clock
         self._stopping = threading.Event()
-        self._last_pull: dict[str, Any] | None = None
         now = clock()
         self._state(now)
         self._record(now)
@@ -157,7 +156,6 @@ class Node:
                                  mode=settings.ad_hoc_runs, token=settings.bearer_token,
                                  clock=clock)
         key = door_key(settings.state_dir) if self.vouchers.required else None
-        self.reconciler = Reconciler(self)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  done=self._reported,
                                  covered=lambda: self.channel.covered())
@@ -177,7 +175,14 @@ class Node:
                                busy=self.adhoc.busy, work_pool=settings.work_pool,
                                heartbeat_s=settings.worker_heartbeat.total_seconds(),
                                vouchers=self.vouchers)
-        self.channel = NodeChannel(self)
+        self.channel = NodeChannel(settings, control=self.control, deployments=self.deployments,
+                                   api_url=api.url, etag=lambda: self.scheduler.cache().etag,
+                                   changed=lambda reason: self.reconciler.poke(reason))
+        self.reconciler = Reconciler(
+            settings, clock=clock, scheduler=self.scheduler, view=self.view,
+            planner=self.planner, deployments=self.deployments, control=self.control,
+            outbox=self.outbox, reporter=self.reporter, recorded=self.recorder.wake,
+            start_checked=self.channel.takes_start_check)
         self.handoff = Handoff(node=self.node, outbox=self.outbox, clock=clock, row=self._row,
                                known=self._known, spec=self._spec, start=self.start_job,
                                wake=self.recorder.wake, door_key=key)
@@ -416,8 +421,8 @@ class Node:
                                  if item.state == SKIPPED),
                   "missed": self.history.missed_since(now - timedelta(hours=24))}
         return build_report(self.settings, self.scheduler.cache(), now=now,
-                            last_pull=self._last_pull, latest=self.history.latest_by_schedule(),
-                            counts=counts, jobs=[])
+                            last_pull=self.reconciler.last_pull,
+                            latest=self.history.latest_by_schedule(), counts=counts, jobs=[])
 
     # -- run ----------------------------------------------------------------------------
 

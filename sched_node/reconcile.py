@@ -30,6 +30,7 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +44,15 @@ from sched_node.planner import PlanReport
 from sched_node.prefect_api import PrefectUnavailable
 from sched_node.reports import plan_lines, pull_lines
 
-# Alike in shape to sched_node/channel.py's opening (`duplicates` pairs them): a part of the node
-# (sched_node.node's facade), logging as the node, its timings as constants, its class.
 if TYPE_CHECKING:
-    from sched_node.node import Node
+    from sched_core import Scheduler
+    from sched_core.firing import NodeView
+    from sched_node.control import Control
+    from sched_node.node_report import Reporter
+    from sched_node.outbox import Outbox
+    from sched_node.planner import Planner
+    from sched_node.registration import Deployments
+    from sched_node.settings import AgentSettings
 
 log = logging.getLogger("sched_node.node")
 
@@ -64,8 +70,20 @@ at least this far apart: the first at once, what a burst announces after it in o
 class Reconciler:
     """Pull and plan: every ``reconcile_interval``, when woken, on demand (a thread)."""
 
-    def __init__(self, node: Node) -> None:
-        self.n = node
+    def __init__(self, settings: AgentSettings, *, clock: Callable[[], datetime],
+                 scheduler: Scheduler, view: Callable[[datetime], NodeView], planner: Planner,
+                 deployments: Deployments, control: Control, outbox: Outbox,
+                 reporter: Reporter, recorded: Callable[[], None],
+                 start_checked: Callable[[], bool]) -> None:
+        """``view``: the node's schedules at a time; ``recorded``: wakes the recorder after a
+        reconcile run is journaled; ``start_checked``: whether the channel makes the start's
+        control check (then the start's reconcile does not)."""
+        self.settings, self.node, self._clock = settings, settings.node_name, clock
+        self.scheduler, self.view, self.planner = scheduler, view, planner
+        self.deployments, self.control, self.outbox = deployments, control, outbox
+        self.reporter, self._recorded, self._start_checked = reporter, recorded, start_checked
+        self.last_pull: dict[str, Any] | None = None
+        """The last pull's outcome, as the node's report shows it."""
         self._worker = Worker("reconcile", self._main)
         self._reasons: list[tuple[str, str | None]] = [("start", None)]
         self._lock = threading.Lock()
@@ -100,7 +118,7 @@ class Reconciler:
             self._reasons.append((f"asked by flow run {run_id or 'of a flow'}", None))
         self._worker.wake()
         if not done.wait(timeout):
-            return {"ok": False, "node": self.n.node,
+            return {"ok": False, "node": self.node,
                     "summary": f"the reconcile did not end within {timeout:g} s"}
         return found
 
@@ -109,7 +127,7 @@ class Reconciler:
         self._worker.stop(None)
 
     def _main(self) -> None:
-        interval = self.n.settings.reconcile_interval.total_seconds()
+        interval = self.settings.reconcile_interval.total_seconds()
         # The first periodic reconcile comes at a random point of the interval's second half,
         # so a fleet started together (a fleet-wide restart) does not reconcile together
         # every interval after.
@@ -145,53 +163,52 @@ class Reconciler:
 
     def replan(self) -> None:
         """Plan again after a plan the Prefect server could not take (no pull)."""
-        now = self.n._clock()
+        now = self._clock()
         try:
-            report = self.n.planner.plan(self.n.view(now), now=now)
-            self.n.control.look()
+            report = self.planner.plan(self.view(now), now=now)
+            self.control.look()
         except PrefectUnavailable:
             return
         self.plan_pending = bool(report.failed)
         if self.plan_pending:
             return
-        log.info("the plan reached Prefect", extra={"node": self.n.node})
+        log.info("the plan reached Prefect", extra={"node": self.node})
 
     def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
         """Pull, plan and record what changed (the module's Reconciler); then the node reports
         (the reporter told at the start, so a heartbeat report due meanwhile waits for it)."""
-        self.n.reporter.expect()
+        self.reporter.expect()
         with self._lock:
             waiters, self._waiters = self._waiters, []
-        found: dict[str, Any] = {"ok": False, "node": self.n.node,
+        found: dict[str, Any] = {"ok": False, "node": self.node,
                                  "summary": "the reconcile failed (the node's log says why)"}
         try:
             found = self._reconcile(reasons)
         finally:
             self.finished += 1
-            self.n.reporter.poke()
+            self.reporter.poke()
             for done, answer in waiters:
                 answer.update(found)
                 done.set()
 
     def _reconcile(self, reasons: list[tuple[str, str | None]]) -> dict[str, Any]:
-        n = self.n
         self.runs += 1
-        now = n._clock()
+        now = self._clock()
         result, error = self._pull(now)
-        n._last_pull = pull_outcome(now, ok=error is None, error=error,
+        self.last_pull = pull_outcome(now, ok=error is None, error=error,
                                     status=None if result is None
                                     else "304" if result is NOT_MODIFIED else "200")
-        n.scheduler.wake()
-        view = n.view(now)
+        self.scheduler.wake()
+        view = self.view(now)
         report: PlanReport | None = None
         plan_error: str | None = None
         start = any(reason == "start" for reason, _ in reasons)
         try:
-            if not start and n.deployments.verify():
-                n.planner.rebase()
-            report = n.planner.plan(view, now=now)
-            if not (start and n.channel.takes_start_check()):
-                n.control.look()
+            if not start and self.deployments.verify():
+                self.planner.rebase()
+            report = self.planner.plan(view, now=now)
+            if not (start and self._start_checked()):
+                self.control.look()
             self.plan_pending = bool(report.failed)
         except PrefectUnavailable as exc:
             plan_error = str(exc)
@@ -201,7 +218,7 @@ class Reconciler:
                      report.planned, len(report.created), len(report.deleted), len(report.moved),
                      len(report.failed),
                      f" (first: {report.failed[0][0]}: {report.failed[0][1]})"
-                     if report.failed else "", extra={"node": n.node})
+                     if report.failed else "", extra={"node": self.node})
         changed = result is not None and (result.changed_anything or bool(result.rejected))
         on_demand = [run_id for _, run_id in reasons if run_id]
         summary, markdown = self._summary(now, result, error, report, plan_error, reasons)
@@ -212,11 +229,11 @@ class Reconciler:
             # state changes per node, 10,000 of them in a fleet-wide restart, for a run that
             # said "nothing changed". The restart shows in the node's log (this line).
             log.info("the start's reconcile changed nothing (list as cached, plan as "
-                     "recorded): no reconcile run recorded", extra={"node": n.node})
-        return {"ok": error is None, "node": n.node, "summary": summary, "markdown": markdown}
+                     "recorded): no reconcile run recorded", extra={"node": self.node})
+        return {"ok": error is None, "node": self.node, "summary": summary, "markdown": markdown}
 
     def _pull(self, now: datetime) -> tuple[Any, str | None]:
-        settings = self.n.settings
+        settings = self.settings
         delay = settings.pull_retry_delay.total_seconds()
         error: str | None = None
         for attempt in range(settings.pull_retries + 1):
@@ -224,7 +241,7 @@ class Reconciler:
                 if self._worker.stopping.wait(delay * 2 ** (attempt - 1)):
                     break
             try:
-                return self.n.scheduler.pull(self.n._clock()), None
+                return self.scheduler.pull(self._clock()), None
             except PullError as exc:
                 error = str(exc)
         return None, error
@@ -233,14 +250,13 @@ class Reconciler:
                  report: PlanReport | None, plan_error: str | None,
                  reasons: list[tuple[str, str | None]]) -> tuple[str, str]:
         """Return a reconcile's one-line summary and its artifact's markdown."""
-        n = self.n
-        cache = n.scheduler.cache()
+        cache, node = self.scheduler.cache(), self.node
         names = {row.id: row.name for row in cache.schedules}
         markdown = "\n".join([
-            f"### Reconcile on {n.node} at {utc_text(now)}", "",
+            f"### Reconcile on {node} at {utc_text(now)}", "",
             f"why: {', '.join(reason for reason, _ in reasons)}", "",
             *pull_lines(result, error, names),
-            *plan_lines(report, cache.schedules, now=now, tz=n.settings.tz, node=n.node,
+            *plan_lines(report, cache.schedules, now=now, tz=self.settings.tz, node=node,
                         last_fired=cache.last_fired_at, plan_error=plan_error),
         ])
         summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
@@ -252,30 +268,30 @@ class Reconciler:
     def _record(self, now: datetime, result: Any, error: str | None, summary: str,
                 markdown: str, on_demand: list[str],
                 reasons: list[tuple[str, str | None]]) -> None:
-        n = self.n
+        node = self.node
         runs: list[str | None] = [*on_demand] or [None]
         for run_id in runs:
             stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
             key = f"reconcile@{stamp}"
             spec = JobSpec(
-                job_id=job_id_for(now, f"{n.node}:{key}:{run_id}"), kind=KIND_RECONCILE,
-                node=n.node, schedule_id="", action="reconcile", trigger_key="reconcile",
+                job_id=job_id_for(now, f"{node}:{key}:{run_id}"), kind=KIND_RECONCILE,
+                node=node, schedule_id="", action="reconcile", trigger_key="reconcile",
                 window=None, key=key, run_name=f"reconcile-{now.strftime('%Y%m%dT%H%MZ')}",
-                idempotency_key=None if run_id else f"{n.node}:{key}", flow_run_id=run_id,
+                idempotency_key=None if run_id else f"{node}:{key}", flow_run_id=run_id,
                 planned_start=None, accepted_at=now, reason=", ".join(r for r, _ in reasons),
-                tags=[AGENT_TAG, f"node:{n.node}", "trigger:reconcile"])
-            folder = n.outbox.create(spec)
+                tags=[AGENT_TAG, f"node:{node}", "trigger:reconcile"])
+            folder = self.outbox.create(spec)
             (folder.path / "artifact.md").write_text(markdown, encoding="utf-8")
             events = []
             if result is not None and (result.changed_anything or result.rejected):
-                events.append(_changed_event(n.node, result, now))
+                events.append(_changed_event(node, result, now))
             folder.write_json("events.json", {"events": events})
             folder.log(now, summary)
             folder.append({"e": "end", "at": utc_text(now),
                            "state": FAILED if error else COMPLETED, "message": summary,
                            "error": error})
             self.recorded += 1
-        n.recorder.wake()
+        self._recorded()
 
 
 def _changed_event(node: str, result: Any, now: datetime) -> dict[str, Any]:

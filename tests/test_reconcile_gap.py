@@ -18,9 +18,11 @@ class Noting(Reconciler):
     """A Reconciler whose reconcile notes (when it began, its reasons) and takes 50 ms."""
 
     def __init__(self) -> None:
-        node: Any = SimpleNamespace(settings=SimpleNamespace(
-            reconcile_interval=timedelta(hours=1)))
-        super().__init__(node)
+        settings: Any = SimpleNamespace(node_name="n", reconcile_interval=timedelta(hours=1))
+        part: Any = None  # the parts the replaced reconcile would use
+        super().__init__(settings, clock=part, scheduler=part, view=part, planner=part,
+                         deployments=part, control=part, outbox=part, reporter=part,
+                         recorded=part, start_checked=part)
         self.seen: list[tuple[float, list[tuple[str, str | None]]]] = []
 
     def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
