@@ -25,13 +25,20 @@ Rules:
 6. One wait per (node, holder): a new wait answers the one it replaces at once, so one token
    cannot hold more than one connection waiting. The node's token and the admin's are two
    holders.
+7. A (node, holder) replaces its wait at most :data:`REPLACE_BURST` times at once and one more
+   every :data:`REPLACE_EVERY_S` (a node restarted or reconnected replaces its dead wait once);
+   past that, a new wait is refused at once (``429``, :meth:`NodeWaits.refused_s`) and the held
+   one stays, so one token sent in a loop costs a refusal per request, not a replacement, an
+   ETag read and a heartbeat record each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +48,12 @@ from starlette.concurrency import run_in_threadpool
 from sched_core.reconnect import Follower, Reconnecting
 
 log = logging.getLogger(__name__)
+
+REPLACE_BURST = 10
+"""Replacements of a held wait one (node, holder) may make at once (rule 7)."""
+REPLACE_EVERY_S = 6.0
+"""One more replacement is allowed every this many seconds, up to REPLACE_BURST (rule 7)."""
+MAX_BUCKETS = 100_000
 
 NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
                  "trigger:reconcile")
@@ -68,6 +81,8 @@ class NodeWaits:
         self._held: dict[tuple[str, str], _Wait] = {}
         """Per (node, holder), its held wait (rule 6)."""
         self.replaced = 0
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}
+        """Per (node, holder) that replaced a wait: (replacements left, when counted)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.waiting = 0
@@ -130,6 +145,23 @@ class NodeWaits:
         for held in self._waits.pop(node, ()):
             held.answer(why)
 
+    def refused_s(self, node: str, holder: str) -> int:
+        """Return 0 when a new wait of (node, holder) may be held now, else the seconds until
+        it may (rule 7: it would replace a held one past the budget)."""
+        if (node, holder) not in self._held:
+            return 0
+        left = self._left(node, holder)
+        return 0 if left >= 1 else max(1, math.ceil((1 - left) * REPLACE_EVERY_S))
+
+    def _left(self, node: str, holder: str) -> float:
+        left, at = self._buckets.get((node, holder), (float(REPLACE_BURST), 0.0))
+        return min(float(REPLACE_BURST), left + (time.monotonic() - at) / REPLACE_EVERY_S)
+
+    def _spend(self, node: str, holder: str) -> None:
+        if len(self._buckets) >= MAX_BUCKETS:
+            self._buckets.clear()
+        self._buckets[(node, holder)] = (self._left(node, holder) - 1, time.monotonic())
+
     async def wait(self, node: str, timeout: float, *, holder: str | None = None) -> str:
         """Wait for a poke of node, at most timeout s: ``poked``, ``timeout`` or ``replaced``.
 
@@ -145,6 +177,7 @@ class NodeWaits:
             older = self._held.get((node, holder))
             if older is not None:
                 self.replaced += 1
+                self._spend(node, holder)
                 older.answer("replaced")
             self._held[(node, holder)] = mine
         self.waiting += 1

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from sched_core.reconnect import Follower, Reconnecting
+from sched_core.values import retry_after_seconds
 from sched_core.worker import Worker
 from sched_node.prefect_api import PAGE, PrefectApi, PrefectRefused, new_state
 from sched_node.registration import CHAIN, PLANNED_QUEUE, RECONCILE, RUN_JOB, Deployments
@@ -285,7 +286,8 @@ class ControllerWait:
                 if response.status_code != 200:
                     log.warning("the controller refused the wait (%d): %s",
                                 response.status_code, response.text[:300])
-                    backoff = self._back_off(backoff)
+                    backoff = self._back_off(backoff, retry_after_seconds(
+                        response.headers.get("retry-after"), most=BACKOFF_MAX_S))
                     continue
                 data = _json_object(response)
                 if data is None:
@@ -296,11 +298,12 @@ class ControllerWait:
                 backoff = BACKOFF_MIN_S
                 told, seen = self._answered(data, told, seen)
 
-    def _back_off(self, backoff: float) -> float:
-        """After a failed wait: not connected, the start's check owed, a pause; the next pause."""
+    def _back_off(self, backoff: float, asked: float | None = None) -> float:
+        """After a failed wait: not connected, the start's check owed, a pause (the longer of
+        backoff and what the controller asked, ``Retry-After``); the next pause."""
         self.connected.clear()
         self._start_check()
-        self._worker.stopping.wait(backoff)
+        self._worker.stopping.wait(max(backoff, asked or 0.0))
         return min(backoff * 2, BACKOFF_MAX_S)
 
     def _no_wait_endpoint(self) -> None:

@@ -8,6 +8,7 @@ event loop, with a read function that records what it was asked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from controller.auth import Tokens
 from controller.db import make_engine, migrate
 from controller.fleet import FleetSettings
 from controller.testing import serve_in_thread
-from controller.waits import EtagReads, NodeWaits
+from controller.waits import REPLACE_BURST, REPLACE_EVERY_S, EtagReads, NodeWaits
 from tests.procs import wait_for
 
 ADMIN_TOKEN = "admin-secret-token-0123456789"
@@ -205,6 +206,50 @@ def test_a_new_wait_of_a_node_replaces_its_held_one(center: Center) -> None:
         thread.join(30)
     assert answers["second"].status_code == answers["admin"].status_code == 200
     assert answers["second"].json()["etag"] == center.etag(node) != etag
+
+
+def test_past_its_budget_a_new_wait_is_refused_and_the_held_one_stays(center: Center) -> None:
+    """Issue 36, the long-poll flood: 320 waits with one node's token each replaced the held
+    one (an ETag read, a heartbeat record and a 409 each), ~330 a second, and healthy pulls
+    waited behind them. Past REPLACE_BURST replacements a new wait is refused at once (429,
+    Retry-After) and the held one is neither answered nor replaced."""
+    node = NODES[3]
+    center.put(node, "s-1")
+    etag = center.etag(node)
+    waits = center.app.state.waits
+    url = f"/api/nodes/{node}/wait"
+    base = str(center.client.base_url)
+    answers: list[httpx.Response] = []
+    threads = []
+
+    def hold() -> None:
+        with httpx.Client(base_url=base, timeout=400) as client:
+            answers.append(client.get(url, params={"etag": etag, "timeout": 300},
+                                      headers=token(node)))
+
+    def held(count: int) -> bool:
+        return waits.replaced == count and waits.waiting == 1 and len(answers) == count
+
+    for count in range(REPLACE_BURST + 1):  # the first, then REPLACE_BURST replacements
+        threads.append(threading.Thread(target=hold))
+        threads[-1].start()
+        wait_for("the wait held", functools.partial(held, count), 30)
+    with httpx.Client(base_url=base, timeout=30) as client:
+        began = time.monotonic()
+        refused = client.get(url, params={"etag": etag, "timeout": 300}, headers=token(node))
+        took = time.monotonic() - began
+    assert refused.status_code == 429, refused.text
+    assert 1 <= int(refused.headers["retry-after"]) <= REPLACE_EVERY_S + 1
+    assert refused.headers["connection"] == "close"
+    assert "replaced its wait too often" in refused.json()["detail"]
+    assert took < 10, f"the refusal took {took:.1f} s: it was held"
+    assert waits.replaced == REPLACE_BURST and waits.waiting == 1
+    assert [answer.status_code for answer in answers] == [409] * REPLACE_BURST
+    center.put(node, "s-2")  # the held one is still the node's: a change answers it
+    for thread in threads:
+        thread.join(30)
+    assert answers[-1].status_code == 200
+    assert answers[-1].json()["etag"] == center.etag(node) != etag
 
 
 # -- EtagReads: the batching, in one event loop --------------------------------------------

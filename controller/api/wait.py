@@ -14,7 +14,8 @@ One wait is held per node and token kind (:mod:`controller.waits`, rule 6): a ne
 answers the one it replaces at once with ``409`` (and closes its connection), so one
 token cannot hold a connection per request, and two agents sharing a token each back
 off (the node backs off after any answer but 200) instead of replacing each other in a
-loop.
+loop. Past a budget of replacements (rule 7) a new wait is refused at once with ``429``
+and ``Retry-After``, before anything is read for it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,16 @@ def wait_router(
         timeout: float = Query(DEFAULT_WAIT_S, ge=1, le=MAX_WAIT_S),
     ) -> JSONResponse:
         check_name(("path", "node"), node)
-        now = await etags.etag(node)
         principal = getattr(request.state, "principal", None)
+        holder = principal.label if principal is not None else "-"
+        retry = waits.refused_s(node, holder)
+        if retry:
+            return JSONResponse(
+                {"detail": f"node {node!r} replaced its wait too often (one wait per node: is "
+                 f"a second agent using its token?): try again in {retry} s"},
+                status_code=429, headers={"Retry-After": str(retry), "Connection": "close",
+                                          "Cache-Control": "no-store"})
+        now = await etags.etag(node)
         stale = bool(etag) and not etag_matches(etag, now)
         if principal is not None and not principal.is_admin and not stale:
             seen_by_node(node, now)  # a stale node pulls next, and that pull is recorded
@@ -63,7 +72,6 @@ def wait_router(
         # looked for now (sched_node.control, "At the node's start"); else it is held.
         changed = stale or (waits.newer(node, seen) if seen else waits.poked(node))
         if not changed:
-            holder = principal.label if principal is not None else "-"
             if await waits.wait(node, timeout, holder=holder) == "replaced":
                 return JSONResponse(
                     {"detail": f"this wait of node {node!r} was replaced by a newer one with "
