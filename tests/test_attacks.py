@@ -1183,6 +1183,38 @@ def test_the_login_limit_forgets_failures_after_its_window(engine: Any) -> None:
     assert sorted(row[0] for row in rows) == ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
 
 
+def test_a_client_found_waiting_is_refused_again_without_a_query(engine: Any) -> None:
+    """Issue 36, the slow-login flood: each of ~300 refused logins a second asked the database
+    for the client's failures. A wait the database gave is remembered until it ends."""
+    from sqlmodel import Session
+
+    from controller.api.login_limit import LoginLimit
+
+    queries = [0]
+
+    def in_session(work: Any) -> Any:
+        queries[0] += 1
+        with Session(engine) as session:
+            found = work(session)
+            session.commit()
+            return found
+
+    start = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    now = [start]
+    limit = LoginLimit(in_session, failures=2, window=60, clock=lambda: now[0])
+    limit.failed("10.0.0.9")
+    now[0] = start + timedelta(seconds=1)
+    limit.failed("10.0.0.9")
+    before = queries[0]
+    assert limit.wait_s("10.0.0.9") == 59.0
+    now[0] = start + timedelta(seconds=15)
+    assert [limit.wait_s("10.0.0.9") for _ in range(50)] == [45.0] * 50
+    assert queries[0] == before + 1
+    now[0] = start + timedelta(seconds=60)   # its wait over: the database is asked again
+    assert limit.wait_s("10.0.0.9") == 0
+    assert queries[0] == before + 2
+
+
 def test_every_answer_carries_nosniff_and_no_referrer(controller: Controller) -> None:
     """Point 9 (HSTS over HTTPS: tests/test_controller_cli.py, on a real TLS serve)."""
     http = controller.http

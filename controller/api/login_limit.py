@@ -38,6 +38,8 @@ LOGIN_FAILURES = 10
 """Failed logins one client may make within LOGIN_WINDOW_S before it must wait."""
 LOGIN_WINDOW_S = 60.0
 """The sliding window of LOGIN_FAILURES (seconds)."""
+MAX_REMEMBERED = 10_000
+"""Waiting clients remembered at most (past it, forgotten: the database is asked again)."""
 LOGINS_IN_FLIGHT = 2
 """Login forms one client may be sending to one instance at once (rule 4)."""
 LOGIN_BODY_S = 5.0
@@ -59,10 +61,23 @@ class LoginLimit:
         self.failures = failures
         self.window = timedelta(seconds=window)
         self.clock = clock
+        self._until: dict[str, datetime] = {}
+        """Clients found waiting, until when: asked again of the database only after."""
+        self._lock = threading.Lock()
 
     def wait_s(self, client: str) -> float:
-        """Return how long client must wait before its next login (0: it may try now)."""
+        """Return how long client must wait before its next login (0: it may try now).
+
+        A wait the database gave is remembered until it ends (its failures stay in the
+        window that long whatever another instance adds): a client refused again meanwhile
+        costs no query."""
         now = self.clock()
+        with self._lock:
+            until = self._until.get(client)
+            if until is not None and until <= now:
+                del self._until[client]
+            elif until is not None:
+                return (until - now).total_seconds()
 
         def newest(session: Session) -> list[datetime]:
             return list(session.execute(
@@ -73,7 +88,12 @@ class LoginLimit:
         found: list[datetime] = self.in_session(newest)
         if len(found) < self.failures:
             return 0.0
-        return max(0.0, (found[-1] + self.window - now).total_seconds())
+        until = found[-1] + self.window
+        with self._lock:
+            if len(self._until) >= MAX_REMEMBERED:
+                self._until.clear()
+            self._until[client] = until
+        return max(0.0, (until - now).total_seconds())
 
     def failed(self, client: str) -> None:
         """Count one failed login of client; forget every failure older than the window."""

@@ -320,17 +320,17 @@ async def log_in(request: Request, tokens: Tokens, limit: LoginLimit | None,
     The limit is asked first and the form read after (:mod:`controller.api.login_limit`).
     """
     client = client_key(request.client.host if request.client else "-")
-    wait = 0.0 if limit is None else await run_in_threadpool(limit.wait_s, client)
-    if wait > 0:
-        retry = max(1, math.ceil(wait))
-        log.warning("fleet page login refused: too many failed logins",
-                    extra={"client": printable(client), "retry_after_s": retry})
-        return login_page(f"too many failed logins from your address: try again in {retry} s",
-                          429, **{"retry-after": str(retry)})
     with in_flight.slot(client) as granted:
-        if not granted:
+        if not granted:  # asked first: it costs no database query, the limit's answer does
             return login_page("logins from your address are already under way: try again in "
                               "a moment", 429, **{"retry-after": "1"})
+        wait = 0.0 if limit is None else await run_in_threadpool(limit.wait_s, client)
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            log.warning("fleet page login refused: too many failed logins",
+                        extra={"client": printable(client), "retry_after_s": retry})
+            return login_page(f"too many failed logins from your address: try again in "
+                              f"{retry} s", 429, **{"retry-after": str(retry)})
         connection = connection_of(request.scope)
         if connection is not None:  # a form nobody vouched for: its slot may make room
             connection.may_make_room()
