@@ -86,8 +86,11 @@ TEMPLATES = Environment(
     undefined=StrictUndefined,
     keep_trailing_newline=True,
     extensions=[_LayoutLines],
+    auto_reload=False,
 )
-"""The fleet page's templates (``controller/templates/``): every value escaped where it lands."""
+"""The fleet page's templates (``controller/templates/``): every value escaped where it lands.
+Loaded once (``auto_reload`` off): a rendering asks the disk nothing, so a flood of login
+pages costs no ``stat`` per answer (the templates ship with the package)."""
 TEMPLATES.filters["f1"] = lambda value: f"{value:.1f}"
 
 

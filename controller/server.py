@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -102,12 +103,23 @@ that reached the oldest generation waits for the next full pass, still due after
 net allocations of tracked objects."""
 
 
+SWITCH_INTERVAL_S = 0.0005
+"""How long a thread may hold the GIL while another waits for it (CPython's: 5 ms).
+
+The event loop gives up the GIL at every socket call; a worker thread busy in Python (a
+large report parsed, a database call) then keeps it up to the whole interval before the
+loop gets it back, many times per request. Under a flood that made a healthy pull wait
+behind tens of such hand-overs (docs/benchmarks.md, "The controller under floods")."""
+
+
 def quiet_collector() -> None:
     """Collect once, freeze what survives (the imports and the app: ~380,000 objects that
-    live as long as the process, which no pass need walk again), then set GC_THRESHOLDS."""
+    live as long as the process, which no pass need walk again), then set GC_THRESHOLDS and
+    SWITCH_INTERVAL_S."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def check_tls_files(certfile: str | None, keyfile: str | None) -> None:

@@ -13,7 +13,7 @@ from controller.auth import Principal, Tokens, bearer_token
 
 
 class Auth:
-    """Who is calling, as FastAPI dependencies: ``Depends(auth.require_admin)`` and friends.
+    """Who is calling, as FastAPI dependencies: ``Depends(auth.admin)`` and friends.
 
     A missing or unknown token is a 401 with ``WWW-Authenticate: Bearer``; a
     node token outside its node, or on a write, is a 403. The principal (and
@@ -52,6 +52,25 @@ class Auth:
         """Return the admin principal of a write to node's schedules (node logged either way)."""
         request.state.node = node
         return self.require_admin(request)
+
+    # The same checks as FastAPI dependencies. Coroutines, so FastAPI runs them on the event
+    # loop (a dictionary lookup) rather than handing every request to a worker thread and back.
+
+    async def caller(self, request: Request) -> Principal:
+        """:meth:`authenticate`, as a dependency."""
+        return self.authenticate(request)
+
+    async def admin(self, request: Request) -> Principal:
+        """:meth:`require_admin`, as a dependency."""
+        return self.require_admin(request)
+
+    async def admin_on_node(self, request: Request, node: str) -> Principal:
+        """:meth:`require_admin_on_node`, as a dependency."""
+        return self.require_admin_on_node(request, node)
+
+    async def node_reader(self, request: Request, node: str) -> Principal:
+        """:meth:`require_node`, as a dependency."""
+        return self.require_node(request, node)
 
     def is_own(self, principal: Principal, node: str) -> bool:
         """Return whether principal is node itself: its own token (or any caller when

@@ -148,7 +148,7 @@ def task_router(
     on_task_saved: Callable[[str], None] | None,
 ) -> APIRouter:
     """Return the routes of the central tasks (admin only) and their dispatch records."""
-    router = APIRouter(dependencies=[Depends(auth.require_admin)])
+    router = APIRouter(dependencies=[Depends(auth.admin)])
 
     @router.get("/api/tasks")
     def list_tasks() -> JSONResponse:
@@ -256,7 +256,7 @@ def _wait_routes(app: FastAPI, engine: Engine, auth: Auth, waits: NodeWaits,
             return schedules.node_etags(connection, nodes)
 
     app.state.etag_reads = etag_reads = EtagReads(read_etags)
-    app.include_router(wait_router(etag_reads, auth.require_node, waits,
+    app.include_router(wait_router(etag_reads, auth.node_reader, waits,
                                    lambda node, etag: fleet_api.record_pull(node, 304, etag)))
 
 

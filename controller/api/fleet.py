@@ -280,7 +280,7 @@ def _status_routes(router: APIRouter, api: FleetApi, auth: Any) -> None:
     """Add the fleet's status and one node's."""
     in_session = api.in_session
 
-    @router.get("/api/status", dependencies=[Depends(auth.require_admin)])
+    @router.get("/api/status", dependencies=[Depends(auth.admin)])
     def fleet_status() -> JSONResponse:
         api.flush_pulls()
         found = in_session(lambda s: status_rows(api, s, None))

@@ -144,8 +144,8 @@ def schedule_router(
 def _read_routes(router: APIRouter, in_session: InSession, auth: Auth, pull_cache: PullCache,
                  fleet_api: FleetApi) -> None:
     """Add the reads: the pull (two paths), the node list, one row."""
-    admin = Depends(auth.require_admin)
-    reader = Depends(auth.require_node)
+    admin = Depends(auth.admin)
+    reader = Depends(auth.node_reader)
 
     def pull_answer(request: Request, node: str, source: str = "path") -> Response:
         principal = auth.require_node(request, node)
@@ -158,7 +158,7 @@ def _read_routes(router: APIRouter, in_session: InSession, auth: Auth, pull_cach
         return pull_response(in_session, pull_cache, node, request.headers.get("if-none-match"),
                              recorded)
 
-    @router.get("/api/schedules", dependencies=[Depends(auth.authenticate)])
+    @router.get("/api/schedules", dependencies=[Depends(auth.caller)])
     def list_schedules(request: Request, node: str | None = None) -> Response:
         # node is checked here, not by FastAPI, so that a missing token is a 401 first.
         if not node:
@@ -185,7 +185,7 @@ def _read_routes(router: APIRouter, in_session: InSession, auth: Auth, pull_cach
 def _write_routes(router: APIRouter, in_session: InSession, auth: Auth,
                   fleet_api: FleetApi) -> None:
     """Add PUT and DELETE of one row (rules 1 and 2)."""
-    admin_on_node = Depends(auth.require_admin_on_node)
+    admin_on_node = Depends(auth.admin_on_node)
 
     @router.put(
         "/api/nodes/{node}/schedules/{schedule_id}", dependencies=[admin_on_node],

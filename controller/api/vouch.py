@@ -47,7 +47,7 @@ def voucher_router(auth: Auth, clock: Callable[[], datetime]) -> APIRouter:
     """Return the voucher route."""
     router = APIRouter()
 
-    @router.post("/api/nodes/{node}/vouchers", dependencies=[Depends(auth.require_admin)],
+    @router.post("/api/nodes/{node}/vouchers", dependencies=[Depends(auth.admin)],
                  openapi_extra=json_body(VoucherRequest, "What the voucher is for."))
     async def vouch(request: Request, node: str) -> JSONResponse:
         check_node(("path", "node"), node)
