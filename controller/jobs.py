@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 
 JOBS: Table = NodeJob.__table__  # type: ignore[attr-defined]
 _C = JOBS.c
-_BATCH = 200
-"""Rows per INSERT statement (SQLite's bound-parameter limit)."""
-
 FAILED_STATES = frozenset({"Failed", "Crashed"})
 """Job states that count as a failed window."""
 
@@ -117,14 +114,17 @@ def store_jobs(
         "filed_at": job.window or job.started_at or job.ended_at or received_at,
         "received_at": received_at,
     } for job in _newest_per_key(jobs)]
-    for start in range(0, len(rows), _BATCH):
-        stmt = _insert(session).values(rows[start:start + _BATCH])
+    if rows:
+        # One statement with the rows as its parameter sets: compiled once and cached, and
+        # sent in batches of VALUES (SQLAlchemy's "insertmanyvalues"). A statement with the
+        # rows in its VALUES was compiled anew for each report: 60% of a 1,000-job report.
+        stmt = _insert(session)
         stmt = stmt.on_conflict_do_update(
             index_elements=[_C.node, _C.key],
             set_={name: stmt.excluded[name] for name in rows[0] if name not in ("node", "key")},
             where=_C.seq < stmt.excluded.seq,
         ).returning(_C.key)
-        changed += len(session.execute(stmt).all())
+        changed = len(session.execute(stmt, rows).all())
     if rows:
         prune_node(session, node, now=received_at, keep=keep)
     return changed

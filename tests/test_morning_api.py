@@ -467,3 +467,31 @@ def test_the_summary_judges_each_schedule_by_its_latest_window_and_groups_repeat
     (item,) = got["failed"]
     assert (item["windows"], item["since"], item["error"]) == (
         3, "2026-12-04T13:03:00Z", "restic exited with code 1: gone")
+
+
+def test_storing_job_records_counts_what_changed_on_either_database(session: Any) -> None:
+    """The records go in as one statement with 450 parameter sets (more than SQLite's bound
+    parameters allow in one VALUES): each new key counts, a re-send counts nothing, a later
+    seq counts again ([sqlite] and [postgres])."""
+    from controller.jobs import store_jobs
+    from controller.nodes import JobKeep
+    from controller.report_in import JobRecordIn
+
+    at = datetime(2026, 12, 7, 2, 30, tzinfo=UTC)
+
+    def records(seq: int, count: int) -> list[JobRecordIn]:
+        return [JobRecordIn.model_validate({
+            "key": f"s-{i}@2026-12-07T02:30Z", "schedule_id": f"s-{i}",
+            "window": "2026-12-07T02:30:00Z", "trigger_key": "schedule", "state": "Completed",
+            "started_at": "2026-12-07T02:30:01Z", "ended_at": "2026-12-07T02:31:00Z",
+            "seq": seq + i}) for i in range(count)]
+
+    def store(jobs: list[JobRecordIn]) -> int:
+        changed = store_jobs(session, "node-a", jobs, received_at=at + timedelta(hours=1),
+                             keep=JobKeep())
+        session.commit()
+        return changed
+
+    assert store(records(0, 450)) == 450
+    assert store(records(0, 450)) == 0            # the same seqs again: nothing changes
+    assert store(records(1000, 3)) == 3           # later seqs replace their keys
