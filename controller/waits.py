@@ -54,6 +54,7 @@ REPLACE_BURST = 10
 REPLACE_EVERY_S = 6.0
 """One more replacement is allowed every this many seconds, up to REPLACE_BURST (rule 7)."""
 MAX_BUCKETS = 100_000
+"""Replacement budgets kept at most (past it all are forgotten: each starts full again)."""
 
 NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
                  "trigger:reconcile")
