@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Protocol, cast
@@ -37,8 +36,7 @@ from controller import sql
 from controller.db import transaction
 from controller.models import DispatchStatus, TaskDispatch, TaskStatus, UtcDateTime, utc_now
 from controller.tasks import TASKS
-from controller.timing import Completion, next_run
-from sched_core.model import Schedule
+from controller.timing import Claim, Completion
 
 log = logging.getLogger(__name__)
 
@@ -46,43 +44,6 @@ DISPATCHES: Table = TaskDispatch.__table__  # type: ignore[attr-defined]
 """The ``task_dispatch`` table."""
 _task = TASKS.c
 _record = DISPATCHES.c
-
-
-@dataclass(slots=True)
-class Claim:
-    """One due (task, scheduled time) leased to one worker; read-only by convention.
-
-    Not frozen: a frozen dataclass costs three times as much to build, and a
-    claim batch builds one per row on the hot path.
-    """
-
-    task_id: int
-    name: str
-    scheduled_at: datetime
-    worker_id: str
-    locked_until: datetime
-    event: str | None
-    deployment: str | None
-    payload: dict[str, Any] = field(default_factory=dict)
-    cron: str | None = None
-    schedule: dict[str, Any] | None = None
-    timezone: str = "UTC"
-    attempts: int = 0
-
-    @property
-    def is_recurring(self) -> bool:
-        """True for a cron or schedule-shape task; False for a one-shot one."""
-        return self.cron is not None or self.schedule is not None
-
-    @property
-    def idempotency_key(self) -> str:
-        """Return the key of this dispatch: ``"<task>:<scheduled time, ISO UTC>"``."""
-        return f"{self.name}:{self.scheduled_at.isoformat()}"
-
-    def next_after(self, after: datetime) -> datetime | None:
-        """Return this task's next run after ``after``; None for a one-shot task."""
-        shape = Schedule.model_validate(self.schedule) if self.schedule is not None else None
-        return next_run(cron=self.cron, schedule=shape, timezone=self.timezone, after=after)
 
 
 class DispatchOutcome(StrEnum):

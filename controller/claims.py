@@ -61,7 +61,6 @@ from sqlmodel import Session
 from controller import sql
 from controller.claim_store import (
     DISPATCHES,
-    Claim,
     ClaimBackend,
     ClaimedBatch,
     DispatchOutcome,
@@ -76,7 +75,7 @@ from controller.claim_store import (
 from controller.db import db_now, transaction
 from controller.models import DispatchStatus, TaskDispatch, TaskStatus, UtcDateTime
 from controller.tasks import TASKS
-from controller.timing import Completion
+from controller.timing import Claim, Completion
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from controller.events import Announced
-from controller.jobs import JobRecord
+from controller.jobs import JobKeep, JobRecord
 from controller.models import DEFAULT_TIMEZONE
-from controller.nodes import JobKeep, Pull, Seen, StoredReport
+from controller.nodes import Pull, Seen, StoredReport
 from controller.report_in import DEFAULT_HEARTBEAT_S, FAILING_STATES
 from sched_core.clock import floor_minute
 from sched_core.errors import ConfigError
@@ -121,7 +121,7 @@ class FleetSettings:
 
     @property
     def job_keep(self) -> JobKeep:
-        """How many job records are kept (:class:`controller.nodes.JobKeep`)."""
+        """How many job records are kept (:class:`controller.jobs.JobKeep`)."""
         return JobKeep(days=self.job_retention_days, count=self.job_history)
 
     @property

@@ -33,8 +33,16 @@ from controller.models import NodeJob
 from sched_core.values import utc_text
 
 if TYPE_CHECKING:
-    from controller.nodes import JobKeep
     from controller.report_in import JobRecordIn
+
+@dataclass(frozen=True)
+class JobKeep:
+    """How many job records the controller keeps: per node at most ``count`` (the newest
+    received), and none received more than ``days`` ago."""
+
+    days: float = 14.0
+    count: int = 50_000
+
 
 JOBS: Table = NodeJob.__table__  # type: ignore[attr-defined]
 _C = JOBS.c

@@ -39,7 +39,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from controller import jobs as job_store
 from controller.db import transaction
+from controller.jobs import JobKeep
 from controller.models import (
     AgentSchedule,
     NodePull,
@@ -143,7 +145,6 @@ def record_report(
     records and, when ``own`` (sent with the node's own token), the node's liveness:
     all in one transaction, which commits. Return how many job records changed.
     """
-    from controller import jobs as job_store
 
     stmt = _insert(session, _REPORT).values(node=node, received_at=received_at, report=report)
     stmt = stmt.on_conflict_do_update(
@@ -181,15 +182,6 @@ def record_start_error(session: Session, node: str, error: str, *, at: datetime)
             node=node, received_at=found.received_at if found is not None else at, report=data)
         session.execute(stmt.on_conflict_do_update(
             index_elements=[_REPORT.c.node], set_={"report": stmt.excluded.report}))
-
-
-@dataclass(frozen=True)
-class JobKeep:
-    """How many job records the controller keeps: per node at most ``count`` (the newest
-    received), and none received more than ``days`` ago."""
-
-    days: float = 14.0
-    count: int = 50_000
 
 
 @dataclass(frozen=True)

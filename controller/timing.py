@@ -7,9 +7,9 @@ the agents' matcher, with the same DST rules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from controller.cron import next_cron
@@ -18,8 +18,43 @@ from sched_core.matcher import next_fire
 from sched_core.model import Schedule
 from sched_core.values import TICK
 
-if TYPE_CHECKING:
-    from controller.claims import Claim
+
+@dataclass(slots=True)
+class Claim:
+    """One due (task, scheduled time) leased to one worker; read-only by convention.
+
+    Not frozen: a frozen dataclass costs three times as much to build, and a
+    claim batch builds one per row on the hot path.
+    """
+
+    task_id: int
+    name: str
+    scheduled_at: datetime
+    worker_id: str
+    locked_until: datetime
+    event: str | None
+    deployment: str | None
+    payload: dict[str, Any] = field(default_factory=dict)
+    cron: str | None = None
+    schedule: dict[str, Any] | None = None
+    timezone: str = "UTC"
+    attempts: int = 0
+
+    @property
+    def is_recurring(self) -> bool:
+        """True for a cron or schedule-shape task; False for a one-shot one."""
+        return self.cron is not None or self.schedule is not None
+
+    @property
+    def idempotency_key(self) -> str:
+        """Return the key of this dispatch: ``"<task>:<scheduled time, ISO UTC>"``."""
+        return f"{self.name}:{self.scheduled_at.isoformat()}"
+
+    def next_after(self, after: datetime) -> datetime | None:
+        """Return this task's next run after ``after``; None for a one-shot task."""
+        shape = Schedule.model_validate(self.schedule) if self.schedule is not None else None
+        return next_run(cron=self.cron, schedule=shape, timezone=self.timezone, after=after)
+
 
 def next_shape(schedule: Schedule, timezone: str, *, after: datetime) -> datetime | None:
     """Return the first window after ``after`` of a schedule shape in timezone, in UTC.

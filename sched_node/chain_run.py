@@ -43,7 +43,7 @@ from sched_node.prefect_api import new_state
 from sched_node.registration import CHAIN, PLANNED_QUEUE
 
 if TYPE_CHECKING:
-    from sched_node.recorder import Recorder
+    from sched_node.records import RecordParts
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def _is_chain(folder: JobFolder) -> bool:
 class ChainSteps:
     """The record of a chain day (the module's steps 1-3), each step once."""
 
-    def __init__(self, recorder: Recorder, folder: JobFolder, view: JobView,
+    def __init__(self, recorder: RecordParts, folder: JobFolder, view: JobView,
                  progress: dict[str, Any]) -> None:
         self.r = recorder
         self.api = recorder.api

@@ -44,7 +44,7 @@ from sched_node.registration import PLANNED_QUEUE
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import State
 
-    from sched_node.recorder import Recorder
+    from sched_node.records import RecordParts
 
 log = logging.getLogger("sched_node.recorder")
 
@@ -97,7 +97,7 @@ def sent_states(found: list[dict[str, Any]], wanted: list[State[Any]]) -> int:
 class Steps:
     """The record steps of one job (the module's shape), each done once."""
 
-    def __init__(self, recorder: Recorder, folder: JobFolder, view: JobView,
+    def __init__(self, recorder: RecordParts, folder: JobFolder, view: JobView,
                  progress: dict[str, Any]) -> None:
         self.r = recorder
         self.api = recorder.api
@@ -405,7 +405,7 @@ class Steps:
             "ended_at": utc_text(self.view.end_at) if self.view.end_at else None,
             "error": self.view.error, "offline": bool(self.p.get("offline")),
         }
-        occurred = self.view.end_at or self.r._clock()
+        occurred = self.view.end_at or self.r.clock()
         return [Event.model_validate(job_event(self.r.node, payload,
                                                completed=state == COMPLETED,
                                                occurred=occurred))]

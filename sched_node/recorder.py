@@ -109,7 +109,7 @@ class Recorder:
         self.outbox = outbox
         self.deployments = deployments
         self.node = node
-        self._clock = clock
+        self.clock = clock
         self._done = done
         self._worker = Worker("recorder", self._main)
         self._draining = threading.Lock()
@@ -196,7 +196,7 @@ class Recorder:
             return not sent.get(f"a{attempt}")
 
         try:
-            self.outbox.trim(now=self._clock(), untouched=untouched)
+            self.outbox.trim(now=self.clock(), untouched=untouched)
         except OSError as exc:
             log.warning("could not trim the outbox: %s", exc, extra={"node": self.node})
 
@@ -289,7 +289,7 @@ class Recorder:
         when the engine says so; ended and unacknowledged past the grace (its flow's process
         died), its run's final state and event are the node's to send, unless the run ended."""
         if not progress.get("engine_recorded"):
-            if view.phase != "ended" or not engine_overdue(view, self._clock()):
+            if view.phase != "ended" or not engine_overdue(view, self.clock()):
                 return False
             run_id = view.spec.flow_run_id or ""
             progress["flow_run_id"] = run_id

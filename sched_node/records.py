@@ -3,17 +3,45 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sched_core.values import format_go_time
-from sched_node.outbox import Attempt, JobView, utc_text
+from sched_node.outbox import Attempt, JobSpec, JobView, utc_text
+
+if TYPE_CHECKING:
+    from sched_node.prefect_api import PrefectApi
+    from sched_node.registration import Deployments
 
 EVENT_JOB_COMPLETED = "sched.job.completed"
 EVENT_JOB_FAILED = "sched.job.failed"
 JOB_EVENT_NAMESPACE = uuid.UUID("7d3c1f0e-5a7b-4c1e-9a52-2f1d3b6c8e40")
 """Namespace of the job events' ids: one id per run, so the server keeps one event per run."""
 ACTION_ROLE = "sched-action"
+
+
+class RecordParts(Protocol):
+    """What a job's record steps (:mod:`sched_node.record_steps`, a chain day's too) read of
+    the recorder that runs them (:class:`sched_node.recorder.Recorder` is one): the planned
+    run of a window's key, the task run a job's run belongs under (a chain stage's), whether
+    a chain day has records under way, the flow of a job and its run's parameters."""
+
+    api: PrefectApi
+    deployments: Deployments
+    node: str
+    clock: Callable[[], datetime]
+    planned: Callable[[str], str | None]
+    parent_task_run: Callable[[JobSpec], str | None]
+    chain_pending: Callable[[str], bool]
+
+    @property
+    def command_task(self) -> Any:
+        """The flow's ``run-command`` task: each try's task run is one of it."""
+
+    def flow_of(self, spec: JobSpec, /) -> str: ...
+
+    def parameters_of(self, spec: JobSpec, /) -> dict[str, Any]: ...
 
 
 def action_related(action: str) -> list[dict[str, str]]:

@@ -473,8 +473,7 @@ def test_storing_job_records_counts_what_changed_on_either_database(session: Any
     """The records go in as one statement with 450 parameter sets (more than SQLite's bound
     parameters allow in one VALUES): each new key counts, a re-send counts nothing, a later
     seq counts again ([sqlite] and [postgres])."""
-    from controller.jobs import store_jobs
-    from controller.nodes import JobKeep
+    from controller.jobs import JobKeep, store_jobs
     from controller.report_in import JobRecordIn
 
     at = datetime(2026, 12, 7, 2, 30, tzinfo=UTC)
