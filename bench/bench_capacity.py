@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -284,7 +285,8 @@ def storm_line(tree: str, nodes: int, text: str) -> str:
 
 def run_tree(tree: str, code: Path, folder: Path, args: argparse.Namespace
              ) -> tuple[list[Outcome], str]:
-    url = f"sqlite:///{folder / (tree.replace(' ', '-') + '.db')}"
+    database = folder / (re.sub(r"\W+", "-", tree) + ".db")
+    url = f"sqlite:///{database}"
     # The tree's own code makes its database: its migrations, not this tree's.
     subprocess.run([sys.executable, "-c", "import sys; from bench.bench_controller_fleet "
                     "import populate; populate(sys.argv[1], int(sys.argv[2]))", url,
@@ -350,6 +352,13 @@ def report(results: list[tuple[list[Outcome], str]], args: argparse.Namespace) -
     return "\n".join(lines)
 
 
+def _commit(tree: Path) -> str:
+    """Return tree's commit, short (the table names the code it measured)."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "?"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--nodes", type=int, default=1000)
@@ -363,9 +372,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     raise_nofile()
-    trees = [("this tree", ROOT)]
+    trees = [(f"this tree ({_commit(ROOT)})", ROOT)]
     if args.before_tree:
-        trees.insert(0, ("before", Path(args.before_tree).resolve()))
+        before = Path(args.before_tree).resolve()
+        trees.insert(0, (f"before ({_commit(before)})", before))
     with tempfile.TemporaryDirectory(prefix="sched-capacity-") as tmp:
         results = [run_tree(name, code, Path(tmp), args) for name, code in trees]
     publish(report(results, args), *MARKERS, "## The controller under floods",
