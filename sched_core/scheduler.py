@@ -116,6 +116,12 @@ class Scheduler:
         with self.store.mutex:
             return self.store.cache.model_copy(deep=True)
 
+    def etag(self) -> str | None:
+        """Return the cached list's ETag (what ``cache().etag`` says, without the copy: 60 ms
+        at 1,000 rows, and a node's long poll asks twice a cycle)."""
+        with self.store.mutex:
+            return self.store.cache.etag
+
     # -- the firing loop and its hands -------------------------------------------
 
     def turn(self, now: datetime) -> TurnReport:

@@ -176,7 +176,7 @@ class Node:
                                heartbeat_s=settings.worker_heartbeat.total_seconds(),
                                vouchers=self.vouchers)
         self.channel = NodeChannel(settings, control=self.control, deployments=self.deployments,
-                                   api_url=api.url, etag=lambda: self.scheduler.cache().etag,
+                                   api_url=api.url, etag=self.scheduler.etag,
                                    changed=lambda reason: self.reconciler.poke(reason))
         self.reconciler = Reconciler(
             settings, clock=clock, scheduler=self.scheduler, view=self.view,

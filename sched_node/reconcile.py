@@ -183,7 +183,7 @@ class Reconciler:
         found: dict[str, Any] = {"ok": False, "node": self.node,
                                  "summary": "the reconcile failed (the node's log says why)"}
         try:
-            found = self._reconcile(reasons)
+            found = self._reconcile(reasons, asked=bool(waiters))
         finally:
             self.finished += 1
             self.reporter.poke()
@@ -191,7 +191,8 @@ class Reconciler:
                 answer.update(found)
                 done.set()
 
-    def _reconcile(self, reasons: list[tuple[str, str | None]]) -> dict[str, Any]:
+    def _reconcile(self, reasons: list[tuple[str, str | None]], *, asked: bool = False
+                   ) -> dict[str, Any]:
         self.runs += 1
         now = self._clock()
         result, error = self._pull(now)
@@ -221,8 +222,12 @@ class Reconciler:
                      if report.failed else "", extra={"node": self.node})
         changed = result is not None and (result.changed_anything or bool(result.rejected))
         on_demand = [run_id for _, run_id in reasons if run_id]
-        summary, markdown = self._summary(now, result, error, report, plan_error, reasons)
-        if changed or on_demand or error or (report and (report.deleted or report.moved)):
+        recording = bool(changed or on_demand or error or (report and (report.deleted
+                                                                        or report.moved)))
+        # The artifact's text reads every row: made only for a record or a flow run that asked.
+        summary, markdown = self._summary(now, result, error, report, plan_error, reasons,
+                                          markdown=recording or asked)
+        if recording:
             self._record(now, result, error, summary, markdown, on_demand, reasons)
         elif start:
             # A restart that changed nothing records nothing (module text): 6 requests and 3
@@ -248,22 +253,25 @@ class Reconciler:
 
     def _summary(self, now: datetime, result: Any, error: str | None,
                  report: PlanReport | None, plan_error: str | None,
-                 reasons: list[tuple[str, str | None]]) -> tuple[str, str]:
-        """Return a reconcile's one-line summary and its artifact's markdown."""
+                 reasons: list[tuple[str, str | None]], *, markdown: bool = True
+                 ) -> tuple[str, str]:
+        """Return a reconcile's one-line summary and its artifact's markdown ("" unless
+        markdown)."""
+        summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
+                   + (f"{report.planned} windows, {len(report.created)} created, "
+                      f"{len(report.deleted)} deleted" if report else f"not updated "
+                                                                       f"({plan_error})"))
+        if not markdown:
+            return summary, ""
         cache, node = self.scheduler.cache(), self.node
         names = {row.id: row.name for row in cache.schedules}
-        markdown = "\n".join([
+        return summary, "\n".join([
             f"### Reconcile on {node} at {utc_text(now)}", "",
             f"why: {', '.join(reason for reason, _ in reasons)}", "",
             *pull_lines(result, error, names),
             *plan_lines(report, cache.schedules, now=now, tz=self.settings.tz, node=node,
                         last_fired=cache.last_fired_at, plan_error=plan_error),
         ])
-        summary = (f"pull: {'failed: ' + error if error else 'ok'}; plan: "
-                   + (f"{report.planned} windows, {len(report.created)} created, "
-                      f"{len(report.deleted)} deleted" if report else f"not updated "
-                                                                       f"({plan_error})"))
-        return summary, markdown
 
     def _record(self, now: datetime, result: Any, error: str | None, summary: str,
                 markdown: str, on_demand: list[str],
