@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
-from typing import Any
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
 from sqlmodel import Session
 
@@ -22,6 +23,7 @@ from controller.models import TaskIn
 from controller.testing import serve_in_thread
 from controller.timing import plan_after_dispatch
 from sched_core.model import LocalSchedule
+from sched_node.reconcile import Reconciler
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
@@ -125,3 +127,16 @@ def served_controller(url: str, tokens: Tokens) -> Iterator[str]:
             yield base
     finally:
         engine.dispose()
+
+
+R = TypeVar("R", bound=Reconciler)
+
+
+def bare_reconciler(cls: type[R], interval: timedelta) -> R:
+    """Return a reconciler (cls: a test's subclass whose ``reconcile`` notes its calls) with
+    the given interval and no parts: only its thread and pace run."""
+    settings: Any = SimpleNamespace(node_name="n", reconcile_interval=interval)
+    part: Any = None
+    return cls(settings, clock=part, scheduler=part, view=part, planner=part,
+               deployments=part, control=part, outbox=part, reporter=part, recorded=part,
+               start_checked=part)

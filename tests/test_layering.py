@@ -36,6 +36,8 @@ def _modules(package: str) -> list[str]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         if "migrations" in parts:  # alembic's scripts, loaded by alembic, not imported
             continue
+        if parts[-1] == "__main__":  # ``python -m package``: importing it runs the program
+            continue
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 

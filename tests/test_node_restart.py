@@ -237,9 +237,9 @@ def test_the_first_periodic_reconcile_comes_in_the_intervals_second_half(
     import random
     import time
     from datetime import timedelta
-    from types import SimpleNamespace
 
     from sched_node import reconcile
+    from tests.factories import bare_reconciler
 
     times: list[tuple[float, list[tuple[str, str | None]]]] = []
 
@@ -249,8 +249,7 @@ def test_the_first_periodic_reconcile_comes_in_the_intervals_second_half(
             times.append((time.monotonic(), reasons))
 
     monkeypatch.setattr(random, "random", lambda: draw)
-    node = SimpleNamespace(settings=SimpleNamespace(reconcile_interval=timedelta(seconds=4)))
-    noted = Noted(node).start()  # type: ignore[arg-type]
+    noted = bare_reconciler(Noted, timedelta(seconds=4)).start()
     try:
         wait_for("two periodic reconciles", lambda: len(times) >= 3, 30)
     finally:

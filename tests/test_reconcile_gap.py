@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from types import SimpleNamespace
-from typing import Any
 
 from sched_node.reconcile import ANNOUNCED_GAP_S, Reconciler
+from tests.factories import bare_reconciler
 from tests.procs import wait_for
 
 
 class Noting(Reconciler):
     """A Reconciler whose reconcile notes (when it began, its reasons) and takes 50 ms."""
 
-    def __init__(self) -> None:
-        settings: Any = SimpleNamespace(node_name="n", reconcile_interval=timedelta(hours=1))
-        part: Any = None  # the parts the replaced reconcile would use
-        super().__init__(settings, clock=part, scheduler=part, view=part, planner=part,
-                         deployments=part, control=part, outbox=part, reporter=part,
-                         recorded=part, start_checked=part)
-        self.seen: list[tuple[float, list[tuple[str, str | None]]]] = []
+    seen: list[tuple[float, list[tuple[str, str | None]]]]
 
     def reconcile(self, reasons: list[tuple[str, str | None]]) -> None:
         self.runs += 1
@@ -32,7 +25,8 @@ class Noting(Reconciler):
 
 
 def _started() -> Noting:
-    reconciler = Noting()
+    reconciler = bare_reconciler(Noting, timedelta(hours=1))
+    reconciler.seen = []
     reconciler.start()
     wait_for("the start's reconcile", lambda: len(reconciler.seen) == 1, 10)
     time.sleep(ANNOUNCED_GAP_S + 0.2)  # long enough after it: the next announcement is a first
