@@ -116,9 +116,18 @@ class Scheduler:
         with self.store.mutex:
             return self.store.cache.model_copy(deep=True)
 
+    def snapshot(self) -> Cache:
+        """Return a copy of the cache to read, not change: own lists and maps, shared rows (a
+        pull replaces rows, never changes one); :meth:`cache` costs 60 ms at 1,000 rows."""
+        with self.store.mutex:
+            cache = self.store.cache
+            return Cache.model_construct(
+                schedules=list(cache.schedules), last_fired_at=dict(cache.last_fired_at),
+                last_fetched_at=cache.last_fetched_at, first_seen_at=dict(cache.first_seen_at),
+                etag=cache.etag, etag_url=cache.etag_url)
+
     def etag(self) -> str | None:
-        """Return the cached list's ETag (what ``cache().etag`` says, without the copy: 60 ms
-        at 1,000 rows, and a node's long poll asks twice a cycle)."""
+        """Return the cached list's ETag (``cache().etag`` without its copy)."""
         with self.store.mutex:
             return self.store.cache.etag
 

@@ -212,7 +212,7 @@ class Node:
 
     def view(self, now: datetime) -> NodeView:
         """Return the node's schedules as the firing decisions read them."""
-        cache = self.scheduler.cache()
+        cache = self.scheduler.snapshot()
         return NodeView(rows=cache.schedules, last_fired=cache.last_fired_at,
                         first_seen=cache.first_seen_at, tz=self.settings.tz, node=self.node,
                         grace=self.settings.grace)
@@ -420,7 +420,7 @@ class Node:
         counts = {"skipped": sum(1 for item in self.history.since(now - timedelta(hours=24))
                                  if item.state == SKIPPED),
                   "missed": self.history.missed_since(now - timedelta(hours=24))}
-        return build_report(self.settings, self.scheduler.cache(), now=now,
+        return build_report(self.settings, self.scheduler.snapshot(), now=now,
                             last_pull=self.reconciler.last_pull,
                             latest=self.history.latest_by_schedule(), counts=counts, jobs=[])
 

@@ -263,7 +263,7 @@ class Reconciler:
                                                                        f"({plan_error})"))
         if not markdown:
             return summary, ""
-        cache, node = self.scheduler.cache(), self.node
+        cache, node = self.scheduler.snapshot(), self.node
         names = {row.id: row.name for row in cache.schedules}
         return summary, "\n".join([
             f"### Reconcile on {node} at {utc_text(now)}", "",

@@ -117,6 +117,21 @@ def test_pull_replaces_the_list_and_writes_a_private_cache(tmp_path: Path) -> No
     assert agent.scheduler.cache().first_seen_at == {"b": T0}
 
 
+def test_a_snapshot_is_the_cache_as_it_was_whatever_comes_after(tmp_path: Path) -> None:
+    """Scheduler.snapshot shares the rows but not the lists and maps: a later start, pull or
+    ETag leaves a snapshot taken before as it was (the node's reports and reconciles read one)."""
+    agent = Agent(tmp_path, [row("a"), row("b")])
+    agent.scheduler.pull(now=T0)
+    before = agent.scheduler.snapshot()
+    assert before == agent.scheduler.cache() and before.etag == agent.scheduler.etag()
+    assert started(agent.scheduler, now=T0) == 2
+    agent.write([row("b", name="renamed", version=2)])
+    agent.scheduler.pull(now=T0 + timedelta(minutes=5))
+    assert [s.id for s in before.schedules] == ["a", "b"] and before.schedules[1].name == "job b"
+    assert before.last_fired_at == {} and before.last_fetched_at == T0
+    assert set(agent.scheduler.cache().last_fired_at) == {"b"}
+
+
 def test_pull_keeps_last_fired_for_surviving_ids(tmp_path: Path) -> None:
     agent = Agent(tmp_path, [row("a"), row("b")])
     agent.scheduler.pull(now=T0)
