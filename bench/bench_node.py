@@ -1044,14 +1044,15 @@ def report(found: dict[str, Any]) -> str:
                          f"{item['requests_per_hour']:.1f} | "
                          f"{item['connections_opened_per_hour']:.1f} | "
                          f"{item['connections_max']}, {item['connections_mean']:.2f} |")
+        shown: list[Any] = []  # each server's endpoints, once when they are the same
         for label, item in idle_found.items():
-            if isinstance(item, dict) and item.get("requests_per_hour_by_endpoint"):
+            by_endpoint = item.get("requests_per_hour_by_endpoint") if isinstance(
+                item, dict) else None
+            if by_endpoint and by_endpoint not in shown:
+                shown.append(by_endpoint)
                 lines += ["", f"Requests per node-hour by endpoint, {label}: " + ", ".join(
-                    f"`{key}` {value:.1f}"
-                    for key, value in item["requests_per_hour_by_endpoint"].items()) + "."]
-        lines += ["", "The old design, measured before: 8.5-10 s of server CPU, ~500 requests "
-                  "and 4 websockets per idle node-hour; each poll 11.7 ms of server CPU with "
-                  "no planned runs, 181 ms with 200,000.", ""]
+                    f"`{key}` {value:.1f}" for key, value in by_endpoint.items()) + "."]
+        lines += [""]
     fleet_found = found.get("fleet")
     if fleet_found:
         lines += [f"**{fleet_found['nodes']} nodes on the embedded SQLite server** "
