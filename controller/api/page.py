@@ -317,7 +317,8 @@ async def log_in(request: Request, tokens: Tokens, limit: LoginLimit | None,
                  in_flight: InFlight) -> Response:
     """Answer the login form: a session cookie for the admin's token, else the form again.
 
-    The limit is asked first and the form read after (:mod:`controller.api.login_limit`).
+    The client's in-flight slot and then the limit are asked first, the form read after
+    (:mod:`controller.api.login_limit`).
     """
     client = client_key(request.client.host if request.client else "-")
     with in_flight.slot(client) as granted:
