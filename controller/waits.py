@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from controller.rate import Buckets
 from sched_core.reconnect import Follower, Reconnecting
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ REPLACE_BURST = 10
 REPLACE_EVERY_S = 6.0
 """One more replacement is allowed every this many seconds, up to REPLACE_BURST (rule 7)."""
 MAX_BUCKETS = 100_000
-"""Replacement budgets kept at most (past it all are forgotten: each starts full again)."""
+"""Replacement budgets kept at most (the least recently used forgotten first)."""
 
 NODE_TRIGGERS = ("trigger:schedule", "trigger:schedule-recovery", "trigger:chain-",
                  "trigger:reconcile")
@@ -82,8 +81,8 @@ class NodeWaits:
         self._held: dict[tuple[str, str], _Wait] = {}
         """Per (node, holder), its held wait (rule 6)."""
         self.replaced = 0
-        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}
-        """Per (node, holder) that replaced a wait: (replacements left, when counted)."""
+        self._budget = Buckets(REPLACE_BURST, REPLACE_EVERY_S, max_keys=MAX_BUCKETS)
+        """Per (node, holder), its replacements (rule 7)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self.waiting = 0
@@ -151,17 +150,7 @@ class NodeWaits:
         it may (rule 7: it would replace a held one past the budget)."""
         if (node, holder) not in self._held:
             return 0
-        left = self._left(node, holder)
-        return 0 if left >= 1 else max(1, math.ceil((1 - left) * REPLACE_EVERY_S))
-
-    def _left(self, node: str, holder: str) -> float:
-        left, at = self._buckets.get((node, holder), (float(REPLACE_BURST), 0.0))
-        return min(float(REPLACE_BURST), left + (time.monotonic() - at) / REPLACE_EVERY_S)
-
-    def _spend(self, node: str, holder: str) -> None:
-        if len(self._buckets) >= MAX_BUCKETS:
-            self._buckets.clear()
-        self._buckets[(node, holder)] = (self._left(node, holder) - 1, time.monotonic())
+        return self._budget.wait_s((node, holder))
 
     async def wait(self, node: str, timeout: float, *, holder: str | None = None) -> str:
         """Wait for a poke of node, at most timeout s: ``poked``, ``timeout`` or ``replaced``.
@@ -178,7 +167,7 @@ class NodeWaits:
             older = self._held.get((node, holder))
             if older is not None:
                 self.replaced += 1
-                self._spend(node, holder)
+                self._budget.take((node, holder))
                 older.answer("replaced")
             self._held[(node, holder)] = mine
         self.waiting += 1

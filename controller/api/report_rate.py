@@ -14,11 +14,10 @@ it is sent.
 
 from __future__ import annotations
 
-import math
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
+
+from controller.rate import Buckets
 
 REPORT_BURST = 10
 """Reports a node may send at once (a full bucket)."""
@@ -28,36 +27,9 @@ MAX_NODES = 100_000
 """Buckets kept at most (the least recently used forgotten first: it starts full again)."""
 
 
-class ReportRate:
+class ReportRate(Buckets):
     """One bucket per node (the module's rule); :meth:`take` spends a report."""
 
     def __init__(self, burst: int = REPORT_BURST, every: float = REPORT_EVERY_S, *,
                  clock: Callable[[], float] = time.monotonic, max_nodes: int = MAX_NODES) -> None:
-        if burst < 1 or not every > 0:
-            raise ValueError(f"a report rate needs burst >= 1 and every > 0, got {burst} "
-                             f"and {every!r}")
-        self.burst = burst
-        self.every = every
-        self.clock = clock
-        self.max_nodes = max_nodes
-        self.refused = 0
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
-        """Per node: (reports left, when that was counted)."""
-        self._lock = threading.Lock()
-
-    def take(self, node: str) -> int:
-        """Spend one of node's reports: 0 if it may report now, else the seconds to wait."""
-        now = self.clock()
-        with self._lock:
-            left, at = self._buckets.pop(node, (float(self.burst), now))
-            left = min(float(self.burst), left + (now - at) / self.every)
-            if left >= 1:
-                left -= 1
-                wait = 0
-            else:
-                self.refused += 1
-                wait = max(1, math.ceil((1 - left) * self.every))
-            self._buckets[node] = (left, now)  # the newest last
-            while len(self._buckets) > self.max_nodes:
-                self._buckets.popitem(last=False)
-        return wait
+        super().__init__(burst, every, max_keys=max_nodes, clock=clock)
