@@ -1154,19 +1154,29 @@ def test_login_guesses_are_limited_per_address(controller: Controller) -> None:
     assert http.get("/api/nodes", headers=ADMIN).status_code == 200
 
 
-def test_the_login_limit_forgets_failures_after_its_window(engine: Any) -> None:
-    """The limit's window slides, per client, in the database ([sqlite] and [postgres])."""
-    from sqlalchemy import text
+def _session_runner(engine: Any, queries: list[int] | None = None) -> Any:
+    """Return an ``in_session`` as the controller's: work in a session of engine, committed;
+    each call counted in queries when given."""
     from sqlmodel import Session
 
-    from controller.api.login_limit import LoginLimit
-
     def in_session(work: Any) -> Any:
+        if queries is not None:
+            queries[0] += 1
         with Session(engine) as session:
             found = work(session)
             session.commit()
             return found
 
+    return in_session
+
+
+def test_the_login_limit_forgets_failures_after_its_window(engine: Any) -> None:
+    """The limit's window slides, per client, in the database ([sqlite] and [postgres])."""
+    from sqlalchemy import text
+
+    from controller.api.login_limit import LoginLimit
+
+    in_session = _session_runner(engine)
     start = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
     now = [start]
     limit = LoginLimit(in_session, failures=3, window=60, clock=lambda: now[0])
@@ -1186,19 +1196,10 @@ def test_the_login_limit_forgets_failures_after_its_window(engine: Any) -> None:
 def test_a_client_found_waiting_is_refused_again_without_a_query(engine: Any) -> None:
     """Issue 36, the slow-login flood: each of ~300 refused logins a second asked the database
     for the client's failures. A wait the database gave is remembered until it ends."""
-    from sqlmodel import Session
-
     from controller.api.login_limit import LoginLimit
 
     queries = [0]
-
-    def in_session(work: Any) -> Any:
-        queries[0] += 1
-        with Session(engine) as session:
-            found = work(session)
-            session.commit()
-            return found
-
+    in_session = _session_runner(engine, queries)
     start = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
     now = [start]
     limit = LoginLimit(in_session, failures=2, window=60, clock=lambda: now[0])
