@@ -167,9 +167,10 @@ class PrefectApi:
             hooks["request"] = [*hooks.get("request", []), self._counted, *self._hooks]
             settings = {
                 "timeout": TIMEOUT_S,
-                # Idle connections are kept a while so a burst (one job's records) reuses one;
-                # the node holds none while idle.
-                "limits": httpx.Limits(max_connections=4, max_keepalive_connections=2,
+                # One connection, whichever of the node's threads asks: the others wait for
+                # it (at most the pool part of TIMEOUT_S, then the server counts as away). Kept
+                # open between requests; httpx drops it at the next request after 30 s idle.
+                "limits": httpx.Limits(max_connections=1, max_keepalive_connections=1,
                                        keepalive_expiry=30.0),
                 "headers": {"User-Agent": "sched-agent"},
                 **given, "event_hooks": hooks}
