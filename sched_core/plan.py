@@ -232,6 +232,40 @@ def upcoming(
     return Upcoming(found, skipped)
 
 
+class NextPlanned:
+    """Each row's next window that will run (:func:`upcoming`, ``count=1``), remembered until
+    its start passes or the row or its last fire changes: a report asks for every row's each
+    heartbeat, and windows between ``now`` and the remembered start cannot appear later.
+
+    Rows are never changed in place (a pull brings new row objects), so the row object is
+    part of what is remembered. Rows with no window within ``ahead`` are asked again."""
+
+    def __init__(self, *, node: str, tz: ZoneInfo) -> None:
+        self.node = node
+        self.tz = tz
+        self._known: dict[str, tuple[LocalSchedule, datetime | None, Window]] = {}
+
+    def __call__(self, row: LocalSchedule, *, now: datetime,
+                 last_fired: datetime | None) -> Window | None:
+        known = self._known.get(row.id)
+        if (known is not None and known[0] is row and known[1] == last_fired
+                and known[2].start > now
+                and (row.not_after is None or row.not_after >= now)):
+            return known[2]
+        found = upcoming(row, now=now, last_fired=last_fired, count=1, node=self.node,
+                         tz=self.tz).windows
+        if found:
+            self._known[row.id] = (row, last_fired, found[0])
+        else:
+            self._known.pop(row.id, None)
+        return found[0] if found else None
+
+    def keep(self, ids: Collection[str]) -> None:
+        """Forget the rows not among ids (removed from the node's list)."""
+        for gone in self._known.keys() - set(ids):
+            self._known.pop(gone, None)
+
+
 @dataclass(frozen=True)
 class Fate:
     """What becomes of a planned run not started yet (rule 2): kept, deleted, or moved."""

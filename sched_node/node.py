@@ -45,7 +45,7 @@ from sched_core.chain import FOLLOW_WINDOW
 from sched_core.firing import NodeView
 from sched_core.guard import retry_allowed, stage_retry_allowed
 from sched_core.matcher import window_key
-from sched_core.plan import TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed
+from sched_core.plan import TRIGGER_SCHEDULE, WINDOW_TRIGGERS, Missed, NextPlanned
 from sched_core.policies import row_zone
 from sched_core.render import render_argv
 from sched_node.actions import job_environment
@@ -156,6 +156,7 @@ class Node:
                                  mode=settings.ad_hoc_runs, token=settings.bearer_token,
                                  clock=clock)
         key = door_key(settings.state_dir) if self.vouchers.required else None
+        self._next_planned = NextPlanned(node=self.node, tz=settings.tz)
         self.reporter = Reporter(settings, self.outbox, clock=clock, facts=self._report_facts,
                                  done=self._reported,
                                  covered=lambda: self.channel.covered())
@@ -422,7 +423,8 @@ class Node:
                   "missed": self.history.missed_since(now - timedelta(hours=24))}
         return build_report(self.settings, self.scheduler.snapshot(), now=now,
                             last_pull=self.reconciler.last_pull,
-                            latest=self.history.latest_by_schedule(), counts=counts, jobs=[])
+                            latest=self.history.latest_by_schedule(), counts=counts, jobs=[],
+                            next_planned=self._next_planned)
 
     # -- run ----------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import httpx
 
 from sched_core.model import Cache
-from sched_core.plan import upcoming
+from sched_core.plan import NextPlanned
 from sched_core.values import format_go_time, retry_after_seconds
 from sched_core.worker import Worker
 from sched_node.history import Ended
@@ -129,18 +129,22 @@ def build_report(
     latest: Mapping[str, Ended],
     counts: Mapping[str, int],
     jobs: Sequence[Mapping[str, Any]],
+    next_planned: NextPlanned | None = None,
 ) -> dict[str, Any]:
-    """Return the report's JSON body (rule 1): every schedule of the cache, in its order."""
+    """Return the report's JSON body (rule 1): every schedule of the cache, in its order.
+
+    ``next_planned`` remembers each row's next window between reports (a new one if None)."""
+    nxt = next_planned or NextPlanned(node=settings.node_name, tz=settings.tz)
+    nxt.keep([row.id for row in cache.schedules])
     schedules = []
     for row in cache.schedules:
         fired = cache.last_fired_at.get(row.id)
-        nxt = upcoming(row, now=now, last_fired=fired, count=1, node=settings.node_name,
-                       tz=settings.tz).windows
+        coming = nxt(row, now=now, last_fired=fired)
         job = latest.get(row.id)
         schedules.append({
             "id": row.id,
             "last_fired": _time(fired),
-            "next_planned": _time(nxt[0].window) if nxt else None,
+            "next_planned": _time(coming.window) if coming else None,
             "latest_job": None if job is None else {
                 "state": job.state, "window": job.window, "ended_at": job.ended_at,
                 "flow_run_id": None, "flow_run_name": job.run_name[:300]},

@@ -371,3 +371,47 @@ def test_windows_that_had_a_run_are_the_guards_not_missed() -> None:
     [m] = lost([hourly], now, planned_through={"s": utc(2026, 11, 30, 11, 0)},
                have={("s", utc(2026, 11, 30, 13, 0))})
     assert m.recover is not None and m.recover.window == utc(2026, 11, 30, 15, 0)
+
+
+# -- the next planned window, remembered between reports ---------------------------------
+
+
+def test_the_remembered_next_window_is_always_upcomings_and_is_asked_again_when_it_passes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Oracle: every 7 minutes over the fall-back day, for rows with jitter, a minimum
+    interval, an end and the repeated hour, the memo answers what :func:`upcoming` says;
+    it asks upcoming again only when the remembered start has passed or the row or its last
+    fire changed."""
+    from sched_core import plan as plan_module
+
+    rows = [row("j", every(20), jitter=300), row("m", at(["*"], "0"), min_interval=7200),
+            row("e", every(30), not_after=utc(2026, 11, 1, 9, 10)),
+            row("r", at(["1"], "30"))]
+    memo = plan_module.NextPlanned(node="n-1", tz=NY)
+    fired: dict[str, datetime | None] = {r.id: None for r in rows}
+    asked = 0
+    real = plan_module.upcoming
+
+    def counted(*args: Any, **kw: Any) -> plan_module.Upcoming:
+        nonlocal asked
+        asked += 1
+        return real(*args, **kw)
+
+    now, checks = utc(2026, 11, 1, 3, 0), 0
+    monkeypatch.setattr(plan_module, "upcoming", counted)
+    while now < utc(2026, 11, 2, 3, 0):
+        for r in rows:
+            want = real(r, now=now, last_fired=fired[r.id], count=1, node="n-1", tz=NY).windows
+            got = memo(r, now=now, last_fired=fired[r.id])
+            assert got == (want[0] if want else None), (r.id, now)
+            checks += 1
+            if got is not None and got.start <= now + timedelta(minutes=7):
+                fired[r.id] = got.window  # it runs before the next look
+        now += timedelta(minutes=7)
+    assert checks == 4 * 206 and asked < checks / 2  # remembered most of the time
+
+    changed = row("j", every(45))  # a pull brings a new row for the same id
+    want = real(changed, now=now, last_fired=fired["j"], count=1, node="n-1", tz=NY).windows
+    assert memo(changed, now=now, last_fired=fired["j"]) == want[0]
+    memo.keep(["j"])
+    assert set(memo._known) == {"j"}
