@@ -6,7 +6,9 @@
    connection): start-up, idle reconciles, a restart, a schedule change, jobs.
 2. **Templates.** The log is cut by phase into what the node does per trigger: its first
    start, a restart, one periodic reconcile, one job's record, the plan's bulk entry, the
-   long poll (its query fields taken from the previous answer). Answers from 500 up and busy
+   long poll (its query fields taken from the previous answer), the worker's look at its
+   queue and its heartbeat to the pool (at the node's ``worker_poll`` and
+   ``worker_heartbeat``). Answers from 500 up and busy
    answers are the server's trouble, not the pattern: a simulated node asks again itself.
 3. **Replay.** N :class:`SimNode` objects (asyncio, one process, a lean HTTP/1.1 client)
    replay the templates with their own name and token, the ids of their own answers in
@@ -257,6 +259,7 @@ def record(work: Path, *, idle_s: float = 130, jobs: int = 2,
 # -- templates: the recorded calls, with what varies marked -----------------------------
 
 UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+PLANNED_SET_STATE = re.compile(r"/api/flow_runs/" + UUID_RE.pattern + "/set_state")
 ISO_RE = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2})(?::(\d{2})(\.\d+)?)?"
                     r"(Z|[+-]\d{2}:\d{2})?")
 COMPACT_RE = re.compile(r"(\d{8})T(\d{4})((?:\d{2}\d*)?)Z")
@@ -291,6 +294,13 @@ class Templates:
     job: list[TCall]
     job_window: datetime
     job_schedule: str
+    job_run: str
+    """The recorded job's planned run (its id in the job's calls), or "" when the job's
+    record found or made its run itself."""
+    worker_poll: TCall | None
+    """The start's look at the node's queue (``get_scheduled_flow_runs``), as a worker polls."""
+    worker_heartbeat: TCall | None
+    """The start's heartbeat to the node's work pool."""
     plan_entry: dict[str, Any]
     plan_window: datetime
     plan_schedule: str
@@ -356,19 +366,30 @@ def build_templates(found: dict[str, Any]) -> Templates:
     # key, ``<node>:<schedule>@<window>``), or, for a window with none, by creating its run.
     # The simulated windows are all planned ahead: the first planned job's record is theirs
     # (the first job after the schedule change may find no plan yet and create its run).
+    # A node that knows its planned run's id (its plan kept it) puts that run in Running.
     begins = [i for i, c in enumerate(jobs)
-              if c["path"].endswith(("/create_flow_run", "/flow_runs/bulk_set_state"))]
-    begin = next((i for i in begins if jobs[i]["path"].endswith("/bulk_set_state")), begins[0])
+              if c["path"].endswith(("/create_flow_run", "/flow_runs/bulk_set_state"))
+              or _runs_planned(c)]
+    if not begins:
+        raise SystemExit("the recorded node's jobs phase holds no job's record")
+    begin = next((i for i in begins if _runs_planned(jobs[i])),
+                 next((i for i in begins if jobs[i]["path"].endswith("/bulk_set_state")),
+                      begins[0]))
     stop = next(i for i, c in enumerate(jobs) if i > begin and c["path"].endswith("/report"))
     job = [_tcall(c) for c in jobs[begin:stop + 1]]
-    if "parameters" in job[0].request:
+    job_run = ""
+    if _runs_planned(jobs[begin]):
+        job_run = jobs[begin]["path"].split("/")[3]
+        schedule, window = _key_window(_planned_entry(calls, job_run)["idempotency_key"])
+        params = {"schedule_id": schedule, "window": window}
+    elif "parameters" in job[0].request:
         params = job[0].request["parameters"]
     else:
-        key = job[0].request["flow_runs"]["idempotency_key"]["any_"][0]
-        schedule, window = key.split(":", 1)[1].rsplit("@", 1)
+        schedule, window = _key_window(job[0].request["flow_runs"]["idempotency_key"]["any_"][0])
         params = {"schedule_id": schedule, "window": window}
     bulk = next(c for c in start if c.path.endswith("/create_flow_run/bulk"))
     entry = bulk.request[0]
+    plan_schedule, plan_window = _key_window(entry["idempotency_key"])
     waits = [c for c in calls if c["path"].endswith("/wait") and c["status"] == 200]
     second = next(c for c in waits if c["query"] and "seen=&" not in c["query"])
     before = waits[waits.index(second) - 1]["response"]
@@ -383,11 +404,39 @@ def build_templates(found: dict[str, Any]) -> Templates:
     return Templates(
         node=node, start=start, restart=restart, reconcile=reconcile, job=job,
         job_window=datetime.fromisoformat(params["window"]), job_schedule=params["schedule_id"],
-        plan_entry=entry, plan_window=datetime.fromisoformat(entry["parameters"]["window"]),
-        plan_schedule=entry["parameters"]["schedule_id"], wait_query=query, wait_fields=fields,
+        job_run=job_run,
+        worker_poll=next((c for c in start if c.path.endswith("/get_scheduled_flow_runs")), None),
+        worker_heartbeat=next((c for c in start if c.path.endswith("/workers/heartbeat")), None),
+        plan_entry=entry, plan_window=datetime.fromisoformat(plan_window),
+        plan_schedule=plan_schedule, wait_query=query, wait_fields=fields,
         heartbeat_s=float(found["heartbeat_s"]), reconcile_s=float(found["reconcile_s"]),
         start_at=datetime.fromtimestamp(found["phases"]["start"][0], UTC),
         recorded_rates=idle_counts)
+
+
+def _runs_planned(raw: dict[str, Any]) -> bool:
+    """Whether a recorded call puts a flow run it knows by id in Running (a planned one)."""
+    request = raw.get("request")
+    return (raw["method"] == "POST" and bool(PLANNED_SET_STATE.fullmatch(raw["path"]))
+            and isinstance(request, dict)
+            and request.get("state", {}).get("type") == "RUNNING")
+
+
+def _planned_entry(calls: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
+    """The recorded plan's bulk entry that created the run run_id."""
+    for c in calls:
+        results = c["response"].get("results") if isinstance(c["response"], dict) else None
+        if c["path"].endswith("/create_flow_run/bulk") and isinstance(results, list):
+            for i, result in enumerate(results):
+                if isinstance(result, dict) and result.get("flow_run_id") == run_id:
+                    return dict(c["request"][i])
+    raise SystemExit(f"the recorded job's run {run_id} was not made by the recorded plan")
+
+
+def _key_window(key: str) -> tuple[str, str]:
+    """A planned run's schedule and window from its idempotency key, ``node:schedule@window``."""
+    schedule, window = key.split(":", 1)[1].rsplit("@", 1)
+    return schedule, window
 
 
 def _shift_iso(match: re.Match[str], delta: timedelta) -> str:
@@ -655,6 +704,8 @@ class SimNode:
         self.name = name
         self.token = token
         self.ids: dict[str, str] = {}
+        self.planned_runs: dict[tuple[str, datetime], str] = {}
+        """Each planned window's run id, from the answers to its plan."""
         self.etags: dict[str, str] = {}
         self.wait_answer: dict[str, Any] = {}
         self.tasks: list[asyncio.Task[None]] = []
@@ -668,7 +719,8 @@ class SimNode:
             out["Authorization"] = f"Bearer {self.token}"
         return out
 
-    async def replay(self, calls: list[TCall], subst: Subst, *, job: Job | None = None) -> None:
+    async def replay(self, calls: list[TCall], subst: Subst, *, job: Job | None = None,
+                     answers: list[Any] | None = None) -> None:
         t = self.sim.templates
         burst = Burst(self.sim)
         try:
@@ -698,6 +750,8 @@ class SimNode:
                     self.etags[call.etag] = headers["etag"]
                 if answer is not None and call.response is not None:
                     learn_ids(call.response, answer, subst.ids)
+                if answers is not None:
+                    answers.append(answer)
                 if (job is not None and call.method == "POST" and path.endswith("/set_state")
                         and isinstance(call.request, dict)
                         and call.request.get("state", {}).get("type") in FINAL
@@ -725,6 +779,7 @@ class SimNode:
         self.registered = True
         await self.replay(t.restart if again else t.start, subst)
         self.tasks.append(asyncio.create_task(self._reconcile_loop()))
+        self.tasks.append(asyncio.create_task(self._worker_loop()))
 
     async def stop(self) -> None:
         self.up = False
@@ -781,21 +836,61 @@ class SimNode:
                 await self.plan(windows)
             await asyncio.sleep(self.sim.reconcile_s)
 
+    async def _worker_loop(self) -> None:
+        """The node as its pool's worker: a look at its queue every ``worker_poll_s``, a
+        heartbeat every ``worker_heartbeat_s``, each at a random phase (the recorded start's
+        calls, their times shifted to now)."""
+        t, sim = self.sim.templates, self.sim
+        if t.worker_poll is None or t.worker_heartbeat is None:
+            return  # a recording of a node that was no worker of its pool
+        clock = time.monotonic
+        due = {"poll": clock() + random.uniform(0, sim.worker_poll_s),
+               "beat": clock() + random.uniform(0, sim.worker_heartbeat_s)}
+        while self.up:
+            await asyncio.sleep(max(0.0, min(due.values()) - clock()))
+            for what, call, every_s in (("poll", t.worker_poll, sim.worker_poll_s),
+                                        ("beat", t.worker_heartbeat, sim.worker_heartbeat_s)):
+                if self.up and clock() >= due[what]:
+                    subst = self.subst(dict(self.ids))
+                    subst.delta = datetime.now(UTC) - t.start_at
+                    await self.replay([call], subst)
+                    due[what] += every_s
+
     async def plan(self, windows: list[tuple[str, datetime]]) -> None:
-        """Create the planned runs of windows (the recorded bulk entry, once per window)."""
+        """Create the planned runs of windows (the recorded bulk entry, once per window); the
+        entries the server did not create (a locked SQLite database answers them FAILED in
+        its 200) are sent again, as the node's plan does at its next reconcile."""
         t = self.sim.templates
         bulk = next(c for c in t.start if c.path.endswith("/create_flow_run/bulk"))
-        entries = []
-        for schedule, window in windows:
-            subst = self.subst(dict(self.ids))
-            subst.schedule = (t.plan_schedule, schedule)
-            subst.delta = window - t.plan_window
-            entries.append(subst.value(t.plan_entry))
-        call = TCall(side=bulk.side, method=bulk.method, path=bulk.path, query=bulk.query,
-                     headers=bulk.headers, request=entries, response=None, etag="",
-                     status=bulk.status)
-        await self.replay([call], self.subst(dict(self.ids)))
-        self.sim.planned += len(entries)
+        for attempt in range(6):
+            entries = []
+            for schedule, window in windows:
+                subst = self.subst(dict(self.ids))
+                subst.schedule = (t.plan_schedule, schedule)
+                subst.delta = window - t.plan_window
+                entries.append(subst.value(t.plan_entry))
+            call = TCall(side=bulk.side, method=bulk.method, path=bulk.path, query=bulk.query,
+                         headers=bulk.headers, request=entries, response=None, etag="",
+                         status=bulk.status)
+            answers: list[Any] = []
+            await self.replay([call], self.subst(dict(self.ids)), answers=answers)
+            found = answers[0] if answers and isinstance(answers[0], dict) else {}
+            results = found.get("results") or []
+            left = []
+            for index, planned in enumerate(windows):
+                result = results[index] if index < len(results) else None
+                if isinstance(result, dict) and result.get("flow_run_id"):
+                    self.planned_runs[planned] = str(result["flow_run_id"])
+                else:
+                    left.append(planned)
+                    why = str(result.get("error") if isinstance(result, dict) else found)[:120]
+                    self.sim.plan_errors[why] = self.sim.plan_errors.get(why, 0) + 1
+            self.sim.planned += len(windows) - len(left)
+            windows = left
+            if not windows:
+                return
+            await asyncio.sleep(min(2 ** attempt, 15))
+        self.sim.plan_failed += len(windows)
 
     async def run_job(self, job: Job) -> None:
         t = self.sim.templates
@@ -807,6 +902,9 @@ class SimNode:
         subst = self.subst(dict(self.ids))
         subst.schedule = (t.job_schedule, job.schedule)
         subst.delta = job.window - t.job_window
+        if t.job_run:  # its planned run, as the node's plan holds it (a new id: never found)
+            subst.ids[t.job_run] = self.planned_runs.get((job.schedule, job.window),
+                                                         str(uuid.uuid4()))
         job.ended = time.time()
         await self.replay(t.job, subst, job=job)
 
@@ -836,12 +934,21 @@ class Fleet:
         self.nodes = [SimNode(self, name, token) for name, token in tokens.items()]
         self.reconcile_s = reconcile_s
         self.plan_ahead_s = plan_ahead_s
+        self.worker_poll_s = 240.0
+        self.worker_heartbeat_s = 720.0
+        """The node's ``worker_poll`` and ``worker_heartbeat`` (main sets its defaults)."""
         self.rate = 0.0
         self.wave_rate = WAVE_JOBS_PER_NODE_HOUR
         self.reconciles = 0
         self.planned = 0
+        self.plan_failed = 0
+        """Windows whose planned run was never created (each such job's record fails)."""
+        self.plan_errors: dict[str, int] = {}
+        """Why the server did not create a planned run, and how often (each try)."""
         self.started = 0
         self.jobs: list[Job] = []
+        self.probe: Probe | None = None
+        """A person asking the center while the fleet runs (its answers in each measure)."""
 
     def plan_due(self, node: SimNode) -> list[tuple[str, datetime]]:
         """The windows entering the plan's reach at this reconcile (the fleet's job rate)."""
@@ -929,6 +1036,66 @@ def _group(cpu: dict[str, float]) -> dict[str, float]:
     return groups
 
 
+RUNS_LIST = {"sort": "START_TIME_DESC", "limit": 50, "offset": 0}
+"""The probing user's runs list (the UI's Runs page: the newest 50)."""
+
+
+class Probe:
+    """A person at the center while the fleet runs: every ``every_s``, through the balancers,
+    Prefect's health, the flow runs list (the UI's Runs page: the newest 50) and the
+    controller's health, one after the other on one kept connection each, in a thread of its
+    own (not the simulator's event loop, whose lag would count as the center's)."""
+
+    def __init__(self, layout: Layout, every_s: float = 3.0) -> None:
+        self.layout = layout
+        self.every_s = every_s
+        self.samples: list[tuple[float, str, float, int]] = []
+        """(monotonic time asked, what, seconds to the answer, status; 599 no answer)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        import httpx
+
+        prefect = httpx.Client(base_url=self.layout.prefect_root + "/api", timeout=120,
+                               headers=self.layout.prefect_headers)
+        controller = httpx.Client(base_url=self.layout.controller_root, timeout=120)
+        asks: list[tuple[str, httpx.Client, str, str, Any]] = [
+            ("health", prefect, "GET", "/health", None),
+            ("runs list", prefect, "POST", "/flow_runs/filter", RUNS_LIST),
+            ("controller health", controller, "GET", "/healthz", None)]
+        with prefect, controller:
+            while not self._stop.wait(self.every_s):
+                for what, client, method, path, body in asks:
+                    begun = time.monotonic()
+                    try:
+                        status = client.request(method, path, json=body).status_code
+                    except httpx.HTTPError:
+                        status = 599
+                    self.samples.append((begun, what, time.monotonic() - begun, status))
+
+    def summary(self, begin: float, end: float) -> dict[str, dict[str, float]]:
+        """Per ask, the answers asked between begin and end (monotonic): their count, p50,
+        p99 and max in ms, and how many were not 2xx (599: no answer)."""
+        found: dict[str, dict[str, float]] = {}
+        for what in ("health", "runs list", "controller health"):
+            got = [(s, st) for t, w, s, st in list(self.samples) if w == what and begin <= t < end]
+            took = [s for s, _ in got]
+            found[what] = {"n": len(got), "p50_ms": pb.percentile(took, 0.5) * 1000,
+                           "p99_ms": pb.percentile(took, 0.99) * 1000,
+                           "max_ms": max(took) * 1000 if took else float("nan"),
+                           "not_2xx": sum(1 for _, st in got if not 200 <= st < 300),
+                           "http_5xx": sum(1 for _, st in got if st >= 500)}
+        return found
+
+
 async def measure(sim: Fleet, parts: dict[str, int], seconds: float, label: str
                   ) -> dict[str, Any]:
     """The center's CPU (per part), the requests, their latency and status, for seconds."""
@@ -967,20 +1134,26 @@ async def measure(sim: Fleet, parts: dict[str, int], seconds: float, label: str
         "status": statuses,
         "http_5xx": sum(v for k, v in statuses.items() if 500 <= k < 599),
         "failed_connections": sum(v for k, v in statuses.items() if k == 599),
+        **({"probe": sim.probe.summary(t0, t0 + elapsed)} if sim.probe is not None else {}),
     }
 
 
-def check_pattern(t: Templates, idle: dict[str, Any], reconcile_s: float, heartbeat_s: float
-                  ) -> dict[str, Any]:
+def check_pattern(t: Templates, idle: dict[str, Any], reconcile_s: float, heartbeat_s: float,
+                  worker_s: tuple[float, float] = (240.0, 720.0)) -> dict[str, Any]:
     """The simulated nodes' idle calls per endpoint per node-hour against the real node's.
 
     The real node was recorded with reconcile every ``t.reconcile_s``; its idle calls per
-    reconcile, scaled to the simulated interval, and its long poll at its heartbeat, are what
-    each simulated node must make. Tolerance: 25 % per endpoint (the simulated window is a few
-    minutes of reconciles spread at random, or three standard deviations of their count)."""
+    reconcile, scaled to the simulated interval, its long poll at its heartbeat and its
+    worker's poll and heartbeat at ``worker_s``, are what each simulated node must make.
+    Tolerance: 25 % per endpoint (the simulated window is a few minutes of reconciles spread
+    at random, or three standard deviations of their count)."""
     expected: dict[str, float] = {}
     for key, count in t.counts("reconcile").items():
         expected[key] = count * 3600 / reconcile_s
+    for call, every_s in ((t.worker_poll, worker_s[0]), (t.worker_heartbeat, worker_s[1])):
+        if call is not None:
+            key = endpoint_class(call.side, call.method, call.path, t.node)
+            expected[key] = expected.get(key, 0.0) + 3600 / every_s
     got = idle["per_endpoint_per_node_hour"]
     scale = idle["seconds"] / 3600 * idle["nodes"]  # node-hours measured
     rows = {}
@@ -1225,8 +1398,21 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
                 {n: layout.tokens[n] for n in names}, reconcile_s=args.reconcile_s,
                 plan_ahead_s=args.plan_ahead_s, prefect_headers=layout.prefect_headers)
     sim.wave_rate = args.jobs_per_node_hour
+    sim.worker_poll_s, sim.worker_heartbeat_s = args.worker_poll_s, args.worker_heartbeat_s
     result.update({"nodes": count, "layout": layout.name})
     marks = log_marks(layout)
+    sim.probe = Probe(layout)
+    sim.probe.start()
+    try:
+        return await _run_size(sim, templates, layout, count, args, result, marks)
+    finally:
+        sim.probe.stop()
+
+
+async def _run_size(sim: Fleet, templates: Templates, layout: Layout, count: int,
+                    args: argparse.Namespace, result: dict[str, Any], marks: dict[str, int]
+                    ) -> dict[str, Any]:
+    assert sim.probe is not None
     cpu0, t0 = _cpu(layout.parts), time.monotonic()
     try:
         start_s = await asyncio.wait_for(
@@ -1242,7 +1428,8 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
                        "nodes_started": sim.started,
                        "requests": sum(sim.stats.count.values()),
                        "http_5xx": sum(v for k, v in sim.stats.status.items() if 500 <= k < 599),
-                       "status": dict(sim.stats.status), "errors": dict(sim.stats.errors)}
+                       "status": dict(sim.stats.status), "errors": dict(sim.stats.errors),
+                       "probe": sim.probe.summary(t0, time.monotonic())}
     if start_s != start_s:  # NaN: the start did not finish
         return await _ended(sim, layout, result, marks,
                             f"the start did not finish in {args.start_timeout_s:.0f} s: "
@@ -1267,10 +1454,13 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
     sim.rate = sim.wave_rate
     await asyncio.sleep(max(0.0, (wave_begin - datetime.now(UTC)).total_seconds()))
     result["wave"] = await measure(sim, layout.parts, args.wave_minutes * 60, "wave")
-    deadline = time.monotonic() + 180
+    after = time.monotonic()
+    deadline = after + 180
     while time.monotonic() < deadline and not all(t.done() for t in tasks):
         await asyncio.sleep(1)
+    await asyncio.sleep(max(0.0, after + 60 - time.monotonic()))
     sim.rate = 0.0
+    result["after_wave_probe"] = sim.probe.summary(after, time.monotonic())
     lags = [j.recorded_at - j.ended for j in jobs if j.recorded_at is not None]
     recorded = await count_completed(sim, wave_begin,
                                      wave_begin + timedelta(minutes=args.wave_minutes))
@@ -1279,6 +1469,7 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
             sim, jobs, wave_begin, wave_begin + timedelta(minutes=args.wave_minutes))
     result["wave"].update({
         "jobs": len(jobs), "jobs_recorded_by_sim": len(lags), "completed_in_prefect": recorded,
+        "planned": sim.planned, "plan_failed": sim.plan_failed, "plan_errors": sim.plan_errors,
         "lag_p50_s": pb.percentile(lags, 0.5), "lag_p99_s": pb.percentile(lags, 0.99),
         "lag_max_s": max(lags) if lags else float("nan"),
         "jobs_per_node_hour": sim.wave_rate})
@@ -1287,7 +1478,8 @@ async def run_size(templates: Templates, layout: Layout, count: int, args: argpa
           f"{result['wave']['sim_cores']:.2f}; {recorded}/{len(jobs)} recorded, lag p99 "
           f"{result['wave']['lag_p99_s']:.1f} s, 5xx {result['wave']['http_5xx']}", flush=True)
     result["check"] = check_pattern(templates, result["idle"], sim.reconcile_s,
-                                    templates.heartbeat_s)
+                                    templates.heartbeat_s,
+                                    (sim.worker_poll_s, sim.worker_heartbeat_s))
     if args.restart and count == max(args.sizes):
         try:
             result["restart"] = await restart(sim, layout, result["idle"]["center_cores"], args)
@@ -1416,6 +1608,53 @@ def _layouts(found: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
                                          if kv[0] in LAYOUT_ORDER else len(LAYOUT_ORDER)))
 
 
+RUN_TARGETS = ("Targets (issue 40), per run: every wave window recorded, lag p99 <= 30 s, "
+               "0 x 5xx to nodes and to the probing user, the user's health and runs-list "
+               "p99 <= 2 s in the wave, center cores in the wave <= 1.2, start <= 300 s, "
+               "idle <= 0.5 cores (the controllers <= 0.2).")
+
+
+def runs_table(found: dict[str, Any]) -> list[str]:
+    """One row per run that had a probing user (each run kept, not only the best)."""
+    rows = []
+    for layout, item in _layouts(found):
+        for size, r in item["sizes"].items():
+            wave = r.get("wave", {})
+            if "probe" not in wave:
+                continue
+            st, idle = r["start"], r.get("idle", {})
+            probe, later = wave["probe"], r.get("after_wave_probe", {})
+            ctl = sum(v for k, v in idle.get("parts_cores", {}).items() if "controller" in k)
+            restart = r.get("restart", {})
+            again = (f"{restart['completed_in_prefect']:,} of {restart['jobs']:,}"
+                     if "completed_in_prefect" in restart else "-")
+
+            def p99(side: dict[str, Any], what: str) -> str:
+                got = side.get(what, {})
+                return (f"{_f(got.get('p99_ms', float('nan')) / 1000, '{:.2f}')} "
+                        f"({got.get('http_5xx', 0)})")
+
+            rows.append(
+                f"| {layout} | {int(size):,} | {r.get('measured', '')} | "
+                f"{_f(idle.get('load_before', [float('nan')])[0], '{:.1f}')}-"
+                f"{_f(wave['load_after'][0], '{:.1f}')} | "
+                f"{_f(st['seconds'], '{:.0f}')} ({st['http_5xx']}) | "
+                f"{_f(idle.get('center_cores'), '{:.3f}')} ({_f(ctl, '{:.3f}')}) | "
+                f"{_f(wave['center_cores'], '{:.2f}')} | "
+                f"{wave.get('completed_in_prefect', 0):,} of {wave.get('jobs', 0):,} | "
+                f"{_f(wave.get('lag_p99_s'), '{:.1f}')} | {wave['http_5xx']} | "
+                f"{p99(probe, 'health')} / {p99(probe, 'runs list')} | "
+                f"{p99(later, 'health')} / {p99(later, 'runs list')} | {again} |")
+    if not rows:
+        return []
+    return ["", RUN_TARGETS, "",
+            "| run | nodes | measured | load (1 min) | start s (5xx) | idle cores (controllers) "
+            "| wave cores | windows recorded | lag p99 s | nodes' 5xx in the wave | user in the "
+            "wave: health / runs list p99 s (5xx) | user in the minute after | restart: "
+            "recorded |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
+
+
 def report(found: dict[str, Any]) -> str:
     """The docs section: one table row per layout and size, the check, the restart."""
     lines = [
@@ -1433,7 +1672,8 @@ def report(found: dict[str, Any]) -> str:
         "and the controller (start-up, "
         "idle reconciles, a restart, a schedule change, jobs), its calls are cut into templates "
         "(start, restart, one reconcile, one job's record, the plan's bulk entry, the long "
-        "poll), and N simulated nodes in one asyncio process replay them with their own names, "
+        "poll, the worker's look at its queue every 4 min and heartbeat every 12 min), and N "
+        "simulated nodes in one asyncio process replay them with their own names, "
         "ids (mapped from each answer), times and schedules, one new connection per burst as "
         "the node's client opens. Each size: the fleet starts, plans the wave's windows "
         "ahead, is idle for a few minutes (long poll every 60 s, a reconcile every 15 min at a "
@@ -1445,7 +1685,10 @@ def report(found: dict[str, Any]) -> str:
         "of every process of the layout (Prefect API processes, services, PostgreSQL and its "
         "backends, Redis, HAProxy, the controllers). Record lag: the job's end to the answer of "
         "its final state (`set_state` COMPLETED); every window recorded is checked by counting "
-        "the COMPLETED runs of the wave's windows in Prefect.", ""]
+        "the COMPLETED runs of the wave's windows in Prefect. The probing user (rows with one "
+        "below): every 3 s through the balancers, Prefect's health, the flow runs list (the "
+        "newest 50, as the UI's Runs page) and the controller's health, in a thread of its own.",
+        ""]
     lines += ["| layout | nodes | measured | load (1 min) | idle: center cores | idle: "
               "requests / node-h (Prefect + controller) | conns opened / node-h | wave: center "
               "cores | wave: Prefect p50 / p99 ms | 5xx | windows recorded | record lag p50 / "
@@ -1478,6 +1721,7 @@ def report(found: dict[str, Any]) -> str:
                 f"{_f(wave['lag_p50_s'], '{:.1f}')} / {_f(wave['lag_p99_s'], '{:.1f}')} / "
                 f"{_f(wave['lag_max_s'], '{:.1f}')} | "
                 f"{_f(idle['sim_cores'], '{:.2f}')}, {_f(wave['sim_cores'], '{:.2f}')} |")
+    lines += runs_table(found)
     lines.append("")
     for layout, item in _layouts(found):
         for size, r in item["sizes"].items():
@@ -1601,6 +1845,8 @@ def main() -> int:
 
     if not args.reconcile_s:
         args.reconcile_s = AgentSettings.model_fields["reconcile_interval"].default.total_seconds()
+    args.worker_poll_s = AgentSettings.model_fields["worker_poll"].default.total_seconds()
+    args.worker_heartbeat_s = AgentSettings.model_fields["worker_heartbeat"].default.total_seconds()
     work = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     if args.recording:
         found = json.loads(args.recording.read_text())
