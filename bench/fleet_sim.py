@@ -1205,9 +1205,14 @@ def _rows() -> list[Any]:
     return [LocalSchedule.model_validate(row) for row in fleet_rows(datetime.now(UTC))]
 
 
-def seed_rows(db_url: str, names: list[str]) -> float:
+def seed_rows(db_url: str, names: list[str], threads: int = 4) -> float:
     """Give each node the fleet's ten rows, straight into the controller's database (the
-    controller's own code; a setup step, not measured). Nodes that have rows are skipped."""
+    controller's own code; a setup step, not measured). Nodes that have rows are skipped.
+    On PostgreSQL, the seeding connections do not wait for the WAL flush at each commit
+    (``synchronous_commit off``: 10,000 nodes' rows took 18 min with it), in a few threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
     from sqlmodel import Session
 
     from controller.db import make_engine
@@ -1215,15 +1220,28 @@ def seed_rows(db_url: str, names: list[str]) -> float:
 
     t0 = time.monotonic()
     engine = make_engine(db_url)
+    if engine.dialect.name == "postgresql":
+        def no_flush_wait(connection: Any, _record: Any) -> None:
+            with connection.cursor() as cursor:
+                cursor.execute("SET synchronous_commit TO off")
+
+        event.listen(engine, "connect", no_flush_wait)
+    else:
+        threads = 1  # SQLite: one writer at a time anyway
     rows = _rows()
+
+    def seed(part: list[str]) -> None:
+        with Session(engine) as session:
+            for name in part:
+                for row in rows:
+                    put_schedule(session, name, row)
+
     try:
         with Session(engine) as session:
             have = set(list_nodes(session))
-            for name in names:
-                if name in have:
-                    continue
-                for row in rows:
-                    put_schedule(session, name, row)
+        todo = [name for name in names if name not in have]
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(seed, [todo[i::threads] for i in range(threads)]))
     finally:
         engine.dispose()
     return time.monotonic() - t0
