@@ -350,7 +350,7 @@ class Node:
     # -- jobs' hooks --------------------------------------------------------------------
 
     def _changed(self, folder: JobFolder) -> None:
-        self.recorder.wake()
+        self.recorder.wake(folder)
         self.reporter.poke()
 
     def _ended(self, view: JobView) -> None:

@@ -149,7 +149,18 @@ class Recorder:
         return self
 
     def wake(self, folder: JobFolder | None = None) -> None:
-        """Tell the recorder there is something new to send."""
+        """Tell the recorder there is something new to send (of folder's job, when given).
+
+        A job that starts while the server is away, the recorder waiting out its back-off,
+        is noted as recorded after the server came back, as one whose first record failed."""
+        if folder is not None and not self.reachable and self._draining.acquire(blocking=False):
+            try:
+                self._mark_offline(folder)
+            except OSError as exc:  # the record says less; the job and its outbox go on
+                log.warning("could not note job %s as recorded late: %s", folder.job_id, exc,
+                            extra={"node": self.node, "job_id": folder.job_id})
+            finally:
+                self._draining.release()
         self._worker.woken.set()
 
     def stop(self, timeout: float = 5.0) -> None:

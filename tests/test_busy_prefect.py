@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -130,6 +130,31 @@ def test_new_jobs_do_not_bring_a_refused_recorder_back_sooner(asks_later: Busy,
             recorder.wake(folder)
             time.sleep(0.1)
         assert len(asks_later.requests) == first_pass
+    finally:
+        recorder.stop()
+        api.close()
+
+
+def test_a_job_that_starts_while_the_recorder_waits_out_its_back_off_is_noted_recorded_late(
+        asks_later: Busy, tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
+    now = datetime.now(UTC)
+    _job(outbox, "node-busy", started=now, ended=now, lines=["done"])
+    api = PrefectApi(asks_later.url)
+    recorder = Recorder(api, outbox, Deployments(api, "node-busy", tags=["sched-agent"]),
+                        node="node-busy", clock=lambda: datetime.now(UTC))
+    recorder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while recorder.reachable and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not recorder.reachable
+        # A second job starts while the recorder waits the 5 s the server asked for.
+        later = _job(outbox, "node-busy", started=now + timedelta(minutes=1),
+                     ended=now + timedelta(minutes=1), lines=["done"])
+        assert (later.read_json("record.json") or {}).get("offline") is None
+        recorder.wake(later)
+        assert (later.read_json("record.json") or {})["offline"] is True
     finally:
         recorder.stop()
         api.close()
