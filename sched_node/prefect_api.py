@@ -418,8 +418,18 @@ class PrefectApi:
         return [item.model_dump(mode="json") for item in found]
 
     def create_artifact(self, artifact: ArtifactCreate) -> str:
-        """Create an artifact; return its id."""
-        return str(self.call(lambda c: c.create_artifact(artifact), "create an artifact").id)
+        """Create an artifact; return its id.
+
+        Sent through the client's own request with Prefect's schema, not its
+        ``create_artifact``: that one also emits ``prefect.artifact.created`` through
+        Prefect's events worker, whose websocket then stays open for the life of the process
+        (a second connection to the server, always). The job's own event names its run."""
+        from prefect.client.schemas.objects import Artifact
+
+        body = artifact.model_dump(mode="json", exclude_unset=True)
+        answer = self.call(lambda c: c.request("POST", "/artifacts/", json=body),
+                           "create an artifact")
+        return str(Artifact.model_validate(answer.json()).id)
 
     def run_artifacts(self, run_id: str) -> list[dict[str, Any]]:
         """Return the artifacts of a flow run."""
