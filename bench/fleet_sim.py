@@ -37,8 +37,9 @@ controller as the sqlite layout; both are stopped at the end. A size whose start
 finish within ``--start-timeout-s`` ends there and is recorded so (where the layout ends),
 with the answers and the servers' log errors seen. Raw figures go to
 ``bench/fleet_sim.json`` (one entry per layout; a run replaces the sizes it measured and
-keeps the others), the docs section to docs/benchmarks.md between ``fleet:begin`` and
-``fleet:end``, with ``bench/fleet_sim_findings.md`` (what the runs found) appended.
+keeps the others), the docs section (the method and the tables) to docs/benchmarks.md
+between ``fleet:begin`` and ``fleet:end``; each size's details are printed. What the runs
+found, written by hand, is in ``bench/fleet_sim_findings.md``.
 """
 
 from __future__ import annotations
@@ -1598,8 +1599,6 @@ async def restart(sim: Fleet, layout: Layout, idle_cores: float, args: argparse.
 
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
 HEADING = "## A fleet of simulated nodes on each layout (bench/fleet_sim.py)"
-FINDINGS = ROOT / "bench" / "fleet_sim_findings.md"
-"""What the simulator found (written by hand after a run), appended to the section."""
 
 
 def _restart_gate(args: dict[str, Any]) -> Any:
@@ -1674,39 +1673,19 @@ def runs_table(found: dict[str, Any]) -> list[str]:
 
 
 def report(found: dict[str, Any]) -> str:
-    """The docs section: one table row per layout and size, the check, the restart."""
+    """The docs section: the method, one table row per layout and size, one row per run with
+    a probing user (the rest of each size's figures: :func:`details`)."""
     lines = [
         "`.venv/bin/python bench/fleet_sim.py --layout scaled --nodes 100,1000 --restart` (and "
-        "`--layout postgres`, `--layout sqlite`). Three layouts: **sqlite**, one `prefect "
-        "server start` on SQLite (as `make run`); **postgres**, one `prefect server start` (one "
-        "API process, its services in it) on PostgreSQL with Prefect's default pool (5 + 10 "
-        "overflow); **scaled**, `scripts/scaled.py up` (PostgreSQL, Redis, 2 Prefect API "
-        "processes of 20 + 20, the services process, HAProxy, 2 controllers). The sqlite and "
-        "postgres layouts have one controller on SQLite. A size the layout does not carry (its "
-        "start does not finish within `--start-timeout-s`) is a row of its own: where that "
-        "layout ends. A real node (`python -m sched_node`) is recorded (by default at "
-        "the start of each run; the figures below replay one recording made minutes before "
-        "them by the same code, `--recording`) through logging proxies in front of Prefect "
-        "and the controller (start-up, "
-        "idle reconciles, a restart, a schedule change, jobs), its calls are cut into templates "
-        "(start, restart, one reconcile, one job's record, the plan's bulk entry, the long "
-        "poll, the worker's look at its queue every 4 min and heartbeat every 12 min), and N "
-        "simulated nodes in one asyncio process replay them with their own names, "
-        "ids (mapped from each answer), times and schedules, one new connection per burst as "
-        "the node's client opens. Each size: the fleet starts, plans the wave's windows "
-        "ahead, is idle for a few minutes (long poll every 60 s, a reconcile every 15 min at a "
-        "random phase), then a slice of the nightly wave at its peak rate per node "
-        "(7 backups over 4 h, the hourly copy, prune and check: 3.25 jobs per node-hour) for a "
-        "few minutes. **Compressed**: the wave is that slice, not 4 hours; each job is the "
-        "recorded one-second job; the plan's steady state is one bulk create per reconcile "
-        "carrying the windows that entered its reach. Center CPU is user + system from /proc "
-        "of every process of the layout (Prefect API processes, services, PostgreSQL and its "
-        "backends, Redis, HAProxy, the controllers). Record lag: the job's end to the answer of "
-        "its final state (`set_state` COMPLETED); every window recorded is checked by counting "
-        "the COMPLETED runs of the wave's windows in Prefect. The probing user (rows with one "
-        "below): every 3 s through the balancers, Prefect's health, the flow runs list (the "
-        "newest 50, as the UI's Runs page) and the controller's health, in a thread of its own.",
-        ""]
+        "`--layout postgres`, `--layout sqlite`). Layouts: **sqlite**, one `prefect server "
+        "start` on SQLite (as `make run`); **postgres**, one `prefect server start` on "
+        "PostgreSQL (pool 5 + 10); **scaled**, `scripts/scaled.py up` (PostgreSQL, Redis, 2 "
+        "Prefect API processes, the services process, HAProxy, 2 controllers). A real node is "
+        "recorded through logging proxies; N simulated nodes in one asyncio process replay its "
+        "calls with their own names, ids and times. Each size: start, a few idle minutes (long "
+        "poll every 60 s, a reconcile every 15 min), then a slice of the nightly wave at its "
+        "peak (3.25 jobs per node-hour). Center CPU is user + system of every process of the "
+        "layout; record lag is a job's end to Prefect's answer to its final state.", ""]
     lines += ["| layout | nodes | measured | load (1 min) | idle: center cores | idle: "
               "requests / node-h (Prefect + controller) | conns opened / node-h | wave: center "
               "cores | wave: Prefect p50 / p99 ms | 5xx | windows recorded | record lag p50 / "
@@ -1740,7 +1719,13 @@ def report(found: dict[str, Any]) -> str:
                 f"{_f(wave['lag_max_s'], '{:.1f}')} | "
                 f"{_f(idle['sim_cores'], '{:.2f}')}, {_f(wave['sim_cores'], '{:.2f}')} |")
     lines += runs_table(found)
-    lines.append("")
+    return "\n".join(lines)
+
+
+def details(found: dict[str, Any]) -> str:
+    """Each size's start, parts, pattern check and restart, and the machine (printed at the
+    end of a run; the findings written by hand are in ``bench/fleet_sim_findings.md``)."""
+    lines: list[str] = []
     for layout, item in _layouts(found):
         for size, r in item["sizes"].items():
             st = r["start"]
@@ -1808,8 +1793,6 @@ def report(found: dict[str, Any]) -> str:
                 lines.append(f"- Fleet-wide restart, {layout}, {size}: {rs}")
     lines += ["", f"Machine: {pb.machine().split(', load average')[0]} (each run's load average "
               "in the table: 1-minute figure before its idle minutes and after its wave).", ""]
-    if FINDINGS.exists():
-        lines.append(FINDINGS.read_text().strip())
     return "\n".join(lines)
 
 
@@ -1921,8 +1904,10 @@ def main() -> int:
         else:  # the scaled layout stays up to be looked at; a later run must not share it
             print("the scaled layout is still up (its logs in .scaled/logs): stop it with "
                   "`scripts/scaled.py down` before measuring anything else", flush=True)
+    found = json.loads(args.out.read_text())
+    print(details(found), flush=True)
     if not args.no_write:
-        pb.write_section(BEGIN, END, HEADING, report(json.loads(args.out.read_text())))
+        pb.write_section(BEGIN, END, HEADING, report(found))
     return 0
 
 
