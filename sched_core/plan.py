@@ -234,8 +234,9 @@ def upcoming(
 
 class NextPlanned:
     """Each row's next window that will run (:func:`upcoming`, ``count=1``), remembered until
-    its start passes or the row or its last fire changes: a report asks for every row's each
-    heartbeat, and windows between ``now`` and the remembered start cannot appear later.
+    its start passes or the row or its last fire changes: a report asks for every row's next
+    window at each heartbeat, and no window can appear between ``now`` and the remembered
+    start later.
 
     Rows are never changed in place (a pull brings new row objects), so the row object is
     part of what is remembered. Rows with no window within ``ahead`` are asked again."""

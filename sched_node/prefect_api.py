@@ -168,8 +168,8 @@ class PrefectApi:
             settings = {
                 "timeout": TIMEOUT_S,
                 # One connection, whichever of the node's threads asks: the others wait for
-                # it (at most the pool part of TIMEOUT_S, then the server counts as away). Kept
-                # open between requests; httpx drops it at the next request after 30 s idle.
+                # it (at most the pool part of TIMEOUT_S, then the server counts as away).
+                # Between bursts the server closes it (its keep-alive is a few seconds).
                 "limits": httpx.Limits(max_connections=1, max_keepalive_connections=1,
                                        keepalive_expiry=30.0),
                 "headers": {"User-Agent": "sched-agent"},
