@@ -11,17 +11,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from sched_node.outbox import Outbox
+from sched_node.outbox import JobFolder, Outbox
 from sched_node.prefect_api import BUSY_RETRY_DELAYS, PrefectApi, PrefectUnavailable
 from sched_node.recorder import Recorder, backoff_wait
 from sched_node.registration import Deployments
 from tests.test_recorder import _job
+
+S = TypeVar("S", bound=ThreadingHTTPServer)
 
 
 class Busy(ThreadingHTTPServer):
@@ -57,8 +61,8 @@ class Busy(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/api"
 
 
-def _serving(retry_after: str | None) -> Iterator[Busy]:
-    server = Busy(retry_after)
+def serving(server: S) -> Iterator[S]:
+    """Serve a loopback server in a thread for a fixture; shut it down after."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -70,12 +74,12 @@ def _serving(retry_after: str | None) -> Iterator[Busy]:
 
 @pytest.fixture
 def asks_later() -> Iterator[Busy]:
-    yield from _serving("5")
+    yield from serving(Busy("5"))
 
 
 @pytest.fixture
 def locked() -> Iterator[Busy]:
-    yield from _serving(None)
+    yield from serving(Busy(None))
 
 
 def _read_flows(server: Busy) -> PrefectUnavailable:
@@ -109,52 +113,44 @@ def test_the_wait_after_a_failed_pass_is_the_longer_of_both_jittered() -> None:
     assert len(waits) > 1 and all(2.0 <= w <= 3.0 for w in waits)
 
 
-def test_new_jobs_do_not_bring_a_refused_recorder_back_sooner(asks_later: Busy,
-                                                              tmp_path: Path) -> None:
+@contextmanager
+def refused(server: Busy, tmp_path: Path) -> Iterator[tuple[Outbox, Recorder, JobFolder]]:
+    """A recorder with one ended job in its outbox, once it has found the server away (Prefect's
+    client itself sleeps the Retry-After once before it gives up, even with its retries off)."""
     outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
     now = datetime.now(UTC)
     folder = _job(outbox, "node-busy", started=now, ended=now, lines=["done"])
-    api = PrefectApi(asks_later.url)
+    api = PrefectApi(server.url)
     recorder = Recorder(api, outbox, Deployments(api, "node-busy", tags=["sched-agent"]),
                         node="node-busy", clock=lambda: datetime.now(UTC))
     recorder.start()
     try:
-        # Prefect's client itself sleeps the Retry-After once before it gives up (even with
-        # its retries off), then the recorder notes the server away.
         deadline = time.monotonic() + 60
         while recorder.reachable and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not recorder.reachable and asks_later.requests
+        assert not recorder.reachable and server.requests
+        yield outbox, recorder, folder
+    finally:
+        recorder.stop()
+        api.close()
+
+
+def test_new_jobs_do_not_bring_a_refused_recorder_back_sooner(asks_later: Busy,
+                                                              tmp_path: Path) -> None:
+    with refused(asks_later, tmp_path) as (_, recorder, folder):
         first_pass = len(asks_later.requests)
         for _ in range(20):  # twenty jobs ending within the 5 s the server asked for
             recorder.wake(folder)
             time.sleep(0.1)
         assert len(asks_later.requests) == first_pass
-    finally:
-        recorder.stop()
-        api.close()
 
 
 def test_a_job_that_starts_while_the_recorder_waits_out_its_back_off_is_noted_recorded_late(
         asks_later: Busy, tmp_path: Path) -> None:
-    outbox = Outbox(tmp_path / "outbox", max_bytes=1 << 30)
-    now = datetime.now(UTC)
-    _job(outbox, "node-busy", started=now, ended=now, lines=["done"])
-    api = PrefectApi(asks_later.url)
-    recorder = Recorder(api, outbox, Deployments(api, "node-busy", tags=["sched-agent"]),
-                        node="node-busy", clock=lambda: datetime.now(UTC))
-    recorder.start()
-    try:
-        deadline = time.monotonic() + 60
-        while recorder.reachable and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not recorder.reachable
+    with refused(asks_later, tmp_path) as (outbox, recorder, _):
         # A second job starts while the recorder waits the 5 s the server asked for.
-        later = _job(outbox, "node-busy", started=now + timedelta(minutes=1),
-                     ended=now + timedelta(minutes=1), lines=["done"])
+        then = datetime.now(UTC) + timedelta(minutes=1)
+        later = _job(outbox, "node-busy", started=then, ended=then, lines=["done"])
         assert (later.read_json("record.json") or {}).get("offline") is None
         recorder.wake(later)
         assert (later.read_json("record.json") or {})["offline"] is True
-    finally:
-        recorder.stop()
-        api.close()

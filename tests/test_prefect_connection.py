@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from sched_node.prefect_api import PrefectApi
+from tests.test_busy_prefect import serving
 
 PAUSE_S = 0.2
 
@@ -74,14 +75,7 @@ class Slow(ThreadingHTTPServer):
 
 @pytest.fixture
 def slow() -> Iterator[Slow]:
-    server = Slow()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
+    yield from serving(Slow())
 
 
 def test_threads_asking_at_once_share_the_nodes_one_connection(slow: Slow) -> None:
